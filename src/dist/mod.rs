@@ -1,0 +1,142 @@
+//! The distributed store: scheduler, servers and workers over TCP.
+//!
+//! - [`proto`]: what a frame means.
+//! - [`shard`]: which server holds which part of a key.
+//! - [`server_state`]: the server's protocol state machine (no I/O).
+//! - [`server`], [`scheduler`], [`worker`]: the processes' I/O loops.
+
+pub mod proto;
+pub mod scheduler;
+pub mod server;
+pub mod server_state;
+pub mod shard;
+pub mod worker;
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::Instant;
+
+use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+use kvstore_transport::FrameHeader;
+
+pub use crate::config::{Config, Role};
+use proto::{Msg, Op};
+
+/// What the scheduler told a node at rendezvous.
+#[derive(Clone, Debug)]
+pub(crate) struct Roster {
+    pub rank: usize,
+    pub num_workers: usize,
+    pub num_servers: usize,
+    pub servers: Vec<SocketAddr>,
+}
+
+fn parse_roster(text: &str) -> crate::Result<Roster> {
+    let bad = || crate::KvError::Protocol(format!("malformed roster {text:?}"));
+    let mut lines = text.lines();
+    let head: Vec<usize> = lines
+        .next()
+        .ok_or_else(bad)?
+        .split_whitespace()
+        .map(|w| w.parse().map_err(|_| bad()))
+        .collect::<crate::Result<_>>()?;
+    let [rank, num_workers, num_servers] = head[..] else {
+        return Err(bad());
+    };
+    let servers = lines
+        .map(|l| l.parse().map_err(|_| bad()))
+        .collect::<crate::Result<Vec<SocketAddr>>>()?;
+    if servers.len() != num_servers {
+        return Err(bad());
+    }
+    Ok(Roster {
+        rank,
+        num_workers,
+        num_servers,
+        servers,
+    })
+}
+
+/// Says hello to the scheduler and waits for the roster.
+pub(crate) fn join(cfg: &Config, sched: &mut TcpStream, role: u64, addr: Option<SocketAddr>) -> crate::Result<Roster> {
+    let mut hello = Msg::new(Op::Hello);
+    hello.key = role;
+    hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);
+    let mut payload = cfg.secret.clone();
+    if let Some(a) = addr {
+        payload.push('\n');
+        payload.push_str(&a.to_string());
+    }
+    write_frame(sched, &FrameHeader::new(hello.encode(), payload.len() as u64), payload.as_bytes())?;
+    let (h, text) = read_frame(sched, 1 << 20, Some(Instant::now() + cfg.timeout)).map_err(|e| match e {
+        kvstore_transport::TransportError::Closed => crate::KvError::PeerLost(
+            "the scheduler closed the connection (wrong job secret, or the job is full)".into(),
+        ),
+        kvstore_transport::TransportError::Timeout(_) => crate::KvError::Timeout {
+            what: "the rendezvous".into(),
+            secs: cfg.timeout.as_secs_f64(),
+        },
+        other => other.into(),
+    })?;
+    let m = Msg::decode(&h.meta)?;
+    let text = String::from_utf8_lossy(&text).into_owned();
+    match m.op {
+        Op::Roster => parse_roster(&text),
+        Op::Abort => Err(crate::KvError::Aborted(text)),
+        other => Err(crate::KvError::Protocol(format!("expected a roster, got {other:?}"))),
+    }
+}
+
+/// Runs this process's role if it is not a worker (and exits the process when the role ends);
+/// returns a connected worker otherwise.
+pub(crate) fn start_worker_or_run_role(sync: bool) -> crate::Result<worker::DistWorker> {
+    let cfg = Config::from_env()?;
+    match cfg.role {
+        Role::Worker => worker::DistWorker::connect(cfg),
+        Role::Server => exit_with(server::run_server(&cfg, sync), "server"),
+        Role::Scheduler => {
+            let listener = TcpListener::bind(cfg.root)?;
+            let opts = scheduler::SchedulerOptions {
+                num_workers: cfg.num_workers,
+                num_servers: cfg.num_servers,
+                secret: cfg.secret.clone(),
+                timeout: cfg.timeout,
+            };
+            exit_with(scheduler::run_scheduler(listener, &opts), "scheduler")
+        }
+    }
+}
+
+/// Runs the server or scheduler role of this process if `DMLC_ROLE` names one, then exits the
+/// process; returns at once in a worker (or when no role is set). Call it first thing in a
+/// program that should not do its worker-side setup in the other roles.
+pub fn run_role_if_not_worker(sync: bool) -> crate::Result<()> {
+    match std::env::var("DMLC_ROLE").as_deref() {
+        Ok("server") | Ok("scheduler") => start_worker_or_run_role(sync).map(|_| ()),
+        _ => Ok(()),
+    }
+}
+
+fn exit_with<T>(r: crate::Result<()>, role: &str) -> T {
+    match r {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("kvstore {role}: {e}");
+            std::process::exit(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roster_parses_and_rejects_garbage() {
+        let r = parse_roster("1 4 2\n127.0.0.1:5000\n127.0.0.1:5001").unwrap();
+        assert_eq!((r.rank, r.num_workers, r.num_servers), (1, 4, 2));
+        assert_eq!(r.servers.len(), 2);
+        assert!(parse_roster("1 4 2\n127.0.0.1:5000").is_err());
+        assert!(parse_roster("x 4 2\n").is_err());
+        assert!(parse_roster("").is_err());
+    }
+}

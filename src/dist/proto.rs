@@ -1,0 +1,275 @@
+//! The kvstore wire protocol: what a frame's metadata means.
+//!
+//! ```text
+//! meta (112 bytes, little-endian):
+//! 0 op u16 | 2 status u16 | 4 dtype u8 | 5 ndim u8 | 6 reserved u16 | 8 sender u32 | 12 reserved u32
+//! 16 request id u64 | 24 key u64 | 32 total elements u64 | 40 range start u64 | 48 range length u64
+//! 56 shape: 7 x u64
+//! ```
+//! A data frame's payload is `range length` elements of `dtype`, raw; a control frame's payload
+//! is short text (addresses, names, error messages) or eight f64 (optimizer parameters).
+
+use kvstore_transport::{FrameHeader, META_LEN};
+
+use crate::{DType, KvError, Result};
+
+/// Most dimensions a shape may have on the wire.
+pub const MAX_NDIM: usize = 7;
+
+/// What a frame asks for or answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Op {
+    /// First frame on every connection: role, rank hint; payload: secret, then address.
+    Hello = 1,
+    /// The hello was accepted.
+    HelloAck = 2,
+    /// Scheduler to node: rank and the cluster (text payload).
+    Roster = 3,
+    /// Worker to scheduler: arrived at a barrier.
+    Barrier = 4,
+    /// Scheduler to workers: every worker has arrived.
+    BarrierDone = 5,
+    /// Worker to scheduler: done with the job.
+    Finish = 6,
+    /// Scheduler to servers: the job is over.
+    Shutdown = 7,
+    /// Scheduler to all: a process failed; text payload says which.
+    Abort = 8,
+    /// Worker to server: create a key (slice) with this value.
+    Init = 9,
+    /// Worker to server: push a value (slice).
+    Push = 10,
+    /// Worker to server: pull a value (slice).
+    Pull = 11,
+    /// Worker to server: push, and answer with the value after the update.
+    PushPull = 12,
+    /// Server to worker: the answer to a request (same request id); error text if status != 0.
+    Reply = 13,
+    /// Worker to server: run this built-in optimizer (payload: 8 f64).
+    SetOptimizer = 14,
+    /// Worker to server: run the registered updater of this name (payload: the name).
+    SetUpdater = 15,
+    /// Worker to server: leaving cleanly.
+    Bye = 16,
+}
+
+impl Op {
+    fn from_u16(v: u16) -> Option<Op> {
+        use Op::*;
+        Some(match v {
+            1 => Hello,
+            2 => HelloAck,
+            3 => Roster,
+            4 => Barrier,
+            5 => BarrierDone,
+            6 => Finish,
+            7 => Shutdown,
+            8 => Abort,
+            9 => Init,
+            10 => Push,
+            11 => Pull,
+            12 => PushPull,
+            13 => Reply,
+            14 => SetOptimizer,
+            15 => SetUpdater,
+            16 => Bye,
+            _ => return None,
+        })
+    }
+
+    /// Whether the payload of this op is tensor data of the header's dtype and range.
+    pub fn carries_data(self) -> bool {
+        matches!(self, Op::Init | Op::Push | Op::PushPull)
+    }
+}
+
+/// Error codes of a [`Op::Reply`] with a non-zero status.
+pub mod status {
+    /// Success.
+    pub const OK: u16 = 0;
+    /// Any other failure; the payload says what.
+    pub const FAILED: u16 = 1;
+    /// The key is not initialised.
+    pub const UNKNOWN_KEY: u16 = 2;
+    /// The key is already initialised.
+    pub const DOUBLE_INIT: u16 = 3;
+    /// Wrong shape, range or dtype.
+    pub const MISMATCH: u16 = 4;
+    /// A peer of the server was lost.
+    pub const PEER_LOST: u16 = 5;
+}
+
+/// Node roles as carried in a hello.
+pub mod role {
+    /// A server.
+    pub const SERVER: u64 = 1;
+    /// A worker.
+    pub const WORKER: u64 = 2;
+}
+
+/// Decoded frame metadata.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Msg {
+    /// The operation.
+    pub op: Op,
+    /// 0, or an error code of a reply.
+    pub status: u16,
+    /// The element type of a data payload.
+    pub dtype: DType,
+    /// Dimensions used in `shape`.
+    pub ndim: u8,
+    /// The sender's rank (or a rank hint in a hello).
+    pub sender: u32,
+    /// Request id, echoed by the reply.
+    pub req_id: u64,
+    /// The key (or the role in a hello).
+    pub key: u64,
+    /// Elements of the whole tensor.
+    pub total: u64,
+    /// First element of the slice this frame is about.
+    pub start: u64,
+    /// Elements in the slice.
+    pub len: u64,
+    /// The whole tensor's shape (first `ndim` entries).
+    pub shape: [u64; MAX_NDIM],
+}
+
+impl Msg {
+    /// A message with every field but the op zero.
+    pub fn new(op: Op) -> Msg {
+        Msg {
+            op,
+            status: 0,
+            dtype: DType::U8,
+            ndim: 0,
+            sender: 0,
+            req_id: 0,
+            key: 0,
+            total: 0,
+            start: 0,
+            len: 0,
+            shape: [0; MAX_NDIM],
+        }
+    }
+
+    /// The metadata bytes.
+    pub fn encode(&self) -> [u8; META_LEN] {
+        let mut b = [0u8; META_LEN];
+        b[0..2].copy_from_slice(&(self.op as u16).to_le_bytes());
+        b[2..4].copy_from_slice(&self.status.to_le_bytes());
+        b[4] = self.dtype.code();
+        b[5] = self.ndim;
+        b[8..12].copy_from_slice(&self.sender.to_le_bytes());
+        let words = [self.req_id, self.key, self.total, self.start, self.len];
+        for (i, w) in words.iter().chain(self.shape.iter()).enumerate() {
+            b[16 + 8 * i..24 + 8 * i].copy_from_slice(&w.to_le_bytes());
+        }
+        b
+    }
+
+    /// A frame header for this message with a payload of `payload_len` bytes.
+    pub fn header(&self, payload_len: usize) -> [u8; kvstore_transport::HEADER_LEN] {
+        FrameHeader::new(self.encode(), payload_len as u64).encode()
+    }
+
+    /// Decodes and validates metadata.
+    pub fn decode(b: &[u8; META_LEN]) -> Result<Msg> {
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u64_at = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let op = Op::from_u16(u16_at(0))
+            .ok_or_else(|| KvError::Protocol(format!("unknown op {}", u16_at(0))))?;
+        let dtype = DType::from_code(b[4])
+            .ok_or_else(|| KvError::Protocol(format!("unknown dtype code {}", b[4])))?;
+        let ndim = b[5];
+        if ndim as usize > MAX_NDIM {
+            return Err(KvError::Protocol(format!("ndim {ndim} > {MAX_NDIM}")));
+        }
+        let mut shape = [0u64; MAX_NDIM];
+        for (i, s) in shape.iter_mut().enumerate() {
+            *s = u64_at(56 + 8 * i);
+        }
+        let m = Msg {
+            op,
+            status: u16_at(2),
+            dtype,
+            ndim,
+            sender: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+            req_id: u64_at(16),
+            key: u64_at(24),
+            total: u64_at(32),
+            start: u64_at(40),
+            len: u64_at(48),
+            shape,
+        };
+        if m.start.checked_add(m.len).is_none_or(|end| end > m.total) {
+            return Err(KvError::Protocol(format!(
+                "range {}+{} outside a tensor of {}",
+                m.start, m.len, m.total
+            )));
+        }
+        Ok(m)
+    }
+
+    /// The shape carried in the message.
+    pub fn shape(&self) -> Vec<usize> {
+        self.shape[..self.ndim as usize]
+            .iter()
+            .map(|&d| d as usize)
+            .collect()
+    }
+
+    /// The payload length a data frame of this message must have.
+    pub fn data_bytes(&self) -> Option<u64> {
+        self.len.checked_mul(self.dtype.size() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_every_field() {
+        let mut m = Msg::new(Op::PushPull);
+        m.status = 4;
+        m.dtype = DType::BF16;
+        m.ndim = 3;
+        m.sender = 7;
+        m.req_id = u64::MAX - 1;
+        m.key = 9973;
+        m.total = 1000;
+        m.start = 10;
+        m.len = 990;
+        m.shape[..3].copy_from_slice(&[10, 10, 10]);
+        let d = Msg::decode(&m.encode()).unwrap();
+        assert_eq!(d, m);
+        assert_eq!(d.shape(), vec![10, 10, 10]);
+        assert_eq!(d.data_bytes(), Some(1980));
+    }
+
+    #[test]
+    fn garbage_is_refused() {
+        let m = Msg::new(Op::Push);
+        let mut b = m.encode();
+        b[0] = 99;
+        assert!(Msg::decode(&b).is_err());
+        let mut b = m.encode();
+        b[4] = 42;
+        assert!(Msg::decode(&b).is_err());
+        let mut b = m.encode();
+        b[5] = 8;
+        assert!(Msg::decode(&b).is_err());
+        let mut bad = Msg::new(Op::Push);
+        bad.total = 10;
+        bad.start = 5;
+        bad.len = 6;
+        assert!(Msg::decode(&bad.encode()).is_err());
+        bad.start = u64::MAX;
+        assert!(Msg::decode(&bad.encode()).is_err());
+    }
+}

@@ -1,0 +1,298 @@
+//! The scheduler: rendezvous (addresses and ranks), barriers, shutdown, and abort when a
+//! process is lost. Control plane only: a thread per connection reads frames and hands them to
+//! one loop that owns all decisions.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+use kvstore_transport::FrameHeader;
+
+use super::proto::{role, Msg, Op};
+use crate::config::secret_matches;
+use crate::{KvError, Result};
+
+/// How a scheduler is set up.
+#[derive(Clone, Debug)]
+pub struct SchedulerOptions {
+    /// Number of workers to wait for.
+    pub num_workers: usize,
+    /// Number of servers to wait for.
+    pub num_servers: usize,
+    /// The job secret every node must present.
+    pub secret: String,
+    /// How long the registration may take.
+    pub timeout: Duration,
+}
+
+enum Event {
+    Hello {
+        id: usize,
+        msg: Msg,
+        addr: Option<SocketAddr>,
+        writer: TcpStream,
+    },
+    Frame {
+        id: usize,
+        op: Op,
+    },
+    Closed {
+        id: usize,
+        why: String,
+    },
+}
+
+struct Node {
+    role: u64,
+    hint: Option<u32>,
+    addr: Option<SocketAddr>,
+    writer: TcpStream,
+    rank: usize,
+    done: bool,
+}
+
+impl Node {
+    fn name(&self) -> String {
+        let r = if self.role == role::SERVER { "server" } else { "worker" };
+        format!("{r} {}", self.rank)
+    }
+}
+
+const MAX_CONTROL: u64 = 64 * 1024;
+
+fn send(w: &mut TcpStream, op: Op, text: &str) -> Result<()> {
+    let m = Msg::new(op);
+    write_frame(w, &FrameHeader::new(m.encode(), text.len() as u64), text.as_bytes())?;
+    Ok(())
+}
+
+fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) {
+    let first = read_frame(&mut s, MAX_CONTROL, Some(Instant::now() + Duration::from_secs(10)));
+    let Ok((h, payload)) = first else { return };
+    let Ok(msg) = Msg::decode(&h.meta) else { return };
+    let mut lines = payload.split(|&b| b == b'\n');
+    let given = lines.next().unwrap_or(&[]);
+    if msg.op != Op::Hello || !secret_matches(given, secret.as_bytes()) {
+        return; // dropping the stream closes it: strays and other jobs are refused
+    }
+    let addr = lines
+        .next()
+        .and_then(|a| std::str::from_utf8(a).ok())
+        .and_then(|a| a.parse().ok());
+    let Ok(writer) = s.try_clone() else { return };
+    let _ = writer.set_write_timeout(Some(Duration::from_secs(10)));
+    if tx.send(Event::Hello { id, msg, addr, writer }).is_err() {
+        return;
+    }
+    loop {
+        match read_frame(&mut s, MAX_CONTROL, None) {
+            Ok((h, _)) => match Msg::decode(&h.meta) {
+                Ok(m) => {
+                    if tx.send(Event::Frame { id, op: m.op }).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.send(Event::Closed { id, why: e.to_string() });
+                    return;
+                }
+            },
+            Err(e) => {
+                let _ = tx.send(Event::Closed { id, why: e.to_string() });
+                return;
+            }
+        }
+    }
+}
+
+/// Orders nodes of one role: by their rank hints when those are a permutation, else by arrival.
+fn assign_ranks(ids: &[usize], nodes: &mut BTreeMap<usize, Node>) {
+    let hints: Vec<Option<u32>> = ids.iter().map(|i| nodes[i].hint).collect();
+    let mut seen = HashSet::new();
+    let valid = hints
+        .iter()
+        .all(|h| matches!(h, Some(r) if (*r as usize) < ids.len() && seen.insert(*r)));
+    for (n, id) in ids.iter().enumerate() {
+        if let Some(node) = nodes.get_mut(id) {
+            node.rank = if valid { hints[n].unwrap_or(0) as usize } else { n };
+        }
+    }
+}
+
+/// Runs the scheduler on `listener` until the job ends: `Ok` when every worker finished and the
+/// servers were shut down, an error (after telling every node to abort) when a node was lost.
+pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<()> {
+    let (tx, rx) = mpsc::channel();
+    let accepting = Arc::new(AtomicBool::new(true));
+    listener.set_nonblocking(true)?;
+    {
+        let accepting = accepting.clone();
+        let secret = opts.secret.clone();
+        std::thread::spawn(move || {
+            let mut next = 0;
+            while accepting.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((s, _)) => {
+                        let _ = s.set_nonblocking(false);
+                        let _ = s.set_nodelay(true);
+                        let (tx, secret) = (tx.clone(), secret.clone());
+                        let id = next;
+                        next += 1;
+                        std::thread::spawn(move || reader(id, s, secret, tx));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+    }
+    let result = serve(&rx, opts);
+    accepting.store(false, Ordering::Relaxed);
+    result
+}
+
+fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
+    let mut nodes: BTreeMap<usize, Node> = BTreeMap::new();
+    let (mut servers, mut workers) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + opts.timeout;
+
+    // Rendezvous.
+    while servers.len() < opts.num_servers || workers.len() < opts.num_workers {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ev = match rx.recv_timeout(left) {
+            Ok(ev) => ev,
+            Err(RecvTimeoutError::Timeout) => {
+                let why = format!(
+                    "only {} of {} servers and {} of {} workers registered within {:.0} s",
+                    servers.len(),
+                    opts.num_servers,
+                    workers.len(),
+                    opts.num_workers,
+                    opts.timeout.as_secs_f64()
+                );
+                return abort(&mut nodes, why);
+            }
+            Err(RecvTimeoutError::Disconnected) => return Err(KvError::Aborted("scheduler stopped".into())),
+        };
+        match ev {
+            Event::Hello { id, msg, addr, writer } => {
+                let list = match msg.key {
+                    role::SERVER if servers.len() < opts.num_servers && addr.is_some() => &mut servers,
+                    role::WORKER if workers.len() < opts.num_workers => &mut workers,
+                    _ => continue, // not wanted: dropping the writer leaves the node to time out
+                };
+                list.push(id);
+                let hint = (msg.sender != u32::MAX).then_some(msg.sender);
+                nodes.insert(
+                    id,
+                    Node {
+                        role: msg.key,
+                        hint,
+                        addr,
+                        writer,
+                        rank: 0,
+                        done: false,
+                    },
+                );
+            }
+            Event::Frame { .. } => {}
+            Event::Closed { id, why } => {
+                if let Some(n) = nodes.remove(&id) {
+                    servers.retain(|&s| s != id);
+                    workers.retain(|&w| w != id);
+                    let why = format!("a {} left during rendezvous: {why}", if n.role == role::SERVER { "server" } else { "worker" });
+                    return abort(&mut nodes, why);
+                }
+            }
+        }
+    }
+    assign_ranks(&servers, &mut nodes);
+    assign_ranks(&workers, &mut nodes);
+    let mut addrs = vec![String::new(); opts.num_servers];
+    for id in &servers {
+        let n = &nodes[id];
+        addrs[n.rank] = n.addr.map(|a| a.to_string()).unwrap_or_default();
+    }
+    for n in nodes.values_mut() {
+        let text = format!(
+            "{} {} {}\n{}",
+            n.rank,
+            opts.num_workers,
+            opts.num_servers,
+            addrs.join("\n")
+        );
+        if let Err(e) = send(&mut n.writer, Op::Roster, &text) {
+            let why = format!("cannot reach {}: {e}", n.name());
+            return abort(&mut nodes, why);
+        }
+    }
+
+    // The job.
+    let mut at_barrier: HashSet<usize> = HashSet::new();
+    let mut shutdown_at: Option<Instant> = None;
+    loop {
+        let ev = match shutdown_at {
+            Some(t) => match rx.recv_timeout(t.saturating_duration_since(Instant::now())) {
+                Ok(ev) => ev,
+                // Servers that do not close in time are still told; the job's work is done.
+                Err(_) => return Ok(()),
+            },
+            None => match rx.recv() {
+                Ok(ev) => ev,
+                Err(_) => return Err(KvError::Aborted("scheduler stopped".into())),
+            },
+        };
+        match ev {
+            Event::Hello { .. } => {}
+            Event::Frame { id, op } => {
+                let Some(n) = nodes.get_mut(&id) else { continue };
+                match op {
+                    Op::Barrier if n.role == role::WORKER => {
+                        at_barrier.insert(id);
+                        if at_barrier.len() == opts.num_workers {
+                            at_barrier.clear();
+                            for &w in &workers {
+                                if let Some(n) = nodes.get_mut(&w) {
+                                    let _ = send(&mut n.writer, Op::BarrierDone, "");
+                                }
+                            }
+                        }
+                    }
+                    Op::Finish if n.role == role::WORKER => {
+                        n.done = true;
+                        if workers.iter().all(|w| nodes.get(w).is_some_and(|n| n.done)) {
+                            for &s in &servers {
+                                if let Some(n) = nodes.get_mut(&s) {
+                                    n.done = true;
+                                    let _ = send(&mut n.writer, Op::Shutdown, "");
+                                }
+                            }
+                            shutdown_at = Some(Instant::now() + Duration::from_secs(10));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            Event::Closed { id, why } => {
+                let Some(n) = nodes.remove(&id) else { continue };
+                if !n.done {
+                    let why = format!("{} was lost ({why})", n.name());
+                    return abort(&mut nodes, why);
+                }
+                if shutdown_at.is_some() && !nodes.values().any(|n| n.role == role::SERVER) {
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+fn abort(nodes: &mut BTreeMap<usize, Node>, why: String) -> Result<()> {
+    for n in nodes.values_mut() {
+        let _ = send(&mut n.writer, Op::Abort, &why);
+    }
+    Err(KvError::Aborted(why))
+}

@@ -1,0 +1,493 @@
+//! The server's protocol state machine: no sockets, no clocks.
+//!
+//! Requests go in through [`ServerState::handle`] with the peer they came from; answers come out
+//! of [`ServerState::outbox`], addressed to peers. The I/O loop ([`super::server`]) only moves
+//! bytes; everything about `dist_sync` rounds, slices and updaters is decided here, and tested
+//! here without I/O.
+
+use std::collections::HashMap;
+
+use super::proto::{status, Msg, Op};
+use crate::local::check_updater_kept_shape;
+use crate::optimizer::{Optimizer, OptimizerUpdater};
+use crate::registry::{self, SharedUpdater};
+use crate::{Key, KvError, NDArray};
+
+/// A connection, as the I/O layer numbers them.
+pub type PeerId = usize;
+
+/// The payload of an outgoing frame.
+#[derive(Clone, Debug)]
+pub enum Payload {
+    /// No payload.
+    None,
+    /// Tensor data (a copy-on-write clone of the stored value: later updates never touch it).
+    Array(NDArray),
+    /// Text (error messages).
+    Text(Vec<u8>),
+}
+
+impl Payload {
+    /// The bytes to send.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Array(a) => a.as_bytes(),
+            Payload::Text(t) => t,
+        }
+    }
+}
+
+/// An outgoing frame.
+#[derive(Debug)]
+pub struct Out {
+    /// The connection it goes to.
+    pub to: PeerId,
+    /// Its metadata.
+    pub msg: Msg,
+    /// Its payload.
+    pub payload: Payload,
+}
+
+enum Updater {
+    Assign,
+    Optimizer(OptimizerUpdater),
+    Named(String, SharedUpdater),
+}
+
+/// A push waiting for its round to complete.
+struct Held {
+    peer: PeerId,
+    req: Msg,
+}
+
+/// One key (or this server's slice of it).
+struct Slot {
+    stored: NDArray,
+    /// The sum of this round's pushes (dist_sync).
+    merge: Option<NDArray>,
+    pushed: Vec<bool>,
+    count: usize,
+    held: Vec<Held>,
+    total: u64,
+    start: u64,
+}
+
+/// The state of one server.
+pub struct ServerState {
+    num_workers: usize,
+    sync: bool,
+    slots: HashMap<u64, Slot>,
+    updater: Updater,
+    failed: Option<String>,
+    /// Frames to send, in order.
+    pub outbox: Vec<Out>,
+}
+
+fn reply(req: &Msg) -> Msg {
+    let mut m = *req;
+    m.op = Op::Reply;
+    m.status = status::OK;
+    m
+}
+
+impl ServerState {
+    /// A server for `num_workers` workers, in sync or async mode.
+    pub fn new(num_workers: usize, sync: bool) -> Self {
+        ServerState {
+            num_workers,
+            sync,
+            slots: HashMap::new(),
+            updater: Updater::Assign,
+            failed: None,
+            outbox: Vec::new(),
+        }
+    }
+
+    /// Why the server stopped serving, if it did.
+    pub fn failed(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// The stored value of a key's slice (for tests and inspection).
+    pub fn stored(&self, key: u64) -> Option<&NDArray> {
+        self.slots.get(&key).map(|s| &s.stored)
+    }
+
+    fn ok(&mut self, peer: PeerId, req: &Msg, payload: Payload) {
+        self.outbox.push(Out {
+            to: peer,
+            msg: reply(req),
+            payload,
+        });
+    }
+
+    fn err(&mut self, peer: PeerId, req: &Msg, code: u16, text: String) {
+        let mut m = reply(req);
+        m.status = code;
+        self.outbox.push(Out {
+            to: peer,
+            msg: m,
+            payload: Payload::Text(text.into_bytes()),
+        });
+    }
+
+    /// Handles one request from `worker` (the rank authenticated on connection `peer`).
+    /// `payload` holds the frame's payload: tensor data of the request's dtype for data
+    /// requests, bytes (`u8`) otherwise.
+    pub fn handle(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: &NDArray) {
+        if let Some(why) = &self.failed {
+            let why = why.clone();
+            return self.err(peer, m, status::PEER_LOST, why);
+        }
+        match m.op {
+            Op::Init => self.init(peer, m, payload),
+            Op::Push | Op::PushPull => self.push(peer, worker, m, payload),
+            Op::Pull => self.pull(peer, m),
+            Op::SetOptimizer => {
+                let words: Vec<f64> = payload
+                    .as_bytes()
+                    .chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
+                    .collect();
+                match Optimizer::decode(&words) {
+                    Ok(o) => {
+                        self.updater = Updater::Optimizer(OptimizerUpdater::new(o));
+                        self.ok(peer, m, Payload::None);
+                    }
+                    Err(e) => self.err(peer, m, status::FAILED, e.to_string()),
+                }
+            }
+            Op::SetUpdater => {
+                let name = String::from_utf8_lossy(payload.as_bytes()).into_owned();
+                match registry::lookup(&name) {
+                    Ok(f) => {
+                        self.updater = Updater::Named(name, f);
+                        self.ok(peer, m, Payload::None);
+                    }
+                    Err(e) => self.err(peer, m, status::FAILED, e.to_string()),
+                }
+            }
+            other => self.err(
+                peer,
+                m,
+                status::FAILED,
+                format!("a server does not take {other:?} requests"),
+            ),
+        }
+    }
+
+    fn init(&mut self, peer: PeerId, m: &Msg, payload: &NDArray) {
+        if self.slots.contains_key(&m.key) {
+            return self.err(peer, m, status::DOUBLE_INIT, format!("key {} is already initialised", m.key));
+        }
+        // A fresh array: the connection's receive buffer is reused for the next frame.
+        let mut stored = NDArray::zeros_dtype(&[m.len as usize], m.dtype);
+        stored.as_bytes_mut().copy_from_slice(payload.as_bytes());
+        self.slots.insert(
+            m.key,
+            Slot {
+                stored,
+                merge: None,
+                pushed: vec![false; self.num_workers],
+                count: 0,
+                held: Vec::new(),
+                total: m.total,
+                start: m.start,
+            },
+        );
+        self.ok(peer, m, Payload::None);
+    }
+
+    /// Finds the slot of a request and checks that the request names it exactly.
+    fn check_slot(&self, m: &Msg) -> Result<(), (u16, String)> {
+        let Some(s) = self.slots.get(&m.key) else {
+            return Err((status::UNKNOWN_KEY, format!("key {} has not been initialised", m.key)));
+        };
+        if s.total != m.total || s.start != m.start || s.stored.size() as u64 != m.len {
+            return Err((
+                status::MISMATCH,
+                format!(
+                    "key {}: this server holds elements {}..{} of {}, the request names {}..{} of {}",
+                    m.key,
+                    s.start,
+                    s.start + s.stored.size() as u64,
+                    s.total,
+                    m.start,
+                    m.start + m.len,
+                    m.total
+                ),
+            ));
+        }
+        if m.op != Op::Pull && s.stored.dtype() != m.dtype {
+            return Err((
+                status::MISMATCH,
+                format!("key {}: stored {}, pushed {}", m.key, s.stored.dtype(), m.dtype),
+            ));
+        }
+        Ok(())
+    }
+
+    fn pull(&mut self, peer: PeerId, m: &Msg) {
+        match self.check_slot(m) {
+            Err((code, text)) => self.err(peer, m, code, text),
+            Ok(()) => {
+                let v = self.slots[&m.key].stored.clone();
+                self.ok(peer, m, Payload::Array(v));
+            }
+        }
+    }
+
+    fn push(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: &NDArray) {
+        if let Err((code, text)) = self.check_slot(m) {
+            return self.err(peer, m, code, text);
+        }
+        if worker >= self.num_workers {
+            return self.err(peer, m, status::FAILED, format!("no worker {worker}"));
+        }
+        let key = m.key;
+        if !self.sync {
+            let Some(slot) = self.slots.get_mut(&key) else { return };
+            let res = apply(&mut self.updater, false, key, payload, &mut slot.stored);
+            let value = slot.stored.clone();
+            return match res {
+                Ok(()) if m.op == Op::PushPull => self.ok(peer, m, Payload::Array(value)),
+                Ok(()) => self.ok(peer, m, Payload::None),
+                Err(e) => self.err(peer, m, status::FAILED, e.to_string()),
+            };
+        }
+        let Some(slot) = self.slots.get_mut(&key) else { return };
+        if slot.pushed[worker] {
+            return self.err(
+                peer,
+                m,
+                status::FAILED,
+                format!("worker {worker} pushed key {key} twice in one round"),
+            );
+        }
+        slot.pushed[worker] = true;
+        slot.count += 1;
+        match &mut slot.merge {
+            Some(merge) if slot.count > 1 => {
+                // Shapes were checked against the slot; this cannot fail.
+                let _ = merge.add_assign(payload);
+            }
+            Some(merge) => {
+                let _ = merge.copy_from(payload);
+            }
+            None => {
+                let mut merge = NDArray::zeros_dtype(payload.shape(), payload.dtype());
+                merge.as_bytes_mut().copy_from_slice(payload.as_bytes());
+                slot.merge = Some(merge);
+            }
+        }
+        slot.held.push(Held { peer, req: *m });
+        if slot.count == self.num_workers {
+            self.complete_round(key);
+        }
+    }
+
+    /// Every worker has pushed `key`: apply the summed push once and answer every held push.
+    fn complete_round(&mut self, key: u64) {
+        let Some(slot) = self.slots.get_mut(&key) else { return };
+        let res = match (&mut self.updater, &mut slot.merge) {
+            // ASSIGN: the round's sum becomes the stored value; swap the buffers, copy nothing.
+            (Updater::Assign, Some(merge)) => {
+                std::mem::swap(&mut slot.stored, merge);
+                Ok(())
+            }
+            (up, Some(merge)) => apply(up, true, key, merge, &mut slot.stored),
+            (_, None) => Ok(()),
+        };
+        slot.count = 0;
+        slot.pushed.iter_mut().for_each(|p| *p = false);
+        let held = std::mem::take(&mut slot.held);
+        let value = slot.stored.clone();
+        for h in held {
+            match &res {
+                Ok(()) if h.req.op == Op::PushPull => self.ok(h.peer, &h.req, Payload::Array(value.clone())),
+                Ok(()) => self.ok(h.peer, &h.req, Payload::None),
+                Err(e) => self.err(h.peer, &h.req, status::FAILED, e.to_string()),
+            }
+        }
+    }
+
+    /// A worker went away without saying goodbye: the job cannot go on. Every held request is
+    /// answered with the reason, and so is every later one.
+    pub fn worker_lost(&mut self, reason: &str) {
+        self.fail(reason);
+    }
+
+    /// Stops serving: answers every held request with `reason`, and every later one too.
+    pub fn fail(&mut self, reason: &str) {
+        if self.failed.is_none() {
+            self.failed = Some(reason.to_string());
+        }
+        let mut held = Vec::new();
+        for slot in self.slots.values_mut() {
+            held.append(&mut slot.held);
+            slot.count = 0;
+            slot.pushed.iter_mut().for_each(|p| *p = false);
+        }
+        for h in held {
+            self.err(h.peer, &h.req, status::PEER_LOST, reason.to_string());
+        }
+    }
+
+    /// Drops what is addressed to a closed connection.
+    pub fn forget_peer(&mut self, peer: PeerId) {
+        self.outbox.retain(|o| o.to != peer);
+    }
+}
+
+fn apply(up: &mut Updater, sync: bool, key: u64, input: &NDArray, stored: &mut NDArray) -> crate::Result<()> {
+    let k = Key::Int(key as i64);
+    match up {
+        Updater::Assign if sync => stored.copy_from(input),
+        Updater::Assign => Err(KvError::Unsupported(
+            "dist_async needs an updater on the servers: call set_optimizer or \
+             set_server_updater before pushing"
+                .into(),
+        )),
+        Updater::Optimizer(o) => o.update(&k, input, stored),
+        Updater::Named(name, f) => {
+            let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
+            f(&k, input, stored).map_err(|e| KvError::Updater {
+                key: k.clone(),
+                reason: format!("{name}: {e}"),
+            })?;
+            check_updater_kept_shape(&k, stored, &shape, dtype)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    fn req(op: Op, key: u64, len: u64, id: u64) -> Msg {
+        let mut m = Msg::new(op);
+        m.key = key;
+        m.total = len;
+        m.len = len;
+        m.dtype = DType::F32;
+        m.req_id = id;
+        m
+    }
+
+    fn data(v: f32, n: usize) -> NDArray {
+        NDArray::full(&[n], v as f64)
+    }
+
+    fn replies(s: &mut ServerState) -> Vec<(PeerId, u64, u16, Vec<f32>)> {
+        s.outbox
+            .drain(..)
+            .map(|o| {
+                let vals = match &o.payload {
+                    Payload::Array(a) => a.to_vec::<f32>().unwrap(),
+                    _ => vec![],
+                };
+                (o.to, o.msg.req_id, o.msg.status, vals)
+            })
+            .collect()
+    }
+
+    fn empty() -> NDArray {
+        NDArray::zeros_dtype(&[0], DType::U8)
+    }
+
+    #[test]
+    fn sync_round_holds_replies_until_every_worker_pushed() {
+        let mut s = ServerState::new(3, true);
+        s.handle(0, 0, &req(Op::Init, 3, 4, 1), &data(2.0, 4));
+        assert_eq!(replies(&mut s), vec![(0, 1, 0, vec![])]);
+        s.handle(0, 0, &req(Op::Push, 3, 4, 2), &data(1.0, 4));
+        s.handle(1, 1, &req(Op::Push, 3, 4, 3), &data(1.0, 4));
+        assert!(s.outbox.is_empty(), "no reply before the round is complete");
+        // A pull in the middle of the round sees the previous value, never a partial sum.
+        s.handle(2, 2, &req(Op::Pull, 3, 4, 4), &empty());
+        assert_eq!(replies(&mut s), vec![(2, 4, 0, vec![2.0; 4])]);
+        s.handle(2, 2, &req(Op::PushPull, 3, 4, 5), &data(1.0, 4));
+        let r = replies(&mut s);
+        assert_eq!(r.len(), 3);
+        assert_eq!(r[2], (2, 5, 0, vec![3.0; 4]), "ASSIGN of the round's sum");
+        assert_eq!(s.stored(3).unwrap().to_vec::<f32>().unwrap(), vec![3.0; 4]);
+    }
+
+    #[test]
+    fn double_push_in_a_round_is_refused() {
+        let mut s = ServerState::new(2, true);
+        s.handle(0, 0, &req(Op::Init, 1, 2, 1), &data(0.0, 2));
+        s.handle(0, 0, &req(Op::Push, 1, 2, 2), &data(1.0, 2));
+        s.handle(0, 0, &req(Op::Push, 1, 2, 3), &data(1.0, 2));
+        let r = replies(&mut s);
+        assert_eq!(r[1].2, status::FAILED);
+        s.handle(1, 1, &req(Op::Push, 1, 2, 4), &data(5.0, 2));
+        assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![6.0; 2]);
+    }
+
+    #[test]
+    fn optimizer_runs_once_per_round_on_the_sum() {
+        let mut s = ServerState::new(2, true);
+        let words = Optimizer::sgd(0.1).encode();
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let p = NDArray::from_slice(&[bytes.len()], &bytes).unwrap();
+        s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &p);
+        s.handle(0, 0, &req(Op::Init, 9, 3, 2), &data(0.0, 3));
+        s.handle(0, 0, &req(Op::Push, 9, 3, 3), &data(1.0, 3));
+        s.handle(1, 1, &req(Op::Push, 9, 3, 4), &data(1.0, 3));
+        let w = s.stored(9).unwrap().to_vec::<f32>().unwrap();
+        assert!(w.iter().all(|&x| (x + 0.2).abs() < 1e-7), "{w:?}");
+    }
+
+    #[test]
+    fn async_applies_each_push_and_needs_an_updater() {
+        let mut s = ServerState::new(2, false);
+        s.handle(0, 0, &req(Op::Init, 4, 2, 1), &data(1.0, 2));
+        s.handle(0, 0, &req(Op::Push, 4, 2, 2), &data(1.0, 2));
+        let r = replies(&mut s);
+        assert_eq!(r[1].2, status::FAILED);
+        assert_eq!(s.stored(4).unwrap().to_vec::<f32>().unwrap(), vec![1.0; 2]);
+        crate::register_updater("test_async_add", |_, i, st| st.add_assign(i));
+        let name = NDArray::from_slice(&[14], b"test_async_add").unwrap();
+        s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 3), &name);
+        s.handle(0, 0, &req(Op::Push, 4, 2, 4), &data(1.0, 2));
+        s.handle(1, 1, &req(Op::PushPull, 4, 2, 5), &data(1.0, 2));
+        let r = replies(&mut s);
+        assert_eq!(r[2], (1, 5, 0, vec![3.0; 2]));
+    }
+
+    #[test]
+    fn bad_requests_get_errors_and_change_nothing() {
+        let mut s = ServerState::new(1, true);
+        s.handle(0, 0, &req(Op::Init, 2, 3, 1), &data(7.0, 3));
+        s.handle(0, 0, &req(Op::Init, 2, 3, 2), &data(1.0, 3));
+        s.handle(0, 0, &req(Op::Push, 5, 3, 3), &data(1.0, 3));
+        s.handle(0, 0, &req(Op::Push, 2, 4, 4), &data(1.0, 4));
+        let mut f64push = req(Op::Push, 2, 3, 5);
+        f64push.dtype = DType::F64;
+        s.handle(0, 0, &f64push, &NDArray::full_dtype(&[3], 1.0, DType::F64));
+        s.handle(0, 0, &req(Op::Barrier, 2, 3, 6), &empty());
+        let codes: Vec<u16> = replies(&mut s).iter().map(|r| r.2).collect();
+        assert_eq!(
+            codes,
+            vec![0, status::DOUBLE_INIT, status::UNKNOWN_KEY, status::MISMATCH, status::MISMATCH, status::FAILED]
+        );
+        assert_eq!(s.stored(2).unwrap().to_vec::<f32>().unwrap(), vec![7.0; 3]);
+    }
+
+    #[test]
+    fn a_lost_worker_fails_held_and_later_requests() {
+        let mut s = ServerState::new(2, true);
+        s.handle(0, 0, &req(Op::Init, 1, 2, 1), &data(0.0, 2));
+        s.handle(0, 0, &req(Op::Push, 1, 2, 2), &data(1.0, 2));
+        replies(&mut s);
+        s.worker_lost("worker 1 disconnected");
+        assert_eq!(replies(&mut s), vec![(0, 2, status::PEER_LOST, vec![])]);
+        s.handle(0, 0, &req(Op::Pull, 1, 2, 3), &empty());
+        assert_eq!(replies(&mut s)[0].2, status::PEER_LOST);
+        assert_eq!(s.failed(), Some("worker 1 disconnected"));
+        assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 2]);
+    }
+}

@@ -1,0 +1,630 @@
+//! The worker side of a distributed store.
+//!
+//! A call sends all its requests (every key, every slice, to every server) at once and then
+//! drives one mio loop, in the calling thread, until every reply is in: pushes are written
+//! straight from the caller's arrays with `writev`, pulls are read straight into the caller's
+//! output. Every wait is bounded by the configured timeout; after a timeout or a lost server the
+//! store refuses further calls rather than risk reading a stale reply into an array.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::TcpStream as StdStream;
+use std::time::Instant;
+
+use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+use kvstore_transport::tcp::{connect_retry, FrameReader, FrameSink, OutQueue};
+use kvstore_transport::{FrameHeader, TransportError};
+use mio::net::TcpStream;
+use mio::{Events, Interest, Poll, Token};
+
+use super::proto::{role, status, Msg, Op, MAX_NDIM};
+use super::shard::{placement, Part};
+use super::{join, Config};
+use crate::local::{check_like, sum_into};
+use crate::optimizer::Optimizer;
+use crate::{DType, Key, KvError, NDArray, Result};
+
+struct KeyInfo {
+    id: u64,
+    shape: Vec<usize>,
+    dtype: DType,
+    parts: Vec<Part>,
+}
+
+/// One request of a call.
+struct Req<'a> {
+    server: usize,
+    msg: Msg,
+    payload: &'a [u8],
+    /// Index of the buffer the reply's payload goes to.
+    dest: Option<usize>,
+}
+
+struct ServerConn {
+    stream: TcpStream,
+    reader: FrameReader,
+}
+
+/// The sockets of a worker.
+struct Net {
+    poll: Poll,
+    events: Events,
+    servers: Vec<ServerConn>,
+    next_req: u64,
+    rank: u32,
+    timeout: std::time::Duration,
+    broken: Option<String>,
+}
+
+struct ReplySink<'r, 'd> {
+    server: usize,
+    base: u64,
+    reqs: &'r [Req<'r>],
+    dests: &'r mut [&'d mut [u8]],
+    done: &'r mut [bool],
+    remaining: &'r mut usize,
+    first_err: &'r mut Option<KvError>,
+    cur: Option<(usize, Msg)>,
+    text: Vec<u8>,
+}
+
+fn refuse(why: String) -> TransportError {
+    TransportError::Refused(why)
+}
+
+impl FrameSink for ReplySink<'_, '_> {
+    fn on_header(&mut self, h: &FrameHeader) -> std::result::Result<(), TransportError> {
+        let m = Msg::decode(&h.meta).map_err(|e| refuse(e.to_string()))?;
+        if m.op == Op::Abort {
+            self.text.resize(h.payload_len.min(1 << 16) as usize, 0);
+            self.cur = Some((usize::MAX, m));
+            return Ok(());
+        }
+        let idx = m.req_id.wrapping_sub(self.base) as usize;
+        if m.op != Op::Reply || idx >= self.reqs.len() || self.done[idx] || self.reqs[idx].server != self.server {
+            return Err(refuse(format!("unexpected {:?} for request {}", m.op, m.req_id)));
+        }
+        if m.status != status::OK {
+            if h.payload_len > 1 << 16 {
+                return Err(refuse("oversized error text".into()));
+            }
+            self.text.resize(h.payload_len as usize, 0);
+        } else {
+            let want = self.reqs[idx].dest.map_or(0, |d| self.dests[d].len() as u64);
+            if h.payload_len != want {
+                return Err(refuse(format!(
+                    "reply of {} bytes where {want} were expected",
+                    h.payload_len
+                )));
+            }
+        }
+        self.cur = Some((idx, m));
+        Ok(())
+    }
+
+    fn payload_dest(&mut self, _h: &FrameHeader) -> &mut [u8] {
+        match self.cur {
+            Some((idx, m)) if idx != usize::MAX && m.status == status::OK => match self.reqs[idx].dest {
+                Some(d) => self.dests[d],
+                None => &mut [],
+            },
+            _ => &mut self.text,
+        }
+    }
+
+    fn on_frame(&mut self, _h: &FrameHeader) -> std::result::Result<(), TransportError> {
+        let Some((idx, m)) = self.cur.take() else {
+            return Err(refuse("frame without header".into()));
+        };
+        if idx == usize::MAX {
+            return Err(refuse(format!(
+                "job aborted: {}",
+                String::from_utf8_lossy(&self.text)
+            )));
+        }
+        self.done[idx] = true;
+        *self.remaining -= 1;
+        if m.status != status::OK && self.first_err.is_none() {
+            let text = String::from_utf8_lossy(&self.text).into_owned();
+            let key = Key::Int(self.reqs[idx].msg.key as i64);
+            *self.first_err = Some(match m.status {
+                status::UNKNOWN_KEY => KvError::UnknownKey(key),
+                status::DOUBLE_INIT => KvError::DoubleInit(key),
+                status::PEER_LOST => KvError::PeerLost(format!("server {}: {text}", self.server)),
+                _ => KvError::Remote {
+                    server: self.server,
+                    message: text,
+                },
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Net {
+    fn check(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(KvError::Aborted(format!("this store is unusable: {why}"))),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, e: KvError) -> KvError {
+        self.broken = Some(e.to_string());
+        e
+    }
+
+    /// Sends every request and waits for every reply, reading payloads into `dests`.
+    fn exchange(&mut self, reqs: &mut [Req<'_>], dests: &mut [&mut [u8]]) -> Result<()> {
+        self.check()?;
+        if reqs.is_empty() {
+            return Ok(());
+        }
+        let base = self.next_req;
+        self.next_req += reqs.len() as u64;
+        let mut queues: Vec<OutQueue<&[u8]>> = self.servers.iter().map(|_| OutQueue::new()).collect();
+        for (i, r) in reqs.iter_mut().enumerate() {
+            r.msg.req_id = base + i as u64;
+            r.msg.sender = self.rank;
+            let h = r.msg.header(r.payload.len());
+            queues[r.server].push(h, r.payload);
+        }
+        let reqs: &[Req<'_>] = reqs;
+        let mut done = vec![false; reqs.len()];
+        let mut remaining = reqs.len();
+        let mut first_err = None;
+        let deadline = Instant::now() + self.timeout;
+        let mut first_pass = true;
+        while remaining > 0 {
+            let mut ready: Vec<usize> = Vec::new();
+            if first_pass {
+                ready.extend(0..self.servers.len());
+                first_pass = false;
+            } else {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    let e = KvError::Timeout {
+                        what: format!("{remaining} replies from the servers"),
+                        secs: self.timeout.as_secs_f64(),
+                    };
+                    return Err(self.fail(e));
+                }
+                if let Err(e) = self.poll.poll(&mut self.events, Some(left)) {
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(self.fail(e.into()));
+                    }
+                }
+                ready.extend(self.events.iter().map(|e| e.token().0));
+            }
+            for s in ready {
+                let Some(c) = self.servers.get_mut(s) else { continue };
+                let out = &mut queues[s];
+                if !out.is_empty() {
+                    if let Err(e) = out.flush(&mut c.stream, |p| *p) {
+                        let e = KvError::PeerLost(format!("server {s}: {e}"));
+                        return Err(self.fail(e));
+                    }
+                }
+                let mut sink = ReplySink {
+                    server: s,
+                    base,
+                    reqs,
+                    dests,
+                    done: &mut done,
+                    remaining: &mut remaining,
+                    first_err: &mut first_err,
+                    cur: None,
+                    text: Vec::new(),
+                };
+                if let Err(e) = c.reader.read_from(&mut c.stream, &mut sink) {
+                    let e = match e {
+                        TransportError::Closed | TransportError::Truncated { .. } => {
+                            KvError::PeerLost(format!("server {s} closed the connection"))
+                        }
+                        TransportError::Refused(why) if why.starts_with("job aborted") => KvError::Aborted(why),
+                        other => KvError::PeerLost(format!("server {s}: {other}")),
+                    };
+                    return Err(self.fail(e));
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A worker's handle on a distributed store.
+pub struct DistWorker {
+    cfg: Config,
+    rank: usize,
+    num_workers: usize,
+    num_servers: usize,
+    sched: StdStream,
+    net: Net,
+    keys: HashMap<Key, KeyInfo>,
+    str_ids: HashMap<String, u64>,
+    merge: HashMap<Key, NDArray>,
+}
+
+impl DistWorker {
+    /// Joins the job described by `cfg` as a worker and connects to every server.
+    pub(crate) fn connect(cfg: Config) -> Result<DistWorker> {
+        let mut sched = connect_retry(cfg.root, cfg.timeout)?;
+        let roster = join(&cfg, &mut sched, role::WORKER, None)?;
+        let poll = Poll::new()?;
+        let mut servers = Vec::with_capacity(roster.servers.len());
+        for (i, addr) in roster.servers.iter().enumerate() {
+            let mut s = connect_retry(*addr, cfg.timeout)?;
+            let mut hello = Msg::new(Op::Hello);
+            hello.key = role::WORKER;
+            hello.sender = roster.rank as u32;
+            write_frame(&mut s, &FrameHeader::new(hello.encode(), cfg.secret.len() as u64), cfg.secret.as_bytes())?;
+            let (h, _) = read_frame(&mut s, 1 << 16, Some(Instant::now() + cfg.timeout))
+                .map_err(|e| KvError::PeerLost(format!("server {i} refused the hello: {e}")))?;
+            if Msg::decode(&h.meta)?.op != Op::HelloAck {
+                return Err(KvError::Protocol(format!("server {i} did not acknowledge the hello")));
+            }
+            s.set_nonblocking(true)?;
+            let mut stream = TcpStream::from_std(s);
+            poll.registry()
+                .register(&mut stream, Token(i), Interest::READABLE | Interest::WRITABLE)?;
+            servers.push(ServerConn {
+                stream,
+                reader: FrameReader::new(cfg.max_message),
+            });
+        }
+        Ok(DistWorker {
+            rank: roster.rank,
+            num_workers: roster.num_workers,
+            num_servers: roster.num_servers,
+            sched,
+            net: Net {
+                poll,
+                events: Events::with_capacity(64),
+                servers,
+                next_req: 1,
+                rank: roster.rank as u32,
+                timeout: cfg.timeout,
+                broken: None,
+            },
+            cfg,
+            keys: HashMap::new(),
+            str_ids: HashMap::new(),
+            merge: HashMap::new(),
+        })
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub(crate) fn num_workers(&self) -> usize {
+        self.num_workers
+    }
+
+    /// Waits at the scheduler until every worker has arrived.
+    pub(crate) fn barrier(&mut self) -> Result<()> {
+        self.net.check()?;
+        let m = Msg::new(Op::Barrier);
+        write_frame(&mut self.sched, &FrameHeader::new(m.encode(), 0), &[])
+            .map_err(|e| self.net.fail(KvError::PeerLost(format!("scheduler: {e}"))))?;
+        let deadline = Instant::now() + self.cfg.timeout;
+        let (h, text) = read_frame(&mut self.sched, 1 << 20, Some(deadline)).map_err(|e| {
+            let e = match e {
+                TransportError::Timeout(_) => KvError::Timeout {
+                    what: "the other workers at a barrier".into(),
+                    secs: self.cfg.timeout.as_secs_f64(),
+                },
+                other => KvError::PeerLost(format!("scheduler: {other}")),
+            };
+            self.net.fail(e)
+        })?;
+        let m = Msg::decode(&h.meta)?;
+        match m.op {
+            Op::BarrierDone => Ok(()),
+            Op::Abort => {
+                let e = KvError::Aborted(String::from_utf8_lossy(&text).into_owned());
+                Err(self.net.fail(e))
+            }
+            other => Err(self.net.fail(KvError::Protocol(format!("expected barrier done, got {other:?}")))),
+        }
+    }
+
+    fn key_id(&mut self, k: &Key) -> u64 {
+        match k {
+            Key::Int(i) => *i as u64,
+            Key::Str(s) => {
+                let next = self.str_ids.len() as u64;
+                *self.str_ids.entry(s.clone()).or_insert(next)
+            }
+        }
+    }
+
+    fn info(&self, k: &Key) -> Result<&KeyInfo> {
+        self.keys.get(k).ok_or_else(|| KvError::UnknownKey(k.clone()))
+    }
+
+    fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
+        let mut m = Msg::new(op);
+        m.key = info.id;
+        m.dtype = info.dtype;
+        m.ndim = info.shape.len() as u8;
+        for (d, s) in m.shape.iter_mut().zip(&info.shape) {
+            *d = *s as u64;
+        }
+        m.total = info.shape.iter().product::<usize>() as u64;
+        m.start = part.start;
+        m.len = part.len;
+        m
+    }
+
+    /// Rank 0's value is stored; then every worker waits at a barrier (as MXNet does).
+    pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+        self.net.check()?;
+        for (i, (k, vs)) in pairs.iter().enumerate() {
+            if self.keys.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k) {
+                return Err(KvError::DoubleInit(k.clone()));
+            }
+            if vs[0].shape().len() > MAX_NDIM {
+                return Err(KvError::Unsupported(format!(
+                    "key {k}: {} dimensions; the wire carries at most {MAX_NDIM}",
+                    vs[0].shape().len()
+                )));
+            }
+        }
+        let mut infos = Vec::with_capacity(pairs.len());
+        for (k, vs) in pairs {
+            let id = self.key_id(k);
+            let total = vs[0].size() as u64;
+            infos.push(KeyInfo {
+                id,
+                shape: vs[0].shape().to_vec(),
+                dtype: vs[0].dtype(),
+                parts: placement(id, total, self.num_servers, self.cfg.bigarray_bound),
+            });
+        }
+        let mut result = Ok(());
+        if self.rank == 0 {
+            let mut reqs = Vec::new();
+            for ((_, vs), info) in pairs.iter().zip(&infos) {
+                let bytes = vs[0].as_bytes();
+                let es = info.dtype.size();
+                for p in &info.parts {
+                    reqs.push(Req {
+                        server: p.server,
+                        msg: Self::data_msg(Op::Init, info, p),
+                        payload: &bytes[p.start as usize * es..(p.start + p.len) as usize * es],
+                        dest: None,
+                    });
+                }
+            }
+            result = self.net.exchange(&mut reqs, &mut []);
+        }
+        // Every worker waits, so no one pushes or pulls a key before rank 0 has stored it.
+        let barrier = self.barrier();
+        result?;
+        barrier?;
+        for ((k, _), info) in pairs.iter().zip(infos) {
+            self.keys.insert(k.clone(), info);
+        }
+        Ok(())
+    }
+
+    fn check_values(&self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+        for (k, vs) in pairs {
+            let info = self.info(k)?;
+            for v in vs {
+                if v.shape() != info.shape.as_slice() {
+                    return Err(KvError::ShapeMismatch {
+                        key: k.clone(),
+                        expected: info.shape.clone(),
+                        got: v.shape().to_vec(),
+                    });
+                }
+                if v.dtype() != info.dtype {
+                    return Err(KvError::DTypeMismatch {
+                        key: k.clone(),
+                        expected: info.dtype,
+                        got: v.dtype(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_outputs(&self, pairs: &[(Key, Vec<&mut NDArray>)]) -> Result<()> {
+        for (k, outs) in pairs {
+            let info = self.info(k)?;
+            let like = NDArray::zeros_dtype(&info.shape, info.dtype);
+            for o in outs {
+                check_like(k, &like, o)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sums each key's list of values into its merge buffer (single values are sent as they are).
+    fn merge_lists(&mut self, pairs: &[(Key, Vec<&NDArray>)]) {
+        for (k, vs) in pairs {
+            if vs.len() > 1 {
+                let m = self
+                    .merge
+                    .entry(k.clone())
+                    .or_insert_with(|| NDArray::zeros_dtype(vs[0].shape(), vs[0].dtype()));
+                sum_into(m, vs);
+            }
+        }
+    }
+
+    fn send_values(
+        &mut self,
+        op: Op,
+        pairs: &[(Key, Vec<&NDArray>)],
+        outs: Option<&mut [(Key, Vec<&mut NDArray>)]>,
+    ) -> Result<()> {
+        self.net.check()?;
+        self.check_values(pairs)?;
+        if let Some(o) = &outs {
+            self.check_outputs(o)?;
+        }
+        self.merge_lists(pairs);
+        let mut reqs = Vec::new();
+        let mut dests: Vec<&mut [u8]> = Vec::new();
+        let mut out_pairs = outs;
+        // Where each key's reply goes: the first output of that key.
+        let mut firsts: HashMap<Key, Vec<&mut [u8]>> = HashMap::new();
+        if let Some(o) = out_pairs.as_deref_mut() {
+            for (k, list) in o.iter_mut() {
+                if let Some(first) = list.first_mut() {
+                    if firsts.contains_key(k) {
+                        continue;
+                    }
+                    let info = &self.keys[k];
+                    let es = info.dtype.size();
+                    let mut rest: &mut [u8] = first.as_bytes_mut();
+                    let mut chunks = Vec::new();
+                    for p in &info.parts {
+                        let (a, b) = rest.split_at_mut(p.len as usize * es);
+                        chunks.push(a);
+                        rest = b;
+                    }
+                    firsts.insert(k.clone(), chunks);
+                }
+            }
+        }
+        for (k, vs) in pairs {
+            let info = &self.keys[k];
+            let bytes = if vs.len() > 1 {
+                self.merge[k].as_bytes()
+            } else {
+                vs[0].as_bytes()
+            };
+            let es = info.dtype.size();
+            let mut chunks = firsts.remove(k).map(|c| c.into_iter());
+            for p in &info.parts {
+                let dest = chunks.as_mut().and_then(|c| c.next()).map(|d| {
+                    dests.push(d);
+                    dests.len() - 1
+                });
+                reqs.push(Req {
+                    server: p.server,
+                    msg: Self::data_msg(op, info, p),
+                    payload: &bytes[p.start as usize * es..(p.start + p.len) as usize * es],
+                    dest,
+                });
+            }
+        }
+        self.net.exchange(&mut reqs, &mut dests)?;
+        drop(dests);
+        if let Some(o) = out_pairs {
+            copy_to_other_outputs(o);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+        self.send_values(Op::Push, pairs, None)
+    }
+
+    pub(crate) fn pushpull(
+        &mut self,
+        pairs: &[(Key, Vec<&NDArray>)],
+        outs: &mut [(Key, Vec<&mut NDArray>)],
+    ) -> Result<()> {
+        for (k, _) in outs.iter() {
+            if !pairs.iter().any(|(p, _)| p == k) {
+                return Err(KvError::UnknownKey(k.clone()));
+            }
+        }
+        self.send_values(Op::PushPull, pairs, Some(outs))
+    }
+
+    pub(crate) fn pull(&mut self, pairs: &mut [(Key, Vec<&mut NDArray>)]) -> Result<()> {
+        self.net.check()?;
+        self.check_outputs(pairs)?;
+        let mut reqs = Vec::new();
+        let mut dests: Vec<&mut [u8]> = Vec::new();
+        for (k, list) in pairs.iter_mut() {
+            let info = &self.keys[k];
+            let es = info.dtype.size();
+            let Some(first) = list.first_mut() else { continue };
+            let mut rest: &mut [u8] = first.as_bytes_mut();
+            for p in &info.parts {
+                let (a, b) = rest.split_at_mut(p.len as usize * es);
+                rest = b;
+                dests.push(a);
+                reqs.push(Req {
+                    server: p.server,
+                    msg: Self::data_msg(Op::Pull, info, p),
+                    payload: &[],
+                    dest: Some(dests.len() - 1),
+                });
+            }
+        }
+        self.net.exchange(&mut reqs, &mut dests)?;
+        drop(dests);
+        copy_to_other_outputs(pairs);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, op: Op, payload: &[u8]) -> Result<()> {
+        let mut result = Ok(());
+        if self.rank == 0 {
+            let mut reqs: Vec<Req> = (0..self.num_servers)
+                .map(|s| Req {
+                    server: s,
+                    msg: Msg::new(op),
+                    payload,
+                    dest: None,
+                })
+                .collect();
+            result = self.net.exchange(&mut reqs, &mut []);
+        }
+        let b = self.barrier();
+        result?;
+        b
+    }
+
+    /// Rank 0 sends the optimizer to every server; every worker waits until it is in place.
+    pub(crate) fn set_optimizer(&mut self, opt: &Optimizer) -> Result<()> {
+        let bytes: Vec<u8> = opt.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.broadcast(Op::SetOptimizer, &bytes)
+    }
+
+    /// Rank 0 selects a registered updater on every server; every worker waits for it.
+    pub(crate) fn set_server_updater(&mut self, name: &str) -> Result<()> {
+        self.broadcast(Op::SetUpdater, name.as_bytes())
+    }
+}
+
+/// After a key's first output was filled, copies it into the key's other outputs.
+fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
+    let mut filled: HashMap<Key, NDArray> = HashMap::new();
+    for (k, list) in pairs.iter_mut() {
+        let Some((first, rest)) = list.split_first_mut() else { continue };
+        let src = filled.entry(k.clone()).or_insert_with(|| (**first).clone());
+        if !first.shares_storage_with(src) {
+            first.as_bytes_mut().copy_from_slice(src.as_bytes());
+        }
+        for o in rest {
+            o.as_bytes_mut().copy_from_slice(src.as_bytes());
+        }
+    }
+}
+
+impl Drop for DistWorker {
+    fn drop(&mut self) {
+        // Tell the servers this is a clean exit, then the scheduler that this worker is done.
+        let bye = Msg::new(Op::Bye);
+        for c in &mut self.net.servers {
+            let mut q = OutQueue::new();
+            q.push(bye.header(0), ());
+            let _ = q.flush(&mut c.stream, |_| &[]);
+        }
+        let fin = Msg::new(Op::Finish);
+        let _ = write_frame(&mut self.sched, &FrameHeader::new(fin.encode(), 0), &[]);
+    }
+}

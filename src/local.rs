@@ -1,0 +1,138 @@
+//! The `local` and `device` stores: one process, aggregation where the values live.
+
+use std::collections::HashMap;
+
+use crate::dtype::with_dtype;
+use crate::ops;
+use crate::{Key, KvError, NDArray, Result, Updater};
+
+/// Checks that `v` has the stored value's shape and dtype.
+pub(crate) fn check_like(key: &Key, stored: &NDArray, v: &NDArray) -> Result<()> {
+    if v.shape() != stored.shape() {
+        return Err(KvError::ShapeMismatch {
+            key: key.clone(),
+            expected: stored.shape().to_vec(),
+            got: v.shape().to_vec(),
+        });
+    }
+    if v.dtype() != stored.dtype() {
+        return Err(KvError::DTypeMismatch {
+            key: key.clone(),
+            expected: stored.dtype(),
+            got: v.dtype(),
+        });
+    }
+    Ok(())
+}
+
+/// `dst = sum(values)`; all have `dst`'s shape and dtype (checked by the caller).
+pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) {
+    let dtype = dst.dtype();
+    let srcs: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
+    with_dtype!(dtype, T => ops::sum_bytes_into::<T>(dst.as_bytes_mut(), &srcs));
+}
+
+/// Checks that an updater left the stored value's shape and dtype as they were.
+pub(crate) fn check_updater_kept_shape(key: &Key, stored: &NDArray, shape: &[usize], dtype: crate::DType) -> Result<()> {
+    if stored.shape() != shape || stored.dtype() != dtype {
+        return Err(KvError::Updater {
+            key: key.clone(),
+            reason: format!(
+                "the updater replaced the stored {shape:?} {dtype} with {:?} {}",
+                stored.shape(),
+                stored.dtype()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// A single-process store.
+pub(crate) struct LocalStore {
+    store: HashMap<Key, NDArray>,
+    /// Per-key buffers where a list of pushed values is summed before the updater runs.
+    merge: HashMap<Key, NDArray>,
+    updater: Option<Updater>,
+}
+
+impl LocalStore {
+    pub(crate) fn new() -> Self {
+        LocalStore {
+            store: HashMap::new(),
+            merge: HashMap::new(),
+            updater: None,
+        }
+    }
+
+    pub(crate) fn set_updater(&mut self, u: Updater) {
+        self.updater = Some(u);
+    }
+
+    pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+        for (i, (k, vs)) in pairs.iter().enumerate() {
+            if self.store.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k) {
+                return Err(KvError::DoubleInit(k.clone()));
+            }
+        }
+        for (k, vs) in pairs {
+            // A fresh copy: the store never aliases the caller's array.
+            let mut v = NDArray::zeros_dtype(vs[0].shape(), vs[0].dtype()).on(vs[0].device());
+            v.as_bytes_mut().copy_from_slice(vs[0].as_bytes());
+            self.store.insert(k.clone(), v);
+        }
+        Ok(())
+    }
+
+    fn stored(&self, k: &Key) -> Result<&NDArray> {
+        self.store.get(k).ok_or_else(|| KvError::UnknownKey(k.clone()))
+    }
+
+    pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+        // Validate everything first, so a refused call changes nothing.
+        for (k, vs) in pairs {
+            let stored = self.stored(k)?;
+            for v in vs {
+                check_like(k, stored, v)?;
+            }
+        }
+        for (k, vs) in pairs {
+            let Some(stored) = self.store.get_mut(k) else {
+                return Err(KvError::UnknownKey(k.clone()));
+            };
+            match &mut self.updater {
+                None => sum_into(stored, vs),
+                Some(up) => {
+                    let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
+                    if vs.len() == 1 {
+                        up(k, vs[0], stored)?;
+                    } else {
+                        let merged = self
+                            .merge
+                            .entry(k.clone())
+                            .or_insert_with(|| NDArray::zeros_dtype(&shape, dtype));
+                        sum_into(merged, vs);
+                        up(k, merged, stored)?;
+                    }
+                    check_updater_kept_shape(k, stored, &shape, dtype)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn pull(&self, pairs: &mut [(Key, Vec<&mut NDArray>)]) -> Result<()> {
+        for (k, outs) in pairs.iter() {
+            let stored = self.stored(k)?;
+            for o in outs {
+                check_like(k, stored, o)?;
+            }
+        }
+        for (k, outs) in pairs.iter_mut() {
+            let stored = self.stored(k)?;
+            for o in outs.iter_mut() {
+                o.as_bytes_mut().copy_from_slice(stored.as_bytes());
+            }
+        }
+        Ok(())
+    }
+}

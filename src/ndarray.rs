@@ -1,0 +1,431 @@
+//! `NDArray`: an n-dimensional, typed, contiguous tensor.
+
+use std::fmt;
+use std::ops::Mul;
+use std::sync::Arc;
+
+use crate::dtype::with_dtype;
+use crate::{Device, DType, Element, KvError, Result};
+
+/// Byte storage aligned to 8 bytes, so it can be viewed as a slice of any element type.
+#[derive(Clone, Default)]
+pub(crate) struct AlignedBuf {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    pub(crate) fn zeroed(len: usize) -> Self {
+        AlignedBuf {
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    /// Makes the buffer `len` bytes long, keeping its allocation when it is big enough.
+    pub(crate) fn set_len(&mut self, len: usize) {
+        let words = len.div_ceil(8);
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
+        self.len = len;
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..len]
+    }
+}
+
+/// An n-dimensional array with a shape, a dtype, a device and contiguous (row-major) storage.
+///
+/// Cloning is cheap (the storage is shared) and copy-on-write: writing through one clone never
+/// changes another, so an array handed to a store is never aliased by it.
+///
+/// ```
+/// use kvstore::NDArray;
+/// let a = NDArray::ones(&[2, 3]) * 2.0;
+/// assert_eq!(a.to_vec::<f32>().unwrap(), vec![2.0; 6]);
+/// assert_eq!(a.to_string(), "[[2. 2. 2.]\n [2. 2. 2.]]");
+/// ```
+#[derive(Clone)]
+pub struct NDArray {
+    shape: Vec<usize>,
+    dtype: DType,
+    device: Device,
+    buf: Arc<AlignedBuf>,
+}
+
+fn elems(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl NDArray {
+    /// An array of zeros of the given dtype.
+    pub fn zeros_dtype(shape: &[usize], dtype: DType) -> NDArray {
+        NDArray {
+            shape: shape.to_vec(),
+            dtype,
+            device: Device::default(),
+            buf: Arc::new(AlignedBuf::zeroed(elems(shape) * dtype.size())),
+        }
+    }
+
+    /// An f32 array of zeros (MXNet's `nd.zeros`).
+    pub fn zeros(shape: &[usize]) -> NDArray {
+        NDArray::zeros_dtype(shape, DType::F32)
+    }
+
+    /// An f32 array of ones (MXNet's `nd.ones`).
+    pub fn ones(shape: &[usize]) -> NDArray {
+        NDArray::full(shape, 1.0)
+    }
+
+    /// An f32 array filled with `value`.
+    pub fn full(shape: &[usize], value: f64) -> NDArray {
+        NDArray::full_dtype(shape, value, DType::F32)
+    }
+
+    /// An array of the given dtype filled with `value` (converted to the dtype).
+    pub fn full_dtype(shape: &[usize], value: f64, dtype: DType) -> NDArray {
+        let mut a = NDArray::zeros_dtype(shape, dtype);
+        a.fill(value);
+        a
+    }
+
+    /// An array holding `data` in row-major order; the length must fill the shape.
+    pub fn from_vec<T: Element>(shape: &[usize], data: Vec<T>) -> Result<NDArray> {
+        NDArray::from_slice(shape, &data)
+    }
+
+    /// An array holding a copy of `data` in row-major order; the length must fill the shape.
+    pub fn from_slice<T: Element>(shape: &[usize], data: &[T]) -> Result<NDArray> {
+        if elems(shape) != data.len() {
+            return Err(KvError::BadShape {
+                shape: shape.to_vec(),
+                len: data.len(),
+            });
+        }
+        let mut a = NDArray::zeros_dtype(shape, T::DTYPE);
+        a.as_bytes_mut().copy_from_slice(bytemuck::cast_slice(data));
+        Ok(a)
+    }
+
+    /// A 1-D array of the given dtype made from raw little-endian bytes.
+    pub fn from_bytes(shape: &[usize], dtype: DType, bytes: &[u8]) -> Result<NDArray> {
+        if elems(shape) * dtype.size() != bytes.len() {
+            return Err(KvError::BadShape {
+                shape: shape.to_vec(),
+                len: bytes.len() / dtype.size().max(1),
+            });
+        }
+        let mut a = NDArray::zeros_dtype(shape, dtype);
+        a.as_bytes_mut().copy_from_slice(bytes);
+        Ok(a)
+    }
+
+    /// The same array, said to live on `device` (MXNet's `ctx=`).
+    pub fn on(mut self, device: Device) -> NDArray {
+        self.device = device;
+        self
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The number of elements.
+    pub fn size(&self) -> usize {
+        elems(&self.shape)
+    }
+
+    /// The number of bytes of storage.
+    pub fn nbytes(&self) -> usize {
+        self.size() * self.dtype.size()
+    }
+
+    /// The storage as bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.buf.bytes()
+    }
+
+    /// The storage as mutable bytes (copies first if the storage is shared with a clone).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        Arc::make_mut(&mut self.buf).bytes_mut()
+    }
+
+    fn check_type<T: Element>(&self) -> Result<()> {
+        if T::DTYPE == self.dtype {
+            Ok(())
+        } else {
+            Err(KvError::WrongElementType {
+                actual: self.dtype,
+                asked: T::DTYPE,
+            })
+        }
+    }
+
+    /// The elements as a typed slice; `T` must be the array's element type.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.check_type::<T>()?;
+        Ok(bytemuck::cast_slice(self.as_bytes()))
+    }
+
+    /// The elements as a mutable typed slice; `T` must be the array's element type.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.check_type::<T>()?;
+        Ok(bytemuck::cast_slice_mut(self.as_bytes_mut()))
+    }
+
+    /// A copy of the elements; `T` must be the array's element type.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.as_slice::<T>().map(<[T]>::to_vec)
+    }
+
+    /// The elements converted to f64, whatever the dtype.
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        with_dtype!(self.dtype, T => bytemuck::cast_slice::<u8, T>(self.as_bytes())
+            .iter()
+            .map(|v| v.to_f64())
+            .collect())
+    }
+
+    /// The element at a multi-index, converted to f64.
+    pub fn get(&self, index: &[usize]) -> Result<f64> {
+        let oob = || KvError::OutOfBounds {
+            index: index.to_vec(),
+            shape: self.shape.clone(),
+        };
+        if index.len() != self.shape.len() {
+            return Err(oob());
+        }
+        let mut flat = 0usize;
+        for (&i, &n) in index.iter().zip(&self.shape) {
+            if i >= n {
+                return Err(oob());
+            }
+            flat = flat * n + i;
+        }
+        Ok(with_dtype!(self.dtype, T => bytemuck::cast_slice::<u8, T>(self.as_bytes())[flat].to_f64()))
+    }
+
+    /// Sets every element to `value` (converted to the dtype).
+    pub fn fill(&mut self, value: f64) {
+        let dtype = self.dtype;
+        with_dtype!(dtype, T => {
+            let v = T::from_f64(value);
+            bytemuck::cast_slice_mut::<u8, T>(self.as_bytes_mut()).fill(v);
+        })
+    }
+
+    fn check_same(&self, other: &NDArray) -> Result<()> {
+        if self.shape != other.shape || self.dtype != other.dtype {
+            return Err(KvError::Incompatible(format!(
+                "{:?} {} vs {:?} {}",
+                self.shape, self.dtype, other.shape, other.dtype
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `other`'s elements into this array (same shape and dtype).
+    pub fn copy_from(&mut self, other: &NDArray) -> Result<()> {
+        self.check_same(other)?;
+        if !Arc::ptr_eq(&self.buf, &other.buf) {
+            self.as_bytes_mut().copy_from_slice(other.as_bytes());
+        }
+        Ok(())
+    }
+
+    /// `self += other`, element-wise (same shape and dtype).
+    pub fn add_assign(&mut self, other: &NDArray) -> Result<()> {
+        self.check_same(other)?;
+        let dtype = self.dtype;
+        let src = other.buf.clone();
+        with_dtype!(dtype, T => crate::ops::add_into::<T>(
+            bytemuck::cast_slice_mut(self.as_bytes_mut()),
+            bytemuck::cast_slice(src.bytes()),
+        ));
+        Ok(())
+    }
+
+    /// `self += alpha * x`, element-wise, in place (same shape and dtype).
+    pub fn axpy(&mut self, alpha: f64, x: &NDArray) -> Result<()> {
+        self.check_same(x)?;
+        let dtype = self.dtype;
+        let src = x.buf.clone();
+        with_dtype!(dtype, T => crate::ops::axpy_into::<T>(
+            bytemuck::cast_slice_mut(self.as_bytes_mut()),
+            alpha,
+            bytemuck::cast_slice(src.bytes()),
+        ));
+        Ok(())
+    }
+
+    /// `self *= alpha`, in place.
+    pub fn scale_inplace(&mut self, alpha: f64) {
+        let dtype = self.dtype;
+        with_dtype!(dtype, T => {
+            for v in bytemuck::cast_slice_mut::<u8, T>(self.as_bytes_mut()) {
+                *v = v.scale(alpha);
+            }
+        })
+    }
+
+    /// A new array `self * alpha`.
+    pub fn scaled(&self, alpha: f64) -> NDArray {
+        let mut out = self.clone();
+        out.scale_inplace(alpha);
+        out
+    }
+
+    /// Turns this array into a receive buffer of `shape` and `dtype`, keeping its allocation
+    /// when it is big enough and not shared. Its contents are unspecified afterwards.
+    pub(crate) fn reset_as(&mut self, shape: &[usize], dtype: DType) {
+        let len = elems(shape) * dtype.size();
+        match Arc::get_mut(&mut self.buf) {
+            Some(b) => b.set_len(len),
+            None => self.buf = Arc::new(AlignedBuf::zeroed(len)),
+        }
+        self.shape.clear();
+        self.shape.extend_from_slice(shape);
+        self.dtype = dtype;
+    }
+
+    /// Whether storage is shared with another clone (for tests of copy counts).
+    pub fn shares_storage_with(&self, other: &NDArray) -> bool {
+        Arc::ptr_eq(&self.buf, &other.buf)
+    }
+}
+
+impl Mul<f64> for &NDArray {
+    type Output = NDArray;
+    fn mul(self, alpha: f64) -> NDArray {
+        self.scaled(alpha)
+    }
+}
+
+impl Mul<f64> for NDArray {
+    type Output = NDArray;
+    fn mul(mut self, alpha: f64) -> NDArray {
+        self.scale_inplace(alpha);
+        self
+    }
+}
+
+impl PartialEq for NDArray {
+    fn eq(&self, other: &NDArray) -> bool {
+        self.shape == other.shape && self.dtype == other.dtype && self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl fmt::Debug for NDArray {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "NDArray(shape={:?}, dtype={}, device={},\n{})",
+            self.shape, self.dtype, self.device, self
+        )
+    }
+}
+
+impl fmt::Display for NDArray {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&crate::format::format_array(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    #[test]
+    fn constructors() {
+        let z = NDArray::zeros(&[2, 3]);
+        assert_eq!(z.shape(), &[2, 3]);
+        assert_eq!(z.dtype(), DType::F32);
+        assert_eq!(z.to_vec::<f32>().unwrap(), vec![0.0; 6]);
+        assert_eq!(NDArray::ones(&[4]).to_vec::<f32>().unwrap(), vec![1.0; 4]);
+        assert_eq!(
+            NDArray::full_dtype(&[2], 7.0, DType::I64).to_vec::<i64>().unwrap(),
+            vec![7, 7]
+        );
+        let v = NDArray::from_vec(&[2, 2], vec![1.0f64, 2.0, 3.0, 4.0]).unwrap();
+        assert_eq!(v.dtype(), DType::F64);
+        assert_eq!(v.get(&[1, 0]).unwrap(), 3.0);
+        assert!(v.get(&[2, 0]).is_err());
+        assert!(v.get(&[0]).is_err());
+        assert!(matches!(
+            NDArray::from_vec(&[3], vec![1i32, 2]),
+            Err(KvError::BadShape { .. })
+        ));
+        assert!(matches!(
+            v.to_vec::<f32>(),
+            Err(KvError::WrongElementType { .. })
+        ));
+    }
+
+    #[test]
+    fn every_dtype_does_arithmetic() {
+        for dt in DType::ALL {
+            let mut a = NDArray::full_dtype(&[3], 2.0, dt);
+            let b = NDArray::full_dtype(&[3], 3.0, dt);
+            a.add_assign(&b).unwrap();
+            assert_eq!(a.to_f64_vec(), vec![5.0; 3], "{dt}");
+            a.axpy(2.0, &b).unwrap();
+            assert_eq!(a.to_f64_vec(), vec![11.0; 3], "{dt}");
+            assert_eq!(a.scaled(2.0).to_f64_vec(), vec![22.0; 3], "{dt}");
+        }
+        let h = NDArray::from_vec(&[1], vec![f16::from_f32(1.5)]).unwrap();
+        assert_eq!(h.dtype(), DType::F16);
+        let b = NDArray::from_vec(&[1], vec![bf16::from_f32(-2.0)]).unwrap();
+        assert_eq!(b.dtype(), DType::BF16);
+    }
+
+    #[test]
+    fn clones_are_copy_on_write() {
+        let a = NDArray::ones(&[4]);
+        let mut b = a.clone();
+        assert!(a.shares_storage_with(&b));
+        b.fill(5.0);
+        assert!(!a.shares_storage_with(&b));
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0; 4]);
+        assert_eq!(b.to_vec::<f32>().unwrap(), vec![5.0; 4]);
+    }
+
+    #[test]
+    fn mismatched_operands_are_errors() {
+        let mut a = NDArray::ones(&[2, 3]);
+        assert!(a.add_assign(&NDArray::ones(&[3, 2])).is_err());
+        assert!(a
+            .add_assign(&NDArray::full_dtype(&[2, 3], 1.0, DType::F64))
+            .is_err());
+        assert!(a.copy_from(&NDArray::ones(&[6])).is_err());
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0; 6]);
+    }
+
+    #[test]
+    fn self_add_through_a_clone() {
+        let mut a = NDArray::ones(&[3]);
+        let b = a.clone();
+        a.add_assign(&b).unwrap();
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![2.0; 3]);
+        assert_eq!(b.to_vec::<f32>().unwrap(), vec![1.0; 3]);
+    }
+}

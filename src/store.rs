@@ -1,0 +1,217 @@
+//! `KVStore`: MXNet's API over every store type.
+
+use crate::args::{group_outputs, group_values};
+use crate::local::LocalStore;
+use crate::optimizer::{Optimizer, OptimizerUpdater};
+use crate::{Key, Keys, KvError, NDArray, Outputs, Result, Values};
+
+/// An updater: `(key, input, stored)`; it merges `input` (the sum of the pushed values) into
+/// `stored`, in place. It must keep `stored`'s shape and dtype.
+pub type Updater = Box<dyn FnMut(&Key, &NDArray, &mut NDArray) -> Result<()> + Send>;
+
+/// The store types `create` knows.
+pub const TYPES: [&str; 4] = ["local", "device", "dist_sync", "dist_async"];
+
+enum Inner {
+    Local(LocalStore),
+    Dist(Box<crate::dist::worker::DistWorker>),
+}
+
+/// Integer keys or string keys: a store takes one kind.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum KeyKind {
+    Int,
+    Str,
+}
+
+/// A key-value store with MXNet KVStore's semantics.
+///
+/// ```
+/// use kvstore::{create, NDArray};
+/// let mut kv = create("local").unwrap();
+/// kv.init(3, &(NDArray::ones(&[2, 3]) * 2.0)).unwrap();
+/// let mut a = NDArray::zeros(&[2, 3]);
+/// kv.pull(3, &mut a).unwrap();
+/// assert_eq!(a.to_string(), "[[2. 2. 2.]\n [2. 2. 2.]]");
+/// ```
+pub struct KVStore {
+    kind: &'static str,
+    key_kind: Option<KeyKind>,
+    inner: Inner,
+}
+
+/// Creates a store: `"local"`, `"device"`, `"dist_sync"` or `"dist_async"`.
+///
+/// For the `dist_*` types the process's role comes from its environment (`DMLC_ROLE` and the
+/// rest, see [`crate::dist::Config`]). In the server or scheduler role, `create` runs that role
+/// until the job ends and then exits the process; only workers get a store back.
+pub fn create(name: &str) -> Result<KVStore> {
+    let Some(kind) = TYPES.iter().copied().find(|t| *t == name) else {
+        return Err(KvError::UnknownType {
+            name: name.to_string(),
+            valid: TYPES.join(", "),
+        });
+    };
+    let inner = match kind {
+        "local" | "device" => Inner::Local(LocalStore::new()),
+        _ => Inner::Dist(Box::new(crate::dist::start_worker_or_run_role(kind == "dist_sync")?)),
+    };
+    Ok(KVStore {
+        kind,
+        key_kind: None,
+        inner,
+    })
+}
+
+impl KVStore {
+    /// The store type, as given to [`create`] (MXNet's `type`).
+    pub fn r#type(&self) -> &'static str {
+        self.kind
+    }
+
+    /// This worker's rank (0 for local stores).
+    pub fn rank(&self) -> usize {
+        match &self.inner {
+            Inner::Local(_) => 0,
+            Inner::Dist(d) => d.rank(),
+        }
+    }
+
+    /// The number of workers (1 for local stores).
+    pub fn num_workers(&self) -> usize {
+        match &self.inner {
+            Inner::Local(_) => 1,
+            Inner::Dist(d) => d.num_workers(),
+        }
+    }
+
+    /// Waits until every worker has reached the barrier (returns at once for local stores).
+    pub fn barrier(&mut self) -> Result<()> {
+        match &mut self.inner {
+            Inner::Local(_) => Ok(()),
+            Inner::Dist(d) => d.barrier(),
+        }
+    }
+
+    fn check_keys<'a>(&mut self, keys: impl Iterator<Item = &'a Key>) -> Result<()> {
+        let mut kind = self.key_kind;
+        for k in keys {
+            let this = match k {
+                Key::Int(_) => KeyKind::Int,
+                Key::Str(_) => KeyKind::Str,
+            };
+            match kind {
+                None => kind = Some(this),
+                Some(prev) if prev != this => return Err(KvError::MixedKeyTypes(k.clone())),
+                Some(_) => {}
+            }
+        }
+        self.key_kind = kind;
+        Ok(())
+    }
+
+    /// Initialises keys: one value per key. A key is initialised once.
+    pub fn init<'a>(&mut self, keys: impl Into<Keys>, values: impl Into<Values<'a>>) -> Result<()> {
+        let pairs = group_values(keys.into(), values.into())?;
+        self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        match &mut self.inner {
+            Inner::Local(s) => s.init(&pairs),
+            Inner::Dist(d) => d.init(&pairs),
+        }
+    }
+
+    /// Pushes values: a list of values for a key is summed, then merged by the updater
+    /// (ASSIGN unless one is set).
+    pub fn push<'a>(&mut self, keys: impl Into<Keys>, values: impl Into<Values<'a>>) -> Result<()> {
+        let pairs = group_values(keys.into(), values.into())?;
+        self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        match &mut self.inner {
+            Inner::Local(s) => s.push(&pairs),
+            Inner::Dist(d) => d.push(&pairs),
+        }
+    }
+
+    /// Copies the stored values into the outputs (one output, or each of a list of outputs).
+    pub fn pull<'a>(&mut self, keys: impl Into<Keys>, outs: impl Into<Outputs<'a>>) -> Result<()> {
+        let mut pairs = group_outputs(keys.into(), outs.into())?;
+        self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        match &mut self.inner {
+            Inner::Local(s) => s.pull(&mut pairs),
+            Inner::Dist(d) => d.pull(&mut pairs),
+        }
+    }
+
+    /// Push, then pull into `outs`, in one round trip where the store is remote.
+    pub fn pushpull<'a, 'b>(
+        &mut self,
+        keys: impl Into<Keys>,
+        values: impl Into<Values<'a>>,
+        outs: impl Into<Outputs<'b>>,
+    ) -> Result<()> {
+        let keys = keys.into();
+        let pairs = group_values(keys.clone(), values.into())?;
+        let mut out_pairs = group_outputs(keys, outs.into())?;
+        self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        match &mut self.inner {
+            Inner::Local(s) => {
+                // Validate the pull side before pushing, so a refused call changes nothing.
+                for (k, outs) in &out_pairs {
+                    let Some((_, vs)) = pairs.iter().find(|(p, _)| p == k) else {
+                        return Err(KvError::UnknownKey(k.clone()));
+                    };
+                    for o in outs {
+                        crate::local::check_like(k, vs[0], o)?;
+                    }
+                }
+                s.push(&pairs)?;
+                s.pull(&mut out_pairs)
+            }
+            Inner::Dist(d) => d.pushpull(&pairs, &mut out_pairs),
+        }
+    }
+
+    /// Replaces the updater. In a distributed store closures cannot travel to the servers:
+    /// register the updater with [`crate::register_updater`] and select it with
+    /// [`KVStore::set_server_updater`].
+    pub fn set_updater<F>(&mut self, f: F) -> Result<()>
+    where
+        F: FnMut(&Key, &NDArray, &mut NDArray) -> Result<()> + Send + 'static,
+    {
+        match &mut self.inner {
+            Inner::Local(s) => {
+                s.set_updater(Box::new(f));
+                Ok(())
+            }
+            Inner::Dist(_) => Err(KvError::Unsupported(
+                "a closure cannot be sent to the servers: register it with \
+                 kvstore::register_updater(name, ..) and call set_server_updater(name)"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Runs a built-in optimizer as the updater (on the servers for distributed stores).
+    pub fn set_optimizer(&mut self, opt: Optimizer) -> Result<()> {
+        match &mut self.inner {
+            Inner::Local(s) => {
+                let mut u = OptimizerUpdater::new(opt);
+                s.set_updater(Box::new(move |k, g, w| u.update(k, g, w)));
+                Ok(())
+            }
+            Inner::Dist(d) => d.set_optimizer(&opt),
+        }
+    }
+
+    /// Selects, by name, an updater registered with [`crate::register_updater`]; in a distributed
+    /// store it runs on the servers.
+    pub fn set_server_updater(&mut self, name: &str) -> Result<()> {
+        match &mut self.inner {
+            Inner::Local(s) => {
+                let u = crate::registry::lookup(name)?;
+                s.set_updater(Box::new(move |k, i, st| u(k, i, st)));
+                Ok(())
+            }
+            Inner::Dist(d) => d.set_server_updater(name),
+        }
+    }
+}

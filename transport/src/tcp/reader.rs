@@ -1,0 +1,280 @@
+//! Incremental frame reading from a non-blocking stream.
+
+use std::io::{self, Read};
+
+use crate::frame::{FrameHeader, HEADER_LEN};
+use crate::TransportError;
+
+/// The receiver of frames: it is told of each header, names the buffer the payload goes to,
+/// and is told when the frame is complete.
+pub trait FrameSink {
+    /// A header has arrived. An error closes the connection.
+    fn on_header(&mut self, h: &FrameHeader) -> Result<(), TransportError>;
+    /// The buffer for the payload of the frame `h` (called again on every read of that frame;
+    /// it must name the same buffer, exactly `h.payload_len` bytes long).
+    fn payload_dest(&mut self, h: &FrameHeader) -> &mut [u8];
+    /// The frame is complete. An error closes the connection.
+    fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError>;
+}
+
+/// Staging buffer size: small frames are parsed out of it, several per `read`.
+const STAGE: usize = 64 * 1024;
+
+/// Reads frames from a stream as bytes arrive.
+///
+/// Headers and small payloads are read through a 64 KiB staging buffer (many frames per system
+/// call); the rest of a large payload is read straight into its destination.
+///
+/// ```
+/// use kvstore_transport::tcp::{FrameReader, FrameSink};
+/// use kvstore_transport::{FrameHeader, TransportError, META_LEN};
+///
+/// struct Collect(Vec<Vec<u8>>, Vec<u8>);
+/// impl FrameSink for Collect {
+///     fn on_header(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
+///         self.1 = vec![0; h.payload_len as usize];
+///         Ok(())
+///     }
+///     fn payload_dest(&mut self, _: &FrameHeader) -> &mut [u8] { &mut self.1 }
+///     fn on_frame(&mut self, _: &FrameHeader) -> Result<(), TransportError> {
+///         self.0.push(std::mem::take(&mut self.1));
+///         Ok(())
+///     }
+/// }
+/// let mut wire = FrameHeader::new([0; META_LEN], 3).encode().to_vec();
+/// wire.extend_from_slice(b"abc");
+/// let mut sink = Collect(vec![], vec![]);
+/// let mut r = FrameReader::new(1 << 20);
+/// let err = r.read_from(&mut &wire[..], &mut sink).unwrap_err(); // EOF after the frame
+/// assert_eq!(sink.0, vec![b"abc".to_vec()]);
+/// assert!(matches!(err, TransportError::Closed));
+/// ```
+pub struct FrameReader {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    cur: Option<FrameHeader>,
+    got: usize,
+    max_payload: u64,
+}
+
+fn read_some(r: &mut impl Read, into: &mut [u8]) -> io::Result<usize> {
+    loop {
+        match r.read(into) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
+impl FrameReader {
+    /// A reader that refuses payloads over `max_payload` bytes.
+    pub fn new(max_payload: u64) -> Self {
+        FrameReader {
+            buf: vec![0u8; STAGE].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            cur: None,
+            got: 0,
+            max_payload,
+        }
+    }
+
+    /// Whether the reader is between frames (nothing partial buffered).
+    pub fn is_idle(&self) -> bool {
+        self.cur.is_none() && self.start == self.end
+    }
+
+    /// Reads and delivers frames until the stream would block.
+    ///
+    /// Returns `Ok(())` on `WouldBlock`; [`TransportError::Closed`] on a clean end of stream
+    /// between frames, [`TransportError::Truncated`] on an end inside a frame, and any error of
+    /// the sink or of validation. After an error the connection must be closed.
+    pub fn read_from(&mut self, r: &mut impl Read, sink: &mut impl FrameSink) -> Result<(), TransportError> {
+        loop {
+            match self.cur {
+                None => {
+                    if self.end - self.start >= HEADER_LEN {
+                        let mut hb = [0u8; HEADER_LEN];
+                        hb.copy_from_slice(&self.buf[self.start..self.start + HEADER_LEN]);
+                        self.start += HEADER_LEN;
+                        let h = FrameHeader::decode(&hb, self.max_payload)?;
+                        sink.on_header(&h)?;
+                        if h.payload_len == 0 {
+                            sink.on_frame(&h)?;
+                        } else {
+                            self.cur = Some(h);
+                            self.got = 0;
+                        }
+                        continue;
+                    }
+                    // Keep the partial header at the front, then fill the rest.
+                    self.buf.copy_within(self.start..self.end, 0);
+                    self.end -= self.start;
+                    self.start = 0;
+                    match read_some(r, &mut self.buf[self.end..]) {
+                        Ok(0) if self.end == 0 => return Err(TransportError::Closed),
+                        Ok(0) => {
+                            return Err(TransportError::Truncated {
+                                got: self.end,
+                                want: HEADER_LEN,
+                            })
+                        }
+                        Ok(n) => self.end += n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                Some(h) => {
+                    let len = h.payload_len as usize;
+                    let dest = sink.payload_dest(&h);
+                    if dest.len() != len {
+                        return Err(TransportError::Refused(format!(
+                            "payload of {len} bytes for a buffer of {}",
+                            dest.len()
+                        )));
+                    }
+                    let take = (self.end - self.start).min(len - self.got);
+                    dest[self.got..self.got + take]
+                        .copy_from_slice(&self.buf[self.start..self.start + take]);
+                    self.start += take;
+                    self.got += take;
+                    if self.got == len {
+                        self.cur = None;
+                        sink.on_frame(&h)?;
+                        continue;
+                    }
+                    // The staging buffer is empty here.
+                    self.start = 0;
+                    self.end = 0;
+                    let res = if len - self.got >= STAGE / 2 {
+                        read_some(r, &mut dest[self.got..]).map(|n| (n, true))
+                    } else {
+                        read_some(r, &mut self.buf).map(|n| (n, false))
+                    };
+                    match res {
+                        Ok((0, _)) => {
+                            return Err(TransportError::Truncated {
+                                got: HEADER_LEN + self.got,
+                                want: HEADER_LEN + len,
+                            })
+                        }
+                        Ok((n, true)) => self.got += n,
+                        Ok((n, false)) => self.end = n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::META_LEN;
+
+    /// A stream that yields its bytes a few at a time, with WouldBlock between chunks.
+    struct Trickle {
+        data: Vec<u8>,
+        pos: usize,
+        chunk: usize,
+        blocked: bool,
+    }
+    impl Read for Trickle {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.blocked {
+                self.blocked = false;
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            self.blocked = true;
+            let n = self.chunk.min(buf.len()).min(self.data.len() - self.pos);
+            buf[..n].copy_from_slice(&self.data[self.pos..self.pos + n]);
+            self.pos += n;
+            Ok(n)
+        }
+    }
+
+    #[derive(Default)]
+    struct Collect {
+        frames: Vec<(u8, Vec<u8>)>,
+        cur: Vec<u8>,
+    }
+    impl FrameSink for Collect {
+        fn on_header(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
+            if h.meta[0] == 0xff {
+                return Err(TransportError::Refused("tag ff".into()));
+            }
+            self.cur = vec![0; h.payload_len as usize];
+            Ok(())
+        }
+        fn payload_dest(&mut self, _: &FrameHeader) -> &mut [u8] {
+            &mut self.cur
+        }
+        fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
+            self.frames.push((h.meta[0], std::mem::take(&mut self.cur)));
+            Ok(())
+        }
+    }
+
+    fn frame(tag: u8, payload: &[u8]) -> Vec<u8> {
+        let mut meta = [0u8; META_LEN];
+        meta[0] = tag;
+        let mut v = FrameHeader::new(meta, payload.len() as u64).encode().to_vec();
+        v.extend_from_slice(payload);
+        v
+    }
+
+    fn run(data: Vec<u8>, chunk: usize) -> (Collect, TransportError) {
+        let mut t = Trickle {
+            data,
+            pos: 0,
+            chunk,
+            blocked: false,
+        };
+        let mut r = FrameReader::new(1 << 24);
+        let mut sink = Collect::default();
+        loop {
+            if let Err(e) = r.read_from(&mut t, &mut sink) {
+                return (sink, e);
+            }
+        }
+    }
+
+    #[test]
+    fn frames_survive_any_chunking() {
+        let big: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let mut wire = frame(1, b"hello");
+        wire.extend(frame(2, b""));
+        wire.extend(frame(3, &big));
+        wire.extend(frame(4, b"x"));
+        for chunk in [1, 7, 128, 129, 4096, 1 << 20] {
+            let (sink, end) = run(wire.clone(), chunk);
+            assert!(matches!(end, TransportError::Closed), "{chunk}: {end}");
+            let tags: Vec<u8> = sink.frames.iter().map(|f| f.0).collect();
+            assert_eq!(tags, vec![1, 2, 3, 4]);
+            assert_eq!(sink.frames[0].1, b"hello");
+            assert_eq!(sink.frames[2].1, big);
+        }
+    }
+
+    #[test]
+    fn truncation_is_reported() {
+        let mut wire = frame(1, b"abcdef");
+        wire.truncate(HEADER_LEN + 3);
+        let (sink, end) = run(wire, 5);
+        assert!(sink.frames.is_empty());
+        assert!(matches!(end, TransportError::Truncated { .. }), "{end}");
+        let (_, end) = run(frame(1, b"")[..50].to_vec(), 1000);
+        assert!(matches!(end, TransportError::Truncated { got: 50, .. }), "{end}");
+    }
+
+    #[test]
+    fn sink_refusal_and_garbage_stop_the_reader() {
+        let (_, end) = run(frame(0xff, b"zz"), 1000);
+        assert!(matches!(end, TransportError::Refused(_)));
+        let (_, end) = run(vec![0x55; 300], 1000);
+        assert!(matches!(end, TransportError::BadMagic(_)));
+    }
+}
