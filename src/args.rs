@@ -339,7 +339,8 @@ mod tests {
 
     #[test]
     fn string_keys() {
-        let g = group_values(["w", "b"].into(), (&vec![NDArray::ones(&[1]); 2]).into()).unwrap();
+        let vs = vec![NDArray::ones(&[1]); 2];
+        let g = group_values(["w", "b"].into(), (&vs).into()).unwrap();
         assert_eq!(g[1].0, Key::Str("b".into()));
     }
 }

@@ -191,7 +191,7 @@ mod tests {
     #[test]
     fn aligns_like_numpy() {
         let a = NDArray::from_vec(&[3], vec![1.5f32, 2.0, -10.25]).unwrap();
-        assert_eq!(a.to_string(), "[  1.5   2.  -10.25]");
+        assert_eq!(a.to_string(), "[  1.5    2.   -10.25]");
         let i = NDArray::from_vec(&[3], vec![1i32, 10, -5]).unwrap();
         assert_eq!(i.to_string(), "[ 1 10 -5]");
         let s = NDArray::from_vec(&[2], vec![1e9f64, 1.0]).unwrap();

@@ -155,14 +155,14 @@ mod tests {
         for cap in [1, 100, 129, 5000] {
             let mut q2 = OutQueue::new();
             for (i, p) in payloads.iter().enumerate() {
-                q2.push(FrameHeader::new([i as u8; META_LEN], p.len() as u64).encode(), i);
+                q2.push(FrameHeader::new([i as u8; META_LEN], p.len() as u64).encode(), p.as_slice());
             }
             let mut w = Slow {
                 out: vec![],
                 cap,
                 block: false,
             };
-            while !q2.flush(&mut w, |&i| payloads[i].as_slice()).unwrap() {}
+            while !q2.flush(&mut w, |p| *p).unwrap() {}
             assert_eq!(w.out, expected, "cap {cap}");
             assert!(q2.is_empty());
         }
