@@ -239,7 +239,10 @@ fn pair<T>(keys: Keys, form: Form<T>) -> Result<Vec<(Key, Vec<T>)>> {
             if ks.len() != 1 {
                 return mismatch(ks.len(), 1);
             }
-            ks.into_iter().next().map(|k| vec![(k, vec![v])]).unwrap_or_default()
+            ks.into_iter()
+                .next()
+                .map(|k| vec![(k, vec![v])])
+                .unwrap_or_default()
         }
         (Keys::Many(ks), Form::List(vs)) => {
             if ks.len() != vs.len() {
@@ -263,7 +266,10 @@ fn pair<T>(keys: Keys, form: Form<T>) -> Result<Vec<(Key, Vec<T>)>> {
 }
 
 /// Keys paired with their values; a key given twice has its lists joined (MXNet sums them).
-pub(crate) fn group_values<'a>(keys: Keys, values: Values<'a>) -> Result<Vec<(Key, Vec<&'a NDArray>)>> {
+pub(crate) fn group_values<'a>(
+    keys: Keys,
+    values: Values<'a>,
+) -> Result<Vec<(Key, Vec<&'a NDArray>)>> {
     let pairs = match values {
         Values::One(v) => pair(keys, Form::One(v))?,
         Values::List(vs) => pair(keys, Form::List(vs))?,

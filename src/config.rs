@@ -106,10 +106,11 @@ impl Config {
         if !(timeout_s > 0.0 && timeout_s.is_finite()) {
             return Err(KvError::Config("KVSTORE_TIMEOUT must be positive".into()));
         }
-        let bound = match var("KVSTORE_BIGARRAY_BOUND").or_else(|| var("MXNET_KVSTORE_BIGARRAY_BOUND")) {
-            Some(v) => parse("KVSTORE_BIGARRAY_BOUND", &v)?,
-            None => 1_000_000,
-        };
+        let bound =
+            match var("KVSTORE_BIGARRAY_BOUND").or_else(|| var("MXNET_KVSTORE_BIGARRAY_BOUND")) {
+                Some(v) => parse("KVSTORE_BIGARRAY_BOUND", &v)?,
+                None => 1_000_000,
+            };
         let max_message = match var("KVSTORE_MAX_MESSAGE") {
             Some(v) => parse("KVSTORE_MAX_MESSAGE", &v)?,
             None => 8 << 30,
@@ -120,7 +121,9 @@ impl Config {
             num_servers,
             num_workers,
             secret: var("KVSTORE_SECRET").unwrap_or_default(),
-            rank_hint: var("KVSTORE_RANK").map(|v| parse("KVSTORE_RANK", &v)).transpose()?,
+            rank_hint: var("KVSTORE_RANK")
+                .map(|v| parse("KVSTORE_RANK", &v))
+                .transpose()?,
             node_host: var("DMLC_NODE_HOST"),
             timeout: Duration::from_secs_f64(timeout_s),
             bigarray_bound: bound,

@@ -33,7 +33,12 @@ pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) {
 }
 
 /// Checks that an updater left the stored value's shape and dtype as they were.
-pub(crate) fn check_updater_kept_shape(key: &Key, stored: &NDArray, shape: &[usize], dtype: crate::DType) -> Result<()> {
+pub(crate) fn check_updater_kept_shape(
+    key: &Key,
+    stored: &NDArray,
+    shape: &[usize],
+    dtype: crate::DType,
+) -> Result<()> {
     if stored.shape() != shape || stored.dtype() != dtype {
         return Err(KvError::Updater {
             key: key.clone(),
@@ -70,7 +75,8 @@ impl LocalStore {
 
     pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
         for (i, (k, vs)) in pairs.iter().enumerate() {
-            if self.store.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k) {
+            if self.store.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k)
+            {
                 return Err(KvError::DoubleInit(k.clone()));
             }
         }
@@ -84,7 +90,9 @@ impl LocalStore {
     }
 
     fn stored(&self, k: &Key) -> Result<&NDArray> {
-        self.store.get(k).ok_or_else(|| KvError::UnknownKey(k.clone()))
+        self.store
+            .get(k)
+            .ok_or_else(|| KvError::UnknownKey(k.clone()))
     }
 
     pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {

@@ -5,7 +5,7 @@ use std::ops::Mul;
 use std::sync::Arc;
 
 use crate::dtype::with_dtype;
-use crate::{Device, DType, Element, KvError, Result};
+use crate::{DType, Device, Element, KvError, Result};
 
 /// Byte storage aligned to 8 bytes, so it can be viewed as a slice of any element type.
 #[derive(Clone, Default)]
@@ -221,7 +221,9 @@ impl NDArray {
             }
             flat = flat * n + i;
         }
-        Ok(with_dtype!(self.dtype, T => bytemuck::cast_slice::<u8, T>(self.as_bytes())[flat].to_f64()))
+        Ok(
+            with_dtype!(self.dtype, T => bytemuck::cast_slice::<u8, T>(self.as_bytes())[flat].to_f64()),
+        )
     }
 
     /// Sets every element to `value` (converted to the dtype).
@@ -330,7 +332,9 @@ impl Mul<f64> for NDArray {
 
 impl PartialEq for NDArray {
     fn eq(&self, other: &NDArray) -> bool {
-        self.shape == other.shape && self.dtype == other.dtype && self.as_bytes() == other.as_bytes()
+        self.shape == other.shape
+            && self.dtype == other.dtype
+            && self.as_bytes() == other.as_bytes()
     }
 }
 
@@ -363,7 +367,9 @@ mod tests {
         assert_eq!(z.to_vec::<f32>().unwrap(), vec![0.0; 6]);
         assert_eq!(NDArray::ones(&[4]).to_vec::<f32>().unwrap(), vec![1.0; 4]);
         assert_eq!(
-            NDArray::full_dtype(&[2], 7.0, DType::I64).to_vec::<i64>().unwrap(),
+            NDArray::full_dtype(&[2], 7.0, DType::I64)
+                .to_vec::<i64>()
+                .unwrap(),
             vec![7, 7]
         );
         let v = NDArray::from_vec(&[2, 2], vec![1.0f64, 2.0, 3.0, 4.0]).unwrap();

@@ -47,7 +47,10 @@ pub fn sum_into<T: Element>(dst: &mut [T], srcs: &[&[T]]) {
 
 /// The same sum as [`sum_into`] over byte views of elements of type `T`.
 pub fn sum_bytes_into<T: Element>(dst: &mut [u8], srcs: &[&[u8]]) {
-    let typed: Vec<&[T]> = srcs.iter().map(|s| bytemuck::cast_slice::<u8, T>(s)).collect();
+    let typed: Vec<&[T]> = srcs
+        .iter()
+        .map(|s| bytemuck::cast_slice::<u8, T>(s))
+        .collect();
     sum_into::<T>(bytemuck::cast_slice_mut(dst), &typed);
 }
 

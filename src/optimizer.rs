@@ -87,7 +87,16 @@ impl Optimizer {
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [2.0, lr, beta1, beta2, epsilon, wd, rescale_grad, clip_gradient],
+            } => [
+                2.0,
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            ],
         }
     }
 
@@ -245,7 +254,8 @@ mod tests {
     fn sgd_step() {
         let mut u = OptimizerUpdater::new(Optimizer::sgd(0.1));
         let mut w = NDArray::zeros(&[3]);
-        u.update(&Key::Int(0), &NDArray::ones(&[3]), &mut w).unwrap();
+        u.update(&Key::Int(0), &NDArray::ones(&[3]), &mut w)
+            .unwrap();
         assert_eq!(w.to_vec::<f32>().unwrap(), vec![-0.1; 3]);
     }
 

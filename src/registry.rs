@@ -37,6 +37,8 @@ pub fn lookup(name: &str) -> Result<SharedUpdater> {
     t.get(name).cloned().ok_or_else(|| {
         let mut known: Vec<&String> = t.keys().collect();
         known.sort();
-        KvError::Unsupported(format!("no updater registered as {name:?} (registered: {known:?})"))
+        KvError::Unsupported(format!(
+            "no updater registered as {name:?} (registered: {known:?})"
+        ))
     })
 }

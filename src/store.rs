@@ -54,7 +54,9 @@ pub fn create(name: &str) -> Result<KVStore> {
     };
     let inner = match kind {
         "local" | "device" => Inner::Local(LocalStore::new()),
-        _ => Inner::Dist(Box::new(crate::dist::start_worker_or_run_role(kind == "dist_sync")?)),
+        _ => Inner::Dist(Box::new(crate::dist::start_worker_or_run_role(
+            kind == "dist_sync",
+        )?)),
     };
     Ok(KVStore {
         kind,
@@ -82,6 +84,15 @@ impl KVStore {
         match &self.inner {
             Inner::Local(_) => 1,
             Inner::Dist(d) => d.num_workers(),
+        }
+    }
+
+    /// Where the servers of a distributed store listen, by rank (empty for local stores).
+    /// For diagnostics and tools.
+    pub fn server_addrs(&self) -> Vec<std::net::SocketAddr> {
+        match &self.inner {
+            Inner::Local(_) => Vec::new(),
+            Inner::Dist(d) => d.server_addrs().to_vec(),
         }
     }
 

@@ -39,7 +39,11 @@ fn tutorial_local_store_every_value() {
         stored.axpy(2.0, input)
     })
     .unwrap();
-    assert_eq!(pull(&mut kv, 3), vec![4.0; 6], "setting the updater changes nothing");
+    assert_eq!(
+        pull(&mut kv, 3),
+        vec![4.0; 6],
+        "setting the updater changes nothing"
+    );
     kv.push(3, &NDArray::ones(&SHAPE)).unwrap();
     assert_eq!(pull(&mut kv, 3), vec![6.0; 6]);
     assert_eq!(*calls.lock().unwrap(), vec!["update on key: 3"]);
@@ -52,22 +56,22 @@ fn tutorial_local_store_every_value() {
     assert_eq!(b[1].to_string(), "[[6. 6. 6.]\n [6. 6. 6.]]");
 
     let keys = [5, 7, 9];
-    kv.init(&keys, &vec![NDArray::ones(&SHAPE); 3]).unwrap();
+    kv.init(keys, &vec![NDArray::ones(&SHAPE); 3]).unwrap();
     calls.lock().unwrap().clear();
-    kv.push(&keys, &vec![NDArray::ones(&SHAPE); 3]).unwrap();
+    kv.push(keys, &vec![NDArray::ones(&SHAPE); 3]).unwrap();
     assert_eq!(
         *calls.lock().unwrap(),
         vec!["update on key: 5", "update on key: 7", "update on key: 9"]
     );
     let mut b = vec![NDArray::zeros(&SHAPE); 3];
-    kv.pull(&keys, &mut b).unwrap();
+    kv.pull(keys, &mut b).unwrap();
     for x in &b {
         assert_eq!(x.to_vec::<f32>().unwrap(), vec![3.0; 6]);
     }
 
     let mut b = vec![ones_on(4); 3];
-    kv.push(&keys, &b).unwrap();
-    kv.pull(&keys, &mut b).unwrap();
+    kv.push(keys, &b).unwrap();
+    kv.pull(keys, &mut b).unwrap();
     for row in &b {
         for x in row {
             assert_eq!(x.to_vec::<f32>().unwrap(), vec![11.0; 6]);
@@ -88,13 +92,14 @@ fn tutorial_device_store_every_value() {
     assert_eq!(pull(&mut kv, 3), vec![3.0; 6]);
 
     let keys = [7, 11, 13, 17];
-    kv.init(&keys, &vec![NDArray::ones(&SHAPE) * -3.0; 4]).unwrap();
+    kv.init(keys, &vec![NDArray::ones(&SHAPE) * -3.0; 4])
+        .unwrap();
     let mut c = vec![NDArray::zeros(&SHAPE); 4];
-    kv.pull(&keys, &mut c).unwrap();
+    kv.pull(keys, &mut c).unwrap();
     assert_eq!(c[0].to_string(), "[[-3. -3. -3.]\n [-3. -3. -3.]]");
     let row: Vec<NDArray> = ones_on(3).into_iter().map(|a| a * -0.1).collect();
-    kv.push(&keys, &vec![row; 4]).unwrap();
-    kv.pull(&keys, &mut c).unwrap();
+    kv.push(keys, &vec![row; 4]).unwrap();
+    kv.pull(keys, &mut c).unwrap();
     let expected = (-0.1f32) + (-0.1f32) + (-0.1f32);
     for x in &c {
         assert_eq!(x.to_vec::<f32>().unwrap(), vec![expected; 6]);
@@ -102,7 +107,8 @@ fn tutorial_device_store_every_value() {
     assert_eq!(c[0].to_string(), "[[-0.3 -0.3 -0.3]\n [-0.3 -0.3 -0.3]]");
 
     // The notebook's last cell: updater stored += input * 0.01, push 5 → 3 + 0.05.
-    kv.set_updater(|_, input, stored| stored.axpy(0.01, input)).unwrap();
+    kv.set_updater(|_, input, stored| stored.axpy(0.01, input))
+        .unwrap();
     assert_eq!(pull(&mut kv, 3), vec![3.0; 6]);
     kv.push(3, &(NDArray::ones(&SHAPE) * 5.0)).unwrap();
     assert_eq!(pull(&mut kv, 3), vec![3.0f32 + 0.01f32 * 5.0; 6]);
@@ -130,9 +136,15 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     let ones = NDArray::ones(&SHAPE);
     let mut out = NDArray::zeros(&SHAPE);
 
-    assert!(matches!(kv.push(4, &ones), Err(KvError::UnknownKey(Key::Int(4)))));
+    assert!(matches!(
+        kv.push(4, &ones),
+        Err(KvError::UnknownKey(Key::Int(4)))
+    ));
     assert!(matches!(kv.pull(4, &mut out), Err(KvError::UnknownKey(_))));
-    assert!(matches!(kv.init(3, &ones), Err(KvError::DoubleInit(Key::Int(3)))));
+    assert!(matches!(
+        kv.init(3, &ones),
+        Err(KvError::DoubleInit(Key::Int(3)))
+    ));
     assert!(matches!(
         kv.push(3, &NDArray::ones(&[3, 2])),
         Err(KvError::ShapeMismatch { .. })
@@ -150,7 +162,7 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
         Err(KvError::DTypeMismatch { .. })
     ));
     assert!(matches!(
-        kv.push(&[3, 3, 3], &vec![ones.clone(); 2]),
+        kv.push([3, 3, 3], &vec![ones.clone(); 2]),
         Err(KvError::LengthMismatch { keys: 3, values: 2 })
     ));
     let empty: Vec<NDArray> = Vec::new();
@@ -158,12 +170,20 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     // One bad key in a list: nothing of the list is applied.
     kv.init(8, &ones).unwrap();
     let vals = vec![ones.clone() * 5.0, NDArray::ones(&[1])];
-    assert!(kv.push(&[3, 8], &vals).is_err());
+    assert!(kv.push([3, 8], &vals).is_err());
     // A bad value in a device list: nothing applied either.
-    assert!(kv.push(3, &vec![ones.clone(), NDArray::ones(&[7])]).is_err());
+    assert!(kv
+        .push(3, &vec![ones.clone(), NDArray::ones(&[7])])
+        .is_err());
     // Double init inside one call, and a list of two values for one key.
-    assert!(matches!(kv.init(&[20, 20], &vec![ones.clone(); 2]), Err(KvError::DoubleInit(_))));
-    assert!(matches!(kv.init(21, &vec![ones.clone(); 2]), Err(KvError::DoubleInit(_))));
+    assert!(matches!(
+        kv.init([20, 20], &vec![ones.clone(); 2]),
+        Err(KvError::DoubleInit(_))
+    ));
+    assert!(matches!(
+        kv.init(21, &vec![ones.clone(); 2]),
+        Err(KvError::DoubleInit(_))
+    ));
     assert!(matches!(kv.push(20, &ones), Err(KvError::UnknownKey(_))));
 
     assert_eq!(pull(&mut kv, 3), vec![2.0; 6], "the stored value is intact");
@@ -188,13 +208,19 @@ fn updater_errors_propagate_and_shape_changes_are_refused() {
         })
     })
     .unwrap();
-    assert!(matches!(kv.push(3, &NDArray::ones(&SHAPE)), Err(KvError::Updater { .. })));
+    assert!(matches!(
+        kv.push(3, &NDArray::ones(&SHAPE)),
+        Err(KvError::Updater { .. })
+    ));
     kv.set_updater(|_, _, stored| {
         *stored = NDArray::zeros(&[1]);
         Ok(())
     })
     .unwrap();
-    assert!(matches!(kv.push(3, &NDArray::ones(&SHAPE)), Err(KvError::Updater { .. })));
+    assert!(matches!(
+        kv.push(3, &NDArray::ones(&SHAPE)),
+        Err(KvError::Updater { .. })
+    ));
 }
 
 #[test]
@@ -220,19 +246,26 @@ fn the_store_never_aliases_caller_arrays() {
 #[test]
 fn string_keys_and_no_mixing() {
     let mut kv = create("local").unwrap();
-    kv.init(["weight", "bias"], &vec![NDArray::ones(&SHAPE); 2]).unwrap();
+    kv.init(["weight", "bias"], &vec![NDArray::ones(&SHAPE); 2])
+        .unwrap();
     kv.push("weight", &ones_on(2)).unwrap();
     let mut out = NDArray::zeros(&SHAPE);
     kv.pull("weight", &mut out).unwrap();
     assert_eq!(out.to_vec::<f32>().unwrap(), vec![2.0; 6]);
-    assert!(matches!(kv.init(3, &NDArray::ones(&SHAPE)), Err(KvError::MixedKeyTypes(_))));
+    assert!(matches!(
+        kv.init(3, &NDArray::ones(&SHAPE)),
+        Err(KvError::MixedKeyTypes(_))
+    ));
 }
 
 #[test]
 fn duplicate_keys_in_one_push_are_summed() {
     let mut kv = store_with_key3();
-    kv.push(&[3, 3], &vec![NDArray::ones(&SHAPE), NDArray::ones(&SHAPE) * 2.0])
-        .unwrap();
+    kv.push(
+        [3, 3],
+        &vec![NDArray::ones(&SHAPE), NDArray::ones(&SHAPE) * 2.0],
+    )
+    .unwrap();
     assert_eq!(pull(&mut kv, 3), vec![3.0; 6]);
 }
 
@@ -263,8 +296,10 @@ fn pushpull_and_optimizers() {
 fn every_dtype_round_trips() {
     let mut kv = create("local").unwrap();
     for (i, dt) in DType::ALL.into_iter().enumerate() {
-        kv.init(i as i32, &NDArray::full_dtype(&[4], 3.0, dt)).unwrap();
-        kv.push(i as i32, &vec![NDArray::full_dtype(&[4], 2.0, dt); 2]).unwrap();
+        kv.init(i as i32, &NDArray::full_dtype(&[4], 3.0, dt))
+            .unwrap();
+        kv.push(i as i32, &vec![NDArray::full_dtype(&[4], 2.0, dt); 2])
+            .unwrap();
         let mut out = NDArray::zeros_dtype(&[4], dt);
         kv.pull(i as i32, &mut out).unwrap();
         assert_eq!(out.to_f64_vec(), vec![4.0; 4], "{dt}");

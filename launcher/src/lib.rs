@@ -1,1 +1,224 @@
+//! `kvrun`, the job launcher: runs the scheduler in-process, starts S servers and W workers of
+//! the user's program with their roles in the environment (MXNet's `DMLC_*` variables), prefixes
+//! their output with role and rank, and stops the whole job when any process fails or on
+//! Ctrl-C, leaving no process behind.
+#![deny(missing_docs)]
 
+mod child;
+
+use std::io::Read;
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use kvstore::dist::scheduler::{run_scheduler, SchedulerOptions};
+
+pub use child::{Child, RoleName};
+
+/// The command line of `kvrun`.
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "kvrun",
+    about = "Run a kvstore job: a scheduler, S servers and W workers of PROGRAM",
+    override_usage = "kvrun -n WORKERS -s SERVERS [OPTIONS] [--] PROGRAM [ARGS]..."
+)]
+pub struct Options {
+    /// Number of worker processes.
+    #[arg(short = 'n', long = "workers", value_name = "WORKERS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub workers: u32,
+    /// Number of server processes.
+    #[arg(short = 's', long = "servers", value_name = "SERVERS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub servers: u32,
+    /// Address the scheduler listens on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port the scheduler listens on (0: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// Seconds any blocking wait of the job may take (KVSTORE_TIMEOUT).
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+    /// Seconds the servers get to exit after the workers are done.
+    #[arg(long, default_value_t = 30.0)]
+    pub grace: f64,
+    /// Environment variables to set for every process (NAME=VALUE or NAME to pass ours on).
+    #[arg(short = 'x', value_name = "VAR[=VALUE]")]
+    pub env: Vec<String>,
+    /// The program every process runs.
+    #[arg(required = true)]
+    pub program: PathBuf,
+    /// Its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
+}
+
+/// A random job secret, from the kernel's generator.
+pub fn make_secret() -> std::io::Result<String> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn say(msg: &str) {
+    eprintln!("kvrun: {msg}");
+}
+
+/// Runs a job; returns the exit status kvrun should exit with.
+pub fn run(opts: &Options) -> i32 {
+    match run_job(opts) {
+        Ok(code) => code,
+        Err(e) => {
+            say(&e);
+            2
+        }
+    }
+}
+
+fn run_job(opts: &Options) -> Result<i32, String> {
+    if !(opts.timeout > 0.0 && opts.timeout.is_finite()) {
+        return Err("--timeout must be a positive number of seconds".into());
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| format!("signal handler: {e}"))?;
+    }
+    let secret = make_secret().map_err(|e| format!("cannot make a job secret: {e}"))?;
+    let listener = TcpListener::bind(SocketAddr::new(opts.host, opts.port))
+        .map_err(|e| format!("cannot listen on {}:{}: {e}", opts.host, opts.port))?;
+    let root = listener.local_addr().map_err(|e| e.to_string())?;
+    let sched_opts = SchedulerOptions {
+        num_workers: opts.workers as usize,
+        num_servers: opts.servers as usize,
+        secret: secret.clone(),
+        timeout: Duration::from_secs_f64(opts.timeout),
+    };
+    let (sched_tx, sched_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sched_tx.send(run_scheduler(listener, &sched_opts));
+    });
+
+    let mut env: Vec<(String, String)> = vec![
+        ("DMLC_PS_ROOT_URI".into(), root.ip().to_string()),
+        ("DMLC_PS_ROOT_PORT".into(), root.port().to_string()),
+        ("DMLC_NUM_SERVER".into(), opts.servers.to_string()),
+        ("DMLC_NUM_WORKER".into(), opts.workers.to_string()),
+        ("KVSTORE_SECRET".into(), secret),
+        ("KVSTORE_TIMEOUT".into(), opts.timeout.to_string()),
+    ];
+    for x in &opts.env {
+        match x.split_once('=') {
+            Some((k, v)) => env.push((k.to_string(), v.to_string())),
+            None => match std::env::var(x) {
+                Ok(v) => env.push((x.clone(), v)),
+                Err(_) => return Err(format!("-x {x}: not set in kvrun's environment")),
+            },
+        }
+    }
+
+    let mut children: Vec<Child> = Vec::new();
+    let roles = (0..opts.servers)
+        .map(|r| RoleName::Server(r as usize))
+        .chain((0..opts.workers).map(|r| RoleName::Worker(r as usize)));
+    for role in roles {
+        match Child::spawn(role, &opts.program, &opts.args, &env) {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                child::stop_all(&mut children);
+                return Err(format!(
+                    "cannot start {role} ({}): {e}",
+                    opts.program.display()
+                ));
+            }
+        }
+    }
+
+    let code = supervise(&mut children, &stop, &sched_rx, opts);
+    child::stop_all(&mut children);
+    Ok(code)
+}
+
+/// Watches the processes until the job ends; returns the exit status.
+fn supervise(
+    children: &mut [Child],
+    stop: &AtomicBool,
+    sched_rx: &mpsc::Receiver<kvstore::Result<()>>,
+    opts: &Options,
+) -> i32 {
+    let mut workers_done_at: Option<Instant> = None;
+    let mut sched_result: Option<kvstore::Result<()>> = None;
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            say("interrupted: stopping every process");
+            return 130;
+        }
+        if sched_result.is_none() {
+            if let Ok(r) = sched_rx.try_recv() {
+                sched_result = Some(r);
+            }
+        }
+        let mut failed = Vec::new();
+        for c in children.iter_mut() {
+            if let Some(status) = c.poll() {
+                if !status.success() {
+                    failed.push(format!(
+                        "{} (pid {}) {}",
+                        c.role,
+                        c.pid,
+                        child::describe(&status)
+                    ));
+                }
+            }
+        }
+        if !failed.is_empty() {
+            // Give the others a moment to report too, so the first cause is in the message.
+            std::thread::sleep(Duration::from_millis(100));
+            for c in children.iter_mut() {
+                if let Some(status) = c.poll() {
+                    let d = format!("{} (pid {}) {}", c.role, c.pid, child::describe(&status));
+                    if !status.success() && !failed.contains(&d) {
+                        failed.push(d);
+                    }
+                }
+            }
+            say(&format!("{}; stopping the job", failed.join("; ")));
+            return 1;
+        }
+        let workers_done = children
+            .iter()
+            .filter(|c| matches!(c.role, RoleName::Worker(_)))
+            .all(|c| c.exited());
+        if workers_done {
+            let t = *workers_done_at.get_or_insert_with(Instant::now);
+            if children.iter().all(|c| c.exited()) {
+                return match sched_result {
+                    Some(Err(e)) => {
+                        say(&format!("scheduler: {e}"));
+                        1
+                    }
+                    _ => 0,
+                };
+            }
+            if t.elapsed() > Duration::from_secs_f64(opts.grace) {
+                say("the workers are done but the servers did not exit in time; stopping them");
+                return 1;
+            }
+        }
+        if let Some(Err(e)) = &sched_result {
+            // The scheduler aborted the job: the processes are told; give them a moment.
+            let t = *workers_done_at.get_or_insert_with(Instant::now);
+            if t.elapsed() > Duration::from_secs(5) {
+                say(&format!("scheduler: {e}"));
+                return 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

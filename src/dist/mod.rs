@@ -57,7 +57,12 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
 }
 
 /// Says hello to the scheduler and waits for the roster.
-pub(crate) fn join(cfg: &Config, sched: &mut TcpStream, role: u64, addr: Option<SocketAddr>) -> crate::Result<Roster> {
+pub(crate) fn join(
+    cfg: &Config,
+    sched: &mut TcpStream,
+    role: u64,
+    addr: Option<SocketAddr>,
+) -> crate::Result<Roster> {
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
     hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);
@@ -66,23 +71,30 @@ pub(crate) fn join(cfg: &Config, sched: &mut TcpStream, role: u64, addr: Option<
         payload.push('\n');
         payload.push_str(&a.to_string());
     }
-    write_frame(sched, &FrameHeader::new(hello.encode(), payload.len() as u64), payload.as_bytes())?;
-    let (h, text) = read_frame(sched, 1 << 20, Some(Instant::now() + cfg.timeout)).map_err(|e| match e {
-        kvstore_transport::TransportError::Closed => crate::KvError::PeerLost(
-            "the scheduler closed the connection (wrong job secret, or the job is full)".into(),
-        ),
-        kvstore_transport::TransportError::Timeout(_) => crate::KvError::Timeout {
-            what: "the rendezvous".into(),
-            secs: cfg.timeout.as_secs_f64(),
-        },
-        other => other.into(),
-    })?;
+    write_frame(
+        sched,
+        &FrameHeader::new(hello.encode(), payload.len() as u64),
+        payload.as_bytes(),
+    )?;
+    let (h, text) =
+        read_frame(sched, 1 << 20, Some(Instant::now() + cfg.timeout)).map_err(|e| match e {
+            kvstore_transport::TransportError::Closed => crate::KvError::PeerLost(
+                "the scheduler closed the connection (wrong job secret, or the job is full)".into(),
+            ),
+            kvstore_transport::TransportError::Timeout(_) => crate::KvError::Timeout {
+                what: "the rendezvous".into(),
+                secs: cfg.timeout.as_secs_f64(),
+            },
+            other => other.into(),
+        })?;
     let m = Msg::decode(&h.meta)?;
     let text = String::from_utf8_lossy(&text).into_owned();
     match m.op {
         Op::Roster => parse_roster(&text),
         Op::Abort => Err(crate::KvError::Aborted(text)),
-        other => Err(crate::KvError::Protocol(format!("expected a roster, got {other:?}"))),
+        other => Err(crate::KvError::Protocol(format!(
+            "expected a roster, got {other:?}"
+        ))),
     }
 }
 

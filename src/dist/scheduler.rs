@@ -57,7 +57,11 @@ struct Node {
 
 impl Node {
     fn name(&self) -> String {
-        let r = if self.role == role::SERVER { "server" } else { "worker" };
+        let r = if self.role == role::SERVER {
+            "server"
+        } else {
+            "worker"
+        };
         format!("{r} {}", self.rank)
     }
 }
@@ -66,14 +70,24 @@ const MAX_CONTROL: u64 = 64 * 1024;
 
 fn send(w: &mut TcpStream, op: Op, text: &str) -> Result<()> {
     let m = Msg::new(op);
-    write_frame(w, &FrameHeader::new(m.encode(), text.len() as u64), text.as_bytes())?;
+    write_frame(
+        w,
+        &FrameHeader::new(m.encode(), text.len() as u64),
+        text.as_bytes(),
+    )?;
     Ok(())
 }
 
 fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) {
-    let first = read_frame(&mut s, MAX_CONTROL, Some(Instant::now() + Duration::from_secs(10)));
+    let first = read_frame(
+        &mut s,
+        MAX_CONTROL,
+        Some(Instant::now() + Duration::from_secs(10)),
+    );
     let Ok((h, payload)) = first else { return };
-    let Ok(msg) = Msg::decode(&h.meta) else { return };
+    let Ok(msg) = Msg::decode(&h.meta) else {
+        return;
+    };
     let mut lines = payload.split(|&b| b == b'\n');
     let given = lines.next().unwrap_or(&[]);
     if msg.op != Op::Hello || !secret_matches(given, secret.as_bytes()) {
@@ -85,7 +99,15 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) 
         .and_then(|a| a.parse().ok());
     let Ok(writer) = s.try_clone() else { return };
     let _ = writer.set_write_timeout(Some(Duration::from_secs(10)));
-    if tx.send(Event::Hello { id, msg, addr, writer }).is_err() {
+    if tx
+        .send(Event::Hello {
+            id,
+            msg,
+            addr,
+            writer,
+        })
+        .is_err()
+    {
         return;
     }
     loop {
@@ -97,12 +119,18 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) 
                     }
                 }
                 Err(e) => {
-                    let _ = tx.send(Event::Closed { id, why: e.to_string() });
+                    let _ = tx.send(Event::Closed {
+                        id,
+                        why: e.to_string(),
+                    });
                     return;
                 }
             },
             Err(e) => {
-                let _ = tx.send(Event::Closed { id, why: e.to_string() });
+                let _ = tx.send(Event::Closed {
+                    id,
+                    why: e.to_string(),
+                });
                 return;
             }
         }
@@ -118,7 +146,11 @@ fn assign_ranks(ids: &[usize], nodes: &mut BTreeMap<usize, Node>) {
         .all(|h| matches!(h, Some(r) if (*r as usize) < ids.len() && seen.insert(*r)));
     for (n, id) in ids.iter().enumerate() {
         if let Some(node) = nodes.get_mut(id) {
-            node.rank = if valid { hints[n].unwrap_or(0) as usize } else { n };
+            node.rank = if valid {
+                hints[n].unwrap_or(0) as usize
+            } else {
+                n
+            };
         }
     }
 }
@@ -175,12 +207,21 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
                 );
                 return abort(&mut nodes, why);
             }
-            Err(RecvTimeoutError::Disconnected) => return Err(KvError::Aborted("scheduler stopped".into())),
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(KvError::Aborted("scheduler stopped".into()))
+            }
         };
         match ev {
-            Event::Hello { id, msg, addr, writer } => {
+            Event::Hello {
+                id,
+                msg,
+                addr,
+                writer,
+            } => {
                 let list = match msg.key {
-                    role::SERVER if servers.len() < opts.num_servers && addr.is_some() => &mut servers,
+                    role::SERVER if servers.len() < opts.num_servers && addr.is_some() => {
+                        &mut servers
+                    }
                     role::WORKER if workers.len() < opts.num_workers => &mut workers,
                     _ => continue, // not wanted: dropping the writer leaves the node to time out
                 };
@@ -203,7 +244,14 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
                 if let Some(n) = nodes.remove(&id) {
                     servers.retain(|&s| s != id);
                     workers.retain(|&w| w != id);
-                    let why = format!("a {} left during rendezvous: {why}", if n.role == role::SERVER { "server" } else { "worker" });
+                    let why = format!(
+                        "a {} left during rendezvous: {why}",
+                        if n.role == role::SERVER {
+                            "server"
+                        } else {
+                            "worker"
+                        }
+                    );
                     return abort(&mut nodes, why);
                 }
             }
@@ -248,7 +296,9 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
         match ev {
             Event::Hello { .. } => {}
             Event::Frame { id, op } => {
-                let Some(n) = nodes.get_mut(&id) else { continue };
+                let Some(n) = nodes.get_mut(&id) else {
+                    continue;
+                };
                 match op {
                     Op::Barrier if n.role == role::WORKER => {
                         at_barrier.insert(id);
@@ -263,7 +313,8 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
                     }
                     Op::Finish if n.role == role::WORKER => {
                         n.done = true;
-                        if workers.iter().all(|w| nodes.get(w).is_some_and(|n| n.done)) {
+                        // A worker that is gone was done: losing one that was not aborts the job.
+                        if workers.iter().all(|w| nodes.get(w).is_none_or(|n| n.done)) {
                             for &s in &servers {
                                 if let Some(n) = nodes.get_mut(&s) {
                                     n.done = true;

@@ -80,7 +80,9 @@ impl FrameSink for ConnSink<'_> {
             }
             Op::Hello | Op::SetOptimizer | Op::SetUpdater | Op::Bye => {
                 control(h.payload_len)?;
-                self.conn.scratch.reset_as(&[h.payload_len as usize], DType::U8);
+                self.conn
+                    .scratch
+                    .reset_as(&[h.payload_len as usize], DType::U8);
             }
             Op::Pull => {
                 if h.payload_len != 0 {
@@ -162,7 +164,9 @@ impl FrameSink for SchedSink {
         match self.cur.take().map(|m| m.op) {
             Some(Op::Shutdown) => self.event = Some(SchedEvent::Shutdown),
             Some(Op::Abort) => {
-                self.event = Some(SchedEvent::Abort(String::from_utf8_lossy(&self.buf).into_owned()))
+                self.event = Some(SchedEvent::Abort(
+                    String::from_utf8_lossy(&self.buf).into_owned(),
+                ))
             }
             _ => {}
         }
@@ -175,7 +179,9 @@ impl FrameSink for SchedSink {
 pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut sched_std = kvstore_transport::tcp::connect_retry(cfg.root, cfg.timeout)?;
     let ip = match &cfg.node_host {
-        Some(h) => h.parse().map_err(|_| KvError::Config(format!("DMLC_NODE_HOST={h:?} is not an IP address")))?,
+        Some(h) => h
+            .parse()
+            .map_err(|_| KvError::Config(format!("DMLC_NODE_HOST={h:?} is not an IP address")))?,
         None => sched_std.local_addr()?.ip(),
     };
     let listener = TcpListener::bind(SocketAddr::new(ip, 0))?;
@@ -187,10 +193,12 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut events = Events::with_capacity(256);
     listener.set_nonblocking(true)?;
     let mut listener = MioListener::from_std(listener);
-    poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+    poll.registry()
+        .register(&mut listener, LISTENER, Interest::READABLE)?;
     sched_std.set_nonblocking(true)?;
     let mut sched = TcpStream::from_std(sched_std);
-    poll.registry().register(&mut sched, SCHEDULER, Interest::READABLE)?;
+    poll.registry()
+        .register(&mut sched, SCHEDULER, Interest::READABLE)?;
     let mut sched_reader = FrameReader::new(MAX_CONTROL);
     let mut sched_sink = SchedSink {
         event: None,
@@ -218,11 +226,18 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                     match listener.accept() {
                         Ok((mut stream, _)) => {
                             let _ = stream.set_nodelay(true);
-                            let slot = conns.iter().position(Option::is_none).unwrap_or(conns.len());
+                            let slot = conns
+                                .iter()
+                                .position(Option::is_none)
+                                .unwrap_or(conns.len());
                             let token = Token(FIRST_CONN + slot);
                             if poll
                                 .registry()
-                                .register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
+                                .register(
+                                    &mut stream,
+                                    token,
+                                    Interest::READABLE | Interest::WRITABLE,
+                                )
                                 .is_err()
                             {
                                 continue;
@@ -271,7 +286,9 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                 }
                 Token(t) => {
                     let slot = t - FIRST_CONN;
-                    let Some(Some((c, f))) = conns.get_mut(slot) else { continue };
+                    let Some(Some((c, f))) = conns.get_mut(slot) else {
+                        continue;
+                    };
                     let mut closed: Option<TransportError> = None;
                     if ev.is_readable() || ev.is_read_closed() {
                         let mut sink = ConnSink {
@@ -312,7 +329,9 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             }
         }
         for slot in 0..conns.len() {
-            let Some(Some((c, _))) = conns.get_mut(slot) else { continue };
+            let Some(Some((c, _))) = conns.get_mut(slot) else {
+                continue;
+            };
             if c.out.is_empty() {
                 continue;
             }

@@ -179,7 +179,12 @@ impl ServerState {
 
     fn init(&mut self, peer: PeerId, m: &Msg, payload: &NDArray) {
         if self.slots.contains_key(&m.key) {
-            return self.err(peer, m, status::DOUBLE_INIT, format!("key {} is already initialised", m.key));
+            return self.err(
+                peer,
+                m,
+                status::DOUBLE_INIT,
+                format!("key {} is already initialised", m.key),
+            );
         }
         // A fresh array: the connection's receive buffer is reused for the next frame.
         let mut stored = NDArray::zeros_dtype(&[m.len as usize], m.dtype);
@@ -202,7 +207,10 @@ impl ServerState {
     /// Finds the slot of a request and checks that the request names it exactly.
     fn check_slot(&self, m: &Msg) -> Result<(), (u16, String)> {
         let Some(s) = self.slots.get(&m.key) else {
-            return Err((status::UNKNOWN_KEY, format!("key {} has not been initialised", m.key)));
+            return Err((
+                status::UNKNOWN_KEY,
+                format!("key {} has not been initialised", m.key),
+            ));
         };
         if s.total != m.total || s.start != m.start || s.stored.size() as u64 != m.len {
             return Err((
@@ -222,7 +230,12 @@ impl ServerState {
         if m.op != Op::Pull && s.stored.dtype() != m.dtype {
             return Err((
                 status::MISMATCH,
-                format!("key {}: stored {}, pushed {}", m.key, s.stored.dtype(), m.dtype),
+                format!(
+                    "key {}: stored {}, pushed {}",
+                    m.key,
+                    s.stored.dtype(),
+                    m.dtype
+                ),
             ));
         }
         Ok(())
@@ -247,7 +260,9 @@ impl ServerState {
         }
         let key = m.key;
         if !self.sync {
-            let Some(slot) = self.slots.get_mut(&key) else { return };
+            let Some(slot) = self.slots.get_mut(&key) else {
+                return;
+            };
             let res = apply(&mut self.updater, false, key, payload, &mut slot.stored);
             let value = slot.stored.clone();
             return match res {
@@ -256,7 +271,9 @@ impl ServerState {
                 Err(e) => self.err(peer, m, status::FAILED, e.to_string()),
             };
         }
-        let Some(slot) = self.slots.get_mut(&key) else { return };
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
         if slot.pushed[worker] {
             return self.err(
                 peer,
@@ -289,7 +306,9 @@ impl ServerState {
 
     /// Every worker has pushed `key`: apply the summed push once and answer every held push.
     fn complete_round(&mut self, key: u64) {
-        let Some(slot) = self.slots.get_mut(&key) else { return };
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
         let res = match (&mut self.updater, &mut slot.merge) {
             // ASSIGN: the round's sum becomes the stored value; swap the buffers, copy nothing.
             (Updater::Assign, Some(merge)) => {
@@ -305,7 +324,9 @@ impl ServerState {
         let value = slot.stored.clone();
         for h in held {
             match &res {
-                Ok(()) if h.req.op == Op::PushPull => self.ok(h.peer, &h.req, Payload::Array(value.clone())),
+                Ok(()) if h.req.op == Op::PushPull => {
+                    self.ok(h.peer, &h.req, Payload::Array(value.clone()))
+                }
                 Ok(()) => self.ok(h.peer, &h.req, Payload::None),
                 Err(e) => self.err(h.peer, &h.req, status::FAILED, e.to_string()),
             }
@@ -340,7 +361,13 @@ impl ServerState {
     }
 }
 
-fn apply(up: &mut Updater, sync: bool, key: u64, input: &NDArray, stored: &mut NDArray) -> crate::Result<()> {
+fn apply(
+    up: &mut Updater,
+    sync: bool,
+    key: u64,
+    input: &NDArray,
+    stored: &mut NDArray,
+) -> crate::Result<()> {
     let k = Key::Int(key as i64);
     match up {
         Updater::Assign if sync => stored.copy_from(input),
@@ -472,7 +499,14 @@ mod tests {
         let codes: Vec<u16> = replies(&mut s).iter().map(|r| r.2).collect();
         assert_eq!(
             codes,
-            vec![0, status::DOUBLE_INIT, status::UNKNOWN_KEY, status::MISMATCH, status::MISMATCH, status::FAILED]
+            vec![
+                0,
+                status::DOUBLE_INIT,
+                status::UNKNOWN_KEY,
+                status::MISMATCH,
+                status::MISMATCH,
+                status::FAILED
+            ]
         );
         assert_eq!(s.stored(2).unwrap().to_vec::<f32>().unwrap(), vec![7.0; 3]);
     }

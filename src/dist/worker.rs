@@ -81,8 +81,15 @@ impl FrameSink for ReplySink<'_, '_> {
             return Ok(());
         }
         let idx = m.req_id.wrapping_sub(self.base) as usize;
-        if m.op != Op::Reply || idx >= self.reqs.len() || self.done[idx] || self.reqs[idx].server != self.server {
-            return Err(refuse(format!("unexpected {:?} for request {}", m.op, m.req_id)));
+        if m.op != Op::Reply
+            || idx >= self.reqs.len()
+            || self.done[idx]
+            || self.reqs[idx].server != self.server
+        {
+            return Err(refuse(format!(
+                "unexpected {:?} for request {}",
+                m.op, m.req_id
+            )));
         }
         if m.status != status::OK {
             if h.payload_len > 1 << 16 {
@@ -90,7 +97,9 @@ impl FrameSink for ReplySink<'_, '_> {
             }
             self.text.resize(h.payload_len as usize, 0);
         } else {
-            let want = self.reqs[idx].dest.map_or(0, |d| self.dests[d].len() as u64);
+            let want = self.reqs[idx]
+                .dest
+                .map_or(0, |d| self.dests[d].len() as u64);
             if h.payload_len != want {
                 return Err(refuse(format!(
                     "reply of {} bytes where {want} were expected",
@@ -104,10 +113,12 @@ impl FrameSink for ReplySink<'_, '_> {
 
     fn payload_dest(&mut self, _h: &FrameHeader) -> &mut [u8] {
         match self.cur {
-            Some((idx, m)) if idx != usize::MAX && m.status == status::OK => match self.reqs[idx].dest {
-                Some(d) => self.dests[d],
-                None => &mut [],
-            },
+            Some((idx, m)) if idx != usize::MAX && m.status == status::OK => {
+                match self.reqs[idx].dest {
+                    Some(d) => self.dests[d],
+                    None => &mut [],
+                }
+            }
             _ => &mut self.text,
         }
     }
@@ -162,7 +173,8 @@ impl Net {
         }
         let base = self.next_req;
         self.next_req += reqs.len() as u64;
-        let mut queues: Vec<OutQueue<&[u8]>> = self.servers.iter().map(|_| OutQueue::new()).collect();
+        let mut queues: Vec<OutQueue<&[u8]>> =
+            self.servers.iter().map(|_| OutQueue::new()).collect();
         for (i, r) in reqs.iter_mut().enumerate() {
             r.msg.req_id = base + i as u64;
             r.msg.sender = self.rank;
@@ -197,7 +209,9 @@ impl Net {
                 ready.extend(self.events.iter().map(|e| e.token().0));
             }
             for s in ready {
-                let Some(c) = self.servers.get_mut(s) else { continue };
+                let Some(c) = self.servers.get_mut(s) else {
+                    continue;
+                };
                 let out = &mut queues[s];
                 if !out.is_empty() {
                     if let Err(e) = out.flush(&mut c.stream, |p| *p) {
@@ -221,7 +235,9 @@ impl Net {
                         TransportError::Closed | TransportError::Truncated { .. } => {
                             KvError::PeerLost(format!("server {s} closed the connection"))
                         }
-                        TransportError::Refused(why) if why.starts_with("job aborted") => KvError::Aborted(why),
+                        TransportError::Refused(why) if why.starts_with("job aborted") => {
+                            KvError::Aborted(why)
+                        }
                         other => KvError::PeerLost(format!("server {s}: {other}")),
                     };
                     return Err(self.fail(e));
@@ -241,6 +257,7 @@ pub struct DistWorker {
     rank: usize,
     num_workers: usize,
     num_servers: usize,
+    server_addrs: Vec<std::net::SocketAddr>,
     sched: StdStream,
     net: Net,
     keys: HashMap<Key, KeyInfo>,
@@ -260,16 +277,25 @@ impl DistWorker {
             let mut hello = Msg::new(Op::Hello);
             hello.key = role::WORKER;
             hello.sender = roster.rank as u32;
-            write_frame(&mut s, &FrameHeader::new(hello.encode(), cfg.secret.len() as u64), cfg.secret.as_bytes())?;
+            write_frame(
+                &mut s,
+                &FrameHeader::new(hello.encode(), cfg.secret.len() as u64),
+                cfg.secret.as_bytes(),
+            )?;
             let (h, _) = read_frame(&mut s, 1 << 16, Some(Instant::now() + cfg.timeout))
                 .map_err(|e| KvError::PeerLost(format!("server {i} refused the hello: {e}")))?;
             if Msg::decode(&h.meta)?.op != Op::HelloAck {
-                return Err(KvError::Protocol(format!("server {i} did not acknowledge the hello")));
+                return Err(KvError::Protocol(format!(
+                    "server {i} did not acknowledge the hello"
+                )));
             }
             s.set_nonblocking(true)?;
             let mut stream = TcpStream::from_std(s);
-            poll.registry()
-                .register(&mut stream, Token(i), Interest::READABLE | Interest::WRITABLE)?;
+            poll.registry().register(
+                &mut stream,
+                Token(i),
+                Interest::READABLE | Interest::WRITABLE,
+            )?;
             servers.push(ServerConn {
                 stream,
                 reader: FrameReader::new(cfg.max_message),
@@ -279,6 +305,7 @@ impl DistWorker {
             rank: roster.rank,
             num_workers: roster.num_workers,
             num_servers: roster.num_servers,
+            server_addrs: roster.servers.clone(),
             sched,
             net: Net {
                 poll,
@@ -302,6 +329,10 @@ impl DistWorker {
 
     pub(crate) fn num_workers(&self) -> usize {
         self.num_workers
+    }
+
+    pub(crate) fn server_addrs(&self) -> &[std::net::SocketAddr] {
+        &self.server_addrs
     }
 
     /// Waits at the scheduler until every worker has arrived.
@@ -328,7 +359,9 @@ impl DistWorker {
                 let e = KvError::Aborted(String::from_utf8_lossy(&text).into_owned());
                 Err(self.net.fail(e))
             }
-            other => Err(self.net.fail(KvError::Protocol(format!("expected barrier done, got {other:?}")))),
+            other => Err(self.net.fail(KvError::Protocol(format!(
+                "expected barrier done, got {other:?}"
+            )))),
         }
     }
 
@@ -343,7 +376,9 @@ impl DistWorker {
     }
 
     fn info(&self, k: &Key) -> Result<&KeyInfo> {
-        self.keys.get(k).ok_or_else(|| KvError::UnknownKey(k.clone()))
+        self.keys
+            .get(k)
+            .ok_or_else(|| KvError::UnknownKey(k.clone()))
     }
 
     fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
@@ -550,7 +585,9 @@ impl DistWorker {
         for (k, list) in pairs.iter_mut() {
             let info = &self.keys[k];
             let es = info.dtype.size();
-            let Some(first) = list.first_mut() else { continue };
+            let Some(first) = list.first_mut() else {
+                continue;
+            };
             let mut rest: &mut [u8] = first.as_bytes_mut();
             for p in &info.parts {
                 let (a, b) = rest.split_at_mut(p.len as usize * es);
@@ -590,12 +627,16 @@ impl DistWorker {
 
     /// Rank 0 sends the optimizer to every server; every worker waits until it is in place.
     pub(crate) fn set_optimizer(&mut self, opt: &Optimizer) -> Result<()> {
+        Optimizer::decode(&opt.encode())?;
         let bytes: Vec<u8> = opt.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
         self.broadcast(Op::SetOptimizer, &bytes)
     }
 
     /// Rank 0 selects a registered updater on every server; every worker waits for it.
     pub(crate) fn set_server_updater(&mut self, name: &str) -> Result<()> {
+        // Every process runs the same program: a name unknown here is unknown on the servers,
+        // and every worker (not only rank 0) must hear so.
+        crate::registry::lookup(name)?;
         self.broadcast(Op::SetUpdater, name.as_bytes())
     }
 }
@@ -604,7 +645,9 @@ impl DistWorker {
 fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
     let mut filled: HashMap<Key, NDArray> = HashMap::new();
     for (k, list) in pairs.iter_mut() {
-        let Some((first, rest)) = list.split_first_mut() else { continue };
+        let Some((first, rest)) = list.split_first_mut() else {
+            continue;
+        };
         let src = filled.entry(k.clone()).or_insert_with(|| (**first).clone());
         if !first.shares_storage_with(src) {
             first.as_bytes_mut().copy_from_slice(src.as_bytes());

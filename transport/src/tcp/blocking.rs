@@ -8,7 +8,11 @@ use crate::frame::{FrameHeader, HEADER_LEN};
 use crate::TransportError;
 
 /// Writes one frame (header and payload) in one vectored write where possible.
-pub fn write_frame(s: &mut impl Write, h: &FrameHeader, payload: &[u8]) -> Result<(), TransportError> {
+pub fn write_frame(
+    s: &mut impl Write,
+    h: &FrameHeader,
+    payload: &[u8],
+) -> Result<(), TransportError> {
     let hb = h.encode();
     let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
     buf.extend_from_slice(&hb);
@@ -18,13 +22,20 @@ pub fn write_frame(s: &mut impl Write, h: &FrameHeader, payload: &[u8]) -> Resul
     Ok(())
 }
 
-fn read_exact_until(s: &mut TcpStream, buf: &mut [u8], deadline: Option<Instant>, frame_started: bool) -> Result<(), TransportError> {
+fn read_exact_until(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Option<Instant>,
+    frame_started: bool,
+) -> Result<(), TransportError> {
     let mut got = 0;
     while got < buf.len() {
         if let Some(d) = deadline {
             let left = d.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(TransportError::Timeout("waiting for a control message".into()));
+                return Err(TransportError::Timeout(
+                    "waiting for a control message".into(),
+                ));
             }
             s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
         } else {
@@ -40,7 +51,11 @@ fn read_exact_until(s: &mut TcpStream, buf: &mut [u8], deadline: Option<Instant>
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
             Err(e) => return Err(e.into()),
         }
     }
@@ -80,10 +95,16 @@ mod tests {
             let _ = s.read(&mut b);
         });
         let mut c = crate::tcp::connect_retry(addr, Duration::from_secs(5)).unwrap();
-        let (h, p) = read_frame(&mut c, 100, Some(Instant::now() + Duration::from_secs(5))).unwrap();
+        let (h, p) =
+            read_frame(&mut c, 100, Some(Instant::now() + Duration::from_secs(5))).unwrap();
         assert_eq!(h.meta[0], 3);
         assert_eq!(p, b"ping");
-        let e = read_frame(&mut c, 100, Some(Instant::now() + Duration::from_millis(50))).unwrap_err();
+        let e = read_frame(
+            &mut c,
+            100,
+            Some(Instant::now() + Duration::from_millis(50)),
+        )
+        .unwrap_err();
         assert!(matches!(e, TransportError::Timeout(_)), "{e}");
         drop(c);
         t.join().unwrap();

@@ -19,7 +19,10 @@ use crate::TransportError;
 
 /// Connects to `addr`, retrying refused connections until `timeout` has passed (the peer may
 /// not be listening yet). The stream has `TCP_NODELAY` set.
-pub fn connect_retry(addr: SocketAddr, timeout: Duration) -> Result<std::net::TcpStream, TransportError> {
+pub fn connect_retry(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<std::net::TcpStream, TransportError> {
     let deadline = Instant::now() + timeout;
     let mut pause = Duration::from_millis(5);
     loop {

@@ -90,7 +90,11 @@ impl FrameReader {
     /// Returns `Ok(())` on `WouldBlock`; [`TransportError::Closed`] on a clean end of stream
     /// between frames, [`TransportError::Truncated`] on an end inside a frame, and any error of
     /// the sink or of validation. After an error the connection must be closed.
-    pub fn read_from(&mut self, r: &mut impl Read, sink: &mut impl FrameSink) -> Result<(), TransportError> {
+    pub fn read_from(
+        &mut self,
+        r: &mut impl Read,
+        sink: &mut impl FrameSink,
+    ) -> Result<(), TransportError> {
         loop {
             match self.cur {
                 None => {
@@ -221,7 +225,9 @@ mod tests {
     fn frame(tag: u8, payload: &[u8]) -> Vec<u8> {
         let mut meta = [0u8; META_LEN];
         meta[0] = tag;
-        let mut v = FrameHeader::new(meta, payload.len() as u64).encode().to_vec();
+        let mut v = FrameHeader::new(meta, payload.len() as u64)
+            .encode()
+            .to_vec();
         v.extend_from_slice(payload);
         v
     }
@@ -267,7 +273,10 @@ mod tests {
         assert!(sink.frames.is_empty());
         assert!(matches!(end, TransportError::Truncated { .. }), "{end}");
         let (_, end) = run(frame(1, b"")[..50].to_vec(), 1000);
-        assert!(matches!(end, TransportError::Truncated { got: 50, .. }), "{end}");
+        assert!(
+            matches!(end, TransportError::Truncated { got: 50, .. }),
+            "{end}"
+        );
     }
 
     #[test]

@@ -64,7 +64,11 @@ impl<P> OutQueue<P> {
 
     /// Writes as much as the writer takes. Returns `Ok(true)` when the queue is empty,
     /// `Ok(false)` when the writer would block.
-    pub fn flush<W: Write>(&mut self, w: &mut W, resolve: impl Fn(&P) -> &[u8]) -> io::Result<bool> {
+    pub fn flush<W: Write>(
+        &mut self,
+        w: &mut W,
+        resolve: impl Fn(&P) -> &[u8],
+    ) -> io::Result<bool> {
         while !self.q.is_empty() {
             let res = {
                 let mut iov = [IoSlice::new(&[]); MAX_IOV];
@@ -155,7 +159,10 @@ mod tests {
         for cap in [1, 100, 129, 5000] {
             let mut q2 = OutQueue::new();
             for (i, p) in payloads.iter().enumerate() {
-                q2.push(FrameHeader::new([i as u8; META_LEN], p.len() as u64).encode(), p.as_slice());
+                q2.push(
+                    FrameHeader::new([i as u8; META_LEN], p.len() as u64).encode(),
+                    p.as_slice(),
+                );
             }
             let mut w = Slow {
                 out: vec![],

@@ -1,0 +1,127 @@
+//! kvrun's own behaviour: arguments, output prefixes, failure and interrupt handling.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn kvrun() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvrun"))
+}
+
+#[test]
+fn bad_arguments_get_a_clear_message() {
+    let out = kvrun().output().unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Usage"));
+    let out = kvrun().args(["-n", "0", "true"]).output().unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    let out = kvrun()
+        .args(["-n", "1", "/no/such/program"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot start") && err.contains("/no/such/program"),
+        "{err}"
+    );
+}
+
+#[test]
+fn output_is_prefixed_and_a_failure_stops_the_job() {
+    // Server processes of a non-kvstore program: they run the shell. Worker 1 fails.
+    let script = r#"echo "hello from $DMLC_ROLE $KVSTORE_RANK"; if [ "$DMLC_ROLE" = worker ] && [ "$KVSTORE_RANK" = 1 ]; then exit 7; fi; sleep 30"#;
+    let start = Instant::now();
+    let out = kvrun()
+        .args(["-n", "2", "-s", "1", "--", "/bin/sh", "-c", script])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("[worker 1] hello from worker 1"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("[server 0] hello from server 0"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("worker 1") && stderr.contains("status 7"),
+        "{stderr}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "the sleeping processes were stopped"
+    );
+}
+
+fn pids_with_marker(marker: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            if String::from_utf8_lossy(&cmd).contains(marker) {
+                pids.push(pid);
+            }
+        }
+    }
+    pids
+}
+
+#[test]
+fn interrupt_stops_everything_and_leaves_no_orphans() {
+    let marker = format!("kvrun-orphan-check-{}", std::process::id());
+    let script = format!("sleep 60 # {marker}");
+    let mut child = kvrun()
+        .args(["-n", "2", "-s", "2", "--", "/bin/sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids_with_marker(&marker).len() < 4 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(pids_with_marker(&marker).len() >= 4);
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !pids_with_marker(&marker).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        pids_with_marker(&marker).is_empty(),
+        "orphans left: {:?}",
+        pids_with_marker(&marker)
+    );
+}
+
+#[test]
+fn killing_kvrun_itself_takes_its_children_down() {
+    let marker = format!("kvrun-sigkill-check-{}", std::process::id());
+    let script = format!("sleep 60 # {marker}");
+    let mut child = kvrun()
+        .args(["-n", "1", "-s", "1", "--", "/bin/sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids_with_marker(&marker).len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    let _ = child.wait();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !pids_with_marker(&marker).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(pids_with_marker(&marker).is_empty(), "orphans left");
+}

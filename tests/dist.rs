@@ -1,0 +1,200 @@
+//! The distributed store with real processes over loopback TCP: every value checked exactly,
+//! both sync modes, W and S in {1, 2, 3}, and the faults.
+
+mod util;
+
+use std::time::Duration;
+
+use util::{assert_job_ok, finish, kvrun_check, ManualJob};
+
+#[test]
+fn tutorial_values_dist_sync_every_shape_of_job() {
+    for w in 1..=3 {
+        for s in 1..=3 {
+            let r = kvrun_check(w, s, "seed", "dist_sync", &[]);
+            assert_job_ok(&r, w, "seed");
+        }
+    }
+}
+
+#[test]
+fn big_tensors_are_sliced_over_servers_and_reassembled() {
+    for (w, s) in [(1, 2), (2, 3), (3, 2), (2, 1)] {
+        let r = kvrun_check(
+            w,
+            s,
+            "big",
+            "dist_sync",
+            &[("KVSTORE_BIGARRAY_BOUND", "100")],
+        );
+        assert_job_ok(&r, w, "big");
+    }
+    // With MXNet's default bound the same program keeps the tensors whole.
+    let r = kvrun_check(2, 2, "big", "dist_sync", &[]);
+    assert_job_ok(&r, 2, "big");
+}
+
+#[test]
+fn server_optimizers_match_a_local_reference() {
+    for (w, s) in [(1, 1), (2, 2), (3, 3)] {
+        let r = kvrun_check(
+            w,
+            s,
+            "optimizers",
+            "dist_sync",
+            &[("KVSTORE_BIGARRAY_BOUND", "100")],
+        );
+        assert_job_ok(&r, w, "optimizers");
+    }
+}
+
+#[test]
+fn registered_updaters_run_on_the_servers_in_both_modes() {
+    for kind in ["dist_sync", "dist_async"] {
+        for (w, s) in [(1, 1), (3, 2)] {
+            let r = kvrun_check(w, s, "custom", kind, &[]);
+            assert_job_ok(&r, w, "custom");
+        }
+    }
+}
+
+#[test]
+fn dist_async_applies_every_push() {
+    for (w, s) in [(1, 1), (2, 2), (3, 1), (2, 3)] {
+        let r = kvrun_check(
+            w,
+            s,
+            "async",
+            "dist_async",
+            &[("KVSTORE_BIGARRAY_BOUND", "4")],
+        );
+        assert_job_ok(&r, w, "async");
+    }
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    for kind in ["dist_sync", "dist_async"] {
+        let r = kvrun_check(2, 2, "errors", kind, &[]);
+        assert_job_ok(&r, 2, "errors");
+        for what in [
+            "wrong shape",
+            "wrong dtype",
+            "unknown key",
+            "double init",
+            "pull wrong shape",
+        ] {
+            assert!(
+                r.stdout.contains(&format!("refused {what}")),
+                "{what}\n{}",
+                r.all()
+            );
+        }
+    }
+}
+
+#[test]
+fn malformed_connections_are_closed_and_the_server_serves_on() {
+    let r = kvrun_check(2, 2, "garbage", "dist_sync", &[]);
+    assert_job_ok(&r, 2, "garbage");
+    assert!(
+        r.stdout.contains("every malformed connection was closed"),
+        "{}",
+        r.all()
+    );
+}
+
+#[test]
+fn a_killed_worker_stops_the_job_with_a_clear_error() {
+    let r = kvrun_check(3, 2, "die", "dist_sync", &[]);
+    assert_eq!(r.code, Some(1), "{}", r.all());
+    assert!(r.stderr.contains("kvrun: "), "{}", r.all());
+    assert!(
+        r.stderr.contains("worker 1"),
+        "the message names the dead worker\n{}",
+        r.all()
+    );
+    assert!(r.elapsed < Duration::from_secs(30), "took {:?}", r.elapsed);
+}
+
+#[test]
+fn a_killed_worker_without_kvrun_fails_the_others_and_the_servers() {
+    let mut job = ManualJob::start(2, 2, &["die", "dist_sync"], &[("KVSTORE_TIMEOUT", "30")]);
+    let workers = std::mem::take(&mut job.workers);
+    let mut results = Vec::new();
+    for w in workers {
+        results.push(finish(w, Duration::from_secs(40)));
+    }
+    // Rank 1 aborted itself; rank 0 got an error instead of hanging.
+    assert_eq!(results[0].0, Some(4), "{}", results[0].1);
+    assert!(results[0].1.contains("stopped"), "{}", results[0].1);
+    for s in std::mem::take(&mut job.servers) {
+        let (code, out) = finish(s, Duration::from_secs(40));
+        assert_eq!(code, Some(1), "a server stops with an error: {out}");
+        assert!(out.contains("worker 1") || out.contains("aborted"), "{out}");
+    }
+    let (code, _) = finish(job.scheduler, Duration::from_secs(40));
+    assert_eq!(code, Some(1));
+}
+
+#[test]
+fn a_killed_server_makes_pending_calls_fail_with_peer_lost() {
+    let mut job = ManualJob::start(
+        2,
+        2,
+        &["until_error", "dist_sync"],
+        &[("KVSTORE_TIMEOUT", "30")],
+    );
+    let mut w0 = job.workers.remove(0);
+    let lines = ManualJob::lines(&mut w0);
+    ManualJob::wait_for(&lines, "ready", Duration::from_secs(30));
+    job.servers[0].kill().unwrap();
+    let _ = job.servers[0].wait();
+    let (code, err) = finish(w0, Duration::from_secs(40));
+    let out = format!("{}\n{err}", lines.try_iter().collect::<Vec<_>>().join("\n"));
+    assert_eq!(code, Some(5), "{out}");
+    assert!(
+        out.contains("error kind PeerLost") || out.contains("error kind Aborted"),
+        "{out}"
+    );
+    assert!(out.contains("later call refused"), "{out}");
+    job.kill_all();
+}
+
+#[test]
+fn every_wait_has_a_timeout() {
+    let r = util::kvrun_check_timeout(2, 1, "stall", "dist_sync", &[], 3);
+    // The stalled round must end in a Timeout error after --timeout 3, not hang.
+    assert_ne!(r.code, Some(0), "{}", r.all());
+    assert!(r.stdout.contains("timed out as configured"), "{}", r.all());
+}
+
+#[test]
+fn a_process_of_another_job_is_refused() {
+    // Workers with the wrong secret never join: the rendezvous times out with an error.
+    let port = util::free_port();
+    let mk = |role: &str, secret: &str| {
+        let mut c = std::process::Command::new(util::bin("examples/dist_check"));
+        c.args(["seed", "dist_sync"])
+            .env("DMLC_ROLE", role)
+            .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+            .env("DMLC_PS_ROOT_PORT", port.to_string())
+            .env("DMLC_NUM_SERVER", "1")
+            .env("DMLC_NUM_WORKER", "1")
+            .env("KVSTORE_SECRET", secret)
+            .env("KVSTORE_TIMEOUT", "3")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let sched = mk("scheduler", "right");
+    let server = mk("server", "right");
+    let worker = mk("worker", "wrong");
+    let (code, out) = finish(worker, Duration::from_secs(20));
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("secret") || out.contains("closed"), "{out}");
+    let (code, out) = finish(sched, Duration::from_secs(20));
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("registered"), "{out}");
+    let _ = finish(server, Duration::from_secs(20));
+}

@@ -1,0 +1,260 @@
+//! Helpers shared by the integration tests: finding the built binaries, running jobs with a
+//! time limit, starting a job's processes by hand.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// `target/<profile>/`, where cargo put the binaries and examples of the workspace.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir")
+        .to_path_buf()
+}
+
+/// A workspace binary (`kvrun`) or example (`examples/dist_check`), which must be built.
+pub fn bin(name: &str) -> PathBuf {
+    let p = target_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`, which builds it",
+        p.display()
+    );
+    p
+}
+
+/// The result of a finished command.
+pub struct Run {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+impl Run {
+    pub fn all(&self) -> String {
+        format!("--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr)
+    }
+}
+
+/// Runs a command to completion; a command still running after `limit` is killed and the test
+/// fails (a hang is a bug).
+pub fn run_limited(cmd: &mut Command, limit: Duration) -> Run {
+    let start = Instant::now();
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let out: std::io::Result<Output> = child.wait_with_output();
+        let _ = tx.send(());
+        out
+    });
+    if rx.recv_timeout(limit).is_err() {
+        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        let out = waiter.join().unwrap().unwrap();
+        panic!(
+            "hung for more than {limit:?}: {:?}\n{}\n{}",
+            cmd,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = waiter.join().unwrap().unwrap();
+    Run {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        elapsed: start.elapsed(),
+    }
+}
+
+/// `kvrun -n W -s S [extra...] dist_check SCENARIO KIND`.
+pub fn kvrun_check(w: u32, s: u32, scenario: &str, kind: &str, env: &[(&str, &str)]) -> Run {
+    kvrun_check_timeout(w, s, scenario, kind, env, 30)
+}
+
+/// [`kvrun_check`] with the job's `--timeout` in seconds.
+pub fn kvrun_check_timeout(
+    w: u32,
+    s: u32,
+    scenario: &str,
+    kind: &str,
+    env: &[(&str, &str)],
+    secs: u32,
+) -> Run {
+    let mut cmd = Command::new(bin("kvrun"));
+    cmd.args([
+        "-n",
+        &w.to_string(),
+        "-s",
+        &s.to_string(),
+        "--timeout",
+        &secs.to_string(),
+    ]);
+    for (k, v) in env {
+        cmd.args(["-x", &format!("{k}={v}")]);
+    }
+    cmd.arg(bin("examples/dist_check")).args([scenario, kind]);
+    run_limited(&mut cmd, Duration::from_secs(90))
+}
+
+/// Asserts a job succeeded and every worker reported success.
+pub fn assert_job_ok(r: &Run, w: u32, scenario: &str) {
+    assert_eq!(r.code, Some(0), "job failed\n{}", r.all());
+    for rank in 0..w {
+        let line = format!("[worker {rank}] {scenario} ok rank {rank} of {w}");
+        assert!(r.stdout.contains(&line), "missing {line:?}\n{}", r.all());
+    }
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A job whose processes the test starts itself (no kvrun), so it can kill one.
+pub struct ManualJob {
+    pub scheduler: Child,
+    pub servers: Vec<Child>,
+    pub workers: Vec<Child>,
+}
+
+fn role_cmd(
+    role: &str,
+    rank: usize,
+    port: u16,
+    w: usize,
+    s: usize,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Command {
+    let mut c = Command::new(bin("examples/dist_check"));
+    c.args(args)
+        .env("DMLC_ROLE", role)
+        .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+        .env("DMLC_PS_ROOT_PORT", port.to_string())
+        .env("DMLC_NUM_SERVER", s.to_string())
+        .env("DMLC_NUM_WORKER", w.to_string())
+        .env("KVSTORE_SECRET", "test-secret")
+        .env("KVSTORE_RANK", rank.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+impl ManualJob {
+    pub fn start(w: usize, s: usize, args: &[&str], env: &[(&str, &str)]) -> ManualJob {
+        let port = free_port();
+        let scheduler = role_cmd("scheduler", 0, port, w, s, args, env)
+            .spawn()
+            .unwrap();
+        let servers = (0..s)
+            .map(|r| {
+                role_cmd("server", r, port, w, s, args, env)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let workers = (0..w)
+            .map(|r| {
+                role_cmd("worker", r, port, w, s, args, env)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        ManualJob {
+            scheduler,
+            servers,
+            workers,
+        }
+    }
+
+    /// Streams a process's stdout, line by line, until it ends.
+    pub fn lines(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        rx
+    }
+
+    /// Reads lines until one contains `needle`; returns the lines read.
+    pub fn wait_for(
+        rx: &std::sync::mpsc::Receiver<String>,
+        needle: &str,
+        limit: Duration,
+    ) -> Vec<String> {
+        let deadline = Instant::now() + limit;
+        let mut lines = Vec::new();
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(l) => {
+                    let hit = l.contains(needle);
+                    lines.push(l);
+                    if hit {
+                        return lines;
+                    }
+                }
+                Err(_) => panic!("no line with {needle:?} within {limit:?}; got {lines:?}"),
+            }
+        }
+    }
+
+    pub fn kill_all(&mut self) {
+        for c in self
+            .workers
+            .iter_mut()
+            .chain(self.servers.iter_mut())
+            .chain(std::iter::once(&mut self.scheduler))
+        {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits for a child with a limit; returns its exit code and output.
+pub fn finish(child: Child, limit: Duration) -> (Option<i32>, String) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let pid = child.id();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(out)) => (
+            out.status.code(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ),
+        _ => {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            panic!("process {pid} did not end within {limit:?}");
+        }
+    }
+}
