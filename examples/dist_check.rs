@@ -97,7 +97,7 @@ fn big(kv: &mut KVStore) {
     let a = arange(1000, 1.0, DType::F32);
     let b = ok(
         "reshape",
-        NDArray::from_vec(&[7, 13], (0..91).map(|i| i as f64).collect()),
+        NDArray::from_vec(&[13, 17], (0..221).map(|i| i as f64).collect()),
     );
     ok("init big", kv.init([0, 1], vec![&a, &b]));
     expect_vals(
@@ -107,16 +107,16 @@ fn big(kv: &mut KVStore) {
     );
     expect_vals(
         "big f64 init",
-        &pulled(kv, 1, &[7, 13], DType::F64),
+        &pulled(kv, 1, &[13, 17], DType::F64),
         &b.to_f64_vec(),
     );
     let mine = arange(1000, r + 1.0, DType::F32);
     ok("push big", kv.push(0, &mine));
     let want: Vec<f64> = (0..1000).map(|i| i as f64 * w * (w + 1.0) / 2.0).collect();
     expect_vals("big push sum", &pulled(kv, 0, &[1000], DType::F32), &want);
-    let mut out = NDArray::zeros_dtype(&[7, 13], DType::F64);
+    let mut out = NDArray::zeros_dtype(&[13, 17], DType::F64);
     ok("pushpull big", kv.pushpull(1, &b, &mut out));
-    let want: Vec<f64> = (0..91).map(|i| i as f64 * w).collect();
+    let want: Vec<f64> = (0..221).map(|i| i as f64 * w).collect();
     expect_vals("big pushpull", &out, &want);
 }
 

@@ -198,3 +198,30 @@ fn a_process_of_another_job_is_refused() {
     assert!(out.contains("registered"), "{out}");
     let _ = finish(server, Duration::from_secs(20));
 }
+
+#[test]
+fn the_main_job_reaches_the_known_answer() {
+    let mut cmd = std::process::Command::new(util::bin("kvrun"));
+    cmd.args([
+        "-n",
+        "4",
+        "-s",
+        "2",
+        "-x",
+        "TRAIN_OUTPUTS=4096",
+        "-x",
+        "KVSTORE_BIGARRAY_BOUND=10000",
+    ])
+    .arg(util::bin("examples/train"));
+    let r = util::run_limited(&mut cmd, Duration::from_secs(120));
+    assert_eq!(r.code, Some(0), "{}", r.all());
+    for rank in 0..4 {
+        assert!(
+            r.stdout
+                .contains(&format!("[worker {rank}] reached the known answer")),
+            "{}",
+            r.all()
+        );
+    }
+    assert!(r.stdout.contains("[worker 0] step  30/30"), "{}", r.all());
+}

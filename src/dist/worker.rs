@@ -43,6 +43,9 @@ struct Req<'a> {
 struct ServerConn {
     stream: TcpStream,
     reader: FrameReader,
+    /// The reply being read (it may span many readiness events) and its error text.
+    cur: Option<(usize, Msg)>,
+    text: Vec<u8>,
 }
 
 /// The sockets of a worker.
@@ -64,8 +67,8 @@ struct ReplySink<'r, 'd> {
     done: &'r mut [bool],
     remaining: &'r mut usize,
     first_err: &'r mut Option<KvError>,
-    cur: Option<(usize, Msg)>,
-    text: Vec<u8>,
+    cur: &'r mut Option<(usize, Msg)>,
+    text: &'r mut Vec<u8>,
 }
 
 fn refuse(why: String) -> TransportError {
@@ -77,7 +80,7 @@ impl FrameSink for ReplySink<'_, '_> {
         let m = Msg::decode(&h.meta).map_err(|e| refuse(e.to_string()))?;
         if m.op == Op::Abort {
             self.text.resize(h.payload_len.min(1 << 16) as usize, 0);
-            self.cur = Some((usize::MAX, m));
+            *self.cur = Some((usize::MAX, m));
             return Ok(());
         }
         let idx = m.req_id.wrapping_sub(self.base) as usize;
@@ -107,19 +110,19 @@ impl FrameSink for ReplySink<'_, '_> {
                 )));
             }
         }
-        self.cur = Some((idx, m));
+        *self.cur = Some((idx, m));
         Ok(())
     }
 
     fn payload_dest(&mut self, _h: &FrameHeader) -> &mut [u8] {
-        match self.cur {
+        match *self.cur {
             Some((idx, m)) if idx != usize::MAX && m.status == status::OK => {
                 match self.reqs[idx].dest {
                     Some(d) => self.dests[d],
                     None => &mut [],
                 }
             }
-            _ => &mut self.text,
+            _ => self.text,
         }
     }
 
@@ -227,8 +230,8 @@ impl Net {
                     done: &mut done,
                     remaining: &mut remaining,
                     first_err: &mut first_err,
-                    cur: None,
-                    text: Vec::new(),
+                    cur: &mut c.cur,
+                    text: &mut c.text,
                 };
                 if let Err(e) = c.reader.read_from(&mut c.stream, &mut sink) {
                     let e = match e {
@@ -299,6 +302,8 @@ impl DistWorker {
             servers.push(ServerConn {
                 stream,
                 reader: FrameReader::new(cfg.max_message),
+                cur: None,
+                text: Vec::new(),
             });
         }
         Ok(DistWorker {
