@@ -1,8 +1,7 @@
 //! Aggregation kernels: memory-bound loops written so the compiler vectorises them.
 //!
-//! Summing a list of N values reads each input exactly once and writes the output once per
-//! block: the output is processed in blocks small enough to stay in L1 while every input adds
-//! its block to it.
+//! Summing a list of N values reads each input exactly once: up to four inputs in one fused
+//! pass that writes the output once; more in blocks small enough to stay in L1.
 
 use crate::Element;
 
@@ -25,21 +24,73 @@ pub fn axpy_into<T: Element>(dst: &mut [T], alpha: f64, src: &[T]) {
     }
 }
 
+/// `dst = a + b (+ c (+ d))`, or `dst += a (+ b (+ c))`, in one pass: every input is read once
+/// and `dst` written once. Additions go left to right, so results do not depend on grouping.
+#[inline(always)]
+fn fused<T: Element>(dst: &mut [T], acc: bool, srcs: &[&[T]]) {
+    let n = dst.len();
+    match (acc, srcs) {
+        (false, [a]) => dst.copy_from_slice(&a[..n]),
+        (false, [a, b]) => {
+            let (a, b) = (&a[..n], &b[..n]);
+            for i in 0..n {
+                dst[i] = a[i].add(b[i]);
+            }
+        }
+        (false, [a, b, c]) => {
+            let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
+            for i in 0..n {
+                dst[i] = a[i].add(b[i]).add(c[i]);
+            }
+        }
+        (false, [a, b, c, d]) => {
+            let (a, b, c, d) = (&a[..n], &b[..n], &c[..n], &d[..n]);
+            for i in 0..n {
+                dst[i] = a[i].add(b[i]).add(c[i]).add(d[i]);
+            }
+        }
+        (true, [a]) => add_into(dst, a),
+        (true, [a, b]) => {
+            let (a, b) = (&a[..n], &b[..n]);
+            for i in 0..n {
+                dst[i] = dst[i].add(a[i]).add(b[i]);
+            }
+        }
+        (true, [a, b, c]) => {
+            let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
+            for i in 0..n {
+                dst[i] = dst[i].add(a[i]).add(b[i]).add(c[i]);
+            }
+        }
+        _ => {}
+    }
+}
+
 /// `dst = sum(srcs)`, element-wise; every source must be as long as `dst`.
 ///
-/// An empty list zeroes nothing and leaves `dst` as it is.
+/// Up to four sources are summed in one fused pass. With more, the output is processed in
+/// L1-sized blocks: the first four sources set a block, the rest add to it three at a time.
+/// An empty list leaves `dst` as it is.
 pub fn sum_into<T: Element>(dst: &mut [T], srcs: &[&[T]]) {
-    let Some((first, rest)) = srcs.split_first() else {
+    if srcs.is_empty() {
         return;
-    };
+    }
+    if srcs.len() <= 4 {
+        fused(dst, false, srcs);
+        return;
+    }
     let n = dst.len();
     let mut start = 0;
+    let mut block: Vec<&[T]> = Vec::with_capacity(4);
     while start < n {
         let end = (start + BLOCK).min(n);
-        let out = &mut dst[start..end];
-        out.copy_from_slice(&first[start..end]);
-        for src in rest {
-            add_into(out, &src[start..end]);
+        block.clear();
+        block.extend(srcs[..4].iter().map(|s| &s[start..end]));
+        fused(&mut dst[start..end], false, &block);
+        for group in srcs[4..].chunks(3) {
+            block.clear();
+            block.extend(group.iter().map(|s| &s[start..end]));
+            fused(&mut dst[start..end], true, &block);
         }
         start = end;
     }
@@ -64,15 +115,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn blocked_sum_matches_naive_sum_across_block_edges() {
+    fn every_count_of_sources_matches_a_left_to_right_sum() {
         for n in [0, 1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5] {
-            let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
-            let b: Vec<f32> = (0..n).map(|i| (i * 2) as f32).collect();
-            let c: Vec<f32> = (0..n).map(|i| 0.5 + i as f32).collect();
-            let mut out = vec![-1.0f32; n];
-            sum_into(&mut out, &[&a, &b, &c]);
-            for i in 0..n {
-                assert_eq!(out[i], a[i] + b[i] + c[i]);
+            for count in 1..=11 {
+                let srcs: Vec<Vec<f32>> = (0..count)
+                    .map(|k| {
+                        (0..n)
+                            .map(|i| ((i * (k + 1)) % 97) as f32 * 0.25 + 0.1)
+                            .collect()
+                    })
+                    .collect();
+                let refs: Vec<&[f32]> = srcs.iter().map(|v| v.as_slice()).collect();
+                let mut out = vec![-1.0f32; n];
+                sum_into(&mut out, &refs);
+                for i in 0..n {
+                    let mut want = srcs[0][i];
+                    for s in &srcs[1..] {
+                        want += s[i];
+                    }
+                    assert_eq!(out[i], want, "n {n} count {count} i {i}");
+                }
             }
         }
     }

@@ -1,1 +1,144 @@
+//! Measurement helpers for `kvperf`: size arguments, reference figures measured in the same
+//! run (a plain blocking-socket stream, `iperf3` when installed), and result formatting.
+#![deny(missing_docs)]
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Parses `4096`, `4K`, `64M`, `1G` (binary multiples).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 4096, 4K, 64M)"))?;
+    n.checked_mul(mult)
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("{s:?} is out of range"))
+}
+
+/// Parses `MIN:MAX` into the powers of two from MIN to MAX (both rounded up to a power of two).
+pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
+    let (a, b) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: expected MIN:MAX, e.g. 4K:64M"))?;
+    let (lo, hi) = (parse_size(a)?, parse_size(b)?);
+    if lo > hi {
+        return Err(format!("{s:?}: MIN is larger than MAX"));
+    }
+    let mut v = Vec::new();
+    let mut x = lo.next_power_of_two();
+    while x <= hi {
+        v.push(x);
+        x *= 2;
+    }
+    Ok(v)
+}
+
+/// `4096` → `4K`, `67108864` → `64M`.
+pub fn format_size(n: usize) -> String {
+    match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{}G", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}M", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{}K", n >> 10),
+        n => n.to_string(),
+    }
+}
+
+/// Bandwidth of one plain blocking TCP stream over loopback (the sender writes `chunk`-byte
+/// buffers for `dur`), in bytes per second: the floor any TCP transport is held against.
+pub fn loopback_stream_bandwidth(chunk: usize, dur: Duration) -> std::io::Result<f64> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let reader = std::thread::spawn(move || -> std::io::Result<u64> {
+        let (mut s, _) = l.accept()?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0u64;
+        loop {
+            match s.read(&mut buf)? {
+                0 => return Ok(total),
+                n => total += n as u64,
+            }
+        }
+    });
+    let mut s = TcpStream::connect(addr)?;
+    let buf = vec![1u8; chunk];
+    let start = Instant::now();
+    while start.elapsed() < dur {
+        s.write_all(&buf)?;
+    }
+    drop(s);
+    let total = reader
+        .join()
+        .map_err(|_| std::io::Error::other("reader panicked"))??;
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Single-stream loopback bandwidth measured by `iperf3` (bytes per second), if it is installed.
+pub fn iperf3_loopback(secs: u32) -> Option<f64> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
+    let mut server = Command::new("iperf3")
+        .args(["-s", "-1", "-B", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("iperf3")
+        .args([
+            "-c",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-t",
+            &secs.to_string(),
+            "--json",
+        ])
+        .output()
+        .ok();
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out?.stdout).into_owned();
+    // The receiver's summary: "sum_received": { ..., "bits_per_second": X, ... }.
+    let rest = text.split("\"sum_received\"").nth(1)?;
+    let v = rest.split("\"bits_per_second\":").nth(1)?;
+    let num = v.trim_start().split([',', '}', '\n']).next()?.trim();
+    num.parse::<f64>().ok().map(|bits| bits / 8.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("17"), Ok(17));
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("0").is_err());
+        assert_eq!(parse_sizes("8:64").unwrap(), vec![8, 16, 32, 64]);
+        assert_eq!(parse_sizes("4K:16K").unwrap(), vec![4096, 8192, 16384]);
+        assert!(parse_sizes("64:8").is_err());
+        assert!(parse_sizes("64").is_err());
+        assert_eq!(format_size(64 << 20), "64M");
+        assert_eq!(format_size(1000), "1000");
+    }
+
+    #[test]
+    fn the_loopback_reference_is_positive() {
+        let bw = loopback_stream_bandwidth(1 << 16, Duration::from_millis(100)).unwrap();
+        assert!(bw > 0.0);
+    }
+}

@@ -133,13 +133,13 @@ impl FrameSink for ReplySink<'_, '_> {
         if idx == usize::MAX {
             return Err(refuse(format!(
                 "job aborted: {}",
-                String::from_utf8_lossy(&self.text)
+                String::from_utf8_lossy(self.text)
             )));
         }
         self.done[idx] = true;
         *self.remaining -= 1;
         if m.status != status::OK && self.first_err.is_none() {
-            let text = String::from_utf8_lossy(&self.text).into_owned();
+            let text = String::from_utf8_lossy(self.text).into_owned();
             let key = Key::Int(self.reqs[idx].msg.key as i64);
             *self.first_err = Some(match m.status {
                 status::UNKNOWN_KEY => KvError::UnknownKey(key),
