@@ -128,7 +128,7 @@ impl FrameSink for ConnSink<'_> {
             Op::Bye => self.conn.bye = true,
             _ => {
                 let w = self.conn.worker.unwrap_or(usize::MAX);
-                self.state.handle(self.peer, w, &m, &self.conn.scratch);
+                self.state.handle(self.peer, w, &m, &mut self.conn.scratch);
             }
         }
         Ok(())

@@ -134,8 +134,10 @@ impl ServerState {
 
     /// Handles one request from `worker` (the rank authenticated on connection `peer`).
     /// `payload` holds the frame's payload: tensor data of the request's dtype for data
-    /// requests, bytes (`u8`) otherwise.
-    pub fn handle(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: &NDArray) {
+    /// requests, bytes (`u8`) otherwise. The server may take its buffer (leaving another one of
+    /// any size in its place), so a received tensor becomes the stored or merged value without
+    /// a copy.
+    pub fn handle(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: &mut NDArray) {
         if let Some(why) = &self.failed {
             let why = why.clone();
             return self.err(peer, m, status::PEER_LOST, why);
@@ -251,7 +253,7 @@ impl ServerState {
         }
     }
 
-    fn push(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: &NDArray) {
+    fn push(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: &mut NDArray) {
         if let Err((code, text)) = self.check_slot(m) {
             return self.err(peer, m, code, text);
         }
@@ -263,7 +265,7 @@ impl ServerState {
             let Some(slot) = self.slots.get_mut(&key) else {
                 return;
             };
-            let res = apply(&mut self.updater, false, key, payload, &mut slot.stored);
+            let res = apply(&mut self.updater, false, key, &*payload, &mut slot.stored);
             let value = slot.stored.clone();
             return match res {
                 Ok(()) if m.op == Op::PushPull => self.ok(peer, m, Payload::Array(value)),
@@ -289,13 +291,14 @@ impl ServerState {
                 // Shapes were checked against the slot; this cannot fail.
                 let _ = merge.add_assign(payload);
             }
-            Some(merge) => {
-                let _ = merge.copy_from(payload);
-            }
+            // The round's first push: its buffer becomes the merge buffer (no copy), and the
+            // connection receives into the old merge buffer next time.
+            Some(merge) => std::mem::swap(merge, payload),
             None => {
-                let mut merge = NDArray::zeros_dtype(payload.shape(), payload.dtype());
-                merge.as_bytes_mut().copy_from_slice(payload.as_bytes());
-                slot.merge = Some(merge);
+                slot.merge = Some(std::mem::replace(
+                    payload,
+                    NDArray::zeros_dtype(&[0], m.dtype),
+                ))
             }
         }
         slot.held.push(Held { peer, req: *m });
@@ -427,15 +430,15 @@ mod tests {
     #[test]
     fn sync_round_holds_replies_until_every_worker_pushed() {
         let mut s = ServerState::new(3, true);
-        s.handle(0, 0, &req(Op::Init, 3, 4, 1), &data(2.0, 4));
+        s.handle(0, 0, &req(Op::Init, 3, 4, 1), &mut data(2.0, 4));
         assert_eq!(replies(&mut s), vec![(0, 1, 0, vec![])]);
-        s.handle(0, 0, &req(Op::Push, 3, 4, 2), &data(1.0, 4));
-        s.handle(1, 1, &req(Op::Push, 3, 4, 3), &data(1.0, 4));
+        s.handle(0, 0, &req(Op::Push, 3, 4, 2), &mut data(1.0, 4));
+        s.handle(1, 1, &req(Op::Push, 3, 4, 3), &mut data(1.0, 4));
         assert!(s.outbox.is_empty(), "no reply before the round is complete");
         // A pull in the middle of the round sees the previous value, never a partial sum.
-        s.handle(2, 2, &req(Op::Pull, 3, 4, 4), &empty());
+        s.handle(2, 2, &req(Op::Pull, 3, 4, 4), &mut empty());
         assert_eq!(replies(&mut s), vec![(2, 4, 0, vec![2.0; 4])]);
-        s.handle(2, 2, &req(Op::PushPull, 3, 4, 5), &data(1.0, 4));
+        s.handle(2, 2, &req(Op::PushPull, 3, 4, 5), &mut data(1.0, 4));
         let r = replies(&mut s);
         assert_eq!(r.len(), 3);
         assert_eq!(r[2], (2, 5, 0, vec![3.0; 4]), "ASSIGN of the round's sum");
@@ -445,12 +448,12 @@ mod tests {
     #[test]
     fn double_push_in_a_round_is_refused() {
         let mut s = ServerState::new(2, true);
-        s.handle(0, 0, &req(Op::Init, 1, 2, 1), &data(0.0, 2));
-        s.handle(0, 0, &req(Op::Push, 1, 2, 2), &data(1.0, 2));
-        s.handle(0, 0, &req(Op::Push, 1, 2, 3), &data(1.0, 2));
+        s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
+        s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
+        s.handle(0, 0, &req(Op::Push, 1, 2, 3), &mut data(1.0, 2));
         let r = replies(&mut s);
         assert_eq!(r[1].2, status::FAILED);
-        s.handle(1, 1, &req(Op::Push, 1, 2, 4), &data(5.0, 2));
+        s.handle(1, 1, &req(Op::Push, 1, 2, 4), &mut data(5.0, 2));
         assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![6.0; 2]);
     }
 
@@ -459,11 +462,11 @@ mod tests {
         let mut s = ServerState::new(2, true);
         let words = Optimizer::sgd(0.1).encode();
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let p = NDArray::from_slice(&[bytes.len()], &bytes).unwrap();
-        s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &p);
-        s.handle(0, 0, &req(Op::Init, 9, 3, 2), &data(0.0, 3));
-        s.handle(0, 0, &req(Op::Push, 9, 3, 3), &data(1.0, 3));
-        s.handle(1, 1, &req(Op::Push, 9, 3, 4), &data(1.0, 3));
+        let mut p = NDArray::from_slice(&[bytes.len()], &bytes).unwrap();
+        s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut p);
+        s.handle(0, 0, &req(Op::Init, 9, 3, 2), &mut data(0.0, 3));
+        s.handle(0, 0, &req(Op::Push, 9, 3, 3), &mut data(1.0, 3));
+        s.handle(1, 1, &req(Op::Push, 9, 3, 4), &mut data(1.0, 3));
         let w = s.stored(9).unwrap().to_vec::<f32>().unwrap();
         assert!(w.iter().all(|&x| (x + 0.2).abs() < 1e-7), "{w:?}");
     }
@@ -471,16 +474,16 @@ mod tests {
     #[test]
     fn async_applies_each_push_and_needs_an_updater() {
         let mut s = ServerState::new(2, false);
-        s.handle(0, 0, &req(Op::Init, 4, 2, 1), &data(1.0, 2));
-        s.handle(0, 0, &req(Op::Push, 4, 2, 2), &data(1.0, 2));
+        s.handle(0, 0, &req(Op::Init, 4, 2, 1), &mut data(1.0, 2));
+        s.handle(0, 0, &req(Op::Push, 4, 2, 2), &mut data(1.0, 2));
         let r = replies(&mut s);
         assert_eq!(r[1].2, status::FAILED);
         assert_eq!(s.stored(4).unwrap().to_vec::<f32>().unwrap(), vec![1.0; 2]);
         crate::register_updater("test_async_add", |_, i, st| st.add_assign(i));
-        let name = NDArray::from_slice(&[14], b"test_async_add").unwrap();
-        s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 3), &name);
-        s.handle(0, 0, &req(Op::Push, 4, 2, 4), &data(1.0, 2));
-        s.handle(1, 1, &req(Op::PushPull, 4, 2, 5), &data(1.0, 2));
+        let mut name = NDArray::from_slice(&[14], b"test_async_add").unwrap();
+        s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 3), &mut name);
+        s.handle(0, 0, &req(Op::Push, 4, 2, 4), &mut data(1.0, 2));
+        s.handle(1, 1, &req(Op::PushPull, 4, 2, 5), &mut data(1.0, 2));
         let r = replies(&mut s);
         assert_eq!(r[2], (1, 5, 0, vec![3.0; 2]));
     }
@@ -488,14 +491,19 @@ mod tests {
     #[test]
     fn bad_requests_get_errors_and_change_nothing() {
         let mut s = ServerState::new(1, true);
-        s.handle(0, 0, &req(Op::Init, 2, 3, 1), &data(7.0, 3));
-        s.handle(0, 0, &req(Op::Init, 2, 3, 2), &data(1.0, 3));
-        s.handle(0, 0, &req(Op::Push, 5, 3, 3), &data(1.0, 3));
-        s.handle(0, 0, &req(Op::Push, 2, 4, 4), &data(1.0, 4));
+        s.handle(0, 0, &req(Op::Init, 2, 3, 1), &mut data(7.0, 3));
+        s.handle(0, 0, &req(Op::Init, 2, 3, 2), &mut data(1.0, 3));
+        s.handle(0, 0, &req(Op::Push, 5, 3, 3), &mut data(1.0, 3));
+        s.handle(0, 0, &req(Op::Push, 2, 4, 4), &mut data(1.0, 4));
         let mut f64push = req(Op::Push, 2, 3, 5);
         f64push.dtype = DType::F64;
-        s.handle(0, 0, &f64push, &NDArray::full_dtype(&[3], 1.0, DType::F64));
-        s.handle(0, 0, &req(Op::Barrier, 2, 3, 6), &empty());
+        s.handle(
+            0,
+            0,
+            &f64push,
+            &mut NDArray::full_dtype(&[3], 1.0, DType::F64),
+        );
+        s.handle(0, 0, &req(Op::Barrier, 2, 3, 6), &mut empty());
         let codes: Vec<u16> = replies(&mut s).iter().map(|r| r.2).collect();
         assert_eq!(
             codes,
@@ -514,12 +522,12 @@ mod tests {
     #[test]
     fn a_lost_worker_fails_held_and_later_requests() {
         let mut s = ServerState::new(2, true);
-        s.handle(0, 0, &req(Op::Init, 1, 2, 1), &data(0.0, 2));
-        s.handle(0, 0, &req(Op::Push, 1, 2, 2), &data(1.0, 2));
+        s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
+        s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
         replies(&mut s);
         s.worker_lost("worker 1 disconnected");
         assert_eq!(replies(&mut s), vec![(0, 2, status::PEER_LOST, vec![])]);
-        s.handle(0, 0, &req(Op::Pull, 1, 2, 3), &empty());
+        s.handle(0, 0, &req(Op::Pull, 1, 2, 3), &mut empty());
         assert_eq!(replies(&mut s)[0].2, status::PEER_LOST);
         assert_eq!(s.failed(), Some("worker 1 disconnected"));
         assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 2]);
