@@ -429,6 +429,9 @@ fn main() {
         Ok(kv) => kv,
         Err(e) => fail(format!("create {kind}: {e}")),
     };
+    for (i, (addr, t)) in kv.server_addrs().iter().zip(kv.transports()).enumerate() {
+        println!("rank {} reaches server {i} at {addr} via {t}", kv.rank());
+    }
     match scenario.as_str() {
         "seed" => seed(&mut kv),
         "big" => big(&mut kv),

@@ -9,8 +9,8 @@
 //! cargo build --release --workspace --examples
 //! target/release/kvrun -n 4 -s 2 target/release/examples/train
 //! ```
-//! Options (environment): `TRAIN_STEPS` (default 30), `TRAIN_OUTPUTS` k (default 16384),
-//! `TRAIN_FEATURES` d (default 64), `TRAIN_SAMPLES` n per worker (default 64).
+//! Options (environment): `TRAIN_STEPS` (default 40), `TRAIN_OUTPUTS` k (default 16384),
+//! `TRAIN_FEATURES` d (default 64), `TRAIN_SAMPLES` n per worker (default 4d/W, at least 16).
 
 use std::time::Instant;
 
@@ -56,12 +56,8 @@ fn matmul(x: &[f32], w: &[f32], n: usize, d: usize, k: usize, out: &mut [f32]) {
 }
 
 fn main() {
-    let (d, k, n) = (
-        env("TRAIN_FEATURES", 64),
-        env("TRAIN_OUTPUTS", 16384),
-        env("TRAIN_SAMPLES", 64),
-    );
-    let steps = env("TRAIN_STEPS", 30);
+    let (d, k) = (env("TRAIN_FEATURES", 64), env("TRAIN_OUTPUTS", 16384));
+    let steps = env("TRAIN_STEPS", 40);
     let mut kv = match create("dist_sync") {
         Ok(kv) => kv,
         Err(e) => {
@@ -70,6 +66,8 @@ fn main() {
         }
     };
     let (rank, workers) = (kv.rank(), kv.num_workers());
+    // At least 4d samples in all, so the answer is well determined whatever the job's shape.
+    let n = env("TRAIN_SAMPLES", (4 * d).div_ceil(workers).max(16));
 
     // This worker's shard of the data.
     let mut rng =
@@ -79,13 +77,19 @@ fn main() {
     let mut y = vec![0.0f32; n * k];
     matmul(&x, &w_true, n, d, k, &mut y);
 
+    // Heavy-ball parameters from the spread of the data's curvature: for N = n·W samples of d
+    // uniform features in [-1, 1], the eigenvalues of XᵀX/N lie near ((1 ± √(d/N))²)/3.
+    let r = ((d as f64) / (n * workers) as f64).sqrt().min(0.9) * 1.1;
+    let (lo, hi) = (((1.0 - r).max(0.05)).powi(2) / 3.0, (1.0 + r).powi(2) / 3.0);
+    let lr = 4.0 / (hi.sqrt() + lo.sqrt()).powi(2);
+    let kappa = (hi / lo).sqrt();
+    let momentum = ((kappa - 1.0) / (kappa + 1.0)).powi(2);
     let shape = [d, k];
     let mut run = || -> kvstore::Result<f64> {
         kv.init(0, &NDArray::zeros(&shape))?;
         kv.set_optimizer(Optimizer::Sgd {
-            // Heavy-ball parameters for the data's curvature (features uniform in [-1, 1]).
-            lr: 2.5,
-            momentum: 0.25,
+            lr,
+            momentum,
             wd: 0.0,
             rescale_grad: 1.0 / workers as f64,
             clip_gradient: 0.0,

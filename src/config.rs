@@ -11,6 +11,17 @@
 //! | `KVSTORE_TIMEOUT` | seconds any blocking wait may take | 120 |
 //! | `KVSTORE_BIGARRAY_BOUND` (or `MXNET_KVSTORE_BIGARRAY_BOUND`) | elements above which a tensor is sliced over all servers | 1000000 |
 //! | `KVSTORE_MAX_MESSAGE` | largest payload accepted, bytes | 8 GiB |
+//!
+//! # Under mpirun or srun
+//! Without `DMLC_ROLE`, a process started by Open MPI's or MPICH's `mpirun` or by Slurm's
+//! `srun` takes its place from their variables (`OMPI_COMM_WORLD_RANK`/`_SIZE`,
+//! `PMI_RANK`/`PMI_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS`). The rule: with `KVSTORE_NUM_SERVERS`
+//! = S (default 1), rank 0 is the scheduler, ranks 1..=S the servers, the rest the workers
+//! (so a job of N ranks has N - 1 - S workers). The scheduler is found at
+//! `KVSTORE_ROOT_URI` if set, else at the first host of Slurm's node list, else on loopback when
+//! every rank runs on one host (`OMPI_COMM_WORLD_LOCAL_SIZE` = `OMPI_COMM_WORLD_SIZE`); its port
+//! is `KVSTORE_ROOT_PORT`, else derived from the launcher's job id. Without `KVSTORE_SECRET` the
+//! secret is derived from the job id: it keeps other jobs out, not an attacker.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
@@ -53,15 +64,18 @@ pub struct Config {
     pub max_message: u64,
 }
 
-fn var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
+/// Where variables come from: the process environment, or a table in tests.
+type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+fn get(env: Lookup, name: &str) -> Option<String> {
+    env(name).filter(|v| !v.is_empty())
 }
 
-fn need(name: &str) -> Result<String> {
-    var(name).ok_or_else(|| {
+fn need(env: Lookup, name: &str) -> Result<String> {
+    get(env, name).ok_or_else(|| {
         KvError::Config(format!(
-            "{name} is not set: start distributed jobs with kvrun (or set DMLC_ROLE, \
-             DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER, DMLC_NUM_WORKER)"
+            "{name} is not set: start distributed jobs with kvrun, mpirun or srun (or set \
+             DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER, DMLC_NUM_WORKER)"
         ))
     })
 }
@@ -72,10 +86,106 @@ fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
         .map_err(|_| KvError::Config(format!("{name}={v:?} is not a valid number")))
 }
 
-impl Config {
-    /// Reads the configuration from the environment.
-    pub fn from_env() -> Result<Config> {
-        let role = match need("DMLC_ROLE")?.as_str() {
+/// A process's rank among `size`, as an external launcher gave it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LauncherRank {
+    /// Which launcher: `"openmpi"`, `"pmi"` (MPICH's hydra and others) or `"slurm"`.
+    pub launcher: &'static str,
+    /// This process's rank.
+    pub rank: usize,
+    /// The number of processes.
+    pub size: usize,
+    /// Whether every rank runs on this host, when the launcher says.
+    pub all_local: Option<bool>,
+    /// An identifier of the job, when the launcher gives one.
+    pub job_id: Option<String>,
+}
+
+fn launcher_rank(env: Lookup) -> Result<Option<LauncherRank>> {
+    let pair = |r: &str, s: &str| -> Result<Option<(usize, usize)>> {
+        match (get(env, r), get(env, s)) {
+            (Some(a), Some(b)) => Ok(Some((parse(r, &a)?, parse(s, &b)?))),
+            _ => Ok(None),
+        }
+    };
+    if let Some((rank, size)) = pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")? {
+        let local = get(env, "OMPI_COMM_WORLD_LOCAL_SIZE").and_then(|v| v.parse::<usize>().ok());
+        return Ok(Some(LauncherRank {
+            launcher: "openmpi",
+            rank,
+            size,
+            all_local: local.map(|l| l == size),
+            job_id: get(env, "OMPI_MCA_ess_base_jobid").or_else(|| get(env, "PMIX_NAMESPACE")),
+        }));
+    }
+    if let Some((rank, size)) = pair("SLURM_PROCID", "SLURM_NTASKS")? {
+        let nodes = get(env, "SLURM_NNODES").or_else(|| get(env, "SLURM_JOB_NUM_NODES"));
+        let job = get(env, "SLURM_JOB_ID").or_else(|| get(env, "SLURM_JOBID"));
+        return Ok(Some(LauncherRank {
+            launcher: "slurm",
+            rank,
+            size,
+            all_local: nodes.map(|n| n.trim() == "1"),
+            job_id: job.map(|j| format!("{j}.{}", get(env, "SLURM_STEP_ID").unwrap_or_default())),
+        }));
+    }
+    if let Some((rank, size)) = pair("PMI_RANK", "PMI_SIZE")? {
+        let local = get(env, "MPI_LOCALNRANKS").and_then(|v| v.parse::<usize>().ok());
+        return Ok(Some(LauncherRank {
+            launcher: "pmi",
+            rank,
+            size,
+            all_local: local.map(|l| l == size),
+            job_id: get(env, "PMI_KVSNAME").or_else(|| get(env, "PMIX_NAMESPACE")),
+        }));
+    }
+    Ok(None)
+}
+
+/// The first host of a Slurm node list: `node[03-05,9],gpu1` gives `node03`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let (prefix, rest) = match list.find(['[', ',']) {
+        None => return (!list.is_empty()).then(|| list.to_string()),
+        Some(i) if list.as_bytes()[i] == b',' => return Some(list[..i].to_string()),
+        Some(i) => (&list[..i], &list[i + 1..]),
+    };
+    let first = rest.split([',', ']']).next()?;
+    let start = first.split('-').next()?;
+    (!start.is_empty()).then(|| format!("{prefix}{start}"))
+}
+
+/// FNV-1a of the job id, mapped to a port in 20000..60000.
+fn port_from_job(job: &str) -> u16 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in job.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    20000 + (h % 40000) as u16
+}
+
+fn resolve(host: &str, port: u16, name: &str) -> Result<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| KvError::Config(format!("{name}={host:?}: {e}")))?
+        .next()
+        .ok_or_else(|| KvError::Config(format!("{name}={host:?} has no address")))
+}
+
+/// Role, root address and job shape: from `DMLC_*`, or adopted from an external launcher.
+struct Place {
+    role: Role,
+    root: SocketAddr,
+    num_servers: usize,
+    num_workers: usize,
+    rank_hint: Option<u32>,
+    secret: Option<String>,
+}
+
+fn place(env: Lookup) -> Result<Place> {
+    if let Some(role) = get(env, "DMLC_ROLE") {
+        let role = match role.as_str() {
             "worker" => Role::Worker,
             "server" => Role::Server,
             "scheduler" => Role::Scheduler,
@@ -85,46 +195,121 @@ impl Config {
                 )))
             }
         };
-        let host = need("DMLC_PS_ROOT_URI")?;
-        let port: u16 = parse("DMLC_PS_ROOT_PORT", &need("DMLC_PS_ROOT_PORT")?)?;
-        let root = (host.as_str(), port)
-            .to_socket_addrs()
-            .map_err(|e| KvError::Config(format!("DMLC_PS_ROOT_URI={host:?}: {e}")))?
-            .next()
-            .ok_or_else(|| KvError::Config(format!("DMLC_PS_ROOT_URI={host:?} has no address")))?;
-        let num_servers: usize = parse("DMLC_NUM_SERVER", &need("DMLC_NUM_SERVER")?)?;
-        let num_workers: usize = parse("DMLC_NUM_WORKER", &need("DMLC_NUM_WORKER")?)?;
-        if num_servers == 0 || num_workers == 0 {
+        let host = need(env, "DMLC_PS_ROOT_URI")?;
+        let port: u16 = parse("DMLC_PS_ROOT_PORT", &need(env, "DMLC_PS_ROOT_PORT")?)?;
+        return Ok(Place {
+            role,
+            root: resolve(&host, port, "DMLC_PS_ROOT_URI")?,
+            num_servers: parse("DMLC_NUM_SERVER", &need(env, "DMLC_NUM_SERVER")?)?,
+            num_workers: parse("DMLC_NUM_WORKER", &need(env, "DMLC_NUM_WORKER")?)?,
+            rank_hint: get(env, "KVSTORE_RANK")
+                .map(|v| parse("KVSTORE_RANK", &v))
+                .transpose()?,
+            secret: None,
+        });
+    }
+    let Some(l) = launcher_rank(env)? else {
+        return Err(need(env, "DMLC_ROLE")
+            .err()
+            .unwrap_or(KvError::Config("DMLC_ROLE".into())));
+    };
+    let s: usize = match get(env, "KVSTORE_NUM_SERVERS") {
+        Some(v) => parse("KVSTORE_NUM_SERVERS", &v)?,
+        None => 1,
+    };
+    if s == 0 || l.size < s + 2 {
+        return Err(KvError::Config(format!(
+            "{} started {} processes; a job with {s} server(s) needs at least {} (scheduler, \
+             servers, one worker): set KVSTORE_NUM_SERVERS or start more ranks",
+            l.launcher,
+            l.size,
+            s + 2
+        )));
+    }
+    let (role, hint) = match l.rank {
+        0 => (Role::Scheduler, 0),
+        r if r <= s => (Role::Server, r - 1),
+        r => (Role::Worker, r - 1 - s),
+    };
+    let host = match get(env, "KVSTORE_ROOT_URI").or_else(|| get(env, "DMLC_PS_ROOT_URI")) {
+        Some(h) => h,
+        None => match get(env, "SLURM_JOB_NODELIST").or_else(|| get(env, "SLURM_NODELIST")) {
+            Some(list) if l.all_local != Some(true) => {
+                first_slurm_host(&list).ok_or_else(|| {
+                    KvError::Config(format!("cannot read the Slurm node list {list:?}"))
+                })?
+            }
+            _ if l.all_local == Some(true) => "127.0.0.1".to_string(),
+            _ => {
+                return Err(KvError::Config(format!(
+                    "{} ranks span several hosts: set KVSTORE_ROOT_URI to rank 0's host \
+                     (e.g. mpirun -x KVSTORE_ROOT_URI=<host of rank 0>)",
+                    l.launcher
+                )))
+            }
+        },
+    };
+    let port = match get(env, "KVSTORE_ROOT_PORT").or_else(|| get(env, "DMLC_PS_ROOT_PORT")) {
+        Some(p) => parse("KVSTORE_ROOT_PORT", &p)?,
+        None => match &l.job_id {
+            Some(j) => port_from_job(j),
+            None => {
+                return Err(KvError::Config(format!(
+                    "{} gives no job id: set KVSTORE_ROOT_PORT",
+                    l.launcher
+                )))
+            }
+        },
+    };
+    Ok(Place {
+        role,
+        root: resolve(&host, port, "KVSTORE_ROOT_URI")?,
+        num_servers: s,
+        num_workers: l.size - 1 - s,
+        rank_hint: Some(hint as u32),
+        secret: l.job_id.map(|j| format!("{}-{j}", l.launcher)),
+    })
+}
+
+impl Config {
+    /// Reads the configuration from the environment.
+    pub fn from_env() -> Result<Config> {
+        Config::from_lookup(&|name| std::env::var(name).ok())
+    }
+
+    /// Reads the configuration from `env` (a name-to-value lookup).
+    pub fn from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+        let p = place(env)?;
+        if p.num_servers == 0 || p.num_workers == 0 {
             return Err(KvError::Config(
                 "a job needs at least one server and one worker".into(),
             ));
         }
-        let timeout_s: f64 = match var("KVSTORE_TIMEOUT") {
+        let timeout_s: f64 = match get(env, "KVSTORE_TIMEOUT") {
             Some(v) => parse("KVSTORE_TIMEOUT", &v)?,
             None => 120.0,
         };
         if !(timeout_s > 0.0 && timeout_s.is_finite()) {
             return Err(KvError::Config("KVSTORE_TIMEOUT must be positive".into()));
         }
-        let bound =
-            match var("KVSTORE_BIGARRAY_BOUND").or_else(|| var("MXNET_KVSTORE_BIGARRAY_BOUND")) {
-                Some(v) => parse("KVSTORE_BIGARRAY_BOUND", &v)?,
-                None => 1_000_000,
-            };
-        let max_message = match var("KVSTORE_MAX_MESSAGE") {
+        let bound = match get(env, "KVSTORE_BIGARRAY_BOUND")
+            .or_else(|| get(env, "MXNET_KVSTORE_BIGARRAY_BOUND"))
+        {
+            Some(v) => parse("KVSTORE_BIGARRAY_BOUND", &v)?,
+            None => 1_000_000,
+        };
+        let max_message = match get(env, "KVSTORE_MAX_MESSAGE") {
             Some(v) => parse("KVSTORE_MAX_MESSAGE", &v)?,
             None => 8 << 30,
         };
         Ok(Config {
-            role,
-            root,
-            num_servers,
-            num_workers,
-            secret: var("KVSTORE_SECRET").unwrap_or_default(),
-            rank_hint: var("KVSTORE_RANK")
-                .map(|v| parse("KVSTORE_RANK", &v))
-                .transpose()?,
-            node_host: var("DMLC_NODE_HOST"),
+            role: p.role,
+            root: p.root,
+            num_servers: p.num_servers,
+            num_workers: p.num_workers,
+            secret: get(env, "KVSTORE_SECRET").or(p.secret).unwrap_or_default(),
+            rank_hint: p.rank_hint,
+            node_host: get(env, "DMLC_NODE_HOST"),
             timeout: Duration::from_secs_f64(timeout_s),
             bigarray_bound: bound,
             max_message,
@@ -135,4 +320,122 @@ impl Config {
 /// Compares secrets in time independent of where they differ.
 pub(crate) fn secret_matches(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(vars: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(&|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn mxnet_variables() {
+        let c = cfg(&[
+            ("DMLC_ROLE", "server"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9091"),
+            ("DMLC_NUM_SERVER", "2"),
+            ("DMLC_NUM_WORKER", "3"),
+        ])
+        .unwrap();
+        assert_eq!(c.role, Role::Server);
+        assert_eq!(c.root.port(), 9091);
+        assert_eq!((c.num_servers, c.num_workers), (2, 3));
+        assert!(cfg(&[("DMLC_ROLE", "boss")]).is_err());
+        let e = cfg(&[]).err().unwrap().to_string();
+        assert!(e.contains("DMLC_ROLE"), "{e}");
+    }
+
+    #[test]
+    fn slurm_ranks_follow_the_documented_rule() {
+        let base = [
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_NNODES", "3"),
+            ("SLURM_JOB_NODELIST", "localhost,node[02-03]"),
+            ("KVSTORE_NUM_SERVERS", "2"),
+        ];
+        let at = |rank: &str| {
+            let mut v = base.to_vec();
+            v.push(("SLURM_PROCID", rank));
+            cfg(&v).unwrap()
+        };
+        let c0 = at("0");
+        assert_eq!(c0.role, Role::Scheduler);
+        assert_eq!((c0.num_servers, c0.num_workers), (2, 3));
+        assert!(c0.root.ip().is_loopback(), "first host of the node list");
+        let c2 = at("2");
+        assert_eq!((c2.role, c2.rank_hint), (Role::Server, Some(1)));
+        let c5 = at("5");
+        assert_eq!((c5.role, c5.rank_hint), (Role::Worker, Some(2)));
+        assert_eq!(
+            c0.root.port(),
+            c5.root.port(),
+            "every rank derives the same port"
+        );
+        assert_eq!(c0.secret, c5.secret);
+        assert!(!c0.secret.is_empty());
+        let mut small = base.to_vec();
+        small[0] = ("SLURM_NTASKS", "3");
+        small.push(("SLURM_PROCID", "0"));
+        assert!(
+            cfg(&small).is_err(),
+            "3 ranks cannot hold a scheduler, 2 servers and a worker"
+        );
+    }
+
+    #[test]
+    fn open_mpi_and_pmi_ranks() {
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("OMPI_MCA_ess_base_jobid", "77"),
+        ])
+        .unwrap();
+        assert_eq!((c.role, c.num_servers, c.num_workers), (Role::Server, 1, 2));
+        assert!(c.root.ip().is_loopback());
+        let spread = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("OMPI_MCA_ess_base_jobid", "77"),
+        ]);
+        assert!(spread
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("KVSTORE_ROOT_URI"));
+        let p = cfg(&[
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("KVSTORE_ROOT_URI", "127.0.0.1"),
+            ("KVSTORE_ROOT_PORT", "7000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (p.role, p.rank_hint, p.root.port()),
+            (Role::Worker, Some(1), 7000)
+        );
+    }
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(
+            first_slurm_host("node[03-05,9],gpu1").as_deref(),
+            Some("node03")
+        );
+        assert_eq!(first_slurm_host("a,b").as_deref(), Some("a"));
+        assert_eq!(first_slurm_host("single").as_deref(), Some("single"));
+        assert_eq!(first_slurm_host("n[7]").as_deref(), Some("n7"));
+        assert_eq!(first_slurm_host(""), None);
+    }
 }

@@ -96,6 +96,15 @@ impl KVStore {
         }
     }
 
+    /// The transport this worker uses to reach each server, by rank (`"tcp"`; empty for local
+    /// stores). The shared-memory transport for servers on the same host is not built yet.
+    pub fn transports(&self) -> Vec<&'static str> {
+        match &self.inner {
+            Inner::Local(_) => Vec::new(),
+            Inner::Dist(d) => d.transports(),
+        }
+    }
+
     /// Waits until every worker has reached the barrier (returns at once for local stores).
     pub fn barrier(&mut self) -> Result<()> {
         match &mut self.inner {

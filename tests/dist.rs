@@ -223,5 +223,5 @@ fn the_main_job_reaches_the_known_answer() {
             r.all()
         );
     }
-    assert!(r.stdout.contains("[worker 0] step  30/30"), "{}", r.all());
+    assert!(r.stdout.contains("[worker 0] step  40/40"), "{}", r.all());
 }

@@ -25,14 +25,69 @@ impl fmt::Display for RoleName {
     }
 }
 
-/// A running process of the job.
+/// A running process of the job (for a remote process: the ssh client that runs it).
 pub struct Child {
     /// Its role.
     pub role: RoleName,
+    /// The host it runs on, when not this one.
+    pub host: Option<String>,
     /// Its process id (also its process group id).
     pub pid: u32,
     proc: std::process::Child,
+    /// A remote process watches this pipe: when kvrun closes it (or dies), the process is killed.
+    _lifeline: Option<std::process::ChildStdin>,
     status: Option<ExitStatus>,
+}
+
+/// Quotes a word for a POSIX shell.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-=:,+@%".contains(&b))
+    {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// The remote side of a process started over ssh: runs the program in a session of its own
+/// (setsid) with stdin from /dev/null, and kills that whole process group when the ssh
+/// session's stdin closes (kvrun stopped the job, or died).
+const REMOTE_WRAPPER: &str = r#"exec 3<&0
+if command -v setsid >/dev/null 2>&1; then setsid "$@" </dev/null & else "$@" </dev/null & fi
+c=$!
+( cat <&3 >/dev/null 2>&1; kill -TERM -$c $c 2>/dev/null; sleep 2; kill -KILL -$c $c 2>/dev/null ) >/dev/null 2>&1 &
+w=$!
+exec 3<&-
+wait $c
+s=$?
+kill $w 2>/dev/null
+exit $s"#;
+
+/// The command line run on a remote host.
+pub fn remote_command(program: &Path, args: &[String], env: &[(String, String)]) -> String {
+    let mut cmd = String::new();
+    if let Ok(cwd) = std::env::current_dir() {
+        cmd.push_str(&format!(
+            "cd {} 2>/dev/null; ",
+            shell_quote(&cwd.to_string_lossy())
+        ));
+    }
+    cmd.push_str("exec env");
+    for (k, v) in env {
+        cmd.push_str(&format!(" {}", shell_quote(&format!("{k}={v}"))));
+    }
+    cmd.push_str(&format!(
+        " sh -c {} kvrun-remote",
+        shell_quote(REMOTE_WRAPPER)
+    ));
+    cmd.push(' ');
+    cmd.push_str(&shell_quote(&program.to_string_lossy()));
+    for a in args {
+        cmd.push(' ');
+        cmd.push_str(&shell_quote(a));
+    }
+    cmd
 }
 
 fn forward(prefix: String, from: impl std::io::Read + Send + 'static, to_stderr: bool) {
@@ -61,28 +116,48 @@ impl Child {
     /// Starts `program` in `role`, with `env` added to kvrun's environment.
     pub fn spawn(
         role: RoleName,
+        host: Option<&str>,
+        ssh: &[String],
         program: &Path,
         args: &[String],
         env: &[(String, String)],
     ) -> std::io::Result<Child> {
-        let mut cmd = Command::new(program);
-        cmd.args(args)
-            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
         let (dmlc, rank) = match role {
             RoleName::Server(r) => ("server", r),
             RoleName::Worker(r) => ("worker", r),
         };
-        cmd.env("DMLC_ROLE", dmlc)
-            .env("KVSTORE_RANK", rank.to_string());
+        let mut env = env.to_vec();
+        env.push(("DMLC_ROLE".into(), dmlc.into()));
+        env.push(("KVSTORE_RANK".into(), rank.to_string()));
+        let mut cmd = match host {
+            None => {
+                let mut c = Command::new(program);
+                c.args(args)
+                    .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+                    .stdin(Stdio::null());
+                c
+            }
+            Some(h) => {
+                let (ssh_prog, ssh_args) = ssh
+                    .split_first()
+                    .ok_or_else(|| std::io::Error::other("empty --ssh command"))?;
+                let mut c = Command::new(ssh_prog);
+                c.args(ssh_args)
+                    .arg(h)
+                    .arg(remote_command(program, args, &env))
+                    .stdin(Stdio::piped());
+                c
+            }
+        };
+        cmd.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
         // SAFETY: the closure runs in the child between fork and exec and only calls prctl and
         // getppid, which are async-signal-safe; it touches no memory of the parent.
         unsafe {
             cmd.pre_exec(|| {
-                // If kvrun dies (even by SIGKILL), the kernel kills its children: no orphans.
+                // If kvrun dies (even by SIGKILL), the kernel kills its children; the shepherd
+                // then kills their process groups (grandchildren too).
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -93,7 +168,11 @@ impl Child {
             });
         }
         let mut proc = cmd.spawn()?;
-        let prefix = format!("[{role}] ");
+        let prefix = match host {
+            Some(h) => format!("[{h}:{role}] "),
+            None => format!("[{role}] "),
+        };
+        let lifeline = proc.stdin.take();
         if let Some(out) = proc.stdout.take() {
             forward(prefix.clone(), out, false);
         }
@@ -102,8 +181,10 @@ impl Child {
         }
         Ok(Child {
             role,
+            host: host.map(str::to_string),
             pid: proc.id(),
             proc,
+            _lifeline: lifeline,
             status: None,
         })
     }
@@ -152,11 +233,27 @@ pub fn stop_all(children: &mut [Child]) {
     }
 }
 
-/// Says how a process ended.
-pub fn describe(s: &ExitStatus) -> String {
+/// Says how a process ended (`remote`: it ran over ssh).
+pub fn describe(s: &ExitStatus, remote: bool) -> String {
     match (s.code(), s.signal()) {
+        (Some(255), _) if remote => {
+            "could not be started: ssh failed (status 255: host unreachable or login refused)"
+                .into()
+        }
+        (Some(127), _) => "exited with status 127: the program was not found there".into(),
+        (Some(126), _) => "exited with status 126: the program cannot be executed there".into(),
         (Some(c), _) => format!("exited with status {c}"),
         (None, Some(sig)) => format!("was killed by signal {sig}"),
         _ => "ended".into(),
+    }
+}
+
+impl Child {
+    /// `worker 1`, or `worker 1 on host` for a remote process.
+    pub fn name(&self) -> String {
+        match &self.host {
+            Some(h) => format!("{} on {h} (ssh pid {})", self.role, self.pid),
+            None => format!("{} (pid {})", self.role, self.pid),
+        }
     }
 }

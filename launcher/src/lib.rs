@@ -5,6 +5,8 @@
 #![deny(missing_docs)]
 
 mod child;
+pub mod hosts;
+pub mod shepherd;
 
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -16,7 +18,8 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use kvstore::dist::scheduler::{run_scheduler, SchedulerOptions};
 
-pub use child::{Child, RoleName};
+pub use child::{shell_quote, Child, RoleName};
+pub use hosts::{Host, MapBy};
 
 /// The command line of `kvrun`.
 #[derive(Parser, Debug, Clone)]
@@ -47,6 +50,30 @@ pub struct Options {
     /// Environment variables to set for every process (NAME=VALUE or NAME to pass ours on).
     #[arg(short = 'x', value_name = "VAR[=VALUE]")]
     pub env: Vec<String>,
+    /// Hosts to run on, `host[:slots]` comma separated (mpirun's -H).
+    #[arg(
+        short = 'H',
+        long = "hosts",
+        value_name = "HOSTS",
+        conflicts_with = "hostfile"
+    )]
+    pub hosts: Option<String>,
+    /// A hostfile in mpirun's format: `host slots=N` per line.
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+    /// Fill each host's slots first (slot) or go round the hosts (node).
+    #[arg(long, value_enum, default_value_t = MapBy::Slot)]
+    pub map_by: MapBy,
+    /// Allow more processes than slots.
+    #[arg(long)]
+    pub oversubscribe: bool,
+    /// The ssh command (and its options) that starts remote processes.
+    #[arg(long, default_value = "ssh -o BatchMode=yes -o ConnectTimeout=10")]
+    pub ssh: String,
+    /// The address remote processes reach the scheduler at (default: this host's address on
+    /// the route to the first remote host).
+    #[arg(long, value_name = "ADDR")]
+    pub scheduler_host: Option<IpAddr>,
     /// The program every process runs.
     #[arg(required = true)]
     pub program: PathBuf,
@@ -90,10 +117,46 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         signal_hook::flag::register(sig, stop.clone())
             .map_err(|e| format!("signal handler: {e}"))?;
     }
+    let hosts = match (&opts.hosts, &opts.hostfile) {
+        (Some(list), _) => hosts::parse_host_list(list)?,
+        (None, Some(f)) => {
+            let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
+            hosts::parse_hostfile(&text)?
+        }
+        (None, None) => vec![Host {
+            name: "localhost".into(),
+            slots: (opts.servers + opts.workers) as usize,
+        }],
+    };
+    let placement = hosts::place(
+        &hosts,
+        opts.servers as usize,
+        opts.workers as usize,
+        opts.map_by,
+        opts.oversubscribe,
+    )?;
+    let remote: Vec<Option<&str>> = hosts
+        .iter()
+        .map(|h| (!hosts::is_local(&h.name)).then_some(h.name.as_str()))
+        .collect();
+    let first_remote = remote.iter().flatten().next().copied();
+    let ssh: Vec<String> = opts.ssh.split_whitespace().map(str::to_string).collect();
+
     let secret = make_secret().map_err(|e| format!("cannot make a job secret: {e}"))?;
-    let listener = TcpListener::bind(SocketAddr::new(opts.host, opts.port))
-        .map_err(|e| format!("cannot listen on {}:{}: {e}", opts.host, opts.port))?;
-    let root = listener.local_addr().map_err(|e| e.to_string())?;
+    // Remote processes need an address they can reach: listen on every address.
+    let bind = match first_remote {
+        Some(_) if opts.host.is_loopback() => IpAddr::from([0, 0, 0, 0]),
+        _ => opts.host,
+    };
+    let listener = TcpListener::bind(SocketAddr::new(bind, opts.port))
+        .map_err(|e| format!("cannot listen on {bind}:{}: {e}", opts.port))?;
+    let mut root = listener.local_addr().map_err(|e| e.to_string())?;
+    if let Some(h) = first_remote {
+        root.set_ip(match opts.scheduler_host {
+            Some(ip) => ip,
+            None => route_to(h)?,
+        });
+    }
     let sched_opts = SchedulerOptions {
         num_workers: opts.workers as usize,
         num_servers: opts.servers as usize,
@@ -123,26 +186,50 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         }
     }
 
+    let mut shepherd =
+        shepherd::Shepherd::start().map_err(|e| format!("cannot start the shepherd: {e}"))?;
     let mut children: Vec<Child> = Vec::new();
-    let roles = (0..opts.servers)
-        .map(|r| RoleName::Server(r as usize))
-        .chain((0..opts.workers).map(|r| RoleName::Worker(r as usize)));
-    for role in roles {
-        match Child::spawn(role, &opts.program, &opts.args, &env) {
-            Ok(c) => children.push(c),
+    for (role, h) in placement {
+        match Child::spawn(role, remote[h], &ssh, &opts.program, &opts.args, &env) {
+            Ok(c) => {
+                shepherd.watch(c.pid);
+                children.push(c);
+            }
             Err(e) => {
                 child::stop_all(&mut children);
-                return Err(format!(
-                    "cannot start {role} ({}): {e}",
-                    opts.program.display()
-                ));
+                shepherd.done();
+                let what = match remote[h] {
+                    Some(host) => format!("{} on {host} via {}", opts.program.display(), ssh[0]),
+                    None => opts.program.display().to_string(),
+                };
+                return Err(format!("cannot start {role} ({what}): {e}"));
             }
         }
     }
 
     let code = supervise(&mut children, &stop, &sched_rx, opts);
     child::stop_all(&mut children);
+    shepherd.done();
     Ok(code)
+}
+
+/// This host's address on the route to `host` (no packet is sent: a UDP socket is connected).
+fn route_to(host: &str) -> Result<IpAddr, String> {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let target = (host, 22)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{host} has no address"))?;
+    let any: SocketAddr = if target.is_ipv4() {
+        "0.0.0.0:0".parse().map_err(|_| "address")?
+    } else {
+        "[::]:0".parse().map_err(|_| "address")?
+    };
+    let s = UdpSocket::bind(any).map_err(|e| e.to_string())?;
+    s.connect(target)
+        .map_err(|e| format!("no route to {host}: {e}"))?;
+    Ok(s.local_addr().map_err(|e| e.to_string())?.ip())
 }
 
 /// Watches the processes until the job ends; returns the exit status.
@@ -169,10 +256,9 @@ fn supervise(
             if let Some(status) = c.poll() {
                 if !status.success() {
                     failed.push(format!(
-                        "{} (pid {}) {}",
-                        c.role,
-                        c.pid,
-                        child::describe(&status)
+                        "{} {}",
+                        c.name(),
+                        child::describe(&status, c.host.is_some())
                     ));
                 }
             }
@@ -182,7 +268,11 @@ fn supervise(
             std::thread::sleep(Duration::from_millis(100));
             for c in children.iter_mut() {
                 if let Some(status) = c.poll() {
-                    let d = format!("{} (pid {}) {}", c.role, c.pid, child::describe(&status));
+                    let d = format!(
+                        "{} {}",
+                        c.name(),
+                        child::describe(&status, c.host.is_some())
+                    );
                     if !status.success() && !failed.contains(&d) {
                         failed.push(d);
                     }

@@ -56,14 +56,16 @@ fn output_is_prefixed_and_a_failure_stops_the_job() {
     );
 }
 
+/// Processes whose environment holds the marker: kvrun's children and their children.
 fn pids_with_marker(marker: &str) -> Vec<u32> {
+    let needle = format!("KVRUN_TEST_MARKER={marker}");
     let mut pids = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
-        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
-            if String::from_utf8_lossy(&cmd).contains(marker) {
+        if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) {
+            if env.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
                 pids.push(pid);
             }
         }
@@ -74,18 +76,25 @@ fn pids_with_marker(marker: &str) -> Vec<u32> {
 #[test]
 fn interrupt_stops_everything_and_leaves_no_orphans() {
     let marker = format!("kvrun-orphan-check-{}", std::process::id());
-    let script = format!("sleep 60 # {marker}");
+    // A shell with a child of its own: the grandchildren must go too.
+    let script = "sleep 60; echo never";
     let mut child = kvrun()
-        .args(["-n", "2", "-s", "2", "--", "/bin/sh", "-c", &script])
+        .env("KVRUN_TEST_MARKER", &marker)
+        .args(["-n", "2", "-s", "2", "--", "/bin/sh", "-c", script])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while pids_with_marker(&marker).len() < 4 && Instant::now() < deadline {
+    while pids_with_marker(&marker).len() < 9 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(pids_with_marker(&marker).len() >= 4);
+    // kvrun, its shepherd, 4 shells and their 4 sleeps carry the marker.
+    assert!(
+        pids_with_marker(&marker).len() >= 9,
+        "{:?}",
+        pids_with_marker(&marker)
+    );
     Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
@@ -106,17 +115,23 @@ fn interrupt_stops_everything_and_leaves_no_orphans() {
 #[test]
 fn killing_kvrun_itself_takes_its_children_down() {
     let marker = format!("kvrun-sigkill-check-{}", std::process::id());
-    let script = format!("sleep 60 # {marker}");
+    let script = "sleep 60; echo never";
     let mut child = kvrun()
-        .args(["-n", "1", "-s", "1", "--", "/bin/sh", "-c", &script])
+        .env("KVRUN_TEST_MARKER", &marker)
+        .args(["-n", "1", "-s", "1", "--", "/bin/sh", "-c", script])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while pids_with_marker(&marker).len() < 2 && Instant::now() < deadline {
+    while pids_with_marker(&marker).len() < 6 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
+    assert!(
+        pids_with_marker(&marker).len() >= 6,
+        "{:?}",
+        pids_with_marker(&marker)
+    );
     child.kill().unwrap();
     let _ = child.wait();
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -143,17 +143,20 @@ fn parent(p: &PushPull) -> Result<(), String> {
     }
     let out = std::env::temp_dir().join(format!("kvperf-{}.jsonl", std::process::id()));
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let opts = kvstore_launcher::Options {
-        workers: p.workers,
-        servers: p.servers,
-        host: "127.0.0.1".parse().map_err(|_| "address")?,
-        port: 0,
-        timeout: 120.0,
-        grace: 30.0,
-        env: vec![format!("KVPERF_OUT={}", out.display())],
-        program: exe,
-        args: std::env::args().skip(1).collect(),
-    };
+    let mut argv: Vec<String> = vec![
+        "kvrun".into(),
+        "-n".into(),
+        p.workers.to_string(),
+        "-s".into(),
+        p.servers.to_string(),
+        "-x".into(),
+        format!("KVPERF_OUT={}", out.display()),
+        "--".into(),
+        exe.to_string_lossy().into_owned(),
+    ];
+    argv.extend(std::env::args().skip(1));
+    let opts = <kvstore_launcher::Options as clap::Parser>::try_parse_from(argv)
+        .map_err(|e| e.to_string())?;
     let code = kvstore_launcher::run(&opts);
     let text = std::fs::read_to_string(&out).unwrap_or_default();
     let _ = std::fs::remove_file(&out);

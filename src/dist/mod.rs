@@ -106,7 +106,14 @@ pub(crate) fn start_worker_or_run_role(sync: bool) -> crate::Result<worker::Dist
         Role::Worker => worker::DistWorker::connect(cfg),
         Role::Server => exit_with(server::run_server(&cfg, sync), "server"),
         Role::Scheduler => {
-            let listener = TcpListener::bind(cfg.root)?;
+            // The root address names this host; if it is not one of its own addresses (a name
+            // that resolves elsewhere, NAT), listen on every address at that port.
+            let listener = match TcpListener::bind(cfg.root) {
+                Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                    TcpListener::bind(SocketAddr::new([0, 0, 0, 0].into(), cfg.root.port()))?
+                }
+                other => other?,
+            };
             let opts = scheduler::SchedulerOptions {
                 num_workers: cfg.num_workers,
                 num_servers: cfg.num_servers,

@@ -340,6 +340,11 @@ impl DistWorker {
         &self.server_addrs
     }
 
+    /// The transport used to reach each server.
+    pub(crate) fn transports(&self) -> Vec<&'static str> {
+        self.net.servers.iter().map(|_| "tcp").collect()
+    }
+
     /// Waits at the scheduler until every worker has arrived.
     pub(crate) fn barrier(&mut self) -> Result<()> {
         self.net.check()?;

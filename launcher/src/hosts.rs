@@ -1,0 +1,195 @@
+//! Hosts and placement: `-H host[:slots],...`, hostfiles in mpirun's format, and where each
+//! process of the job goes.
+
+use std::fmt;
+
+use crate::child::RoleName;
+
+/// A host and how many processes it takes before it is full.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Host {
+    /// Name or address, as ssh takes it.
+    pub name: String,
+    /// Slots (processes) it offers.
+    pub slots: usize,
+}
+
+/// How processes are spread over hosts, as mpirun's `--map-by`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MapBy {
+    /// Fill each host's slots before the next host (mpirun's default).
+    Slot,
+    /// One process per host in turn.
+    Node,
+}
+
+impl fmt::Display for MapBy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MapBy::Slot => "slot",
+            MapBy::Node => "node",
+        })
+    }
+}
+
+/// Parses `-H`'s list: `a,b:4,c` (one slot unless given).
+pub fn parse_host_list(list: &str) -> Result<Vec<Host>, String> {
+    let mut hosts = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (name, slots) = match item.rsplit_once(':') {
+            Some((n, s)) if !n.contains(':') || n.starts_with('[') => (
+                n,
+                s.parse()
+                    .map_err(|_| format!("-H {item}: slots must be a number"))?,
+            ),
+            _ => (item, 1),
+        };
+        if slots == 0 {
+            return Err(format!("-H {item}: a host needs at least one slot"));
+        }
+        hosts.push(Host {
+            name: name.trim_matches(|c| c == '[' || c == ']').to_string(),
+            slots,
+        });
+    }
+    if hosts.is_empty() {
+        return Err("-H: no hosts given".into());
+    }
+    Ok(hosts)
+}
+
+/// Parses a hostfile: `host [slots=N] [max_slots=M]` per line, `#` comments.
+pub fn parse_hostfile(text: &str) -> Result<Vec<Host>, String> {
+    let mut hosts = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let name = words.next().unwrap_or_default().to_string();
+        let mut slots = 1;
+        for w in words {
+            match w.split_once('=') {
+                Some(("slots", v)) => {
+                    slots = v
+                        .parse()
+                        .ok()
+                        .filter(|&s: &usize| s > 0)
+                        .ok_or_else(|| format!("hostfile line {}: bad slots {v:?}", n + 1))?
+                }
+                Some(("max_slots" | "max-slots", _)) => {}
+                _ => return Err(format!("hostfile line {}: cannot read {w:?}", n + 1)),
+            }
+        }
+        hosts.push(Host { name, slots });
+    }
+    if hosts.is_empty() {
+        return Err("the hostfile names no hosts".into());
+    }
+    Ok(hosts)
+}
+
+/// Where each of the job's processes (servers first, then workers) runs: indices into `hosts`.
+pub fn place(
+    hosts: &[Host],
+    servers: usize,
+    workers: usize,
+    map_by: MapBy,
+    oversubscribe: bool,
+) -> Result<Vec<(RoleName, usize)>, String> {
+    let roles: Vec<RoleName> = (0..servers)
+        .map(RoleName::Server)
+        .chain((0..workers).map(RoleName::Worker))
+        .collect();
+    let total: usize = hosts.iter().map(|h| h.slots).sum();
+    if roles.len() > total && !oversubscribe {
+        return Err(format!(
+            "{} processes ({servers} servers, {workers} workers) but only {total} slots; \
+             add hosts or slots, or pass --oversubscribe",
+            roles.len()
+        ));
+    }
+    let mut order = Vec::with_capacity(total);
+    match map_by {
+        MapBy::Slot => {
+            for (i, h) in hosts.iter().enumerate() {
+                order.extend(std::iter::repeat_n(i, h.slots));
+            }
+        }
+        MapBy::Node => {
+            let max = hosts.iter().map(|h| h.slots).max().unwrap_or(0);
+            for round in 0..max {
+                for (i, h) in hosts.iter().enumerate() {
+                    if round < h.slots {
+                        order.push(i);
+                    }
+                }
+            }
+        }
+    }
+    Ok(roles
+        .into_iter()
+        .enumerate()
+        .map(|(n, r)| (r, order[n % order.len()]))
+        .collect())
+}
+
+/// Whether `name` is this machine (then no ssh is needed).
+pub fn is_local(name: &str) -> bool {
+    if matches!(name, "localhost" | "127.0.0.1" | "::1") || name.starts_with("127.") {
+        return true;
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim() == name)
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_lists_and_hostfiles() {
+        let h = parse_host_list("a,b:3, c").unwrap();
+        assert_eq!(
+            h[1],
+            Host {
+                name: "b".into(),
+                slots: 3
+            }
+        );
+        assert_eq!(h[2].slots, 1);
+        assert!(parse_host_list("a:0").is_err());
+        assert!(parse_host_list("").is_err());
+        let f = parse_hostfile(
+            "# cluster\nnode1 slots=2\nnode2   slots=4 max_slots=8 # big\n\nnode3\n",
+        )
+        .unwrap();
+        assert_eq!(f.iter().map(|h| h.slots).collect::<Vec<_>>(), vec![2, 4, 1]);
+        assert!(parse_hostfile("n1 slots=x").is_err());
+        assert!(parse_hostfile("n1 colour=red").is_err());
+        assert!(parse_hostfile("# nothing").is_err());
+    }
+
+    #[test]
+    fn placement_by_slot_and_by_node() {
+        let hosts = parse_host_list("a:2,b:2").unwrap();
+        let p = place(&hosts, 1, 3, MapBy::Slot, false).unwrap();
+        assert_eq!(p.iter().map(|x| x.1).collect::<Vec<_>>(), vec![0, 0, 1, 1]);
+        assert_eq!(p[0].0, RoleName::Server(0));
+        let p = place(&hosts, 1, 3, MapBy::Node, false).unwrap();
+        assert_eq!(p.iter().map(|x| x.1).collect::<Vec<_>>(), vec![0, 1, 0, 1]);
+        assert!(place(&hosts, 2, 3, MapBy::Slot, false).is_err());
+        let p = place(&hosts, 2, 3, MapBy::Slot, true).unwrap();
+        assert_eq!(p.len(), 5);
+        assert_eq!(p[4].1, 0, "oversubscription wraps around");
+    }
+
+    #[test]
+    fn local_names() {
+        assert!(is_local("localhost"));
+        assert!(is_local("127.0.0.5"));
+        assert!(!is_local("10.1.2.3"));
+    }
+}
