@@ -1,0 +1,287 @@
+//! Two processes' channel: one segment holding a ring and a wake word per direction, and a
+//! page pool per side (each side allocates from its own pool; the other may read and free).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::ring::SLOT;
+use crate::{Pool, Ring, Segment, ShmError, Wake};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"KVSHMCH1");
+const VERSION: u64 = 1;
+const HEADER: usize = 4096;
+const WAKE_AB: usize = 128;
+const WAKE_BA: usize = 192;
+
+/// The sizes of a channel.
+#[derive(Clone, Copy, Debug)]
+pub struct ChannelConfig {
+    /// Slots per ring.
+    pub ring_slots: u64,
+    /// Pool page size (a power of two, at least 4096).
+    pub page_size: usize,
+    /// Pages in each side's pool.
+    pub pages: usize,
+}
+
+impl Default for ChannelConfig {
+    fn default() -> Self {
+        ChannelConfig {
+            ring_slots: 256,
+            page_size: 64 * 1024,
+            pages: 2048, // 128 MiB per side, allocated by the kernel only when touched
+        }
+    }
+}
+
+/// Which end of a channel this is: `A` created it, `B` attached to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The creator.
+    A,
+    /// The other process.
+    B,
+}
+
+/// One end of a channel.
+///
+/// ```
+/// use kvstore_shm::{Channel, ChannelConfig, Segment, SLOT};
+/// use std::time::{Duration, Instant};
+/// let cfg = ChannelConfig { ring_slots: 8, page_size: 4096, pages: 4 };
+/// let a = Channel::create("doc", cfg).unwrap();
+/// let b = Channel::attach(Segment::from_fd(a.segment().fd().try_clone_to_owned().unwrap()).unwrap()).unwrap();
+/// a.send(b"ping", Instant::now() + Duration::from_secs(1)).unwrap();
+/// let mut slot = [0u8; SLOT];
+/// b.recv(&mut slot, Duration::ZERO, Instant::now() + Duration::from_secs(1)).unwrap();
+/// assert_eq!(&slot[..4], b"ping");
+/// ```
+pub struct Channel {
+    seg: Arc<Segment>,
+    side: Side,
+    tx: Ring,
+    rx: Ring,
+    tx_wake: Wake,
+    rx_wake: Wake,
+    mine: Pool,
+    theirs: Pool,
+}
+
+struct Layout {
+    ring_ab: usize,
+    ring_ba: usize,
+    pool_a: usize,
+    pool_b: usize,
+    total: usize,
+}
+
+fn layout(cfg: &ChannelConfig) -> Result<Layout, ShmError> {
+    if cfg.page_size < 4096
+        || !cfg.page_size.is_power_of_two()
+        || cfg.pages == 0
+        || cfg.ring_slots == 0
+    {
+        return Err(ShmError::OutOfBounds(format!("bad channel sizes {cfg:?}")));
+    }
+    let ring = Ring::bytes_needed(cfg.ring_slots).div_ceil(64) * 64;
+    let ring_ab = HEADER;
+    let ring_ba = ring_ab + ring;
+    let pool_a = (ring_ba + ring).div_ceil(cfg.page_size) * cfg.page_size;
+    let pool = Pool::bytes_needed(cfg.pages, cfg.page_size);
+    let pool_b = pool_a + pool;
+    Ok(Layout {
+        ring_ab,
+        ring_ba,
+        pool_a,
+        pool_b,
+        total: pool_b + pool,
+    })
+}
+
+impl Channel {
+    /// Creates a channel (side A); pass [`Channel::segment`]'s descriptor to the peer.
+    pub fn create(name: &str, cfg: ChannelConfig) -> Result<Channel, ShmError> {
+        let l = layout(&cfg)?;
+        let seg = Segment::create(name, l.total)?;
+        let words = [
+            MAGIC,
+            VERSION,
+            cfg.ring_slots,
+            cfg.page_size as u64,
+            cfg.pages as u64,
+        ];
+        for (i, w) in words.iter().enumerate() {
+            seg.write(i * 8, &w.to_le_bytes())?;
+        }
+        Channel::open(Arc::new(seg), Side::A)
+    }
+
+    /// Attaches to a channel created by the peer (side B), checking its header.
+    pub fn attach(seg: Segment) -> Result<Channel, ShmError> {
+        Channel::open(Arc::new(seg), Side::B)
+    }
+
+    fn open(seg: Arc<Segment>, side: Side) -> Result<Channel, ShmError> {
+        let mut w = [0u64; 5];
+        for (i, v) in w.iter_mut().enumerate() {
+            let mut b = [0u8; 8];
+            seg.read(i * 8, &mut b)?;
+            *v = u64::from_le_bytes(b);
+        }
+        if w[0] != MAGIC || w[1] != VERSION {
+            return Err(ShmError::Corrupt(
+                "not a kvstore channel (magic or version)".into(),
+            ));
+        }
+        let cfg = ChannelConfig {
+            ring_slots: w[2],
+            page_size: usize::try_from(w[3]).map_err(|_| ShmError::Corrupt("page size".into()))?,
+            pages: usize::try_from(w[4]).map_err(|_| ShmError::Corrupt("pages".into()))?,
+        };
+        let l = layout(&cfg)?;
+        if l.total > seg.len() {
+            return Err(ShmError::Corrupt(format!(
+                "header says {} bytes, segment has {}",
+                l.total,
+                seg.len()
+            )));
+        }
+        let ab = Ring::new(seg.clone(), l.ring_ab, cfg.ring_slots)?;
+        let ba = Ring::new(seg.clone(), l.ring_ba, cfg.ring_slots)?;
+        let pa = Pool::new(seg.clone(), l.pool_a, cfg.pages, cfg.page_size)?;
+        let pb = Pool::new(seg.clone(), l.pool_b, cfg.pages, cfg.page_size)?;
+        let wab = Wake::new(seg.clone(), WAKE_AB)?;
+        let wba = Wake::new(seg.clone(), WAKE_BA)?;
+        Ok(match side {
+            Side::A => Channel {
+                seg,
+                side,
+                tx: ab,
+                rx: ba,
+                tx_wake: wab,
+                rx_wake: wba,
+                mine: pa,
+                theirs: pb,
+            },
+            Side::B => Channel {
+                seg,
+                side,
+                tx: ba,
+                rx: ab,
+                tx_wake: wba,
+                rx_wake: wab,
+                mine: pb,
+                theirs: pa,
+            },
+        })
+    }
+
+    /// The segment (its descriptor goes to the peer; data is read and written through it).
+    pub fn segment(&self) -> &Arc<Segment> {
+        &self.seg
+    }
+
+    /// This end's side.
+    pub fn side(&self) -> Side {
+        self.side
+    }
+
+    /// The pool this end allocates from.
+    pub fn my_pool(&self) -> &Pool {
+        &self.mine
+    }
+
+    /// The pool the peer allocates from (this end may check, read and free its regions).
+    pub fn peer_pool(&self) -> &Pool {
+        &self.theirs
+    }
+
+    /// Posts a descriptor (at most [`SLOT`] bytes) to the peer, waiting while the ring is full.
+    pub fn send(&self, slot: &[u8], deadline: Instant) -> Result<(), ShmError> {
+        loop {
+            if self.tx.try_push(slot)? {
+                return self.tx_wake.notify();
+            }
+            if Instant::now() >= deadline {
+                return Err(ShmError::Timeout);
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Takes the next descriptor if there is one.
+    pub fn try_recv(&self, slot: &mut [u8; SLOT]) -> Result<bool, ShmError> {
+        self.rx.try_pop(slot)
+    }
+
+    /// Waits for the next descriptor: spins for `spin`, then sleeps, until `deadline`.
+    pub fn recv(
+        &self,
+        slot: &mut [u8; SLOT],
+        spin: Duration,
+        deadline: Instant,
+    ) -> Result<(), ShmError> {
+        loop {
+            if self.rx.try_pop(slot)? {
+                return Ok(());
+            }
+            self.rx_wake.wait(|| !self.rx.is_empty(), spin, deadline)?;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (Channel, Channel) {
+        let cfg = ChannelConfig {
+            ring_slots: 16,
+            page_size: 4096,
+            pages: 32,
+        };
+        let a = Channel::create("chan", cfg).unwrap();
+        let fd = a.segment().fd().try_clone_to_owned().unwrap();
+        let b = Channel::attach(Segment::from_fd(fd).unwrap()).unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn both_directions_and_both_pools() {
+        let (a, b) = pair();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let r = a.my_pool().alloc(5000).unwrap();
+        a.segment().write(r.offset, &[7u8; 5000]).unwrap();
+        let mut d = [0u8; 16];
+        d[..8].copy_from_slice(&(r.offset as u64).to_le_bytes());
+        d[8..].copy_from_slice(&(r.len as u64).to_le_bytes());
+        a.send(&d, deadline).unwrap();
+        let mut slot = [0u8; SLOT];
+        b.recv(&mut slot, Duration::from_micros(50), deadline)
+            .unwrap();
+        let got = crate::Region {
+            offset: u64::from_le_bytes(slot[..8].try_into().unwrap()) as usize,
+            len: u64::from_le_bytes(slot[8..16].try_into().unwrap()) as usize,
+        };
+        b.peer_pool().check(got).unwrap();
+        let mut data = vec![0u8; got.len];
+        b.segment().read(got.offset, &mut data).unwrap();
+        assert!(data.iter().all(|&x| x == 7));
+        b.peer_pool().free(got).unwrap();
+        assert!(
+            b.peer_pool().check(got).is_err(),
+            "a freed region is refused"
+        );
+        assert_eq!(a.my_pool().free_pages(), 32);
+        b.send(b"back", deadline).unwrap();
+        a.recv(&mut slot, Duration::ZERO, deadline).unwrap();
+        assert_eq!(&slot[..4], b"back");
+        assert!(!a.try_recv(&mut slot).unwrap());
+    }
+
+    #[test]
+    fn a_foreign_segment_is_refused() {
+        let seg = Segment::create("junk", 1 << 20).unwrap();
+        assert!(matches!(Channel::attach(seg), Err(ShmError::Corrupt(_))));
+    }
+}

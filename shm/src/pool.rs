@@ -1,0 +1,283 @@
+//! Pages handed out in contiguous runs, tracked by a bitmap in the segment.
+//!
+//! One process allocates (it alone sets bits); any process frees (clears bits) — with atomic
+//! read-modify-writes, so an allocation and a concurrent free of other pages never lose each
+//! other's update. A region is valid only while all its pages' bits are set: descriptors naming
+//! anything else are refused.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::{Segment, ShmError};
+
+/// A run of bytes in the pool, by offset in the segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// Offset of the first byte in the segment.
+    pub offset: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// A page pool inside a segment.
+pub struct Pool {
+    seg: Arc<Segment>,
+    bitmap: usize,
+    pages: usize,
+    npages: usize,
+    page: usize,
+    hint: AtomicUsize,
+}
+
+impl Pool {
+    /// Bytes a pool of `npages` pages of `page` bytes takes (bitmap rounded up to a page).
+    pub fn bytes_needed(npages: usize, page: usize) -> usize {
+        let bitmap = npages.div_ceil(64) * 8;
+        bitmap.div_ceil(page) * page + npages * page
+    }
+
+    /// The pool at `base` (page-aligned) of `seg`.
+    pub fn new(
+        seg: Arc<Segment>,
+        base: usize,
+        npages: usize,
+        page: usize,
+    ) -> Result<Pool, ShmError> {
+        if page == 0 || !page.is_power_of_two() || base % page != 0 && base % 4096 != 0 {
+            return Err(ShmError::OutOfBounds(format!("page size {page} at {base}")));
+        }
+        if base
+            .checked_add(Self::bytes_needed(npages, page))
+            .is_none_or(|e| e > seg.len())
+        {
+            return Err(ShmError::OutOfBounds(format!(
+                "pool of {npages} pages at {base}"
+            )));
+        }
+        let bitmap_bytes = npages.div_ceil(64) * 8;
+        Ok(Pool {
+            seg,
+            bitmap: base,
+            pages: base + bitmap_bytes.div_ceil(page) * page,
+            npages,
+            page,
+            hint: AtomicUsize::new(0),
+        })
+    }
+
+    /// Page size in bytes.
+    pub fn page_size(&self) -> usize {
+        self.page
+    }
+
+    /// Bytes the pool holds.
+    pub fn capacity(&self) -> usize {
+        self.npages * self.page
+    }
+
+    fn word(&self, i: usize) -> Result<&std::sync::atomic::AtomicU64, ShmError> {
+        self.seg.atomic_u64(self.bitmap + i * 8)
+    }
+
+    fn is_set(&self, p: usize) -> Result<bool, ShmError> {
+        Ok(self.word(p / 64)?.load(Ordering::Acquire) & (1 << (p % 64)) != 0)
+    }
+
+    /// Allocates a contiguous region of `len` bytes (at least one page). Only one process may
+    /// allocate from a pool.
+    pub fn alloc(&self, len: usize) -> Result<Region, ShmError> {
+        let n = len.max(1).div_ceil(self.page);
+        if n > self.npages {
+            return Err(ShmError::Exhausted(len));
+        }
+        let start_hint = self.hint.load(Ordering::Relaxed) % self.npages;
+        // First fit, starting at the hint and wrapping once.
+        for pass in 0..2 {
+            let (from, to) = if pass == 0 {
+                (start_hint, self.npages)
+            } else {
+                (0, start_hint + n)
+            };
+            let mut p = from;
+            while p + n <= to.min(self.npages) {
+                match (p..p + n).rev().find(|&q| self.is_set(q).unwrap_or(true)) {
+                    Some(busy) => p = busy + 1,
+                    None => {
+                        self.set_bits(p, n, true)?;
+                        self.hint.store(p + n, Ordering::Relaxed);
+                        return Ok(Region {
+                            offset: self.pages + p * self.page,
+                            len,
+                        });
+                    }
+                }
+            }
+        }
+        Err(ShmError::Exhausted(len))
+    }
+
+    /// Sets or clears the bits of pages `p..p+n`; returns whether every bit had the opposite
+    /// value before.
+    fn set_bits(&self, p: usize, n: usize, set: bool) -> Result<bool, ShmError> {
+        let mut all = true;
+        let mut q = p;
+        while q < p + n {
+            let w = q / 64;
+            let lo = q % 64;
+            let hi = (p + n - w * 64).min(64);
+            let mask = if hi - lo == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << (hi - lo)) - 1) << lo
+            };
+            let before = if set {
+                self.word(w)?.fetch_or(mask, Ordering::AcqRel)
+            } else {
+                self.word(w)?.fetch_and(!mask, Ordering::AcqRel)
+            };
+            let had = before & mask;
+            all &= if set { had == 0 } else { had == mask };
+            q = w * 64 + hi;
+        }
+        Ok(all)
+    }
+
+    /// The pages of a region, if it lies inside the pool on page boundaries.
+    fn pages_of(&self, r: Region) -> Result<(usize, usize), ShmError> {
+        let bad =
+            || ShmError::OutOfBounds(format!("region {}+{} outside the pool", r.offset, r.len));
+        let rel = r.offset.checked_sub(self.pages).ok_or_else(bad)?;
+        if rel % self.page != 0 {
+            return Err(bad());
+        }
+        let p = rel / self.page;
+        let n = r.len.max(1).div_ceil(self.page);
+        if p.checked_add(n).is_none_or(|e| e > self.npages) {
+            return Err(bad());
+        }
+        Ok((p, n))
+    }
+
+    /// Checks that a region (from a peer's descriptor) is inside the pool and allocated.
+    pub fn check(&self, r: Region) -> Result<(), ShmError> {
+        let (p, n) = self.pages_of(r)?;
+        for q in p..p + n {
+            if !self.is_set(q)? {
+                return Err(ShmError::NotAllocated {
+                    offset: r.offset,
+                    len: r.len,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees a region (from any process). Freeing pages that are not allocated is refused.
+    pub fn free(&self, r: Region) -> Result<(), ShmError> {
+        let (p, n) = self.pages_of(r)?;
+        self.check(r)?;
+        if !self.set_bits(p, n, false)? {
+            return Err(ShmError::NotAllocated {
+                offset: r.offset,
+                len: r.len,
+            });
+        }
+        Ok(())
+    }
+
+    /// Pages not allocated.
+    pub fn free_pages(&self) -> usize {
+        (0..self.npages)
+            .filter(|&p| !self.is_set(p).unwrap_or(true))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(npages: usize) -> Pool {
+        let seg =
+            Arc::new(Segment::create("pool", Pool::bytes_needed(npages, 4096) + 4096).unwrap());
+        Pool::new(seg, 4096, npages, 4096).unwrap()
+    }
+
+    #[test]
+    fn contiguous_runs_are_allocated_freed_and_reused() {
+        let p = pool(200);
+        let a = p.alloc(3 * 4096).unwrap();
+        let b = p.alloc(1).unwrap();
+        let c = p.alloc(70 * 4096 + 5).unwrap();
+        assert_eq!(p.free_pages(), 200 - 3 - 1 - 71);
+        assert_eq!(b.offset, a.offset + 3 * 4096);
+        p.check(c).unwrap();
+        p.free(a).unwrap();
+        assert!(
+            matches!(p.free(a), Err(ShmError::NotAllocated { .. })),
+            "double free"
+        );
+        assert!(
+            matches!(p.check(a), Err(ShmError::NotAllocated { .. })),
+            "freed page"
+        );
+        p.free(b).unwrap();
+        p.free(c).unwrap();
+        assert_eq!(p.free_pages(), 200);
+        assert!(matches!(p.alloc(201 * 4096), Err(ShmError::Exhausted(_))));
+        let all = p.alloc(200 * 4096).unwrap();
+        assert!(p.alloc(1).is_err());
+        p.free(all).unwrap();
+    }
+
+    #[test]
+    fn descriptors_outside_the_pool_are_refused() {
+        let p = pool(10);
+        let r = p.alloc(4096).unwrap();
+        for bad in [
+            Region { offset: 0, len: 10 },
+            Region {
+                offset: r.offset + 1,
+                len: 10,
+            },
+            Region {
+                offset: r.offset,
+                len: 11 * 4096,
+            },
+            Region {
+                offset: usize::MAX - 10,
+                len: 100,
+            },
+        ] {
+            assert!(p.check(bad).is_err(), "{bad:?}");
+            assert!(p.free(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(p.free_pages(), 9, "refusals changed nothing");
+    }
+
+    #[test]
+    fn allocation_and_concurrent_frees_from_another_thread_keep_the_bitmap_consistent() {
+        let seg = Arc::new(Segment::create("pool", Pool::bytes_needed(256, 4096) + 4096).unwrap());
+        let owner = Pool::new(seg.clone(), 4096, 256, 4096).unwrap();
+        let other = Pool::new(seg, 4096, 256, 4096).unwrap();
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Region>(64);
+        let freer = std::thread::spawn(move || {
+            for r in rx {
+                other.free(r).unwrap();
+            }
+        });
+        for i in 0..20_000usize {
+            let r = loop {
+                match owner.alloc((i % 5 + 1) * 4096) {
+                    Ok(r) => break r,
+                    Err(ShmError::Exhausted(_)) => std::thread::yield_now(),
+                    Err(e) => panic!("{e}"),
+                }
+            };
+            tx.send(r).unwrap();
+        }
+        drop(tx);
+        freer.join().unwrap();
+        assert_eq!(owner.free_pages(), 256);
+    }
+}
