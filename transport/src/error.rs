@@ -43,4 +43,10 @@ pub enum TransportError {
     /// An I/O error.
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
+    /// A shared-memory failure (bad descriptor, exhausted pool, corrupt segment).
+    #[error("shared memory: {0}")]
+    Shm(#[from] kvstore_shm::ShmError),
+    /// The peer process is gone.
+    #[error("peer lost: {0}")]
+    PeerLost(String),
 }
