@@ -2,6 +2,8 @@
 //! run (a plain blocking-socket stream, `iperf3` when installed), and result formatting.
 #![deny(missing_docs)]
 
+pub mod raw;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::Command;

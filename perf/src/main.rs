@@ -1,16 +1,26 @@
-//! `kvperf`: measures the store. `kvperf pushpull` runs a real job (scheduler, S servers, W
-//! workers, over loopback TCP) and reports push+pull bandwidth per tensor size and the rate of
-//! many small keys, next to reference figures measured in the same run.
+//! `kvperf`: measures the transports and the store, in the manner of perftest and the OSU
+//! benchmarks.
+//!
+//! - `kvperf lat` / `kvperf bw`: latency (HDR histogram: min, p50, p90, p99, p99.9, max) and
+//!   bandwidth of a raw transport (`tcp`, `shm`), two-sided (`--mode send`) or one-sided
+//!   (`--mode write`). Run `--server` on one side and `kvperf lat HOST` on the other, or
+//!   `--local` to start both.
+//! - `kvperf pushpull`: push+pull through real servers (a job of W workers and S servers).
+//!
+//! `--reference` adds figures measured in the same run to read the others against: memcpy
+//! bandwidth for shm, a plain blocking-socket ping-pong and stream for tcp.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvstore::NDArray;
+use kvstore_perf::raw::{self, Plan, Results};
 use kvstore_perf::{
     format_size, iperf3_loopback, loopback_stream_bandwidth, parse_size, parse_sizes,
 };
+use kvstore_transport::{ShmListener, ShmPair, TcpPair, Transport};
 
 #[derive(Parser, Debug)]
 #[command(name = "kvperf", about = "Latency and bandwidth of kvstore")]
@@ -21,8 +31,78 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Latency of a raw transport (ping-pong; one-way = half the round trip).
+    Lat(RawArgs),
+    /// Bandwidth of a raw transport (a window of messages in flight).
+    Bw(RawArgs),
     /// push+pull through real servers: bandwidth per size, and the rate of many small keys.
     Pushpull(PushPull),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum TransportKind {
+    Tcp,
+    Shm,
+    Rdma,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// Two-sided messages.
+    Send,
+    /// One-sided puts into a region the peer exposed, with a notification.
+    Write,
+}
+
+#[derive(Args, Debug, Clone)]
+struct RawArgs {
+    /// The transport.
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
+    transport: TransportKind,
+    /// Wait for a client (run the other side with the server's HOST, or nothing for shm).
+    #[arg(long, conflicts_with_all = ["local", "host"])]
+    server: bool,
+    /// Start the server side here too (a second process).
+    #[arg(long)]
+    local: bool,
+    /// The server's host (client side, tcp).
+    host: Option<String>,
+    /// TCP port, or the shm rendezvous name.
+    #[arg(long, default_value_t = 18515)]
+    port: u16,
+    /// One message size (4, 4K, 64M, ...).
+    #[arg(long, conflicts_with = "sizes")]
+    size: Option<String>,
+    /// A sweep of sizes, powers of two: MIN:MAX.
+    #[arg(long, default_value = "8:1M")]
+    sizes: String,
+    /// Timed iterations per size (default: 1000 for lat, 5000 for bw; or --duration).
+    #[arg(long, conflicts_with = "duration")]
+    iters: Option<usize>,
+    /// Seconds per size instead of a count.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Untimed iterations first.
+    #[arg(long, default_value_t = 100)]
+    warmup: usize,
+    /// Messages in flight before an ack (bw).
+    #[arg(long, default_value_t = 64)]
+    window: usize,
+    /// Two-sided sends or one-sided writes.
+    #[arg(long, value_enum, default_value_t = Mode::Send)]
+    mode: Mode,
+    /// Also measure the reference: memcpy (shm), a plain socket ping-pong and stream (tcp).
+    #[arg(long)]
+    reference: bool,
+    /// One JSON object per size instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Write a chart (bandwidth, or p50 latency, against size) as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Seconds any wait for the peer may take.
+    #[arg(long, default_value_t = 10.0)]
+    timeout: f64,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -248,15 +328,281 @@ fn parent(p: &PushPull) -> Result<(), String> {
     Ok(())
 }
 
+fn connect(a: &RawArgs, server: bool) -> Result<Box<dyn Transport>, String> {
+    let timeout = Duration::from_secs_f64(a.timeout);
+    let name = a.port.to_string();
+    match (a.transport, server) {
+        (TransportKind::Rdma, _) => Err(NO_RDMA.into()),
+        (TransportKind::Tcp, true) => {
+            let l = std::net::TcpListener::bind(("0.0.0.0", a.port))
+                .map_err(|e| format!("port {}: {e}", a.port))?;
+            Ok(Box::new(TcpPair::accept(&l).map_err(|e| e.to_string())?))
+        }
+        (TransportKind::Tcp, false) => {
+            let host = a.host.clone().unwrap_or_else(|| "127.0.0.1".into());
+            let addr = std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), a.port))
+                .map_err(|e| format!("{host}: {e}"))?
+                .next()
+                .ok_or_else(|| format!("{host} has no address"))?;
+            let t = TcpPair::connect(addr, timeout)
+                .map_err(|e| format!("connecting to {addr}: {e}"))?;
+            Ok(Box::new(t))
+        }
+        (TransportKind::Shm, true) => {
+            let l = ShmListener::bind(&name).map_err(|e| format!("shm name {name}: {e}"))?;
+            Ok(Box::new(l.accept().map_err(|e| e.to_string())?))
+        }
+        (TransportKind::Shm, false) => {
+            if let Some(h) = &a.host {
+                if !matches!(h.as_str(), "localhost" | "127.0.0.1" | "::1") {
+                    return Err(format!("shm reaches peers on this host only, not {h}"));
+                }
+            }
+            let cfg = kvstore_shm::ChannelConfig {
+                ring_slots: 256,
+                page_size: 64 * 1024,
+                pages: 8192,
+            };
+            let t = ShmPair::connect(&name, cfg, timeout)
+                .map_err(|e| format!("shm name {name}: {e}"))?;
+            Ok(Box::new(t))
+        }
+    }
+}
+
+const NO_RDMA: &str = "the RDMA transport is not built yet (no verbs support in this build)";
+
+fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
+    let sizes = match &a.size {
+        Some(s) => vec![parse_size(s)?],
+        None => parse_sizes(&a.sizes)?,
+    };
+    if a.timeout.is_nan() || a.timeout <= 0.0 || a.window == 0 {
+        return Err("--timeout and --window must be positive".into());
+    }
+    if a.duration.is_some_and(|d| d.is_nan() || d <= 0.0) {
+        return Err("--duration must be positive".into());
+    }
+    if a.transport == TransportKind::Rdma {
+        return Err(NO_RDMA.into());
+    }
+    let timeout = Duration::from_secs_f64(a.timeout);
+    if a.server {
+        let mut t = connect(a, true)?;
+        return raw::server(t.as_mut(), timeout);
+    }
+    let mut a = a.clone();
+    let mut local = None;
+    if a.local {
+        // A free port (tcp) or a fresh name (shm) for this run's server process.
+        a.port = match a.transport {
+            TransportKind::Tcp => std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|s| s.port())
+                .map_err(|e| e.to_string())?,
+            _ => (std::process::id() % 60000) as u16 + 1024,
+        };
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let transport = format!("{:?}", a.transport).to_lowercase();
+        let child = std::process::Command::new(exe)
+            .args([test, "--server", "--transport", &transport])
+            .args([
+                "--port",
+                &a.port.to_string(),
+                "--timeout",
+                &a.timeout.to_string(),
+            ])
+            .spawn()
+            .map_err(|e| format!("cannot start the local server: {e}"))?;
+        local = Some(child);
+    }
+    let plan = Plan {
+        test: test.into(),
+        mode: format!("{:?}", a.mode).to_lowercase(),
+        sizes,
+        iters: match (a.iters, a.duration) {
+            (Some(n), _) => n.max(1),
+            (None, Some(_)) => 0,
+            (None, None) if test == "lat" => 1000,
+            (None, None) => 5000,
+        },
+        duration: a.duration.unwrap_or(0.0),
+        warmup: a.warmup,
+        window: a.window,
+    };
+    let result = connect(&a, false).and_then(|mut t| {
+        let name = t.name();
+        raw::client(t.as_mut(), &plan, timeout).map(|r| (name, r))
+    });
+    if let Some(mut c) = local {
+        if result.is_err() {
+            let _ = c.kill();
+        }
+        let _ = c.wait();
+    }
+    let (name, results) = result?;
+    report(test, name, &a, &results)
+}
+
+fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), String> {
+    let mut out = std::io::stdout().lock();
+    let mode = format!("{:?}", a.mode).to_lowercase();
+    let mut points = Vec::new();
+    match results {
+        Results::Lat(rows) => {
+            if !a.json {
+                let _ = writeln!(
+                    out,
+                    "kvperf lat  transport={name} mode={mode}  one-way latency (half the round trip), us"
+                );
+                let refcols = if a.reference && a.transport == TransportKind::Tcp {
+                    "   ref p50  x ref"
+                } else {
+                    ""
+                };
+                let _ = writeln!(
+                    out,
+                    "{:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}{refcols}",
+                    "size", "iters", "min", "p50", "p90", "p99", "p99.9", "max"
+                );
+            }
+            for r in rows {
+                let reference = match (a.reference, a.transport) {
+                    (true, TransportKind::Tcp) => {
+                        Some(raw::socket_pingpong_us(r.size, 500).map_err(|e| e.to_string())?)
+                    }
+                    _ => None,
+                };
+                points.push((r.size as f64, r.us[1]));
+                if a.json {
+                    let refj =
+                        reference.map_or(String::new(), |x| format!(",\"ref_p50_us\":{x:.3}"));
+                    let _ = writeln!(
+                        out,
+                        "{{\"test\":\"lat\",\"transport\":\"{name}\",\"mode\":\"{mode}\",\"size\":{},\"iters\":{},\"min_us\":{:.3},\"p50_us\":{:.3},\"p90_us\":{:.3},\"p99_us\":{:.3},\"p999_us\":{:.3},\"max_us\":{:.3}{refj}}}",
+                        r.size, r.iters, r.us[0], r.us[1], r.us[2], r.us[3], r.us[4], r.us[5]
+                    );
+                } else {
+                    let refs = reference.map_or(String::new(), |x| {
+                        format!(" {:>9.2} {:>6.2}", x, r.us[1] / x)
+                    });
+                    let _ = writeln!(
+                        out,
+                        "{:>8} {:>8} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2}{refs}",
+                        format_size(r.size),
+                        r.iters,
+                        r.us[0],
+                        r.us[1],
+                        r.us[2],
+                        r.us[3],
+                        r.us[4],
+                        r.us[5]
+                    );
+                }
+            }
+            if !a.json && a.reference {
+                let what = match a.transport {
+                    TransportKind::Tcp => "reference: a plain blocking-socket ping-pong over loopback (half its median round trip)",
+                    _ => "reference: shared memory is held against memcpy bandwidth (kvperf bw --transport shm --reference)",
+                };
+                let _ = writeln!(out, "{what}");
+            }
+        }
+        Results::Bw(rows) => {
+            if !a.json {
+                let _ = writeln!(
+                    out,
+                    "kvperf bw  transport={name} mode={mode} window={}",
+                    a.window
+                );
+                let refcols = if a.reference {
+                    "   ref GB/s  x ref"
+                } else {
+                    ""
+                };
+                let _ = writeln!(
+                    out,
+                    "{:>8} {:>9} {:>10} {:>10} {:>12}{refcols}",
+                    "size", "iters", "GB/s", "Gb/s", "Mmsg/s"
+                );
+            }
+            for r in rows {
+                let reference = match (a.reference, a.transport) {
+                    (false, _) => None,
+                    (true, TransportKind::Shm) => {
+                        Some(raw::memcpy_bandwidth(r.size, Duration::from_millis(200)))
+                    }
+                    (true, _) => Some(
+                        loopback_stream_bandwidth(r.size.max(4096), Duration::from_millis(300))
+                            .map_err(|e| e.to_string())?,
+                    ),
+                };
+                points.push((r.size as f64, r.bytes_per_s / 1e9));
+                if a.json {
+                    let refj = reference.map_or(String::new(), |x| {
+                        format!(",\"ref_gbytes_per_s\":{:.4}", x / 1e9)
+                    });
+                    let _ = writeln!(
+                        out,
+                        "{{\"test\":\"bw\",\"transport\":\"{name}\",\"mode\":\"{mode}\",\"size\":{},\"iters\":{},\"gbytes_per_s\":{:.4},\"gbits_per_s\":{:.4},\"msgs_per_s\":{:.1}{refj}}}",
+                        r.size,
+                        r.iters,
+                        r.bytes_per_s / 1e9,
+                        r.bytes_per_s * 8.0 / 1e9,
+                        r.msgs_per_s
+                    );
+                } else {
+                    let refs = reference.map_or(String::new(), |x| {
+                        format!(" {:>10.3} {:>6.2}", x / 1e9, r.bytes_per_s / x)
+                    });
+                    let _ = writeln!(
+                        out,
+                        "{:>8} {:>9} {:>10.3} {:>10.3} {:>12.3}{refs}",
+                        format_size(r.size),
+                        r.iters,
+                        r.bytes_per_s / 1e9,
+                        r.bytes_per_s * 8.0 / 1e9,
+                        r.msgs_per_s / 1e6
+                    );
+                }
+            }
+            if !a.json && a.reference {
+                let what = match a.transport {
+                    TransportKind::Shm => "single-threaded memcpy of the same size",
+                    _ => "a plain blocking-socket stream over loopback",
+                };
+                let _ = writeln!(out, "reference: {what}");
+            }
+        }
+    }
+    if let Some(path) = &a.plot {
+        let (title, ylabel) = if test == "lat" {
+            ("p50 one-way latency", "us")
+        } else {
+            ("bandwidth", "GB/s")
+        };
+        let svg = raw::svg_chart(
+            &format!("kvperf {test} {name} {mode}: {title}"),
+            ylabel,
+            &points,
+        );
+        std::fs::write(path, svg).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn main() {
     let cli = Cli::parse();
-    let Cmd::Pushpull(p) = cli.cmd;
-    let result = match (
-        std::env::var("DMLC_ROLE").ok(),
-        std::env::var("KVPERF_OUT").ok(),
-    ) {
-        (Some(_), Some(out)) => child(&p, PathBuf::from(out)),
-        _ => parent(&p),
+    let result = match cli.cmd {
+        Cmd::Lat(a) => run_raw("lat", &a),
+        Cmd::Bw(a) => run_raw("bw", &a),
+        Cmd::Pushpull(p) => match (
+            std::env::var("DMLC_ROLE").ok(),
+            std::env::var("KVPERF_OUT").ok(),
+        ) {
+            (Some(_), Some(out)) => child(&p, PathBuf::from(out)),
+            _ => parent(&p),
+        },
     };
     if let Err(e) = result {
         eprintln!("kvperf: {e}");

@@ -5,7 +5,7 @@
 //! other's update. A region is valid only while all its pages' bits are set: descriptors naming
 //! anything else are refused.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::{Segment, ShmError};
@@ -26,7 +26,6 @@ pub struct Pool {
     pages: usize,
     npages: usize,
     page: usize,
-    hint: AtomicUsize,
 }
 
 impl Pool {
@@ -61,7 +60,6 @@ impl Pool {
             pages: base + bitmap_bytes.div_ceil(page) * page,
             npages,
             page,
-            hint: AtomicUsize::new(0),
         })
     }
 
@@ -83,37 +81,57 @@ impl Pool {
         Ok(self.word(p / 64)?.load(Ordering::Acquire) & (1 << (p % 64)) != 0)
     }
 
-    /// Allocates a contiguous region of `len` bytes (at least one page). Only one process may
-    /// allocate from a pool.
+    /// Allocates a contiguous region of `len` bytes (at least one page), first fit from the
+    /// start of the pool, so recently freed (warm, already faulted-in) pages are reused first.
+    /// Only one process may allocate from a pool.
     pub fn alloc(&self, len: usize) -> Result<Region, ShmError> {
         let n = len.max(1).div_ceil(self.page);
         if n > self.npages {
             return Err(ShmError::Exhausted(len));
         }
-        let start_hint = self.hint.load(Ordering::Relaxed) % self.npages;
-        // First fit, starting at the hint and wrapping once.
-        for pass in 0..2 {
-            let (from, to) = if pass == 0 {
-                (start_hint, self.npages)
+        // Scan a word (64 pages) at a time; `run` counts free pages ending just before `p`.
+        let (mut p, mut run) = (0usize, 0usize);
+        while p < self.npages {
+            let word = self.word(p / 64)?.load(Ordering::Acquire);
+            if p % 64 == 0 && p + 64 <= self.npages && (word == 0 || word == u64::MAX) {
+                if word == u64::MAX {
+                    run = 0;
+                    p += 64;
+                    continue;
+                }
+                if run + 64 >= n {
+                    // The free run began `run` pages before this all-free word.
+                    return self.take(p - run, n, len);
+                }
+                run += 64;
+                p += 64;
+                continue;
+            }
+            if word & (1 << (p % 64)) != 0 {
+                run = 0;
             } else {
-                (0, start_hint + n)
-            };
-            let mut p = from;
-            while p + n <= to.min(self.npages) {
-                match (p..p + n).rev().find(|&q| self.is_set(q).unwrap_or(true)) {
-                    Some(busy) => p = busy + 1,
-                    None => {
-                        self.set_bits(p, n, true)?;
-                        self.hint.store(p + n, Ordering::Relaxed);
-                        return Ok(Region {
-                            offset: self.pages + p * self.page,
-                            len,
-                        });
-                    }
+                run += 1;
+                if run == n {
+                    return self.take(p + 1 - n, n, len);
                 }
             }
+            p += 1;
         }
         Err(ShmError::Exhausted(len))
+    }
+
+    fn take(&self, start: usize, n: usize, len: usize) -> Result<Region, ShmError> {
+        if !self.set_bits(start, n, true)? {
+            // Only this process sets bits, so a set bit here means the bitmap was changed
+            // behind the allocator's back: undo what this call set and refuse.
+            return Err(ShmError::Corrupt(
+                "pool bitmap changed during allocation".into(),
+            ));
+        }
+        Ok(Region {
+            offset: self.pages + start * self.page,
+            len,
+        })
     }
 
     /// Sets or clears the bits of pages `p..p+n`; returns whether every bit had the opposite

@@ -73,6 +73,9 @@ pub trait Transport: Send {
     /// Exposes a new local region of `len` bytes for the peer to put into.
     fn expose(&mut self, len: usize) -> Result<RegionHandle, TransportError>;
 
+    /// Gives back a local exposed region (the peer must no longer put into it).
+    fn release(&mut self, region: RegionHandle) -> Result<(), TransportError>;
+
     /// Puts `data` into the peer's region `remote` at `offset`, then notifies with `imm`.
     fn put(
         &mut self,

@@ -136,8 +136,29 @@ impl Transport for ShmPair {
             d[0] = SEND_INLINE;
             d[HEAD..HEAD + payload.len()].copy_from_slice(payload);
         } else {
-            // The one copy: into pool pages the receiver frees after its copy out.
-            let r = self.chan.my_pool().alloc(payload.len())?;
+            // The one copy: into pool pages the receiver frees after its copy out. A full pool
+            // is back-pressure: wait for the receiver to free pages.
+            let r = loop {
+                match self.chan.my_pool().alloc(payload.len()) {
+                    Ok(r) => break r,
+                    Err(kvstore_shm::ShmError::Exhausted(_)) if Instant::now() < deadline => {
+                        if payload.len() > self.chan.my_pool().capacity() {
+                            return Err(TransportError::Refused(format!(
+                                "{} bytes exceed the pool of {}",
+                                payload.len(),
+                                self.chan.my_pool().capacity()
+                            )));
+                        }
+                        std::thread::yield_now();
+                    }
+                    Err(kvstore_shm::ShmError::Exhausted(_)) => {
+                        return Err(TransportError::Timeout(
+                            "waiting for free pool pages".into(),
+                        ))
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            };
             self.chan.segment().write(r.offset, payload)?;
             d[0] = SEND_POOL;
             put_u64(&mut d, 24, r.offset as u64);
@@ -215,6 +236,14 @@ impl Transport for ShmPair {
             key: r.offset as u64,
             len: len as u64,
         })
+    }
+
+    fn release(&mut self, region: RegionHandle) -> Result<(), TransportError> {
+        self.chan.my_pool().free(Region {
+            offset: region.key as usize,
+            len: region.len as usize,
+        })?;
+        Ok(())
     }
 
     fn put(

@@ -195,6 +195,18 @@ impl Transport for TcpPair {
         })
     }
 
+    fn release(&mut self, region: RegionHandle) -> Result<(), TransportError> {
+        match self.regions.get_mut(region.key as usize) {
+            Some(r) if !r.is_empty() => {
+                *r = Vec::new();
+                Ok(())
+            }
+            _ => Err(TransportError::Refused(
+                "release of an unknown region".into(),
+            )),
+        }
+    }
+
     fn put(
         &mut self,
         remote: RegionHandle,

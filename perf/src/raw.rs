@@ -1,0 +1,467 @@
+//! `kvperf lat` and `kvperf bw`: latency and bandwidth of a raw transport, perftest-style.
+//!
+//! The client sends the plan (sizes, iterations, mode) as the first message; the server follows
+//! it. In `send` mode messages are two-sided; in `write` mode the data is put straight into a
+//! region the peer exposed, and the notification carries an immediate (RDMA WRITE_WITH_IMM's
+//! shape).
+
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use kvstore_transport::{Event, RegionHandle, Transport, TransportError};
+
+const PLAN: u64 = 1;
+const HANDLE: u64 = 2;
+const ACK: u64 = 3;
+const DATA: u64 = 4;
+
+/// What to measure.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// `lat` or `bw`.
+    pub test: String,
+    /// `send` or `write`.
+    pub mode: String,
+    /// Message sizes in bytes.
+    pub sizes: Vec<usize>,
+    /// Timed iterations per size (0: use `duration`).
+    pub iters: usize,
+    /// Seconds per size when `iters` is 0.
+    pub duration: f64,
+    /// Untimed iterations first.
+    pub warmup: usize,
+    /// Messages in flight (bw).
+    pub window: usize,
+}
+
+impl Plan {
+    fn encode(&self) -> String {
+        let sizes: Vec<String> = self.sizes.iter().map(|s| s.to_string()).collect();
+        format!(
+            "{} {} {} {} {} {} {}",
+            self.test,
+            self.mode,
+            sizes.join(","),
+            self.iters,
+            self.duration,
+            self.warmup,
+            self.window
+        )
+    }
+
+    fn decode(s: &str) -> Result<Plan, String> {
+        let w: Vec<&str> = s.split_whitespace().collect();
+        let bad = || format!("malformed plan {s:?}");
+        if w.len() != 7 {
+            return Err(bad());
+        }
+        Ok(Plan {
+            test: w[0].into(),
+            mode: w[1].into(),
+            sizes: w[2]
+                .split(',')
+                .map(|x| x.parse().map_err(|_| bad()))
+                .collect::<Result<_, _>>()?,
+            iters: w[3].parse().map_err(|_| bad())?,
+            duration: w[4].parse().map_err(|_| bad())?,
+            warmup: w[5].parse().map_err(|_| bad())?,
+            window: w[6].parse().map_err(|_| bad())?,
+        })
+    }
+}
+
+/// One size's latency figures (one-way: half the round trip), in microseconds.
+#[derive(Clone, Debug)]
+pub struct LatRow {
+    /// Message size.
+    pub size: usize,
+    /// Round trips timed.
+    pub iters: usize,
+    /// min, p50, p90, p99, p99.9, max.
+    pub us: [f64; 6],
+}
+
+/// One size's bandwidth figures.
+#[derive(Clone, Debug)]
+pub struct BwRow {
+    /// Message size.
+    pub size: usize,
+    /// Messages timed.
+    pub iters: usize,
+    /// Bytes per second.
+    pub bytes_per_s: f64,
+    /// Messages per second.
+    pub msgs_per_s: f64,
+}
+
+/// What a client measured.
+pub enum Results {
+    /// Latency rows.
+    Lat(Vec<LatRow>),
+    /// Bandwidth rows.
+    Bw(Vec<BwRow>),
+}
+
+fn e(x: TransportError) -> String {
+    x.to_string()
+}
+
+/// Bytes of the region a side exposes for `write` mode: room for `slots` messages.
+fn region_slots(plan: &Plan, size: usize) -> usize {
+    let max_bytes = 256usize << 20;
+    let want = if plan.test == "bw" {
+        plan.window.max(1)
+    } else {
+        1
+    };
+    want.min((max_bytes / size.max(1)).max(1))
+}
+
+fn exchange_handles(
+    t: &mut dyn Transport,
+    plan: &Plan,
+    size: usize,
+    timeout: Duration,
+) -> Result<(RegionHandle, RegionHandle), String> {
+    let mine = t
+        .expose(size.max(1) * region_slots(plan, size))
+        .map_err(e)?;
+    t.send(HANDLE, &mine.to_bytes(), Instant::now() + timeout)
+        .map_err(e)?;
+    let mut b = [0u8; 16];
+    match t.recv(&mut b, Instant::now() + timeout).map_err(e)? {
+        Event::Message {
+            tag: HANDLE,
+            len: 16,
+        } => Ok((
+            mine,
+            RegionHandle::from_bytes(&b).ok_or("bad region handle")?,
+        )),
+        other => Err(format!("expected a region handle, got {other:?}")),
+    }
+}
+
+/// Sends `size` bytes one way: a message, or a put into slot `slot` of the peer's region.
+fn one(
+    t: &mut dyn Transport,
+    plan: &Plan,
+    remote: Option<RegionHandle>,
+    data: &[u8],
+    slot: usize,
+    deadline: Instant,
+) -> Result<(), String> {
+    match remote {
+        Some(r) if plan.mode == "write" => {
+            t.put(r, slot * data.len(), data, DATA, deadline).map_err(e)
+        }
+        _ => t.send(DATA, data, deadline).map_err(e),
+    }
+}
+
+fn expect_data(t: &mut dyn Transport, buf: &mut [u8], deadline: Instant) -> Result<(), String> {
+    match t.recv(buf, deadline).map_err(e)? {
+        Event::Message { tag: DATA, .. } | Event::Put { imm: DATA, .. } => Ok(()),
+        other => Err(format!("expected data, got {other:?}")),
+    }
+}
+
+fn expect_ack(t: &mut dyn Transport, deadline: Instant) -> Result<(), String> {
+    let mut b = [0u8; 8];
+    match t.recv(&mut b, deadline).map_err(e)? {
+        Event::Message { tag: ACK, .. } => Ok(()),
+        other => Err(format!("expected an ack, got {other:?}")),
+    }
+}
+
+/// The client side: runs the plan against a connected server.
+pub fn client(t: &mut dyn Transport, plan: &Plan, timeout: Duration) -> Result<Results, String> {
+    t.send(PLAN, plan.encode().as_bytes(), Instant::now() + timeout)
+        .map_err(e)?;
+    let mut lat = Vec::new();
+    let mut bw = Vec::new();
+    for &size in &plan.sizes {
+        let (mine, remote) = if plan.mode == "write" {
+            let (m, r) = exchange_handles(t, plan, size, timeout)?;
+            (Some(m), Some(r))
+        } else {
+            (None, None)
+        };
+        let data: Vec<u8> = (0..size).map(|i| i as u8).collect();
+        let mut buf = vec![0u8; size.max(8)];
+        let slots = region_slots(plan, size);
+        let timed = |i: usize, start: Instant| {
+            if plan.iters > 0 {
+                i < plan.iters
+            } else {
+                start.elapsed().as_secs_f64() < plan.duration
+            }
+        };
+        if plan.test == "lat" {
+            let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
+                .map_err(|x| x.to_string())?;
+            for _ in 0..plan.warmup {
+                one(t, plan, remote, &data, 0, Instant::now() + timeout)?;
+                expect_data(t, &mut buf, Instant::now() + timeout)?;
+            }
+            let start = Instant::now();
+            let mut n = 0;
+            while timed(n, start) {
+                let t0 = Instant::now();
+                one(t, plan, remote, &data, 0, t0 + timeout)?;
+                expect_data(t, &mut buf, t0 + timeout)?;
+                let half = (t0.elapsed().as_nanos() as u64 / 2).max(1);
+                h.record(half).map_err(|x| x.to_string())?;
+                n += 1;
+            }
+            t.send(ACK, b"end", Instant::now() + timeout).map_err(e)?;
+            let us = |ns: u64| ns as f64 / 1000.0;
+            lat.push(LatRow {
+                size,
+                iters: n,
+                us: [
+                    us(h.min()),
+                    us(h.value_at_quantile(0.5)),
+                    us(h.value_at_quantile(0.9)),
+                    us(h.value_at_quantile(0.99)),
+                    us(h.value_at_quantile(0.999)),
+                    us(h.max()),
+                ],
+            });
+        } else {
+            let window = plan.window.max(1).min(if plan.mode == "write" {
+                slots
+            } else {
+                usize::MAX
+            });
+            for i in 0..plan.warmup {
+                one(t, plan, remote, &data, i % slots, Instant::now() + timeout)?;
+                if (i + 1) % window == 0 {
+                    expect_ack(t, Instant::now() + timeout)?;
+                }
+            }
+            if plan.warmup % window != 0 {
+                // A short last window: the flush makes the server ack and count afresh.
+                t.send(ACK, b"flush", Instant::now() + timeout).map_err(e)?;
+                expect_ack(t, Instant::now() + timeout)?;
+            }
+            let start = Instant::now();
+            let mut n = 0;
+            loop {
+                let more = timed(n, start);
+                if more {
+                    one(t, plan, remote, &data, n % slots, Instant::now() + timeout)?;
+                    n += 1;
+                }
+                if n > 0 && (n % window == 0 || !more) {
+                    if !more {
+                        // Tell the server the last window is short: it acks on this message.
+                        t.send(ACK, b"flush", Instant::now() + timeout).map_err(e)?;
+                    }
+                    expect_ack(t, Instant::now() + timeout)?;
+                }
+                if !more {
+                    break;
+                }
+            }
+            let secs = start.elapsed().as_secs_f64();
+            t.send(ACK, b"end", Instant::now() + timeout).map_err(e)?;
+            bw.push(BwRow {
+                size,
+                iters: n,
+                bytes_per_s: (n * size) as f64 / secs,
+                msgs_per_s: n as f64 / secs,
+            });
+        }
+        expect_ack(t, Instant::now() + timeout)?;
+        if let Some(m) = mine {
+            t.release(m).map_err(e)?;
+        }
+    }
+    Ok(if plan.test == "lat" {
+        Results::Lat(lat)
+    } else {
+        Results::Bw(bw)
+    })
+}
+
+/// The server side: follows the client's plan until it is done.
+pub fn server(t: &mut dyn Transport, timeout: Duration) -> Result<(), String> {
+    let mut pb = vec![0u8; 4096];
+    let plan = match t.recv(&mut pb, Instant::now() + timeout).map_err(e)? {
+        Event::Message { tag: PLAN, len } => Plan::decode(&String::from_utf8_lossy(&pb[..len]))?,
+        other => return Err(format!("expected a plan, got {other:?}")),
+    };
+    for &size in &plan.sizes {
+        let (mine, remote) = if plan.mode == "write" {
+            let (m, r) = exchange_handles(t, &plan, size, timeout)?;
+            (Some(m), Some(r))
+        } else {
+            (None, None)
+        };
+        let data: Vec<u8> = (0..size).map(|i| (i as u8) ^ 0x5a).collect();
+        let mut buf = vec![0u8; size.max(8)];
+        let window = plan.window.max(1).min(if plan.mode == "write" {
+            region_slots(&plan, size)
+        } else {
+            usize::MAX
+        });
+        let mut got = 0usize;
+        loop {
+            // The client may pause between sizes; a peer gone is still seen within `timeout`.
+            let ev = t.recv(&mut buf, Instant::now() + timeout).map_err(e)?;
+            match ev {
+                Event::Message { tag: DATA, .. } | Event::Put { imm: DATA, .. } => {
+                    got += 1;
+                    if plan.test == "lat" {
+                        one(t, &plan, remote, &data, 0, Instant::now() + timeout)?;
+                    } else if got % window == 0 {
+                        t.send(ACK, b"", Instant::now() + timeout).map_err(e)?;
+                    }
+                }
+                Event::Message { tag: ACK, len } if &buf[..len] == b"flush" => {
+                    got = 0;
+                    t.send(ACK, b"", Instant::now() + timeout).map_err(e)?;
+                }
+                Event::Message { tag: ACK, len } if &buf[..len] == b"end" => {
+                    t.send(ACK, b"", Instant::now() + timeout).map_err(e)?;
+                    break;
+                }
+                other => return Err(format!("unexpected {other:?}")),
+            }
+        }
+        if let Some(m) = mine {
+            t.release(m).map_err(e)?;
+        }
+    }
+    Ok(())
+}
+
+/// Single-threaded memcpy bandwidth for buffers of `size` bytes (bytes per second).
+pub fn memcpy_bandwidth(size: usize, min_time: Duration) -> f64 {
+    let src = vec![1u8; size.max(1)];
+    let mut dst = vec![0u8; size.max(1)];
+    // Copies per clock reading, so the clock costs nothing next to small copies.
+    let batch = ((1usize << 20) / size.max(1)).max(1);
+    let start = Instant::now();
+    let mut n = 0usize;
+    while start.elapsed() < min_time || n < 3 {
+        for _ in 0..batch {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+        }
+        n += batch;
+    }
+    (n * size) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// One-way latency (half the median round trip, µs) of a plain blocking-socket ping-pong of
+/// `size` bytes over loopback.
+pub fn socket_pingpong_us(size: usize, iters: usize) -> std::io::Result<f64> {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; size.max(1)];
+        loop {
+            match s.read_exact(&mut buf) {
+                Ok(()) => s.write_all(&buf)?,
+                Err(_) => return Ok(()),
+            }
+        }
+    });
+    let mut c = TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    let mut buf = vec![0u8; size.max(1)];
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let t0 = Instant::now();
+        c.write_all(&buf)?;
+        c.read_exact(&mut buf)?;
+        samples.push(t0.elapsed().as_nanos() as f64 / 2000.0);
+    }
+    drop(c);
+    let _ = echo.join();
+    samples.sort_by(f64::total_cmp);
+    Ok(samples[samples.len() / 2])
+}
+
+/// A small SVG chart of `(x, y)` series against log2 of x.
+pub fn svg_chart(title: &str, ylabel: &str, points: &[(f64, f64)]) -> String {
+    let (w, h, m) = (640.0, 400.0, 60.0);
+    let xs: Vec<f64> = points.iter().map(|p| p.0.max(1.0).log2()).collect();
+    let (x0, x1) = (
+        xs.iter().cloned().fold(f64::INFINITY, f64::min),
+        xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+    );
+    let y1 = points.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-12);
+    let px = |x: f64| m + (x - x0) / (x1 - x0).max(1e-9) * (w - 2.0 * m);
+    let py = |y: f64| h - m - y / y1 * (h - 2.0 * m);
+    let path: Vec<String> = points
+        .iter()
+        .zip(&xs)
+        .map(|(p, &x)| format!("{:.1},{:.1}", px(x), py(p.1)))
+        .collect();
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <text x=\"{}\" y=\"20\" text-anchor=\"middle\">{title}</text>\n\
+         <line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
+         <line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>\n\
+         <text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">{ylabel}</text>\n\
+         <text x=\"{m}\" y=\"{}\">0</text><text x=\"5\" y=\"{}\">{y1:.3}</text>\n\
+         <polyline fill=\"none\" stroke=\"steelblue\" stroke-width=\"2\" points=\"{}\"/>\n",
+        w / 2.0,
+        h - m,
+        w - m,
+        h - m,
+        h - m,
+        h / 2.0,
+        h / 2.0,
+        h - m + 15.0,
+        m + 4.0,
+        path.join(" ")
+    );
+    for (p, &x) in points.iter().zip(&xs) {
+        s.push_str(&format!(
+            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"steelblue\"/><text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\" font-size=\"9\">{}</text>\n",
+            px(x),
+            py(p.1),
+            px(x),
+            h - m + 28.0,
+            crate::format_size(p.0 as usize)
+        ));
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_round_trip_and_garbage_is_refused() {
+        let p = Plan {
+            test: "bw".into(),
+            mode: "write".into(),
+            sizes: vec![8, 16],
+            iters: 10,
+            duration: 0.5,
+            warmup: 2,
+            window: 4,
+        };
+        assert_eq!(Plan::decode(&p.encode()).unwrap(), p);
+        assert!(Plan::decode("lat send x 1 1 1 1").is_err());
+        assert!(Plan::decode("").is_err());
+    }
+
+    #[test]
+    fn references_are_positive() {
+        assert!(memcpy_bandwidth(1 << 16, Duration::from_millis(10)) > 0.0);
+        assert!(socket_pingpong_us(64, 20).unwrap() > 0.0);
+        let svg = svg_chart("t", "GB/s", &[(8.0, 1.0), (64.0, 2.0)]);
+        assert!(svg.starts_with("<svg") && svg.contains("polyline"));
+    }
+}
