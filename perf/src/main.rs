@@ -134,6 +134,15 @@ struct PushPull {
     /// One JSON object per size instead of a table.
     #[arg(long)]
     json: bool,
+    /// Run every process on this host (the default without --hosts or --hostfile).
+    #[arg(long, conflicts_with_all = ["hosts", "hostfile"])]
+    local: bool,
+    /// Run the job over these hosts (kvrun's -H): servers and workers across the network.
+    #[arg(short = 'H', long)]
+    hosts: Option<String>,
+    /// Run the job over the hosts of this hostfile (kvrun's --hostfile).
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
 }
 
 fn sizes_of(p: &PushPull) -> Result<Vec<usize>, String> {
@@ -231,9 +240,14 @@ fn parent(p: &PushPull) -> Result<(), String> {
         p.servers.to_string(),
         "-x".into(),
         format!("KVPERF_OUT={}", out.display()),
-        "--".into(),
-        exe.to_string_lossy().into_owned(),
     ];
+    if let Some(h) = &p.hosts {
+        argv.extend(["-H".into(), h.clone()]);
+    }
+    if let Some(f) = &p.hostfile {
+        argv.extend(["--hostfile".into(), f.display().to_string()]);
+    }
+    argv.extend(["--".into(), exe.to_string_lossy().into_owned()]);
     argv.extend(std::env::args().skip(1));
     let opts = <kvstore_launcher::Options as clap::Parser>::try_parse_from(argv)
         .map_err(|e| e.to_string())?;

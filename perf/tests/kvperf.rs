@@ -1,0 +1,239 @@
+//! Each kvperf subcommand, briefly, with --local: the output parses and the figures are positive.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn kvperf(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvperf"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The number after `"name":` in a JSON line.
+fn field(line: &str, name: &str) -> f64 {
+    let key = format!("\"{name}\":");
+    line.split(&key)
+        .nth(1)
+        .and_then(|r| r.split([',', '}']).next())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {line}"))
+}
+
+fn json_lines(stdout: &str) -> Vec<&str> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with('{') && l.ends_with('}'))
+        .collect()
+}
+
+#[test]
+fn latency_over_tcp_and_shm() {
+    for t in ["tcp", "shm"] {
+        for mode in ["send", "write"] {
+            let (code, out, err) = kvperf(&[
+                "lat",
+                "--transport",
+                t,
+                "--mode",
+                mode,
+                "--local",
+                "--sizes",
+                "8:1K",
+                "--iters",
+                "50",
+                "--warmup",
+                "5",
+                "--json",
+            ]);
+            assert_eq!(code, Some(0), "{t} {mode}: {err}");
+            let rows = json_lines(&out);
+            assert_eq!(rows.len(), 8, "{out}");
+            for r in rows {
+                assert_eq!(field(r, "iters"), 50.0);
+                let (min, p50, p99, max) = (
+                    field(r, "min_us"),
+                    field(r, "p50_us"),
+                    field(r, "p99_us"),
+                    field(r, "max_us"),
+                );
+                assert!(min > 0.0 && min <= p50 && p50 <= p99 && p99 <= max, "{r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bandwidth_over_tcp_and_shm_with_references_and_a_chart() {
+    let svg = std::env::temp_dir().join(format!("kvperf-test-{}.svg", std::process::id()));
+    for t in ["tcp", "shm"] {
+        for mode in ["send", "write"] {
+            let (code, out, err) = kvperf(&[
+                "bw",
+                "--transport",
+                t,
+                "--mode",
+                mode,
+                "--local",
+                "--sizes",
+                "4K:256K",
+                "--iters",
+                "40",
+                "--window",
+                "8",
+                "--warmup",
+                "3",
+                "--json",
+                "--reference",
+                "--plot",
+                svg.to_str().unwrap(),
+            ]);
+            assert_eq!(code, Some(0), "{t} {mode}: {err}");
+            let rows = json_lines(&out);
+            assert_eq!(rows.len(), 7, "{out}");
+            for r in rows {
+                assert!(field(r, "gbytes_per_s") > 0.0, "{r}");
+                assert!(field(r, "msgs_per_s") > 0.0, "{r}");
+                assert!(field(r, "ref_gbytes_per_s") > 0.0, "{r}");
+            }
+            let chart = std::fs::read_to_string(&svg).unwrap();
+            assert!(chart.starts_with("<svg") && chart.contains("polyline"));
+        }
+    }
+    let (code, out, _) = kvperf(&[
+        "bw",
+        "--transport",
+        "shm",
+        "--local",
+        "--size",
+        "64K",
+        "--duration",
+        "0.2",
+    ]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("GB/s") && out.contains("64K"), "{out}");
+    let _ = std::fs::remove_file(svg);
+}
+
+#[test]
+fn pushpull_through_a_real_job() {
+    let (code, out, err) = kvperf(&[
+        "pushpull", "--local", "-n", "2", "-s", "2", "--sizes", "4K:16K", "--iters", "5", "--json",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let rows = json_lines(&out);
+    assert_eq!(rows.len(), 3, "{out}");
+    for r in rows {
+        assert!(
+            field(r, "gbps_all") > 0.0 && field(r, "us_per_iter") > 0.0,
+            "{r}"
+        );
+    }
+    let (code, out, err) = kvperf(&["pushpull", "--size", "1K", "--keys", "100", "--iters", "3"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("key-ops/s") && out.contains("keys/call=100"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bad_arguments_get_a_clear_message() {
+    for (args, needle) in [
+        (vec!["lat", "--size", "0"], "out of range"),
+        (vec!["lat", "--sizes", "64:8"], "larger than MAX"),
+        (vec!["bw", "--transport", "rdma", "--local"], "not built"),
+        (
+            vec!["lat", "--transport", "carrier-pigeon"],
+            "invalid value",
+        ),
+        (vec!["lat", "--server", "--local"], "cannot be used with"),
+        (vec!["pushpull", "--keys", "0"], "--keys"),
+    ] {
+        let (code, _, err) = kvperf(&args);
+        assert_ne!(code, Some(0), "{args:?}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_peer_that_vanishes_ends_the_run_with_an_error() {
+    // Nobody listening: the connect gives up after --timeout.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let start = Instant::now();
+    let (code, _, err) = kvperf(&[
+        "lat",
+        "--transport",
+        "tcp",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--timeout",
+        "1",
+    ]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("kvperf:"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(15));
+    // A server killed in the middle of a run.
+    for t in ["tcp", "shm"] {
+        let port =
+            (std::process::id() % 20000 + 30000 + if t == "shm" { 1 } else { 0 }).to_string();
+        let mut server = Command::new(env!("CARGO_BIN_EXE_kvperf"))
+            .args([
+                "lat",
+                "--server",
+                "--transport",
+                t,
+                "--port",
+                &port,
+                "--timeout",
+                "3",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let client = Command::new(env!("CARGO_BIN_EXE_kvperf"))
+            .args([
+                "lat",
+                "--transport",
+                t,
+                "127.0.0.1",
+                "--port",
+                &port,
+                "--duration",
+                "30",
+                "--size",
+                "64",
+                "--timeout",
+                "3",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        server.kill().unwrap();
+        let _ = server.wait();
+        let start = Instant::now();
+        let out = client.wait_with_output().unwrap();
+        assert_ne!(out.status.code(), Some(0), "{t}");
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "{t}: took {:?}",
+            start.elapsed()
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("kvperf:"), "{t}: {err}");
+    }
+}
