@@ -7,6 +7,77 @@ use std::sync::Arc;
 use crate::dtype::with_dtype;
 use crate::{DType, Device, Element, KvError, Result};
 
+/// Storage in shared memory: a region of a segment, owned by this array (freed into its pool
+/// when the array is dropped) or lent to it (a view of a peer's pages, valid while the peer
+/// waits for the answer).
+pub(crate) struct SharedBuf {
+    pub(crate) seg: Arc<kvstore_shm::Segment>,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    /// Called with the region when the array is dropped (owned regions give their pages back).
+    pub(crate) release: Option<Box<dyn Fn(kvstore_shm::Region) + Send + Sync>>,
+}
+
+impl Drop for SharedBuf {
+    fn drop(&mut self) {
+        if let Some(r) = &self.release {
+            r(kvstore_shm::Region {
+                offset: self.offset,
+                len: self.len,
+            });
+        }
+    }
+}
+
+/// Where an array's bytes are.
+pub(crate) enum Storage {
+    /// Process memory.
+    Heap(AlignedBuf),
+    /// Shared memory.
+    Shared(SharedBuf),
+}
+
+impl Clone for Storage {
+    /// A copy in process memory (a clone of shared storage does not share the pages).
+    fn clone(&self) -> Storage {
+        match self {
+            Storage::Heap(b) => Storage::Heap(b.clone()),
+            Storage::Shared(_) => {
+                let mut b = AlignedBuf::zeroed(self.bytes().len());
+                b.bytes_mut().copy_from_slice(self.bytes());
+                Storage::Heap(b)
+            }
+        }
+    }
+}
+
+impl Storage {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Heap(b) => b.bytes(),
+            Storage::Shared(s) => s.seg.bytes(s.offset, s.len).unwrap_or(&[]),
+        }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Storage::Heap(b) => b.bytes_mut(),
+            // SAFETY: a shared buffer is the only owner of its region in this process (the
+            // region was allocated for it, or lent to it alone), and `&mut self` makes this
+            // the only access to it here; the peer touches the region only while this process
+            // waits for it (the transport's protocol).
+            Storage::Shared(s) => unsafe { s.seg.bytes_mut(s.offset, s.len) }.unwrap_or(&mut []),
+        }
+    }
+
+    fn set_len(&mut self, len: usize) {
+        match self {
+            Storage::Heap(b) => b.set_len(len),
+            Storage::Shared(_) => *self = Storage::Heap(AlignedBuf::zeroed(len)),
+        }
+    }
+}
+
 /// Byte storage aligned to 8 bytes, so it can be viewed as a slice of any element type.
 #[derive(Clone, Default)]
 pub(crate) struct AlignedBuf {
@@ -57,7 +128,7 @@ pub struct NDArray {
     shape: Vec<usize>,
     dtype: DType,
     device: Device,
-    buf: Arc<AlignedBuf>,
+    buf: Arc<Storage>,
 }
 
 fn elems(shape: &[usize]) -> usize {
@@ -71,7 +142,9 @@ impl NDArray {
             shape: shape.to_vec(),
             dtype,
             device: Device::default(),
-            buf: Arc::new(AlignedBuf::zeroed(elems(shape) * dtype.size())),
+            buf: Arc::new(Storage::Heap(AlignedBuf::zeroed(
+                elems(shape) * dtype.size(),
+            ))),
         }
     }
 
@@ -302,11 +375,35 @@ impl NDArray {
         let len = elems(shape) * dtype.size();
         match Arc::get_mut(&mut self.buf) {
             Some(b) => b.set_len(len),
-            None => self.buf = Arc::new(AlignedBuf::zeroed(len)),
+            None => self.buf = Arc::new(Storage::Heap(AlignedBuf::zeroed(len))),
         }
         self.shape.clear();
         self.shape.extend_from_slice(shape);
         self.dtype = dtype;
+    }
+
+    /// An array over shared-memory storage (the bytes must fill the shape).
+    pub(crate) fn from_shared(shape: &[usize], dtype: DType, buf: SharedBuf) -> NDArray {
+        NDArray {
+            shape: shape.to_vec(),
+            dtype,
+            device: Device::default(),
+            buf: Arc::new(Storage::Shared(buf)),
+        }
+    }
+
+    /// Where the array's bytes live in shared memory (segment, offset), if they do.
+    pub(crate) fn shared_region(&self) -> Option<(&Arc<kvstore_shm::Segment>, usize)> {
+        match &*self.buf {
+            Storage::Shared(s) => Some((&s.seg, s.offset)),
+            Storage::Heap(_) => None,
+        }
+    }
+
+    /// Whether the bytes live in shared memory (an array from `KVStore::alloc`, or a view of a
+    /// peer's pages).
+    pub fn is_shared_memory(&self) -> bool {
+        matches!(&*self.buf, Storage::Shared(_))
     }
 
     /// Whether storage is shared with another clone (for tests of copy counts).

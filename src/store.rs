@@ -87,6 +87,16 @@ impl KVStore {
         }
     }
 
+    /// A zeroed array for pushing and pulling. In a distributed store with servers on this
+    /// host its pages are in shared memory: pushing it copies nothing, and a pull into it is the
+    /// server's one copy. Elsewhere it is an ordinary array.
+    pub fn alloc(&self, shape: &[usize], dtype: crate::DType) -> Result<NDArray> {
+        match &self.inner {
+            Inner::Local(_) => Ok(NDArray::zeros_dtype(shape, dtype)),
+            Inner::Dist(d) => d.alloc(shape, dtype),
+        }
+    }
+
     /// Where the servers of a distributed store listen, by rank (empty for local stores).
     /// For diagnostics and tools.
     pub fn server_addrs(&self) -> Vec<std::net::SocketAddr> {
@@ -96,8 +106,8 @@ impl KVStore {
         }
     }
 
-    /// The transport this worker uses to reach each server, by rank (`"tcp"`; empty for local
-    /// stores). The shared-memory transport for servers on the same host is not built yet.
+    /// The transport this worker uses to reach each server, by rank: `"shm"` for servers on
+    /// this host (unless `KVSTORE_TRANSPORT=tcp`), `"tcp"` otherwise; empty for local stores.
     pub fn transports(&self) -> Vec<&'static str> {
         match &self.inner {
             Inner::Local(_) => Vec::new(),

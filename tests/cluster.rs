@@ -188,8 +188,7 @@ fn a_job_runs_across_hosts_over_ssh_and_failures_stop_it_everywhere() {
     for (rank, host) in [(0, &addrs[0]), (1, &addrs[1]), (2, &addrs[1])] {
         let ok = format!("[{host}:worker {rank}] seed ok rank {rank} of 3");
         assert!(r.stdout.contains(&ok), "missing {ok:?}\n{}", r.all());
-        // Every pair uses TCP: across hosts always; on the same host too until the
-        // shared-memory transport exists.
+        // A worker on the server's host uses shared memory; one on another host, TCP.
         let via = format!(
             "[{host}:worker {rank}] rank {rank} reaches server 0 at {}:",
             addrs[0]
@@ -199,7 +198,12 @@ fn a_job_runs_across_hosts_over_ssh_and_failures_stop_it_everywhere() {
             .lines()
             .find(|l| l.starts_with(&via))
             .unwrap_or_else(|| panic!("{via}\n{}", r.all()));
-        assert!(line.ends_with("via tcp"), "{line}");
+        let want = if *host == addrs[0] {
+            "via shm"
+        } else {
+            "via tcp"
+        };
+        assert!(line.ends_with(want), "{line}");
     }
 
     // The main job across hosts, by node.

@@ -209,9 +209,40 @@ impl Channel {
         }
     }
 
+    /// Posts a descriptor if the ring has room (`Ok(false)` if it is full), waking the peer.
+    pub fn try_send(&self, slot: &[u8]) -> Result<bool, ShmError> {
+        if self.tx.try_push(slot)? {
+            self.tx_wake.notify()?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// Takes the next descriptor if there is one.
     pub fn try_recv(&self, slot: &mut [u8; SLOT]) -> Result<bool, ShmError> {
         self.rx.try_pop(slot)
+    }
+
+    /// Rings `eventfd` too when the peer sleeps after this end sends (the peer waits on it in
+    /// its poll loop).
+    pub fn set_tx_doorbell(&mut self, eventfd: std::os::fd::OwnedFd) {
+        self.tx_wake.set_doorbell(eventfd);
+    }
+
+    /// Before sleeping elsewhere (on a doorbell): marks this end asleep. Returns `false` (and
+    /// stays awake) if a descriptor is already waiting.
+    pub fn arm_rx(&self) -> Result<bool, ShmError> {
+        self.rx_wake.arm()?;
+        if !self.rx.is_empty() {
+            self.rx_wake.disarm()?;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Awake again after [`Channel::arm_rx`].
+    pub fn disarm_rx(&self) -> Result<(), ShmError> {
+        self.rx_wake.disarm()
     }
 
     /// Waits for the next descriptor: spins for `spin`, then sleeps, until `deadline`.

@@ -95,6 +95,33 @@ impl Segment {
         Ok(unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) })
     }
 
+    /// The bytes at `off..off+len` as a slice.
+    ///
+    /// The slice aliases memory other processes map: it is only meaningful while the protocol
+    /// gives this process those bytes (a region it allocated, or one a descriptor handed to it
+    /// and whose owner waits for the answer).
+    pub fn bytes(&self, off: usize, len: usize) -> Result<&[u8], ShmError> {
+        self.check(off, len, 1)?;
+        // SAFETY: the range is inside the mapping, which lives as long as `self`; u8 has no
+        // invalid bit patterns. Who may write these bytes meanwhile is the protocol's contract
+        // (see above); this process never writes them through another path while the slice
+        // lives, because the only mutable access is `bytes_mut`, whose caller promises
+        // exclusivity.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
+    }
+
+    /// The bytes at `off..off+len` as a mutable slice.
+    ///
+    /// # Safety
+    /// The caller must have exclusive use of the range for the slice's lifetime: no other slice
+    /// of it in this process, and no other process writing or reading it (a region this process
+    /// allocated and has not handed out).
+    pub unsafe fn bytes_mut(&self, off: usize, len: usize) -> Result<&mut [u8], ShmError> {
+        self.check(off, len, 1)?;
+        // SAFETY: in bounds (checked); exclusivity is the caller's promise.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), len) })
+    }
+
     /// Copies `src` into the segment at `off`.
     pub fn write(&self, off: usize, src: &[u8]) -> Result<(), ShmError> {
         self.check(off, src.len(), 1)?;

@@ -9,10 +9,12 @@ use rustix::thread::futex;
 
 use crate::{Segment, ShmError};
 
-/// A wake-up word pair (`seq`, `sleeping`) in a segment, at an 8-aligned offset.
+/// A wake-up word pair (`seq`, `sleeping`) in a segment, at an 8-aligned offset; optionally
+/// also a doorbell (an eventfd the sleeper waits on in its poll loop, with its sockets).
 pub struct Wake {
     seg: Arc<Segment>,
     off: usize,
+    doorbell: Option<std::os::fd::OwnedFd>,
 }
 
 impl Wake {
@@ -20,7 +22,34 @@ impl Wake {
     pub fn new(seg: Arc<Segment>, off: usize) -> Result<Wake, ShmError> {
         seg.atomic_u32(off)?;
         seg.atomic_u32(off + 4)?;
-        Ok(Wake { seg, off })
+        Ok(Wake {
+            seg,
+            off,
+            doorbell: None,
+        })
+    }
+
+    /// Also rings `eventfd` when the other side sleeps (for a sleeper that waits in epoll).
+    pub fn set_doorbell(&mut self, eventfd: std::os::fd::OwnedFd) {
+        self.doorbell = Some(eventfd);
+    }
+
+    /// The sleeper, before it blocks elsewhere (epoll on a doorbell): says it sleeps. The caller
+    /// must check for work once more afterwards, then [`Wake::disarm`] when it wakes.
+    pub fn arm(&self) -> Result<(), ShmError> {
+        self.seg
+            .atomic_u32(self.off + 4)?
+            .store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// The sleeper is awake again.
+    pub fn disarm(&self) -> Result<(), ShmError> {
+        self.seg
+            .atomic_u32(self.off + 4)?
+            .store(0, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Called by the producer after publishing: wakes the consumer if it sleeps.
@@ -33,6 +62,10 @@ impl Wake {
         if sleeping.load(Ordering::Relaxed) != 0 {
             seq.fetch_add(1, Ordering::Release);
             futex::wake(seq, futex::Flags::empty(), u32::MAX)?;
+            if let Some(fd) = &self.doorbell {
+                // An eventfd counter: 8 bytes; a full counter (EAGAIN) is already rung.
+                let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+            }
         }
         Ok(())
     }

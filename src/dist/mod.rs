@@ -10,6 +10,7 @@ pub mod scheduler;
 pub mod server;
 pub mod server_state;
 pub mod shard;
+pub mod shm;
 pub mod worker;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -28,6 +29,8 @@ pub(crate) struct Roster {
     pub num_workers: usize,
     pub num_servers: usize,
     pub servers: Vec<SocketAddr>,
+    /// Each server's host identity ([`shm::host_id`]), to find the ones on this host.
+    pub server_hosts: Vec<String>,
 }
 
 fn parse_roster(text: &str) -> crate::Result<Roster> {
@@ -42,9 +45,13 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
     let [rank, num_workers, num_servers] = head[..] else {
         return Err(bad());
     };
-    let servers = lines
-        .map(|l| l.parse().map_err(|_| bad()))
-        .collect::<crate::Result<Vec<SocketAddr>>>()?;
+    let mut servers = Vec::new();
+    let mut server_hosts = Vec::new();
+    for l in lines {
+        let mut w = l.split_whitespace();
+        servers.push(w.next().ok_or_else(bad)?.parse().map_err(|_| bad())?);
+        server_hosts.push(w.next().unwrap_or("-").to_string());
+    }
     if servers.len() != num_servers {
         return Err(bad());
     }
@@ -53,6 +60,7 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
         num_workers,
         num_servers,
         servers,
+        server_hosts,
     })
 }
 
@@ -70,6 +78,8 @@ pub(crate) fn join(
     if let Some(a) = addr {
         payload.push('\n');
         payload.push_str(&a.to_string());
+        payload.push('\n');
+        payload.push_str(&shm::host_id());
     }
     write_frame(
         sched,
@@ -151,9 +161,13 @@ mod tests {
 
     #[test]
     fn roster_parses_and_rejects_garbage() {
-        let r = parse_roster("1 4 2\n127.0.0.1:5000\n127.0.0.1:5001").unwrap();
+        let r = parse_roster("1 4 2\n127.0.0.1:5000 boot/net1\n127.0.0.1:5001").unwrap();
         assert_eq!((r.rank, r.num_workers, r.num_servers), (1, 4, 2));
         assert_eq!(r.servers.len(), 2);
+        assert_eq!(
+            r.server_hosts,
+            vec!["boot/net1".to_string(), "-".to_string()]
+        );
         assert!(parse_roster("1 4 2\n127.0.0.1:5000").is_err());
         assert!(parse_roster("x 4 2\n").is_err());
         assert!(parse_roster("").is_err());

@@ -34,6 +34,7 @@ enum Event {
         id: usize,
         msg: Msg,
         addr: Option<SocketAddr>,
+        host: String,
         writer: TcpStream,
     },
     Frame {
@@ -50,6 +51,7 @@ struct Node {
     role: u64,
     hint: Option<u32>,
     addr: Option<SocketAddr>,
+    host: String,
     writer: TcpStream,
     rank: usize,
     done: bool,
@@ -97,6 +99,12 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) 
         .next()
         .and_then(|a| std::str::from_utf8(a).ok())
         .and_then(|a| a.parse().ok());
+    let host = lines
+        .next()
+        .and_then(|h| std::str::from_utf8(h).ok())
+        .filter(|h| !h.is_empty() && !h.contains(char::is_whitespace))
+        .unwrap_or("-")
+        .to_string();
     let Ok(writer) = s.try_clone() else { return };
     let _ = writer.set_write_timeout(Some(Duration::from_secs(10)));
     if tx
@@ -104,6 +112,7 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) 
             id,
             msg,
             addr,
+            host,
             writer,
         })
         .is_err()
@@ -216,6 +225,7 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
                 id,
                 msg,
                 addr,
+                host,
                 writer,
             } => {
                 let list = match msg.key {
@@ -233,6 +243,7 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
                         role: msg.key,
                         hint,
                         addr,
+                        host,
                         writer,
                         rank: 0,
                         done: false,
@@ -262,7 +273,8 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
     let mut addrs = vec![String::new(); opts.num_servers];
     for id in &servers {
         let n = &nodes[id];
-        addrs[n.rank] = n.addr.map(|a| a.to_string()).unwrap_or_default();
+        let addr = n.addr.map(|a| a.to_string()).unwrap_or_default();
+        addrs[n.rank] = format!("{addr} {}", n.host);
     }
     for n in nodes.values_mut() {
         let text = format!(

@@ -11,6 +11,7 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::proto::{Msg, Op};
 use super::server_state::{Out, Payload, PeerId, ServerState};
+use super::shm::{self, ServerLink};
 use super::{join, Config};
 use crate::config::secret_matches;
 use crate::{DType, KvError, NDArray, Result};
@@ -18,6 +19,13 @@ use crate::{DType, KvError, NDArray, Result};
 const LISTENER: Token = Token(0);
 const SCHEDULER: Token = Token(1);
 const FIRST_CONN: usize = 2;
+/// Tokens of the shared-memory listener and links (two each: socket, doorbell).
+const SHM_LISTENER: Token = Token(1 << 30);
+const SHM_TOKENS: usize = (1 << 30) + 1;
+/// Peer ids of shared-memory links in the state machine.
+const SHM_PEER: usize = 1 << 29;
+/// How long the loop keeps polling the rings after the last descriptor before it sleeps.
+const SPIN: Duration = Duration::from_micros(200);
 /// Largest control payload (hello, names, optimizer parameters, error text).
 const MAX_CONTROL: u64 = 64 * 1024;
 
@@ -135,6 +143,95 @@ impl FrameSink for ConnSink<'_> {
     }
 }
 
+fn drop_link(poll: &Poll, links: &mut [Option<ServerLink>], k: usize, state: &mut ServerState) {
+    if let Some(l) = links.get_mut(k).and_then(Option::take) {
+        let reg = poll.registry();
+        let _ = reg.deregister(&mut mio::unix::SourceFd(&std::os::fd::AsRawFd::as_raw_fd(
+            &l.sock,
+        )));
+        let _ = reg.deregister(&mut mio::unix::SourceFd(&std::os::fd::AsRawFd::as_raw_fd(
+            &l.doorbell,
+        )));
+    }
+    state.forget_peer(SHM_PEER + k);
+}
+
+/// One descriptor from a worker on this host: the payload is read where it lies in the worker's
+/// pool; a region outside the pool, or not allocated, is refused with an error answer. An
+/// unreadable descriptor closes the channel.
+fn handle_desc(
+    state: &mut ServerState,
+    peer: PeerId,
+    l: &mut ServerLink,
+    slot: &[u8; kvstore_shm::SLOT],
+) -> Result<()> {
+    let d = shm::decode(slot)?;
+    let m = d.msg;
+    let refuse = |state: &mut ServerState, why: String| {
+        let mut r = m;
+        r.op = Op::Reply;
+        r.status = super::proto::status::FAILED;
+        state.outbox.push(Out {
+            to: peer,
+            msg: r,
+            payload: Payload::Text(why.into_bytes()),
+        });
+    };
+    if !matches!(
+        m.op,
+        Op::Init | Op::Push | Op::PushPull | Op::Pull | Op::SetOptimizer | Op::SetUpdater
+    ) {
+        return Err(KvError::Protocol(format!("{:?} over shared memory", m.op)));
+    }
+    let mut payload = if d.payload_len == 0 {
+        NDArray::zeros_dtype(&[0], DType::U8)
+    } else {
+        let Some(src) = d.src else {
+            refuse(state, "a payload without a region".into());
+            return Ok(());
+        };
+        let (len, dtype) = if m.op.carries_data() {
+            if m.data_bytes() != Some(d.payload_len) {
+                refuse(state, "payload length does not match the message".into());
+                return Ok(());
+            }
+            (m.len as usize, m.dtype)
+        } else {
+            if d.payload_len > MAX_CONTROL {
+                refuse(state, "oversized control payload".into());
+                return Ok(());
+            }
+            (d.payload_len as usize, DType::U8)
+        };
+        match l.view(src, len, dtype) {
+            Ok(v) => v,
+            Err(e) => {
+                refuse(state, format!("bad descriptor: {e}"));
+                return Ok(());
+            }
+        }
+    };
+    if matches!(m.op, Op::Pull | Op::PushPull) {
+        let ok = d
+            .dst
+            .filter(|r| Some(r.len as u64) == m.data_bytes() && l.pool.check(*r).is_ok());
+        match ok {
+            Some(r) => {
+                l.pulls.insert(m.req_id, r);
+            }
+            None => {
+                refuse(
+                    state,
+                    "bad descriptor: no valid destination for the answer".into(),
+                );
+                return Ok(());
+            }
+        }
+    }
+    state.handle(peer, l.worker, &m, &mut payload);
+    Ok(())
+}
+
 /// What the scheduler said.
 enum SchedEvent {
     Shutdown,
@@ -206,6 +303,23 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         buf: Vec::new(),
     };
 
+    // Workers on this host attach over shared memory through this listener.
+    let shm_listener = match shm::listen(addr.port(), &cfg.secret) {
+        Ok(l) => {
+            l.set_nonblocking(true)?;
+            let mut l = mio::net::UnixListener::from_std(l);
+            poll.registry()
+                .register(&mut l, SHM_LISTENER, Interest::READABLE)?;
+            Some(l)
+        }
+        Err(e) => {
+            eprintln!("kvstore server: no shared-memory listener ({e}); workers use TCP");
+            None
+        }
+    };
+    let mut links: Vec<Option<ServerLink>> = Vec::new();
+    let mut last_shm = Instant::now();
+
     let mut state = ServerState::new(num_workers, sync);
     let mut conns: Vec<Option<(Conn, ConnFields)>> = Vec::new();
     let mut taken = vec![false; num_workers];
@@ -214,14 +328,91 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut stop_by: Option<Instant> = None;
 
     loop {
-        let timeout = Duration::from_millis(200);
+        let mut timeout = Duration::from_millis(200);
+        let mut armed = Vec::new();
+        if links.iter().any(Option::is_some) {
+            if last_shm.elapsed() < SPIN {
+                timeout = Duration::ZERO;
+            } else {
+                // Say we sleep; the workers ring the doorbell (in this poll set) when they post.
+                for (k, l) in links.iter().enumerate() {
+                    if let Some(l) = l {
+                        match l.chan.arm_rx() {
+                            Ok(true) => armed.push(k),
+                            _ => timeout = Duration::ZERO,
+                        }
+                    }
+                }
+            }
+        }
         if let Err(e) = poll.poll(&mut events, Some(timeout)) {
             if e.kind() != io::ErrorKind::Interrupted {
                 return Err(e.into());
             }
         }
+        for k in armed {
+            if let Some(Some(l)) = links.get(k) {
+                let _ = l.chan.disarm_rx();
+            }
+        }
         for ev in events.iter() {
             match ev.token() {
+                SHM_LISTENER => {
+                    let Some(l) = &shm_listener else { continue };
+                    while let Ok((s, _)) = l.accept() {
+                        let s: std::os::unix::net::UnixStream = s.into();
+                        let _ = s.set_nonblocking(false);
+                        match shm::accept(s, &cfg.secret, num_workers) {
+                            Ok(link) => {
+                                let k = links
+                                    .iter()
+                                    .position(Option::is_none)
+                                    .unwrap_or(links.len());
+                                let reg = poll.registry();
+                                let sock_fd = std::os::fd::AsRawFd::as_raw_fd(&link.sock);
+                                let bell_fd = std::os::fd::AsRawFd::as_raw_fd(&link.doorbell);
+                                if reg
+                                    .register(
+                                        &mut mio::unix::SourceFd(&sock_fd),
+                                        Token(SHM_TOKENS + 2 * k),
+                                        Interest::READABLE,
+                                    )
+                                    .and_then(|_| {
+                                        reg.register(
+                                            &mut mio::unix::SourceFd(&bell_fd),
+                                            Token(SHM_TOKENS + 2 * k + 1),
+                                            Interest::READABLE,
+                                        )
+                                    })
+                                    .is_err()
+                                {
+                                    continue;
+                                }
+                                if k == links.len() {
+                                    links.push(Some(link));
+                                } else {
+                                    links[k] = Some(link);
+                                }
+                                last_shm = Instant::now();
+                            }
+                            Err(e) => {
+                                eprintln!("kvstore server: refused a shared-memory channel: {e}")
+                            }
+                        }
+                    }
+                }
+                Token(t) if t >= SHM_TOKENS => {
+                    let k = (t - SHM_TOKENS) / 2;
+                    let Some(Some(l)) = links.get(k) else {
+                        continue;
+                    };
+                    if (t - SHM_TOKENS) % 2 == 1 {
+                        shm::drain(&l.doorbell);
+                    } else if l.closed() {
+                        // The worker's TCP connection says whether this was a clean exit.
+                        drop_link(&poll, &mut links, k, &mut state);
+                    }
+                }
                 LISTENER => loop {
                     match listener.accept() {
                         Ok((mut stream, _)) => {
@@ -322,8 +513,53 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                 }
             }
         }
+        // Descriptors from workers on this host.
+        for k in 0..links.len() {
+            let Some(Some(l)) = links.get_mut(k) else {
+                continue;
+            };
+            let mut slot = [0u8; kvstore_shm::SLOT];
+            loop {
+                match l.chan.try_recv(&mut slot) {
+                    Ok(true) => {
+                        last_shm = Instant::now();
+                        if let Err(e) = handle_desc(&mut state, SHM_PEER + k, l, &slot) {
+                            eprintln!("kvstore server: closing the shared-memory channel of worker {}: {e}", l.worker);
+                            drop_link(&poll, &mut links, k, &mut state);
+                            break;
+                        }
+                    }
+                    Ok(false) => break,
+                    Err(e) => {
+                        eprintln!(
+                            "kvstore server: corrupt channel of worker {}: {e}",
+                            l.worker
+                        );
+                        drop_link(&poll, &mut links, k, &mut state);
+                        break;
+                    }
+                }
+            }
+        }
         // Route the state machine's answers, then write what can be written.
         for o in state.outbox.drain(..) {
+            if o.to >= SHM_PEER {
+                let k = o.to - SHM_PEER;
+                if let Some(Some(l)) = links.get_mut(k) {
+                    let (data, text): (&[u8], &[u8]) = match &o.payload {
+                        Payload::Array(a) => (a.as_bytes(), &[]),
+                        Payload::Text(t) => (&[], t),
+                        Payload::None => (&[], &[]),
+                    };
+                    if let Err(e) = l.answer(&o.msg, data, text, Instant::now() + cfg.timeout) {
+                        eprintln!(
+                            "kvstore server: cannot answer worker {} over shared memory: {e}",
+                            l.worker
+                        );
+                    }
+                }
+                continue;
+            }
             if let Some(Some((c, _))) = conns.get_mut(o.to) {
                 c.out.push(o.msg.header(o.payload.bytes().len()), o.payload);
             }

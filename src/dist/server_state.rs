@@ -291,9 +291,18 @@ impl ServerState {
                 // Shapes were checked against the slot; this cannot fail.
                 let _ = merge.add_assign(payload);
             }
-            // The round's first push: its buffer becomes the merge buffer (no copy), and the
-            // connection receives into the old merge buffer next time.
+            // The round's first push: a received buffer becomes the merge buffer (no copy), and
+            // the connection receives into the old merge buffer next time; a view of a worker's
+            // shared pages is read where it lies into the merge buffer (the worker reuses them).
+            Some(merge) if payload.is_shared_memory() => {
+                let _ = merge.copy_from(payload);
+            }
             Some(merge) => std::mem::swap(merge, payload),
+            None if payload.is_shared_memory() => {
+                let mut merge = NDArray::zeros_dtype(payload.shape(), payload.dtype());
+                let _ = merge.copy_from(payload);
+                slot.merge = Some(merge);
+            }
             None => {
                 slot.merge = Some(std::mem::replace(
                     payload,

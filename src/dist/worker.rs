@@ -19,6 +19,14 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::proto::{role, status, Msg, Op, MAX_NDIM};
 use super::shard::{placement, Part};
+use super::shm::{self, Choice, WorkerLink, WorkerPool};
+use kvstore_shm::Region;
+use std::time::Duration;
+
+/// Tokens of shared-memory doorbells in the poll set (server rank added).
+const SHM_TOKENS: usize = 1 << 30;
+/// How long a wait polls the rings before it sleeps on the doorbells.
+const SPIN: Duration = Duration::from_micros(200);
 use super::{join, Config};
 use crate::local::{check_like, sum_into};
 use crate::optimizer::Optimizer;
@@ -38,6 +46,10 @@ struct Req<'a> {
     payload: &'a [u8],
     /// Index of the buffer the reply's payload goes to.
     dest: Option<usize>,
+    /// Where `payload` lies in this worker's shared pool, if it does (then it is not copied).
+    payload_at: Option<usize>,
+    /// Where the reply's buffer lies in the shared pool, if it does (the server writes there).
+    dest_at: Option<usize>,
 }
 
 struct ServerConn {
@@ -57,6 +69,10 @@ struct Net {
     rank: u32,
     timeout: std::time::Duration,
     broken: Option<String>,
+    /// Shared-memory links to the servers on this host, by server rank.
+    links: Vec<Option<WorkerLink>>,
+    /// This worker's pool, when it has a shared-memory link.
+    pool: Option<WorkerPool>,
 }
 
 struct ReplySink<'r, 'd> {
@@ -169,6 +185,11 @@ impl Net {
     }
 
     /// Sends every request and waits for every reply, reading payloads into `dests`.
+    ///
+    /// Requests to servers on this host go over shared memory: a payload already in the pool
+    /// (an array from `KVStore::alloc`) is named, not copied; any other is copied once into the
+    /// pool. A reply's value is written by the server straight into the output when the output
+    /// is in the pool, else into staging pages copied out here.
     fn exchange(&mut self, reqs: &mut [Req<'_>], dests: &mut [&mut [u8]]) -> Result<()> {
         self.check()?;
         if reqs.is_empty() {
@@ -176,81 +197,277 @@ impl Net {
         }
         let base = self.next_req;
         self.next_req += reqs.len() as u64;
+        let deadline = Instant::now() + self.timeout;
         let mut queues: Vec<OutQueue<&[u8]>> =
             self.servers.iter().map(|_| OutQueue::new()).collect();
-        for (i, r) in reqs.iter_mut().enumerate() {
-            r.msg.req_id = base + i as u64;
-            r.msg.sender = self.rank;
-            let h = r.msg.header(r.payload.len());
-            queues[r.server].push(h, r.payload);
-        }
-        let reqs: &[Req<'_>] = reqs;
+        // Staging regions: freed when the exchange ends (pushes: once read; pulls: copied out).
+        let mut staging: Vec<Region> = Vec::new();
+        let mut recv_staging: HashMap<usize, Region> = HashMap::new();
         let mut done = vec![false; reqs.len()];
         let mut remaining = reqs.len();
         let mut first_err = None;
-        let deadline = Instant::now() + self.timeout;
-        let mut first_pass = true;
-        while remaining > 0 {
-            let mut ready: Vec<usize> = Vec::new();
-            if first_pass {
-                ready.extend(0..self.servers.len());
-                first_pass = false;
-            } else {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    let e = KvError::Timeout {
-                        what: format!("{remaining} replies from the servers"),
-                        secs: self.timeout.as_secs_f64(),
+        for (i, r) in reqs.iter_mut().enumerate() {
+            r.msg.req_id = base + i as u64;
+            r.msg.sender = self.rank;
+        }
+        let reqs: &[Req<'_>] = reqs;
+        let result = (|| -> Result<()> {
+            for (i, r) in reqs.iter().enumerate() {
+                if self.links.get(r.server).is_some_and(Option::is_some) {
+                    let pool = self
+                        .pool
+                        .as_ref()
+                        .ok_or_else(|| KvError::Protocol("no pool".into()))?;
+                    let src = if r.payload.is_empty() {
+                        None
+                    } else if let Some(off) = r.payload_at {
+                        Some(Region {
+                            offset: off,
+                            len: r.payload.len(),
+                        })
+                    } else {
+                        let reg = pool.pool.alloc(r.payload.len()).map_err(shm::shm)?;
+                        staging.push(reg);
+                        pool.seg.write(reg.offset, r.payload).map_err(shm::shm)?;
+                        shm::count_copy(r.payload.len());
+                        Some(reg)
                     };
-                    return Err(self.fail(e));
-                }
-                if let Err(e) = self.poll.poll(&mut self.events, Some(left)) {
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        return Err(self.fail(e.into()));
+                    let dst = match (r.dest, r.dest_at) {
+                        (Some(d), Some(off)) => Some(Region {
+                            offset: off,
+                            len: dests[d].len(),
+                        }),
+                        (Some(d), None) => {
+                            let reg = pool.pool.alloc(dests[d].len().max(1)).map_err(shm::shm)?;
+                            recv_staging.insert(i, reg);
+                            Some(Region {
+                                offset: reg.offset,
+                                len: dests[d].len(),
+                            })
+                        }
+                        _ => None,
+                    };
+                    let desc = shm::encode(&r.msg, r.payload.len(), src, dst, &[]);
+                    loop {
+                        let link = self.links[r.server]
+                            .as_ref()
+                            .ok_or_else(|| KvError::Protocol("link".into()))?;
+                        if link.chan.try_send(&desc).map_err(shm::shm)? {
+                            break;
+                        }
+                        // The ring is full: take answers meanwhile, so neither side waits on the other.
+                        self.drain_shm(
+                            reqs,
+                            dests,
+                            base,
+                            &mut done,
+                            &mut remaining,
+                            &mut first_err,
+                            &recv_staging,
+                        )?;
+                        if Instant::now() >= deadline {
+                            return Err(KvError::Timeout {
+                                what: "room in a shared-memory ring".into(),
+                                secs: self.timeout.as_secs_f64(),
+                            });
+                        }
+                        std::thread::yield_now();
                     }
+                } else {
+                    let h = r.msg.header(r.payload.len());
+                    queues[r.server].push(h, r.payload);
                 }
-                ready.extend(self.events.iter().map(|e| e.token().0));
             }
-            for s in ready {
-                let Some(c) = self.servers.get_mut(s) else {
-                    continue;
-                };
-                let out = &mut queues[s];
-                if !out.is_empty() {
-                    if let Err(e) = out.flush(&mut c.stream, |p| *p) {
-                        let e = KvError::PeerLost(format!("server {s}: {e}"));
-                        return Err(self.fail(e));
-                    }
-                }
-                let mut sink = ReplySink {
-                    server: s,
-                    base,
+            let tcp_servers: Vec<usize> = (0..self.servers.len())
+                .filter(|&s| self.links.get(s).is_none_or(Option::is_none) && !queues[s].is_empty())
+                .collect();
+            let tcp_pending = |done: &[bool]| {
+                reqs.iter()
+                    .enumerate()
+                    .any(|(i, r)| !done[i] && self.links.get(r.server).is_none_or(Option::is_none))
+            };
+            let mut first_pass = true;
+            let mut last_progress = Instant::now();
+            while remaining > 0 {
+                if self.drain_shm(
                     reqs,
                     dests,
-                    done: &mut done,
-                    remaining: &mut remaining,
-                    first_err: &mut first_err,
-                    cur: &mut c.cur,
-                    text: &mut c.text,
-                };
-                if let Err(e) = c.reader.read_from(&mut c.stream, &mut sink) {
-                    let e = match e {
-                        TransportError::Closed | TransportError::Truncated { .. } => {
-                            KvError::PeerLost(format!("server {s} closed the connection"))
+                    base,
+                    &mut done,
+                    &mut remaining,
+                    &mut first_err,
+                    &recv_staging,
+                )? {
+                    last_progress = Instant::now();
+                    continue;
+                }
+                let mut ready: Vec<usize> = Vec::new();
+                if first_pass {
+                    ready.extend(tcp_servers.iter().copied());
+                    first_pass = false;
+                } else {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(KvError::Timeout {
+                            what: format!("{remaining} replies from the servers"),
+                            secs: self.timeout.as_secs_f64(),
+                        });
+                    }
+                    let shm_pending = remaining > 0 && !tcp_pending(&done)
+                        || reqs.iter().enumerate().any(|(i, r)| {
+                            !done[i] && self.links.get(r.server).is_some_and(Option::is_some)
+                        });
+                    let mut timeout = left;
+                    let mut armed = Vec::new();
+                    if shm_pending {
+                        if last_progress.elapsed() < SPIN {
+                            timeout = Duration::ZERO;
+                        } else {
+                            for (s, l) in self.links.iter().enumerate() {
+                                if let Some(l) = l {
+                                    match l.chan.arm_rx() {
+                                        Ok(true) => armed.push(s),
+                                        _ => timeout = Duration::ZERO,
+                                    }
+                                }
+                            }
+                            timeout = timeout.min(Duration::from_millis(100));
                         }
-                        TransportError::Refused(why) if why.starts_with("job aborted") => {
-                            KvError::Aborted(why)
+                    }
+                    // Pure spinning on the rings needs no system call.
+                    if !timeout.is_zero() || tcp_pending(&done) {
+                        if let Err(e) = self.poll.poll(&mut self.events, Some(timeout)) {
+                            if e.kind() != io::ErrorKind::Interrupted {
+                                return Err(e.into());
+                            }
                         }
-                        other => KvError::PeerLost(format!("server {s}: {other}")),
+                        for ev in self.events.iter() {
+                            let t = ev.token().0;
+                            if t >= SHM_TOKENS {
+                                if let Some(Some(l)) = self.links.get(t - SHM_TOKENS) {
+                                    shm::drain(&l.doorbell);
+                                }
+                            } else {
+                                ready.push(t);
+                            }
+                        }
+                    }
+                    for s in armed {
+                        if let Some(Some(l)) = self.links.get(s) {
+                            let _ = l.chan.disarm_rx();
+                        }
+                    }
+                }
+                for s in ready {
+                    let Some(c) = self.servers.get_mut(s) else {
+                        continue;
                     };
-                    return Err(self.fail(e));
+                    let out = &mut queues[s];
+                    if !out.is_empty() {
+                        if let Err(e) = out.flush(&mut c.stream, |p| *p) {
+                            return Err(KvError::PeerLost(format!("server {s}: {e}")));
+                        }
+                    }
+                    let mut sink = ReplySink {
+                        server: s,
+                        base,
+                        reqs,
+                        dests,
+                        done: &mut done,
+                        remaining: &mut remaining,
+                        first_err: &mut first_err,
+                        cur: &mut c.cur,
+                        text: &mut c.text,
+                    };
+                    if let Err(e) = c.reader.read_from(&mut c.stream, &mut sink) {
+                        return Err(match e {
+                            TransportError::Closed | TransportError::Truncated { .. } => {
+                                KvError::PeerLost(format!("server {s} closed the connection"))
+                            }
+                            TransportError::Refused(why) if why.starts_with("job aborted") => {
+                                KvError::Aborted(why)
+                            }
+                            other => KvError::PeerLost(format!("server {s}: {other}")),
+                        });
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Some(pool) = &self.pool {
+            for r in staging.into_iter().chain(recv_staging.into_values()) {
+                let _ = pool.pool.free(r);
+            }
+        }
+        match result {
+            Err(e) => Err(self.fail(e)),
+            Ok(()) => match first_err {
+                Some(e) => Err(e),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// Takes every answer waiting on the shared-memory rings; returns whether there were any.
+    #[allow(clippy::too_many_arguments)]
+    fn drain_shm(
+        &self,
+        reqs: &[Req<'_>],
+        dests: &mut [&mut [u8]],
+        base: u64,
+        done: &mut [bool],
+        remaining: &mut usize,
+        first_err: &mut Option<KvError>,
+        recv_staging: &HashMap<usize, Region>,
+    ) -> Result<bool> {
+        let mut any = false;
+        let mut slot = [0u8; kvstore_shm::SLOT];
+        for (s, l) in self.links.iter().enumerate() {
+            let Some(l) = l else { continue };
+            while l.chan.try_recv(&mut slot).map_err(shm::shm)? {
+                any = true;
+                let d = shm::decode(&slot)?;
+                let m = d.msg;
+                let idx = m.req_id.wrapping_sub(base) as usize;
+                if m.op == Op::Abort {
+                    return Err(KvError::Aborted(d.text));
+                }
+                if m.op != Op::Reply || idx >= reqs.len() || done[idx] || reqs[idx].server != s {
+                    return Err(KvError::Protocol(format!(
+                        "unexpected answer {:?} for request {}",
+                        m.op, m.req_id
+                    )));
+                }
+                done[idx] = true;
+                *remaining -= 1;
+                if m.status != status::OK {
+                    if first_err.is_none() {
+                        let key = Key::Int(reqs[idx].msg.key as i64);
+                        *first_err = Some(match m.status {
+                            status::UNKNOWN_KEY => KvError::UnknownKey(key),
+                            status::DOUBLE_INIT => KvError::DoubleInit(key),
+                            status::PEER_LOST => {
+                                KvError::PeerLost(format!("server {s}: {}", d.text))
+                            }
+                            _ => KvError::Remote {
+                                server: s,
+                                message: d.text,
+                            },
+                        });
+                    }
+                    continue;
+                }
+                if let (Some(dst), Some(di)) = (recv_staging.get(&idx), reqs[idx].dest) {
+                    let pool = self
+                        .pool
+                        .as_ref()
+                        .ok_or_else(|| KvError::Protocol("no pool".into()))?;
+                    pool.seg.read(dst.offset, dests[di]).map_err(shm::shm)?;
+                    shm::count_copy(dests[di].len());
                 }
             }
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        Ok(any)
     }
 }
 
@@ -306,6 +523,49 @@ impl DistWorker {
                 text: Vec::new(),
             });
         }
+        // Servers on this host: shared memory, unless KVSTORE_TRANSPORT says otherwise.
+        let choice = Choice::from_env()?;
+        let me = shm::host_id();
+        let mut links: Vec<Option<WorkerLink>> = Vec::new();
+        let mut pool = None;
+        for (i, addr) in roster.servers.iter().enumerate() {
+            let local = roster.server_hosts.get(i).is_some_and(|h| *h == me);
+            let link = match (choice, local) {
+                (Choice::Tcp, _) => None,
+                (Choice::Shm, false) => {
+                    return Err(KvError::Config(format!(
+                        "KVSTORE_TRANSPORT=shm, but server {i} ({addr}) is on another host"
+                    )))
+                }
+                (_, true) => {
+                    if pool.is_none() {
+                        let bytes = std::env::var("KVSTORE_SHM_POOL")
+                            .ok()
+                            .and_then(|v| v.parse().ok())
+                            .unwrap_or(1usize << 30);
+                        pool = Some(WorkerPool::create(bytes)?);
+                    }
+                    let p = pool
+                        .as_ref()
+                        .ok_or_else(|| KvError::Protocol("pool".into()))?;
+                    match shm::attach(addr.port(), &cfg.secret, roster.rank, p, cfg.timeout) {
+                        Ok(l) => Some(l),
+                        Err(e) if choice == Choice::Shm => return Err(e),
+                        Err(_) => None,
+                    }
+                }
+                (Choice::Auto, false) => None,
+            };
+            if let Some(l) = &link {
+                let fd = std::os::fd::AsRawFd::as_raw_fd(&l.doorbell);
+                poll.registry().register(
+                    &mut mio::unix::SourceFd(&fd),
+                    Token(SHM_TOKENS + i),
+                    Interest::READABLE,
+                )?;
+            }
+            links.push(link);
+        }
         Ok(DistWorker {
             rank: roster.rank,
             num_workers: roster.num_workers,
@@ -320,6 +580,8 @@ impl DistWorker {
                 rank: roster.rank as u32,
                 timeout: cfg.timeout,
                 broken: None,
+                links,
+                pool,
             },
             cfg,
             keys: HashMap::new(),
@@ -342,7 +604,21 @@ impl DistWorker {
 
     /// The transport used to reach each server.
     pub(crate) fn transports(&self) -> Vec<&'static str> {
-        self.net.servers.iter().map(|_| "tcp").collect()
+        (0..self.net.servers.len())
+            .map(|i| match self.net.links.get(i) {
+                Some(Some(_)) => "shm",
+                _ => "tcp",
+            })
+            .collect()
+    }
+
+    /// An array in this worker's shared pool (pushing it copies nothing), or in process memory
+    /// when no server is on this host.
+    pub(crate) fn alloc(&self, shape: &[usize], dtype: crate::DType) -> Result<NDArray> {
+        match &self.net.pool {
+            Some(p) => p.alloc_array(shape, dtype),
+            None => Ok(NDArray::zeros_dtype(shape, dtype)),
+        }
     }
 
     /// Waits at the scheduler until every worker has arrived.
@@ -435,6 +711,7 @@ impl DistWorker {
             let mut reqs = Vec::new();
             for ((_, vs), info) in pairs.iter().zip(&infos) {
                 let bytes = vs[0].as_bytes();
+                let at = self.net.pool.as_ref().and_then(|p| p.offset_of(vs[0]));
                 let es = info.dtype.size();
                 for p in &info.parts {
                     reqs.push(Req {
@@ -442,6 +719,8 @@ impl DistWorker {
                         msg: Self::data_msg(Op::Init, info, p),
                         payload: &bytes[p.start as usize * es..(p.start + p.len) as usize * es],
                         dest: None,
+                        payload_at: at.map(|o| o + p.start as usize * es),
+                        dest_at: None,
                     });
                 }
             }
@@ -521,6 +800,16 @@ impl DistWorker {
         let mut out_pairs = outs;
         // Where each key's reply goes: the first output of that key.
         let mut firsts: HashMap<Key, Vec<&mut [u8]>> = HashMap::new();
+        // Where each key's first output lies in the shared pool, if it does.
+        let mut first_at: HashMap<Key, Option<usize>> = HashMap::new();
+        if let Some(o) = out_pairs.as_deref() {
+            for (k, list) in o.iter() {
+                if let Some(first) = list.first() {
+                    let at = self.net.pool.as_ref().and_then(|p| p.offset_of(first));
+                    first_at.entry(k.clone()).or_insert(at);
+                }
+            }
+        }
         if let Some(o) = out_pairs.as_deref_mut() {
             for (k, list) in o.iter_mut() {
                 if let Some(first) = list.first_mut() {
@@ -542,23 +831,28 @@ impl DistWorker {
         }
         for (k, vs) in pairs {
             let info = &self.keys[k];
-            let bytes = if vs.len() > 1 {
-                self.merge[k].as_bytes()
+            let (bytes, at) = if vs.len() > 1 {
+                (self.merge[k].as_bytes(), None)
             } else {
-                vs[0].as_bytes()
+                let at = self.net.pool.as_ref().and_then(|p| p.offset_of(vs[0]));
+                (vs[0].as_bytes(), at)
             };
             let es = info.dtype.size();
+            let out_at = first_at.get(k).copied().flatten();
             let mut chunks = firsts.remove(k).map(|c| c.into_iter());
             for p in &info.parts {
                 let dest = chunks.as_mut().and_then(|c| c.next()).map(|d| {
                     dests.push(d);
                     dests.len() - 1
                 });
+                let off = p.start as usize * es;
                 reqs.push(Req {
                     server: p.server,
                     msg: Self::data_msg(op, info, p),
-                    payload: &bytes[p.start as usize * es..(p.start + p.len) as usize * es],
+                    payload: &bytes[off..(p.start + p.len) as usize * es],
                     dest,
+                    payload_at: at.map(|o| o + off),
+                    dest_at: out_at.filter(|_| dest.is_some()).map(|o| o + off),
                 });
             }
         }
@@ -598,6 +892,7 @@ impl DistWorker {
             let Some(first) = list.first_mut() else {
                 continue;
             };
+            let at = self.net.pool.as_ref().and_then(|p| p.offset_of(first));
             let mut rest: &mut [u8] = first.as_bytes_mut();
             for p in &info.parts {
                 let (a, b) = rest.split_at_mut(p.len as usize * es);
@@ -608,6 +903,8 @@ impl DistWorker {
                     msg: Self::data_msg(Op::Pull, info, p),
                     payload: &[],
                     dest: Some(dests.len() - 1),
+                    payload_at: None,
+                    dest_at: at.map(|o| o + p.start as usize * es),
                 });
             }
         }
@@ -626,6 +923,8 @@ impl DistWorker {
                     msg: Msg::new(op),
                     payload,
                     dest: None,
+                    payload_at: None,
+                    dest_at: None,
                 })
                 .collect();
             result = self.net.exchange(&mut reqs, &mut []);
