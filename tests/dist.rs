@@ -5,14 +5,45 @@ mod util;
 
 use std::time::Duration;
 
-use util::{assert_job_ok, finish, kvrun_check, ManualJob};
+use util::{assert_job_ok, finish, ManualJob};
+
+/// Every job runs over each transport between workers and servers on this host.
+const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
+
+/// `util::kvrun_check` once per transport; returns the runs.
+fn kvrun_check(w: u32, s: u32, scenario: &str, kind: &str, env: &[(&str, &str)]) -> Vec<util::Run> {
+    TRANSPORTS
+        .iter()
+        .map(|t| {
+            let mut e = env.to_vec();
+            e.push(("KVSTORE_TRANSPORT", t));
+            let r = util::kvrun_check(w, s, scenario, kind, &e);
+            let via = format!("via {t}");
+            assert!(
+                r.stdout
+                    .lines()
+                    .filter(|l| l.contains("reaches server"))
+                    .all(|l| l.ends_with(&via)),
+                "{t} was not used\n{}",
+                r.all()
+            );
+            r
+        })
+        .collect()
+}
+
+fn assert_jobs_ok(runs: &[util::Run], w: u32, scenario: &str) {
+    for r in runs {
+        assert_job_ok(r, w, scenario);
+    }
+}
 
 #[test]
 fn tutorial_values_dist_sync_every_shape_of_job() {
     for w in 1..=3 {
         for s in 1..=3 {
             let r = kvrun_check(w, s, "seed", "dist_sync", &[]);
-            assert_job_ok(&r, w, "seed");
+            assert_jobs_ok(&r, w, "seed");
         }
     }
 }
@@ -27,11 +58,11 @@ fn big_tensors_are_sliced_over_servers_and_reassembled() {
             "dist_sync",
             &[("KVSTORE_BIGARRAY_BOUND", "100")],
         );
-        assert_job_ok(&r, w, "big");
+        assert_jobs_ok(&r, w, "big");
     }
     // With MXNet's default bound the same program keeps the tensors whole.
     let r = kvrun_check(2, 2, "big", "dist_sync", &[]);
-    assert_job_ok(&r, 2, "big");
+    assert_jobs_ok(&r, 2, "big");
 }
 
 #[test]
@@ -44,7 +75,7 @@ fn server_optimizers_match_a_local_reference() {
             "dist_sync",
             &[("KVSTORE_BIGARRAY_BOUND", "100")],
         );
-        assert_job_ok(&r, w, "optimizers");
+        assert_jobs_ok(&r, w, "optimizers");
     }
 }
 
@@ -53,7 +84,7 @@ fn registered_updaters_run_on_the_servers_in_both_modes() {
     for kind in ["dist_sync", "dist_async"] {
         for (w, s) in [(1, 1), (3, 2)] {
             let r = kvrun_check(w, s, "custom", kind, &[]);
-            assert_job_ok(&r, w, "custom");
+            assert_jobs_ok(&r, w, "custom");
         }
     }
 }
@@ -68,58 +99,68 @@ fn dist_async_applies_every_push() {
             "dist_async",
             &[("KVSTORE_BIGARRAY_BOUND", "4")],
         );
-        assert_job_ok(&r, w, "async");
+        assert_jobs_ok(&r, w, "async");
     }
 }
 
 #[test]
 fn bad_input_is_refused_and_changes_nothing() {
     for kind in ["dist_sync", "dist_async"] {
-        let r = kvrun_check(2, 2, "errors", kind, &[]);
-        assert_job_ok(&r, 2, "errors");
-        for what in [
-            "wrong shape",
-            "wrong dtype",
-            "unknown key",
-            "double init",
-            "pull wrong shape",
-        ] {
-            assert!(
-                r.stdout.contains(&format!("refused {what}")),
-                "{what}\n{}",
-                r.all()
-            );
+        for r in kvrun_check(2, 2, "errors", kind, &[]) {
+            assert_job_ok(&r, 2, "errors");
+            for what in [
+                "wrong shape",
+                "wrong dtype",
+                "unknown key",
+                "double init",
+                "pull wrong shape",
+            ] {
+                assert!(
+                    r.stdout.contains(&format!("refused {what}")),
+                    "{what}\n{}",
+                    r.all()
+                );
+            }
         }
     }
 }
 
 #[test]
 fn malformed_connections_are_closed_and_the_server_serves_on() {
-    let r = kvrun_check(2, 2, "garbage", "dist_sync", &[]);
-    assert_job_ok(&r, 2, "garbage");
-    assert!(
-        r.stdout.contains("every malformed connection was closed"),
-        "{}",
-        r.all()
-    );
+    for r in kvrun_check(2, 2, "garbage", "dist_sync", &[]) {
+        assert_job_ok(&r, 2, "garbage");
+        assert!(
+            r.stdout.contains("every malformed connection was closed"),
+            "{}",
+            r.all()
+        );
+    }
 }
 
 #[test]
 fn a_killed_worker_stops_the_job_with_a_clear_error() {
-    let r = kvrun_check(3, 2, "die", "dist_sync", &[]);
-    assert_eq!(r.code, Some(1), "{}", r.all());
-    assert!(r.stderr.contains("kvrun: "), "{}", r.all());
-    assert!(
-        r.stderr.contains("worker 1"),
-        "the message names the dead worker\n{}",
-        r.all()
-    );
-    assert!(r.elapsed < Duration::from_secs(30), "took {:?}", r.elapsed);
+    for r in kvrun_check(3, 2, "die", "dist_sync", &[]) {
+        assert_eq!(r.code, Some(1), "{}", r.all());
+        assert!(r.stderr.contains("kvrun: "), "{}", r.all());
+        assert!(
+            r.stderr.contains("worker 1"),
+            "the message names the dead worker\n{}",
+            r.all()
+        );
+        assert!(r.elapsed < Duration::from_secs(30), "took {:?}", r.elapsed);
+    }
 }
 
 #[test]
 fn a_killed_worker_without_kvrun_fails_the_others_and_the_servers() {
-    let mut job = ManualJob::start(2, 2, &["die", "dist_sync"], &[("KVSTORE_TIMEOUT", "30")]);
+    for t in TRANSPORTS {
+        killed_worker(t);
+    }
+}
+
+fn killed_worker(t: &str) {
+    let env = [("KVSTORE_TIMEOUT", "30"), ("KVSTORE_TRANSPORT", t)];
+    let mut job = ManualJob::start(2, 2, &["die", "dist_sync"], &env);
     let workers = std::mem::take(&mut job.workers);
     let mut results = Vec::new();
     for w in workers {
@@ -139,19 +180,26 @@ fn a_killed_worker_without_kvrun_fails_the_others_and_the_servers() {
 
 #[test]
 fn a_killed_server_makes_pending_calls_fail_with_peer_lost() {
-    let mut job = ManualJob::start(
-        2,
-        2,
-        &["until_error", "dist_sync"],
-        &[("KVSTORE_TIMEOUT", "30")],
-    );
+    for t in TRANSPORTS {
+        killed_server(t);
+    }
+}
+
+fn killed_server(t: &str) {
+    let env = [("KVSTORE_TIMEOUT", "30"), ("KVSTORE_TRANSPORT", t)];
+    let mut job = ManualJob::start(2, 2, &["until_error", "dist_sync"], &env);
     let mut w0 = job.workers.remove(0);
     let lines = ManualJob::lines(&mut w0);
     ManualJob::wait_for(&lines, "ready", Duration::from_secs(30));
     job.servers[0].kill().unwrap();
     let _ = job.servers[0].wait();
     let (code, err) = finish(w0, Duration::from_secs(40));
-    let out = format!("{}\n{err}", lines.try_iter().collect::<Vec<_>>().join("\n"));
+    // Every line, up to the end of the stream.
+    let mut got = Vec::new();
+    while let Ok(l) = lines.recv_timeout(Duration::from_secs(10)) {
+        got.push(l);
+    }
+    let out = format!("{}\n{err}", got.join("\n"));
     assert_eq!(code, Some(5), "{out}");
     assert!(
         out.contains("error kind PeerLost") || out.contains("error kind Aborted"),
@@ -163,10 +211,13 @@ fn a_killed_server_makes_pending_calls_fail_with_peer_lost() {
 
 #[test]
 fn every_wait_has_a_timeout() {
-    let r = util::kvrun_check_timeout(2, 1, "stall", "dist_sync", &[], 3);
-    // The stalled round must end in a Timeout error after --timeout 3, not hang.
-    assert_ne!(r.code, Some(0), "{}", r.all());
-    assert!(r.stdout.contains("timed out as configured"), "{}", r.all());
+    for t in TRANSPORTS {
+        let r =
+            util::kvrun_check_timeout(2, 1, "stall", "dist_sync", &[("KVSTORE_TRANSPORT", t)], 3);
+        // The stalled round must end in a Timeout error after --timeout 3, not hang.
+        assert_ne!(r.code, Some(0), "{}", r.all());
+        assert!(r.stdout.contains("timed out as configured"), "{}", r.all());
+    }
 }
 
 #[test]

@@ -37,6 +37,8 @@ pub struct Child {
     /// A remote process watches this pipe: when kvrun closes it (or dies), the process is killed.
     _lifeline: Option<std::process::ChildStdin>,
     status: Option<ExitStatus>,
+    /// The threads copying its output, joined before kvrun exits so no last line is lost.
+    forwarders: Vec<std::thread::JoinHandle<()>>,
 }
 
 /// Quotes a word for a POSIX shell.
@@ -90,7 +92,11 @@ pub fn remote_command(program: &Path, args: &[String], env: &[(String, String)])
     cmd
 }
 
-fn forward(prefix: String, from: impl std::io::Read + Send + 'static, to_stderr: bool) {
+fn forward(
+    prefix: String,
+    from: impl std::io::Read + Send + 'static,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(from);
         let mut line = Vec::new();
@@ -109,7 +115,7 @@ fn forward(prefix: String, from: impl std::io::Read + Send + 'static, to_stderr:
                 }
             }
         }
-    });
+    })
 }
 
 impl Child {
@@ -173,11 +179,12 @@ impl Child {
             None => format!("[{role}] "),
         };
         let lifeline = proc.stdin.take();
+        let mut forwarders = Vec::new();
         if let Some(out) = proc.stdout.take() {
-            forward(prefix.clone(), out, false);
+            forwarders.push(forward(prefix.clone(), out, false));
         }
         if let Some(err) = proc.stderr.take() {
-            forward(prefix, err, true);
+            forwarders.push(forward(prefix, err, true));
         }
         Ok(Child {
             role,
@@ -186,6 +193,7 @@ impl Child {
             proc,
             _lifeline: lifeline,
             status: None,
+            forwarders,
         })
     }
 
@@ -229,6 +237,22 @@ pub fn stop_all(children: &mut [Child]) {
         if c.poll().is_none() {
             c.signal_group(libc::SIGKILL);
             let _ = c.proc.wait();
+        }
+    }
+}
+
+/// Waits (a little) for every process's output to be copied out, so the last lines are not lost
+/// when kvrun exits. A pipe still held open by a stray grandchild is not waited for long.
+pub fn flush_output(children: &mut [Child]) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for c in children.iter_mut() {
+        for h in c.forwarders.drain(..) {
+            while !h.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
         }
     }
 }

@@ -209,6 +209,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
 
     let code = supervise(&mut children, &stop, &sched_rx, opts);
     child::stop_all(&mut children);
+    child::flush_output(&mut children);
     shepherd.done();
     Ok(code)
 }
