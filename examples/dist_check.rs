@@ -353,6 +353,57 @@ fn garbage(kv: &mut KVStore) {
     );
 }
 
+/// Copies made by the shared-memory transport, counted: none to push an array from
+/// `kv.alloc`, one to push another; none here to pull into an array from `kv.alloc` (the server
+/// writes it, once), one to pull into another.
+fn zerocopy(kv: &mut KVStore) {
+    let shm = kv.transports().iter().all(|t| *t == "shm");
+    let w = kv.num_workers() as f64;
+    let n = 1 << 16;
+    ok("init", kv.init(0, &NDArray::zeros(&[n])));
+    let mut a = ok("alloc", kv.alloc(&[n], DType::F32));
+    if shm != a.is_shared_memory() {
+        fail(format!(
+            "alloc in shared memory: {} with transports {:?}",
+            a.is_shared_memory(),
+            kv.transports()
+        ));
+    }
+    a.fill(kv.rank() as f64 + 1.0);
+    let before = kvstore::transport_copies();
+    ok("push alloc", kv.push(0, &a));
+    let after_alloc = kvstore::transport_copies();
+    ok("push heap", kv.push(0, &NDArray::full(&[n], 1.0)));
+    let after_heap = kvstore::transport_copies();
+    let mut out = ok("alloc out", kv.alloc(&[n], DType::F32));
+    ok("pull alloc", kv.pull(0, &mut out));
+    let after_pull_alloc = kvstore::transport_copies();
+    let mut hout = NDArray::zeros(&[n]);
+    ok("pull heap", kv.pull(0, &mut hout));
+    let after_pull_heap = kvstore::transport_copies();
+    expect_vals("pull into alloc", &out, &vec![w; n]);
+    expect_vals("pull into heap", &hout, &vec![w; n]);
+    let d = |x: (u64, u64), y: (u64, u64)| (y.0 - x.0, y.1 - x.1);
+    let counts = [
+        d(before, after_alloc),
+        d(after_alloc, after_heap),
+        d(after_heap, after_pull_alloc),
+        d(after_pull_alloc, after_pull_heap),
+    ];
+    let bytes = (n * 4) as u64;
+    let want = if shm {
+        [(0, 0), (1, bytes), (0, 0), (1, bytes)]
+    } else {
+        [(0, 0); 4]
+    };
+    if counts != want {
+        fail(format!(
+            "copies (count, bytes) per step {counts:?}, want {want:?}"
+        ));
+    }
+    println!("copies per step: push alloc {:?}, push other {:?}, pull into alloc {:?}, pull into other {:?}", counts[0], counts[1], counts[2], counts[3]);
+}
+
 /// Rank 1 dies abruptly after init; the others keep calling until they get an error.
 fn die(kv: &mut KVStore) {
     ok("init", kv.init(3, &NDArray::ones(&SHAPE)));
@@ -443,6 +494,7 @@ fn main() {
         "die" => die(&mut kv),
         "until_error" => until_error(&mut kv),
         "stall" => stall(&mut kv),
+        "zerocopy" => zerocopy(&mut kv),
         other => fail(format!("unknown scenario {other}")),
     }
     println!("{scenario} ok rank {} of {}", kv.rank(), kv.num_workers());

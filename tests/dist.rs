@@ -276,3 +276,34 @@ fn the_main_job_reaches_the_known_answer() {
     }
     assert!(r.stdout.contains("[worker 0] step  40/40"), "{}", r.all());
 }
+
+#[test]
+fn shared_memory_copies_are_counted_and_nothing_is_left_in_dev_shm() {
+    let list = || -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let before = list();
+    for (w, s) in [(1, 1), (2, 1), (3, 2)] {
+        // Over shm: 0 copies to push a kv.alloc array, 1 otherwise; over tcp: none counted.
+        let runs = kvrun_check(w, s, "zerocopy", "dist_sync", &[]);
+        assert_jobs_ok(&runs, w, "zerocopy");
+        assert!(
+            runs[1].stdout.contains("push alloc (0, 0)"),
+            "{}",
+            runs[1].all()
+        );
+    }
+    assert_eq!(
+        list(),
+        before,
+        "segments are anonymous (memfd): nothing may stay under /dev/shm"
+    );
+}

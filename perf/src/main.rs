@@ -134,6 +134,13 @@ struct PushPull {
     /// One JSON object per size instead of a table.
     #[arg(long)]
     json: bool,
+    /// The transport between workers and servers on one host: auto, tcp or shm
+    /// (KVSTORE_TRANSPORT).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
+    transport: String,
+    /// Push and pull arrays from `kv.alloc` (in the shared-memory pool: no copy to push).
+    #[arg(long)]
+    alloc: bool,
     /// Run every process on this host (the default without --hosts or --hostfile).
     #[arg(long, conflicts_with_all = ["hosts", "hostfile"])]
     local: bool,
@@ -167,8 +174,20 @@ fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         let keys: Vec<i64> = (0..p.keys as i64)
             .map(|k| (i * p.keys) as i64 + k)
             .collect();
-        let vals: Vec<NDArray> = (0..p.keys).map(|_| NDArray::ones(&[elems])).collect();
-        let mut outs: Vec<NDArray> = (0..p.keys).map(|_| NDArray::zeros(&[elems])).collect();
+        // --alloc: arrays in the transport's pool (pushing them copies nothing).
+        let make = |fill: f64| -> Result<NDArray, String> {
+            if p.alloc {
+                let mut a = kv
+                    .alloc(&[elems], kvstore::DType::F32)
+                    .map_err(|e| e.to_string())?;
+                a.fill(fill);
+                Ok(a)
+            } else {
+                Ok(NDArray::full(&[elems], fill))
+            }
+        };
+        let vals: Vec<NDArray> = (0..p.keys).map(|_| make(1.0)).collect::<Result<_, _>>()?;
+        let mut outs: Vec<NDArray> = (0..p.keys).map(|_| make(0.0)).collect::<Result<_, _>>()?;
         kv.init(keys.clone(), &vals).map_err(|e| e.to_string())?;
         for _ in 0..p.warmup {
             kv.push(keys.clone(), &vals).map_err(|e| e.to_string())?;
@@ -177,9 +196,14 @@ fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         }
         kv.barrier().map_err(|e| e.to_string())?;
         let iters = iters_for(p, size);
+        // Each push (request and acknowledgement) is timed too.
+        let mut push_lat = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3)
+            .map_err(|e| e.to_string())?;
         let start = Instant::now();
         for _ in 0..iters {
+            let t0 = Instant::now();
             kv.push(keys.clone(), &vals).map_err(|e| e.to_string())?;
+            let _ = push_lat.record((t0.elapsed().as_nanos() as u64).max(1));
             kv.pull(keys.clone(), &mut outs)
                 .map_err(|e| e.to_string())?;
         }
@@ -195,11 +219,14 @@ fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             return Err(format!("wrong values pulled at size {size}"));
         }
         lines.push(format!(
-            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{}}}",
+            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{},\"push_p50_us\":{:.3},\"push_p99_us\":{:.3},\"transport\":\"{}\"}}",
             elems * 4,
             p.keys,
             kv.num_workers(),
-            p.servers
+            p.servers,
+            push_lat.value_at_quantile(0.5) as f64 / 1000.0,
+            push_lat.value_at_quantile(0.99) as f64 / 1000.0,
+            kv.transports().first().copied().unwrap_or("-"),
         ));
     }
     if kv.rank() == 0 {
@@ -240,6 +267,8 @@ fn parent(p: &PushPull) -> Result<(), String> {
         p.servers.to_string(),
         "-x".into(),
         format!("KVPERF_OUT={}", out.display()),
+        "-x".into(),
+        format!("KVSTORE_TRANSPORT={}", p.transport),
     ];
     if let Some(h) = &p.hosts {
         argv.extend(["-H".into(), h.clone()]);
@@ -283,17 +312,29 @@ fn parent(p: &PushPull) -> Result<(), String> {
             }
             _ => {}
         }
+        let transport = text.lines().next().map(|l| {
+            l.split("\"transport\":\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+                .unwrap_or("-")
+                .to_string()
+        });
         let _ = writeln!(
             stdout,
-            "W={} S={} keys/call={}\n{:>8} {:>7} {:>11} {:>10} {:>10} {:>9} {:>9} {:>12}",
+            "W={} S={} keys/call={} transport={} arrays={}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11}",
             p.workers,
             p.servers,
             p.keys,
+            transport.unwrap_or_else(|| "-".into()),
+            if p.alloc { "kv.alloc" } else { "heap" },
             "size",
             "iters",
             "us/iter",
             "GB/s/wkr",
             "GB/s all",
+            "push p50",
+            "push p99",
+            "x memcpy",
             "x iperf3",
             "x stream",
             "key-ops/s"
@@ -307,16 +348,25 @@ fn parent(p: &PushPull) -> Result<(), String> {
             field(line, "secs"),
             field(line, "workers"),
         );
+        let (p50, p99) = (field(line, "push_p50_us"), field(line, "push_p99_us"));
         let per_iter = secs / iters;
         // push + pull: each worker moves 2 x size x keys bytes per iteration.
         let per_worker = 2.0 * size * keys / per_iter;
         let all = per_worker * w;
         let ops = keys * w / per_iter;
         let ratio = |r: Option<f64>| r.map_or(f64::NAN, |r| all / r);
+        // One worker's push+pull bandwidth against one core's memcpy of the same size.
+        let memcpy = p.reference.then(|| {
+            kvstore_perf::raw::memcpy_bandwidth(
+                size as usize * keys as usize,
+                Duration::from_millis(300),
+            )
+        });
+        let x_memcpy = memcpy.map_or(f64::NAN, |m| per_worker / m);
         if p.json {
             let _ = writeln!(
                 stdout,
-                "{{\"size\":{size},\"keys\":{keys},\"iters\":{iters},\"us_per_iter\":{:.3},\"gbps_per_worker\":{:.4},\"gbps_all\":{:.4},\"ratio_iperf3\":{:.4},\"ratio_stream\":{:.4},\"key_ops_per_s\":{:.1}}}",
+                "{{\"size\":{size},\"keys\":{keys},\"iters\":{iters},\"us_per_iter\":{:.3},\"gbps_per_worker\":{:.4},\"gbps_all\":{:.4},\"push_p50_us\":{p50:.3},\"push_p99_us\":{p99:.3},\"ratio_memcpy\":{x_memcpy:.4},\"ratio_iperf3\":{:.4},\"ratio_stream\":{:.4},\"key_ops_per_s\":{:.1}}}",
                 per_iter * 1e6,
                 gbs(per_worker),
                 gbs(all),
@@ -327,17 +377,23 @@ fn parent(p: &PushPull) -> Result<(), String> {
         } else {
             let _ = writeln!(
                 stdout,
-                "{:>8} {:>7} {:>11.1} {:>10.3} {:>10.3} {:>9.2} {:>9.2} {:>12.0}",
+                "{:>8} {:>7} {:>10.1} {:>9.3} {:>9.3} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>8.2} {:>11.0}",
                 format_size(size as usize),
                 iters,
                 per_iter * 1e6,
                 gbs(per_worker),
                 gbs(all),
+                p50,
+                p99,
+                x_memcpy,
                 ratio(iperf_ref),
                 ratio(stream_ref),
                 ops
             );
         }
+    }
+    if !p.json && p.reference {
+        let _ = writeln!(stdout, "push p50/p99: one push (request and acknowledgement), us; x memcpy: GB/s/wkr over single-threaded memcpy of the size");
     }
     Ok(())
 }
@@ -606,6 +662,11 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
 }
 
 fn main() {
+    // `kvperf pushpull` runs kvrun's launcher in-process, which starts this executable as its
+    // shepherd.
+    if std::env::args().nth(1).as_deref() == Some(kvstore_launcher::shepherd::ARG) {
+        std::process::exit(kvstore_launcher::shepherd::run());
+    }
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Lat(a) => run_raw("lat", &a),

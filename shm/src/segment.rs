@@ -116,6 +116,9 @@ impl Segment {
     /// The caller must have exclusive use of the range for the slice's lifetime: no other slice
     /// of it in this process, and no other process writing or reading it (a region this process
     /// allocated and has not handed out).
+    // A mutable slice from `&self` is the point: the mapping is shared memory whose ownership
+    // the protocol assigns, not Rust's borrows; the caller's promise above stands in for them.
+    #[allow(clippy::mut_from_ref)]
     pub unsafe fn bytes_mut(&self, off: usize, len: usize) -> Result<&mut [u8], ShmError> {
         self.check(off, len, 1)?;
         // SAFETY: in bounds (checked); exclusivity is the caller's promise.
