@@ -124,6 +124,19 @@ impl Hosts {
         left
     }
 
+    /// Waits up to 10 s for every job process to be gone from the hosts.
+    fn assert_clean(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.leftovers().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(
+            self.leftovers().is_empty(),
+            "left behind: {:?}",
+            self.leftovers()
+        );
+    }
+
     fn kvrun(
         &self,
         hostfile_or_hosts: &[&str],
@@ -245,15 +258,7 @@ fn a_job_runs_across_hosts_over_ssh_and_failures_stop_it_everywhere() {
         "{}",
         r.all()
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !hosts.leftovers().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(
-        hosts.leftovers().is_empty(),
-        "left behind: {:?}",
-        hosts.leftovers()
-    );
+    hosts.assert_clean();
 
     // A program missing on the hosts.
     let r = hosts.kvrun(
@@ -283,13 +288,5 @@ fn a_job_runs_across_hosts_over_ssh_and_failures_stop_it_everywhere() {
         "{}",
         r.all()
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !hosts.leftovers().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(
-        hosts.leftovers().is_empty(),
-        "left behind: {:?}",
-        hosts.leftovers()
-    );
+    hosts.assert_clean();
 }

@@ -90,16 +90,18 @@ fn registered_updaters_run_on_the_servers_in_both_modes() {
 }
 
 #[test]
-fn dist_async_applies_every_push() {
-    for (w, s) in [(1, 1), (2, 2), (3, 1), (2, 3)] {
-        let r = kvrun_check(
-            w,
-            s,
-            "async",
-            "dist_async",
-            &[("KVSTORE_BIGARRAY_BOUND", "4")],
-        );
-        assert_jobs_ok(&r, w, "async");
+fn dist_async_applies_every_push_every_shape_of_job() {
+    for w in 1..=3 {
+        for s in 1..=3 {
+            let r = kvrun_check(
+                w,
+                s,
+                "async",
+                "dist_async",
+                &[("KVSTORE_BIGARRAY_BOUND", "4")],
+            );
+            assert_jobs_ok(&r, w, "async");
+        }
     }
 }
 

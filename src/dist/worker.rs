@@ -87,6 +87,20 @@ struct ReplySink<'r, 'd> {
     text: &'r mut Vec<u8>,
 }
 
+/// The error a server's answer with a non-zero status stands for.
+fn remote_error(status: u16, key: u64, server: usize, text: String) -> KvError {
+    let key = Key::Int(key as i64);
+    match status {
+        status::UNKNOWN_KEY => KvError::UnknownKey(key),
+        status::DOUBLE_INIT => KvError::DoubleInit(key),
+        status::PEER_LOST => KvError::PeerLost(format!("server {server}: {text}")),
+        _ => KvError::Remote {
+            server,
+            message: text,
+        },
+    }
+}
+
 fn refuse(why: String) -> TransportError {
     TransportError::Refused(why)
 }
@@ -156,16 +170,12 @@ impl FrameSink for ReplySink<'_, '_> {
         *self.remaining -= 1;
         if m.status != status::OK && self.first_err.is_none() {
             let text = String::from_utf8_lossy(self.text).into_owned();
-            let key = Key::Int(self.reqs[idx].msg.key as i64);
-            *self.first_err = Some(match m.status {
-                status::UNKNOWN_KEY => KvError::UnknownKey(key),
-                status::DOUBLE_INIT => KvError::DoubleInit(key),
-                status::PEER_LOST => KvError::PeerLost(format!("server {}: {text}", self.server)),
-                _ => KvError::Remote {
-                    server: self.server,
-                    message: text,
-                },
-            });
+            *self.first_err = Some(remote_error(
+                m.status,
+                self.reqs[idx].msg.key,
+                self.server,
+                text,
+            ));
         }
         Ok(())
     }
@@ -313,10 +323,9 @@ impl Net {
                             secs: self.timeout.as_secs_f64(),
                         });
                     }
-                    let shm_pending = remaining > 0 && !tcp_pending(&done)
-                        || reqs.iter().enumerate().any(|(i, r)| {
-                            !done[i] && self.links.get(r.server).is_some_and(Option::is_some)
-                        });
+                    let shm_pending = reqs.iter().enumerate().any(|(i, r)| {
+                        !done[i] && self.links.get(r.server).is_some_and(Option::is_some)
+                    });
                     let mut timeout = left;
                     let mut armed = Vec::new();
                     if shm_pending {
@@ -442,18 +451,7 @@ impl Net {
                 *remaining -= 1;
                 if m.status != status::OK {
                     if first_err.is_none() {
-                        let key = Key::Int(reqs[idx].msg.key as i64);
-                        *first_err = Some(match m.status {
-                            status::UNKNOWN_KEY => KvError::UnknownKey(key),
-                            status::DOUBLE_INIT => KvError::DoubleInit(key),
-                            status::PEER_LOST => {
-                                KvError::PeerLost(format!("server {s}: {}", d.text))
-                            }
-                            _ => KvError::Remote {
-                                server: s,
-                                message: d.text,
-                            },
-                        });
+                        *first_err = Some(remote_error(m.status, reqs[idx].msg.key, s, d.text));
                     }
                     continue;
                 }
