@@ -252,6 +252,44 @@ mod tests {
         assert_eq!(d.data_bytes(), Some(1980));
     }
 
+    /// xorshift: a small deterministic source of test cases.
+    fn rng(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    #[test]
+    fn property_random_valid_messages_round_trip_and_random_bytes_never_panic() {
+        let mut st = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..20_000 {
+            let mut m = Msg::new(Op::from_u16((rng(&mut st) % 16 + 1) as u16).unwrap());
+            m.status = (rng(&mut st) % 6) as u16;
+            m.dtype = DType::ALL[(rng(&mut st) % 7) as usize];
+            m.ndim = (rng(&mut st) % 8) as u8;
+            m.sender = rng(&mut st) as u32;
+            m.req_id = rng(&mut st);
+            m.key = rng(&mut st);
+            m.total = rng(&mut st) >> 1;
+            m.start = rng(&mut st) % (m.total + 1);
+            m.len = rng(&mut st) % (m.total - m.start + 1);
+            for d in m.shape.iter_mut().take(m.ndim as usize) {
+                *d = rng(&mut st) % 1000;
+            }
+            assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
+            // Any bytes at all: an answer, never a panic.
+            let mut junk = [0u8; META_LEN];
+            for b in junk.iter_mut() {
+                *b = rng(&mut st) as u8;
+            }
+            if let Ok(d) = Msg::decode(&junk) {
+                assert!(d.start + d.len <= d.total);
+                assert!(d.ndim as usize <= MAX_NDIM);
+            }
+        }
+    }
+
     #[test]
     fn garbage_is_refused() {
         let m = Msg::new(Op::Push);
