@@ -218,6 +218,11 @@ impl Channel {
         Ok(false)
     }
 
+    /// Whether a descriptor is waiting.
+    pub fn rx_pending(&self) -> bool {
+        !self.rx.is_empty()
+    }
+
     /// Takes the next descriptor if there is one.
     pub fn try_recv(&self, slot: &mut [u8; SLOT]) -> Result<bool, ShmError> {
         self.rx.try_pop(slot)

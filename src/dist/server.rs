@@ -345,10 +345,33 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                 }
             }
         }
-        if let Err(e) = poll.poll(&mut events, Some(timeout)) {
+        let mut ring_ready = false;
+        if timeout.is_zero() && armed.is_empty() && links.iter().any(Option::is_some) {
+            // Spinning: watch the rings without a system call for a little while, so a
+            // descriptor is taken the moment it lands (sockets are checked in between).
+            let until = Instant::now() + Duration::from_micros(20);
+            loop {
+                ring_ready = links.iter().flatten().any(|l| l.chan.rx_pending());
+                if ring_ready || Instant::now() >= until {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+        }
+        if ring_ready {
+            events.clear();
+        } else if let Err(e) = poll.poll(&mut events, Some(timeout)) {
             if e.kind() != io::ErrorKind::Interrupted {
                 return Err(e.into());
             }
+        }
+        if timeout.is_zero()
+            && !ring_ready
+            && events.is_empty()
+            && links.iter().flatten().count() + 1 > super::worker::cores()
+        {
+            // Spinning with more processes here than cores: let a worker run meanwhile.
+            std::thread::yield_now();
         }
         for k in armed {
             if let Some(Some(l)) = links.get(k) {

@@ -73,6 +73,9 @@ struct Net {
     links: Vec<Option<WorkerLink>>,
     /// This worker's pool, when it has a shared-memory link.
     pool: Option<WorkerPool>,
+    /// More of the job's processes on this host (this one and its local servers) than cores:
+    /// spinning yields the core.
+    crowded: bool,
 }
 
 struct ReplySink<'r, 'd> {
@@ -222,6 +225,8 @@ impl Net {
         }
         let reqs: &[Req<'_>] = reqs;
         let result = (|| -> Result<()> {
+            // Answers taken while posting (a full ring).
+            let mut shm_early = 0usize;
             for (i, r) in reqs.iter().enumerate() {
                 if self.links.get(r.server).is_some_and(Option::is_some) {
                     let pool = self
@@ -266,7 +271,7 @@ impl Net {
                             break;
                         }
                         // The ring is full: take answers meanwhile, so neither side waits on the other.
-                        self.drain_shm(
+                        shm_early += self.drain_shm(
                             reqs,
                             dests,
                             base,
@@ -291,15 +296,16 @@ impl Net {
             let tcp_servers: Vec<usize> = (0..self.servers.len())
                 .filter(|&s| self.links.get(s).is_none_or(Option::is_none) && !queues[s].is_empty())
                 .collect();
-            let tcp_pending = |done: &[bool]| {
-                reqs.iter()
-                    .enumerate()
-                    .any(|(i, r)| !done[i] && self.links.get(r.server).is_none_or(Option::is_none))
-            };
+            // Answers still due over shared memory; the rest of `remaining` come over TCP.
+            let mut shm_left = reqs
+                .iter()
+                .filter(|r| self.links.get(r.server).is_some_and(Option::is_some))
+                .count()
+                - shm_early;
             let mut first_pass = true;
             let mut last_progress = Instant::now();
             while remaining > 0 {
-                if self.drain_shm(
+                let n = self.drain_shm(
                     reqs,
                     dests,
                     base,
@@ -307,7 +313,9 @@ impl Net {
                     &mut remaining,
                     &mut first_err,
                     &recv_staging,
-                )? {
+                )?;
+                if n > 0 {
+                    shm_left -= n;
                     last_progress = Instant::now();
                     continue;
                 }
@@ -323,9 +331,7 @@ impl Net {
                             secs: self.timeout.as_secs_f64(),
                         });
                     }
-                    let shm_pending = reqs.iter().enumerate().any(|(i, r)| {
-                        !done[i] && self.links.get(r.server).is_some_and(Option::is_some)
-                    });
+                    let shm_pending = shm_left > 0;
                     let mut timeout = left;
                     let mut armed = Vec::new();
                     if shm_pending {
@@ -344,7 +350,11 @@ impl Net {
                         }
                     }
                     // Pure spinning on the rings needs no system call.
-                    if !timeout.is_zero() || tcp_pending(&done) {
+                    if timeout.is_zero() && remaining == shm_left && self.crowded {
+                        // Spinning with more processes here than cores: let the server run.
+                        std::thread::yield_now();
+                    }
+                    if !timeout.is_zero() || remaining > shm_left {
                         if let Err(e) = self.poll.poll(&mut self.events, Some(timeout)) {
                             if e.kind() != io::ErrorKind::Interrupted {
                                 return Err(e.into());
@@ -417,7 +427,7 @@ impl Net {
         }
     }
 
-    /// Takes every answer waiting on the shared-memory rings; returns whether there were any.
+    /// Takes every answer waiting on the shared-memory rings; returns how many there were.
     #[allow(clippy::too_many_arguments)]
     fn drain_shm(
         &self,
@@ -428,13 +438,13 @@ impl Net {
         remaining: &mut usize,
         first_err: &mut Option<KvError>,
         recv_staging: &HashMap<usize, Region>,
-    ) -> Result<bool> {
-        let mut any = false;
+    ) -> Result<usize> {
+        let mut any = 0;
         let mut slot = [0u8; kvstore_shm::SLOT];
         for (s, l) in self.links.iter().enumerate() {
             let Some(l) = l else { continue };
             while l.chan.try_recv(&mut slot).map_err(shm::shm)? {
-                any = true;
+                any += 1;
                 let d = shm::decode(&slot)?;
                 let m = d.msg;
                 let idx = m.req_id.wrapping_sub(base) as usize;
@@ -578,6 +588,7 @@ impl DistWorker {
                 rank: roster.rank as u32,
                 timeout: cfg.timeout,
                 broken: None,
+                crowded: links.iter().flatten().count() + 1 > cores(),
                 links,
                 pool,
             },
@@ -946,6 +957,12 @@ impl DistWorker {
         crate::registry::lookup(name)?;
         self.broadcast(Op::SetUpdater, name.as_bytes())
     }
+}
+
+/// The cores this process may run on (read once: the query reads cgroup files).
+pub(crate) fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// After a key's first output was filled, copies it into the key's other outputs.
