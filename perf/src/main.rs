@@ -138,6 +138,10 @@ struct PushPull {
     /// (KVSTORE_TRANSPORT).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
     transport: String,
+    /// What each iteration does: push then pull (two calls), push, pull, or pushpull (one
+    /// call). The latency columns time the first call of the iteration.
+    #[arg(long, default_value = "push+pull", value_parser = ["push+pull", "push", "pull", "pushpull"])]
+    op: String,
     /// Push and pull arrays from `kv.alloc` (in the shared-memory pool: no copy to push).
     #[arg(long)]
     alloc: bool,
@@ -189,7 +193,8 @@ fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         let vals: Vec<NDArray> = (0..p.keys).map(|_| make(1.0)).collect::<Result<_, _>>()?;
         let mut outs: Vec<NDArray> = (0..p.keys).map(|_| make(0.0)).collect::<Result<_, _>>()?;
         kv.init(keys.clone(), &vals).map_err(|e| e.to_string())?;
-        for _ in 0..p.warmup {
+        // At least one full round first, so every op pulls the round's value.
+        for _ in 0..p.warmup.max(1) {
             kv.push(keys.clone(), &vals).map_err(|e| e.to_string())?;
             kv.pull(keys.clone(), &mut outs)
                 .map_err(|e| e.to_string())?;
@@ -202,12 +207,23 @@ fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         let start = Instant::now();
         for _ in 0..iters {
             let t0 = Instant::now();
-            kv.push(keys.clone(), &vals).map_err(|e| e.to_string())?;
+            match p.op.as_str() {
+                "pull" => kv.pull(keys.clone(), &mut outs),
+                "pushpull" => kv.pushpull(keys.clone(), &vals, &mut outs),
+                _ => kv.push(keys.clone(), &vals),
+            }
+            .map_err(|e| e.to_string())?;
             let _ = push_lat.record((t0.elapsed().as_nanos() as u64).max(1));
+            if p.op == "push+pull" {
+                kv.pull(keys.clone(), &mut outs)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        if p.op == "push" {
             kv.pull(keys.clone(), &mut outs)
                 .map_err(|e| e.to_string())?;
         }
-        let secs = start.elapsed().as_secs_f64();
         kv.barrier().map_err(|e| e.to_string())?;
         // Every worker pushes ones: the pulled value is the number of workers (ASSIGN).
         let w = kv.num_workers() as f32;
@@ -219,7 +235,7 @@ fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             return Err(format!("wrong values pulled at size {size}"));
         }
         lines.push(format!(
-            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{},\"push_p50_us\":{:.3},\"push_p99_us\":{:.3},\"transport\":\"{}\"}}",
+            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{},\"push_p50_us\":{:.3},\"push_p99_us\":{:.3},\"transport\":\"{}\",\"op\":\"{}\"}}",
             elems * 4,
             p.keys,
             kv.num_workers(),
@@ -227,6 +243,7 @@ fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             push_lat.value_at_quantile(0.5) as f64 / 1000.0,
             push_lat.value_at_quantile(0.99) as f64 / 1000.0,
             kv.transports().first().copied().unwrap_or("-"),
+            p.op,
         ));
     }
     if kv.rank() == 0 {
@@ -321,19 +338,20 @@ fn parent(p: &PushPull) -> Result<(), String> {
         });
         let _ = writeln!(
             stdout,
-            "W={} S={} keys/call={} transport={} arrays={}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11}",
+            "W={} S={} keys/call={} transport={} arrays={} op={}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11}",
             p.workers,
             p.servers,
             p.keys,
             transport.unwrap_or_else(|| "-".into()),
             if p.alloc { "kv.alloc" } else { "heap" },
+            p.op,
             "size",
             "iters",
             "us/iter",
             "GB/s/wkr",
             "GB/s all",
-            "push p50",
-            "push p99",
+            "call p50",
+            "call p99",
             "x memcpy",
             "x iperf3",
             "x stream",
@@ -350,8 +368,14 @@ fn parent(p: &PushPull) -> Result<(), String> {
         );
         let (p50, p99) = (field(line, "push_p50_us"), field(line, "push_p99_us"));
         let per_iter = secs / iters;
-        // push + pull: each worker moves 2 x size x keys bytes per iteration.
-        let per_worker = 2.0 * size * keys / per_iter;
+        // push + pull (or pushpull): each worker moves 2 x size x keys bytes per iteration;
+        // push or pull alone, half that.
+        let ways = if matches!(p.op.as_str(), "push" | "pull") {
+            1.0
+        } else {
+            2.0
+        };
+        let per_worker = ways * size * keys / per_iter;
         let all = per_worker * w;
         let ops = keys * w / per_iter;
         let ratio = |r: Option<f64>| r.map_or(f64::NAN, |r| all / r);
@@ -366,10 +390,11 @@ fn parent(p: &PushPull) -> Result<(), String> {
         if p.json {
             let _ = writeln!(
                 stdout,
-                "{{\"size\":{size},\"keys\":{keys},\"iters\":{iters},\"us_per_iter\":{:.3},\"gbps_per_worker\":{:.4},\"gbps_all\":{:.4},\"push_p50_us\":{p50:.3},\"push_p99_us\":{p99:.3},\"ratio_memcpy\":{x_memcpy:.4},\"ratio_iperf3\":{:.4},\"ratio_stream\":{:.4},\"key_ops_per_s\":{:.1}}}",
+                "{{\"size\":{size},\"keys\":{keys},\"iters\":{iters},\"us_per_iter\":{:.3},\"gbps_per_worker\":{:.4},\"gbps_all\":{:.4},\"op\":\"{}\",\"call_p50_us\":{p50:.3},\"call_p99_us\":{p99:.3},\"ratio_memcpy\":{x_memcpy:.4},\"ratio_iperf3\":{:.4},\"ratio_stream\":{:.4},\"key_ops_per_s\":{:.1}}}",
                 per_iter * 1e6,
                 gbs(per_worker),
                 gbs(all),
+                p.op,
                 ratio(iperf_ref),
                 ratio(stream_ref),
                 ops
@@ -393,7 +418,7 @@ fn parent(p: &PushPull) -> Result<(), String> {
         }
     }
     if !p.json && p.reference {
-        let _ = writeln!(stdout, "push p50/p99: one push (request and acknowledgement), us; x memcpy: GB/s/wkr over single-threaded memcpy of the size");
+        let _ = writeln!(stdout, "call p50/p99: one call of the op (request and answer), us; x memcpy: GB/s/wkr over single-threaded memcpy of the size");
     }
     Ok(())
 }

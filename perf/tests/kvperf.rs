@@ -134,6 +134,18 @@ fn pushpull_through_a_real_job() {
             "{r}"
         );
     }
+    for op in ["push", "pull", "pushpull"] {
+        let (code, out, err) = kvperf(&[
+            "pushpull", "--op", op, "--size", "64K", "--iters", "5", "--json",
+        ]);
+        assert_eq!(code, Some(0), "{op}: {err}");
+        let rows = json_lines(&out);
+        assert_eq!(rows.len(), 1, "{out}");
+        assert!(
+            field(rows[0], "gbps_per_worker") > 0.0 && field(rows[0], "call_p50_us") > 0.0,
+            "{out}"
+        );
+    }
     let (code, out, err) = kvperf(&["pushpull", "--size", "1K", "--keys", "100", "--iters", "3"]);
     assert_eq!(code, Some(0), "{err}");
     assert!(
