@@ -97,6 +97,16 @@ impl KVStore {
         }
     }
 
+    /// Whether the servers on this host write pull answers straight into this process's memory
+    /// (`process_vm_writev`, where the host allows it): then a pull into any output is one
+    /// copy. False for local stores and over TCP.
+    pub fn cross_memory(&self) -> bool {
+        match &self.inner {
+            Inner::Local(_) => false,
+            Inner::Dist(d) => d.cross_memory(),
+        }
+    }
+
     /// Where the servers of a distributed store listen, by rank (empty for local stores).
     /// For diagnostics and tools.
     pub fn server_addrs(&self) -> Vec<std::net::SocketAddr> {

@@ -212,12 +212,18 @@ fn handle_desc(
         }
     };
     if matches!(m.op, Op::Pull | Op::PushPull) {
-        let ok = d
+        let in_pool = d
             .dst
-            .filter(|r| Some(r.len as u64) == m.data_bytes() && l.pool.check(*r).is_ok());
-        match ok {
-            Some(r) => {
-                l.pulls.insert(m.req_id, r);
+            .filter(|r| Some(r.len as u64) == m.data_bytes() && l.pool.check(*r).is_ok())
+            .map(shm::Dest::Pool);
+        // Or straight into the worker's memory, where the host allows it (checked at attach).
+        let in_worker = d
+            .dst_addr
+            .filter(|&(_, len)| l.cma && Some(len as u64) == m.data_bytes())
+            .map(|(a, len)| shm::Dest::Addr(a, len));
+        match in_pool.or(in_worker) {
+            Some(to) => {
+                l.pulls.insert(m.req_id, to);
             }
             None => {
                 refuse(
@@ -640,9 +646,13 @@ mod tests {
         };
         let (a, b) = (bell(0), bell(1));
         let npages = pool.pool.capacity() / pool.pool.page_size();
+        // A canary in this process: the server side checks cross-memory writes on it.
+        let canary: &'static mut [u8; 8] = Box::leak(Box::new([0u8; 8]));
         let hello = format!(
-            "kvstore-shm-store-1\nsecret\n0\n{npages}\n{}",
-            pool.pool.page_size()
+            "kvstore-shm-store-2\nsecret\n0\n{npages}\n{}\n{}\n{}",
+            pool.pool.page_size(),
+            std::process::id(),
+            canary.as_ptr() as usize
         );
         send_fds(
             &w,

@@ -247,11 +247,18 @@ impl Net {
                         shm::count_copy(r.payload.len());
                         Some(reg)
                     };
+                    let cma = self.links[r.server].as_ref().is_some_and(|l| l.cma);
+                    let mut dst_addr = None;
                     let dst = match (r.dest, r.dest_at) {
                         (Some(d), Some(off)) => Some(Region {
                             offset: off,
                             len: dests[d].len(),
                         }),
+                        // The server writes the answer straight into the output (one copy).
+                        (Some(d), None) if cma && !dests[d].is_empty() => {
+                            dst_addr = Some((dests[d].as_mut_ptr() as u64, dests[d].len()));
+                            None
+                        }
                         (Some(d), None) => {
                             let reg = pool.pool.alloc(dests[d].len().max(1)).map_err(shm::shm)?;
                             recv_staging.insert(i, reg);
@@ -262,7 +269,7 @@ impl Net {
                         }
                         _ => None,
                     };
-                    let desc = shm::encode(&r.msg, r.payload.len(), src, dst, &[]);
+                    let desc = shm::encode_to(&r.msg, r.payload.len(), src, dst, dst_addr, &[]);
                     loop {
                         let link = self.links[r.server]
                             .as_ref()
@@ -619,6 +626,13 @@ impl DistWorker {
                 _ => "tcp",
             })
             .collect()
+    }
+
+    /// Whether every shared-memory server writes pull answers straight into this process's
+    /// memory (cross-memory attach), so a pull into any output is one copy.
+    pub(crate) fn cross_memory(&self) -> bool {
+        let links: Vec<&WorkerLink> = self.net.links.iter().flatten().collect();
+        !links.is_empty() && links.iter().all(|l| l.cma)
     }
 
     /// An array in this worker's shared pool (pushing it copies nothing), or in process memory
