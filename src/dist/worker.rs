@@ -78,14 +78,53 @@ struct Net {
     crowded: bool,
 }
 
+/// Which answers of an exchange have come, from either transport.
+struct Tally {
+    base: u64,
+    done: Vec<bool>,
+    remaining: usize,
+    first_err: Option<KvError>,
+}
+
+impl Tally {
+    fn new(base: u64, n: usize) -> Tally {
+        Tally {
+            base,
+            done: vec![false; n],
+            remaining: n,
+            first_err: None,
+        }
+    }
+
+    /// The request an answer with `req_id` from `server` is for, if it is one still due.
+    fn due(&self, reqs: &[Req<'_>], req_id: u64, server: usize) -> Option<usize> {
+        let idx = req_id.wrapping_sub(self.base) as usize;
+        (idx < reqs.len() && !self.done[idx] && reqs[idx].server == server).then_some(idx)
+    }
+
+    /// Records the answer to request `idx`; a refusal becomes the call's error if it is the
+    /// first.
+    fn answer(
+        &mut self,
+        reqs: &[Req<'_>],
+        idx: usize,
+        status: u16,
+        server: usize,
+        text: impl FnOnce() -> String,
+    ) {
+        self.done[idx] = true;
+        self.remaining -= 1;
+        if status != status::OK && self.first_err.is_none() {
+            self.first_err = Some(remote_error(status, reqs[idx].msg.key, server, text()));
+        }
+    }
+}
+
 struct ReplySink<'r, 'd> {
     server: usize,
-    base: u64,
     reqs: &'r [Req<'r>],
     dests: &'r mut [&'d mut [u8]],
-    done: &'r mut [bool],
-    remaining: &'r mut usize,
-    first_err: &'r mut Option<KvError>,
+    tally: &'r mut Tally,
     cur: &'r mut Option<(usize, Msg)>,
     text: &'r mut Vec<u8>,
 }
@@ -116,17 +155,13 @@ impl FrameSink for ReplySink<'_, '_> {
             *self.cur = Some((usize::MAX, m));
             return Ok(());
         }
-        let idx = m.req_id.wrapping_sub(self.base) as usize;
-        if m.op != Op::Reply
-            || idx >= self.reqs.len()
-            || self.done[idx]
-            || self.reqs[idx].server != self.server
-        {
+        let due = self.tally.due(self.reqs, m.req_id, self.server);
+        let Some(idx) = due.filter(|_| m.op == Op::Reply) else {
             return Err(refuse(format!(
                 "unexpected {:?} for request {}",
                 m.op, m.req_id
             )));
-        }
+        };
         if m.status != status::OK {
             if h.payload_len > 1 << 16 {
                 return Err(refuse("oversized error text".into()));
@@ -169,17 +204,11 @@ impl FrameSink for ReplySink<'_, '_> {
                 String::from_utf8_lossy(self.text)
             )));
         }
-        self.done[idx] = true;
-        *self.remaining -= 1;
-        if m.status != status::OK && self.first_err.is_none() {
-            let text = String::from_utf8_lossy(self.text).into_owned();
-            *self.first_err = Some(remote_error(
-                m.status,
-                self.reqs[idx].msg.key,
-                self.server,
-                text,
-            ));
-        }
+        let text = &*self.text;
+        self.tally
+            .answer(self.reqs, idx, m.status, self.server, || {
+                String::from_utf8_lossy(text).into_owned()
+            });
         Ok(())
     }
 }
@@ -216,9 +245,7 @@ impl Net {
         // Staging regions: freed when the exchange ends (pushes: once read; pulls: copied out).
         let mut staging: Vec<Region> = Vec::new();
         let mut recv_staging: HashMap<usize, Region> = HashMap::new();
-        let mut done = vec![false; reqs.len()];
-        let mut remaining = reqs.len();
-        let mut first_err = None;
+        let mut tally = Tally::new(base, reqs.len());
         for (i, r) in reqs.iter_mut().enumerate() {
             r.msg.req_id = base + i as u64;
             r.msg.sender = self.rank;
@@ -278,15 +305,7 @@ impl Net {
                             break;
                         }
                         // The ring is full: take answers meanwhile, so neither side waits on the other.
-                        shm_early += self.drain_shm(
-                            reqs,
-                            dests,
-                            base,
-                            &mut done,
-                            &mut remaining,
-                            &mut first_err,
-                            &recv_staging,
-                        )?;
+                        shm_early += self.drain_shm(reqs, dests, &mut tally, &recv_staging)?;
                         if Instant::now() >= deadline {
                             return Err(KvError::Timeout {
                                 what: "room in a shared-memory ring".into(),
@@ -311,16 +330,8 @@ impl Net {
                 - shm_early;
             let mut first_pass = true;
             let mut last_progress = Instant::now();
-            while remaining > 0 {
-                let n = self.drain_shm(
-                    reqs,
-                    dests,
-                    base,
-                    &mut done,
-                    &mut remaining,
-                    &mut first_err,
-                    &recv_staging,
-                )?;
+            while tally.remaining > 0 {
+                let n = self.drain_shm(reqs, dests, &mut tally, &recv_staging)?;
                 if n > 0 {
                     shm_left -= n;
                     last_progress = Instant::now();
@@ -334,7 +345,7 @@ impl Net {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         return Err(KvError::Timeout {
-                            what: format!("{remaining} replies from the servers"),
+                            what: format!("{} replies from the servers", tally.remaining),
                             secs: self.timeout.as_secs_f64(),
                         });
                     }
@@ -357,11 +368,11 @@ impl Net {
                         }
                     }
                     // Pure spinning on the rings needs no system call.
-                    if timeout.is_zero() && remaining == shm_left && self.crowded {
+                    if timeout.is_zero() && tally.remaining == shm_left && self.crowded {
                         // Spinning with more processes here than cores: let the server run.
                         std::thread::yield_now();
                     }
-                    if !timeout.is_zero() || remaining > shm_left {
+                    if !timeout.is_zero() || tally.remaining > shm_left {
                         if let Err(e) = self.poll.poll(&mut self.events, Some(timeout)) {
                             if e.kind() != io::ErrorKind::Interrupted {
                                 return Err(e.into());
@@ -396,12 +407,9 @@ impl Net {
                     }
                     let mut sink = ReplySink {
                         server: s,
-                        base,
                         reqs,
                         dests,
-                        done: &mut done,
-                        remaining: &mut remaining,
-                        first_err: &mut first_err,
+                        tally: &mut tally,
                         cur: &mut c.cur,
                         text: &mut c.text,
                     };
@@ -427,7 +435,7 @@ impl Net {
         }
         match result {
             Err(e) => Err(self.fail(e)),
-            Ok(()) => match first_err {
+            Ok(()) => match tally.first_err {
                 Some(e) => Err(e),
                 None => Ok(()),
             },
@@ -435,15 +443,11 @@ impl Net {
     }
 
     /// Takes every answer waiting on the shared-memory rings; returns how many there were.
-    #[allow(clippy::too_many_arguments)]
     fn drain_shm(
         &self,
         reqs: &[Req<'_>],
         dests: &mut [&mut [u8]],
-        base: u64,
-        done: &mut [bool],
-        remaining: &mut usize,
-        first_err: &mut Option<KvError>,
+        tally: &mut Tally,
         recv_staging: &HashMap<usize, Region>,
     ) -> Result<usize> {
         let mut any = 0;
@@ -454,22 +458,18 @@ impl Net {
                 any += 1;
                 let d = shm::decode(&slot)?;
                 let m = d.msg;
-                let idx = m.req_id.wrapping_sub(base) as usize;
                 if m.op == Op::Abort {
                     return Err(KvError::Aborted(d.text));
                 }
-                if m.op != Op::Reply || idx >= reqs.len() || done[idx] || reqs[idx].server != s {
+                let due = tally.due(reqs, m.req_id, s);
+                let Some(idx) = due.filter(|_| m.op == Op::Reply) else {
                     return Err(KvError::Protocol(format!(
                         "unexpected answer {:?} for request {}",
                         m.op, m.req_id
                     )));
-                }
-                done[idx] = true;
-                *remaining -= 1;
+                };
+                tally.answer(reqs, idx, m.status, s, || d.text);
                 if m.status != status::OK {
-                    if first_err.is_none() {
-                        *first_err = Some(remote_error(m.status, reqs[idx].msg.key, s, d.text));
-                    }
                     continue;
                 }
                 if let (Some(dst), Some(di)) = (recv_staging.get(&idx), reqs[idx].dest) {

@@ -1,11 +1,12 @@
 //! [`Transport`] over one TCP connection: framed messages; a put is a frame whose payload is
 //! read straight into the exposed region.
 
-use std::io::{IoSlice, Read, Write};
+use std::io::{IoSlice, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::frame::{FrameHeader, HEADER_LEN, META_LEN};
+use crate::tcp::blocking::read_exact_until;
 use crate::{Event, RegionHandle, Transport, TransportError};
 
 const SEND: u8 = 1;
@@ -87,40 +88,6 @@ impl TcpPair {
         }
         Ok(())
     }
-
-    fn read_exact(
-        &mut self,
-        buf: &mut [u8],
-        deadline: Instant,
-        started: bool,
-    ) -> Result<(), TransportError> {
-        let mut got = 0;
-        while got < buf.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(TransportError::Timeout("receiving".into()));
-            }
-            self.s.set_read_timeout(Some(left))?;
-            match self.s.read(&mut buf[got..]) {
-                Ok(0) if got == 0 && !started => return Err(TransportError::Closed),
-                Ok(0) => {
-                    return Err(TransportError::Truncated {
-                        got,
-                        want: buf.len(),
-                    })
-                }
-                Ok(n) => got += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Transport for TcpPair {
@@ -134,7 +101,7 @@ impl Transport for TcpPair {
 
     fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Event, TransportError> {
         let mut hb = [0u8; HEADER_LEN];
-        self.read_exact(&mut hb, deadline, false)?;
+        read_exact_until(&mut self.s, &mut hb, Some(deadline), false)?;
         let h = FrameHeader::decode(&hb, self.max)?;
         let len = h.payload_len as usize;
         match h.meta[0] {
@@ -145,7 +112,7 @@ impl Transport for TcpPair {
                         buf.len()
                     )));
                 }
-                self.read_exact(&mut buf[..len], deadline, true)?;
+                read_exact_until(&mut self.s, &mut buf[..len], Some(deadline), true)?;
                 Ok(Event::Message {
                     tag: word(&h.meta, 0),
                     len,
@@ -169,10 +136,12 @@ impl Transport for TcpPair {
                     )));
                 }
                 // Straight into the region.
-                let mut region = std::mem::take(&mut self.regions[id as usize]);
-                let res = self.read_exact(&mut region[offset..offset + len], deadline, true);
-                self.regions[id as usize] = region;
-                res?;
+                read_exact_until(
+                    &mut self.s,
+                    &mut r[offset..offset + len],
+                    Some(deadline),
+                    true,
+                )?;
                 Ok(Event::Put {
                     imm,
                     region: RegionHandle {

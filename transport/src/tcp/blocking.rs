@@ -22,7 +22,10 @@ pub fn write_frame(
     Ok(())
 }
 
-fn read_exact_until(
+/// Fills `buf` from `s`, waiting until `deadline` at most (forever with `None`).
+/// [`TransportError::Closed`] if the stream ends before the first byte of a frame
+/// (`frame_started` false), [`TransportError::Truncated`] if it ends later.
+pub fn read_exact_until(
     s: &mut TcpStream,
     buf: &mut [u8],
     deadline: Option<Instant>,
@@ -33,9 +36,7 @@ fn read_exact_until(
         if let Some(d) = deadline {
             let left = d.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(TransportError::Timeout(
-                    "waiting for a control message".into(),
-                ));
+                return Err(TransportError::Timeout("waiting for the peer".into()));
             }
             s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
         } else {
