@@ -474,6 +474,63 @@ fn stall(kv: &mut KVStore) {
     }
 }
 
+/// The late-answer reproduction: rank 0's pushpull times out because rank 1 pushes late. The
+/// outputs rank 0 got back, and memory it allocates afterwards (heap arrays, which malloc hands
+/// out at the freed addresses, and pool arrays), must never receive the late answer.
+fn late(kv: &mut KVStore) {
+    const N: usize = 1000;
+    let secs: f64 = std::env::var("KVSTORE_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2.0);
+    ok("init 9", kv.init(9, &NDArray::zeros(&[N])));
+    ok("init 10", kv.init(10, &NDArray::zeros(&[N])));
+    if kv.rank() == 1 {
+        std::thread::sleep(Duration::from_secs_f64(secs * 2.0));
+        let mut outs = vec![NDArray::zeros(&[N]), NDArray::zeros(&[N])];
+        let ones = [NDArray::ones(&[N]), NDArray::ones(&[N])];
+        ok(
+            "the late pushpull",
+            kv.pushpull(&[9, 10][..], &ones[..], &mut outs[..]),
+        );
+        // Rank 0's push was in the round before it timed out: both pushes are summed.
+        expect_vals("the round rank 0 left", &outs[0], &[2.0; N]);
+        println!("late round done");
+        return;
+    }
+    let heap_out = NDArray::zeros(&[N]);
+    let pool_out = ok("alloc", kv.alloc(&[N], DType::F32));
+    let pushed = NDArray::ones(&[N]);
+    let mut outs = vec![heap_out, pool_out];
+    match kv.pushpull(&[9, 10][..], &[pushed.clone(), pushed][..], &mut outs[..]) {
+        Err(KvError::Timeout { .. }) => println!("timed out as configured"),
+        other => fail(format!("expected a timeout, got {other:?}")),
+    }
+    // What the caller holds now is its own: fill it, drop one, allocate more of the same size.
+    let mut pool_out = outs.pop().unwrap_or_else(|| fail("outputs".into()));
+    pool_out.fill(-7.0);
+    drop(outs);
+    let fresh: Vec<NDArray> = (0..64).map(|_| NDArray::full(&[N], -7.0)).collect();
+    let fresh_pool: Vec<NDArray> = (0..8)
+        .map(|_| {
+            let mut a = ok("alloc after failure", kv.alloc(&[N], DType::F32));
+            a.fill(-7.0);
+            a
+        })
+        .collect();
+    // The round completes (rank 1 pushes at 2 x timeout) and its answers go out meanwhile.
+    std::thread::sleep(Duration::from_secs_f64(secs * 2.0 + 2.0));
+    expect_vals(
+        "an output given back by a failed call",
+        &pool_out,
+        &[-7.0; N],
+    );
+    for a in fresh.iter().chain(&fresh_pool) {
+        expect_vals("memory allocated after a failed call", a, &[-7.0; N]);
+    }
+    println!("no late write landed");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let scenario = args.get(1).cloned().unwrap_or_else(|| "seed".into());
@@ -498,6 +555,7 @@ fn main() {
         "die" => die(&mut kv),
         "until_error" => until_error(&mut kv),
         "stall" => stall(&mut kv),
+        "late" => late(&mut kv),
         "zerocopy" => zerocopy(&mut kv),
         other => fail(format!("unknown scenario {other}")),
     }

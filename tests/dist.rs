@@ -223,6 +223,26 @@ fn every_wait_has_a_timeout() {
 }
 
 #[test]
+fn a_late_answer_never_lands_in_memory_a_failed_call_gave_back() {
+    for t in TRANSPORTS {
+        let r =
+            util::kvrun_check_timeout(2, 1, "late", "dist_sync", &[("KVSTORE_TRANSPORT", t)], 2);
+        assert!(
+            r.stdout.contains("timed out as configured"),
+            "{t}\n{}",
+            r.all()
+        );
+        assert!(r.stdout.contains("late round done"), "{t}\n{}", r.all());
+        assert!(
+            r.stdout.contains("no late write landed"),
+            "{t}\n{}",
+            r.all()
+        );
+        assert_eq!(r.code, Some(0), "{t}\n{}", r.all());
+    }
+}
+
+#[test]
 fn a_process_of_another_job_is_refused() {
     // Workers with the wrong secret never join: the rendezvous times out with an error.
     let port = util::free_port();

@@ -649,9 +649,8 @@ mod tests {
         // A canary in this process: the server side checks cross-memory writes on it.
         let canary: &'static mut [u8; 8] = Box::leak(Box::new([0u8; 8]));
         let hello = format!(
-            "kvstore-shm-store-2\nsecret\n0\n{npages}\n{}\n{}\n{}",
+            "kvstore-shm-store-3\nsecret\n0\n{npages}\n{}\n{}",
             pool.pool.page_size(),
-            std::process::id(),
             canary.as_ptr() as usize
         );
         send_fds(

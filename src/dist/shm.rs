@@ -94,7 +94,7 @@ pub(crate) fn listen(port: u16, secret: &str) -> Result<UnixListener> {
     Ok(UnixListener::bind_addr(&socket_addr(port, secret)?)?)
 }
 
-const HELLO: &str = "kvstore-shm-store-2";
+const HELLO: &str = "kvstore-shm-store-3";
 const CANARY: &[u8; 8] = b"kvstoreC";
 const RING_SLOTS: u64 = 1024;
 
@@ -188,9 +188,54 @@ pub(crate) fn decode(d: &[u8; SLOT]) -> Result<Desc> {
     })
 }
 
+/// The process at the other end of a Unix socket, as the kernel reports it (`SO_PEERCRED`),
+/// held by a pidfd so that a reused pid is never mistaken for it. A peer of another user is
+/// refused: shared memory and cross-memory writes are for the job's own processes.
+pub(crate) struct PeerProcess {
+    pub pid: i32,
+    pidfd: OwnedFd,
+}
+
+impl PeerProcess {
+    pub fn of(sock: &UnixStream) -> Result<PeerProcess> {
+        let cred = rustix::net::sockopt::socket_peercred(sock).map_err(std::io::Error::from)?;
+        if cred.uid != rustix::process::geteuid() {
+            return Err(KvError::Protocol(format!(
+                "refused a shared-memory peer of another user (uid {})",
+                cred.uid.as_raw()
+            )));
+        }
+        let pidfd = rustix::process::pidfd_open(cred.pid, rustix::process::PidfdFlags::empty())
+            .map_err(std::io::Error::from)?;
+        Ok(PeerProcess {
+            pid: cred.pid.as_raw_nonzero().get(),
+            pidfd,
+        })
+    }
+
+    /// Whether the process has exited (its pidfd is readable).
+    pub fn exited(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags};
+        let mut fds = [PollFd::new(&self.pidfd, PollFlags::IN)];
+        let zero = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+    }
+
+    /// Writes `data` at `addr` in this process, if it is still the process the socket named.
+    pub fn write(&self, addr: u64, data: &[u8]) -> std::io::Result<()> {
+        if self.exited() {
+            return Err(std::io::Error::other("the peer process has exited"));
+        }
+        cma_write(self.pid, addr, data)
+    }
+}
+
 /// Writes `data` at `addr` in process `pid` (`process_vm_writev`, "cross-memory attach"):
 /// one copy, made by the kernel, straight into the other process's memory.
-pub(crate) fn cma_write(pid: i32, addr: u64, data: &[u8]) -> std::io::Result<()> {
+fn cma_write(pid: i32, addr: u64, data: &[u8]) -> std::io::Result<()> {
     let mut done = 0usize;
     while done < data.len() {
         let local = libc::iovec {
@@ -285,6 +330,8 @@ pub(crate) struct WorkerLink {
     pub doorbell: OwnedFd,
     /// The server can write answers straight into this process's memory.
     pub cma: bool,
+    /// The server's process, as the kernel names it for the socket.
+    pub server: PeerProcess,
     _sock: UnixStream,
 }
 
@@ -308,6 +355,8 @@ pub(crate) fn attach(
     timeout: Duration,
 ) -> Result<WorkerLink> {
     let sock = UnixStream::connect_addr(&socket_addr(port, secret)?)?;
+    // Whoever holds the name must be a process of this user before it gets the pool.
+    let server = PeerProcess::of(&sock)?;
     sock.set_read_timeout(Some(timeout))?;
     let cfg = ChannelConfig {
         ring_slots: RING_SLOTS,
@@ -320,10 +369,9 @@ pub(crate) fn attach(
     // A canary the server writes through process_vm_writev, if this host allows it.
     let canary = Box::new([0u8; 8]);
     let hello = format!(
-        "{HELLO}\n{secret}\n{rank}\n{}\n{}\n{}\n{}",
+        "{HELLO}\n{secret}\n{rank}\n{}\n{}\n{}",
         pool.npages,
         pool.page,
-        std::process::id(),
         canary.as_ptr() as usize
     );
     send_fds(
@@ -350,6 +398,7 @@ pub(crate) fn attach(
         chan,
         doorbell: to_worker,
         cma,
+        server,
         _sock: sock,
     })
 }
@@ -363,8 +412,9 @@ pub(crate) struct ServerLink {
     pub doorbell: OwnedFd,
     pub sock: UnixStream,
     pub worker: usize,
-    /// The worker's process id, for writes straight into its memory.
-    pub pid: i32,
+    /// The worker's process (from the kernel, not from the hello), for writes straight into
+    /// its memory.
+    pub peer: PeerProcess,
     /// Whether such writes work.
     pub cma: bool,
     /// Where each pending pull's answer goes.
@@ -382,13 +432,14 @@ pub(crate) enum Dest {
 
 /// Takes a worker's channel from a connection on the listener.
 pub(crate) fn accept(sock: UnixStream, secret: &str, num_workers: usize) -> Result<ServerLink> {
+    let peer = PeerProcess::of(&sock)?;
     sock.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut buf = [0u8; 512];
     let (n, fds) = recv_fds(&sock, &mut buf).map_err(shm)?;
     let text = String::from_utf8_lossy(&buf[..n]).into_owned();
     let f: Vec<&str> = text.split('\n').collect();
     let bad = || KvError::Protocol("malformed shared-memory hello".into());
-    if f.len() != 7 || f[0] != HELLO || fds.len() != 4 {
+    if f.len() != 6 || f[0] != HELLO || fds.len() != 4 {
         return Err(bad());
     }
     if !crate::config::secret_matches(f[1].as_bytes(), secret.as_bytes()) {
@@ -397,8 +448,7 @@ pub(crate) fn accept(sock: UnixStream, secret: &str, num_workers: usize) -> Resu
     let worker: usize = f[2].parse().map_err(|_| bad())?;
     let npages: usize = f[3].parse().map_err(|_| bad())?;
     let page: usize = f[4].parse().map_err(|_| bad())?;
-    let pid: i32 = f[5].parse().map_err(|_| bad())?;
-    let canary: u64 = f[6].parse().map_err(|_| bad())?;
+    let canary: u64 = f[5].parse().map_err(|_| bad())?;
     if worker >= num_workers {
         return Err(bad());
     }
@@ -413,7 +463,7 @@ pub(crate) fn accept(sock: UnixStream, secret: &str, num_workers: usize) -> Resu
     let pool_seg = Arc::new(Segment::from_fd(pseg).map_err(shm)?);
     let pool = Pool::new(pool_seg.clone(), 0, npages, page).map_err(shm)?;
     // Cross-memory attach works here (same user, no ptrace restriction) if the canary lands.
-    let cma = cma_write(pid, canary, CANARY).is_ok();
+    let cma = peer.write(canary, CANARY).is_ok();
     (&sock).write_all(if cma { b"ok1" } else { b"ok0" })?;
     sock.set_nonblocking(true)?;
     Ok(ServerLink {
@@ -423,7 +473,7 @@ pub(crate) fn accept(sock: UnixStream, secret: &str, num_workers: usize) -> Resu
         doorbell: to_server,
         sock,
         worker,
-        pid,
+        peer,
         cma,
         pulls: HashMap::new(),
     })
@@ -485,7 +535,7 @@ impl ServerLink {
                 }
                 Dest::Addr(addr, len) => {
                     let res = if len == payload.len() {
-                        cma_write(self.pid, addr, payload)
+                        self.peer.write(addr, payload)
                     } else {
                         Err(std::io::Error::other("destination of the wrong size"))
                     };
@@ -557,6 +607,51 @@ mod tests {
         drop(a);
         drop(copy);
         assert_eq!(p.pool.free_pages(), free);
+    }
+
+    #[test]
+    fn the_peer_is_the_process_the_kernel_names_and_another_user_is_refused() {
+        use std::os::unix::process::CommandExt;
+        let (a, _b) = UnixStream::pair().unwrap();
+        let p = PeerProcess::of(&a).unwrap();
+        assert_eq!(p.pid as u32, std::process::id());
+        assert!(!p.exited());
+        if !rustix::process::geteuid().is_root() {
+            println!("SKIPPED: another user needs root");
+            return;
+        }
+        let name = format!("kvstore.test-peer.{}", std::process::id());
+        let l = UnixListener::bind_addr(&UnixAddr::from_abstract_name(&name).unwrap()).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let script = format!(
+            "import socket,time\ns=socket.socket(socket.AF_UNIX)\ns.connect('\\0{name}')\ntime.sleep(10)"
+        );
+        let Ok(mut child) = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .uid(65534)
+            .gid(65534)
+            .spawn()
+        else {
+            println!("SKIPPED: no python3 to connect as another user");
+            return;
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let sock = loop {
+            match l.accept() {
+                Ok((s, _)) => break s,
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Err(e) => panic!("the other user's process never connected: {e}"),
+            }
+        };
+        let refused = PeerProcess::of(&sock);
+        let _ = child.kill();
+        let _ = child.wait();
+        match refused {
+            Err(e) => assert!(e.to_string().contains("another user"), "{e}"),
+            Ok(_) => panic!("a peer of another user was accepted"),
+        }
     }
 
     #[test]

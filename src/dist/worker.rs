@@ -76,6 +76,12 @@ struct Net {
     /// More of the job's processes on this host (this one and its local servers) than cores:
     /// spinning yields the core.
     crowded: bool,
+    /// After a failed call, what a shared-memory server may still write or read: the outputs
+    /// taken from the caller (it got fresh arrays in their place) and pool arrays it pushed.
+    /// Kept while the servers live; leaked, never freed, if they still do when the store goes.
+    withheld: Vec<NDArray>,
+    /// Staging pages of failed calls: never freed, so no later array gets them.
+    withheld_pages: Vec<Region>,
 }
 
 /// Which answers of an exchange have come, from either transport.
@@ -214,6 +220,32 @@ impl FrameSink for ReplySink<'_, '_> {
 }
 
 impl Net {
+    /// After a call failed with answers outstanding, a shared-memory server may still write an
+    /// output's pages (a late answer) or read a pushed pool array's pages. Each such output
+    /// gets fresh storage (zeros; a failed call's output has no defined value) and its old
+    /// storage is withheld; each pushed pool array is withheld through a copy-on-write clone,
+    /// so the caller's next write moves the caller to new pages.
+    fn withhold(
+        &mut self,
+        pushed: &[(Key, Vec<&NDArray>)],
+        outs: Option<&mut [(Key, Vec<&mut NDArray>)]>,
+    ) {
+        if self.broken.is_none() || self.links.iter().all(Option::is_none) {
+            return;
+        }
+        for v in pushed.iter().flat_map(|(_, vs)| vs) {
+            if v.is_shared_memory() {
+                self.withheld.push((*v).clone());
+            }
+        }
+        for (_, list) in outs.into_iter().flatten() {
+            if let Some(first) = list.first_mut() {
+                let fresh = NDArray::zeros_dtype(first.shape(), first.dtype()).on(first.device());
+                self.withheld.push(std::mem::replace(&mut **first, fresh));
+            }
+        }
+    }
+
     fn check(&self) -> Result<()> {
         match &self.broken {
             Some(why) => Err(KvError::Aborted(format!("this store is unusable: {why}"))),
@@ -429,8 +461,14 @@ impl Net {
             Ok(())
         })();
         if let Some(pool) = &self.pool {
-            for r in staging.into_iter().chain(recv_staging.into_values()) {
-                let _ = pool.pool.free(r);
+            let regions = staging.into_iter().chain(recv_staging.into_values());
+            if result.is_ok() {
+                for r in regions {
+                    let _ = pool.pool.free(r);
+                }
+            } else {
+                // A server may still read or write them: they stay allocated.
+                self.withheld_pages.extend(regions);
             }
         }
         match result {
@@ -596,6 +634,8 @@ impl DistWorker {
                 timeout: cfg.timeout,
                 broken: None,
                 crowded: links.iter().flatten().count() + 1 > cores(),
+                withheld: Vec::new(),
+                withheld_pages: Vec::new(),
                 links,
                 pool,
             },
@@ -748,6 +788,10 @@ impl DistWorker {
                 }
             }
             result = self.net.exchange(&mut reqs, &mut []);
+            drop(reqs);
+            if result.is_err() {
+                self.net.withhold(pairs, None);
+            }
         }
         // Every worker waits, so no one pushes or pulls a key before rank 0 has stored it.
         let barrier = self.barrier();
@@ -879,8 +923,13 @@ impl DistWorker {
                 });
             }
         }
-        self.net.exchange(&mut reqs, &mut dests)?;
+        let res = self.net.exchange(&mut reqs, &mut dests);
         drop(dests);
+        drop(reqs);
+        if let Err(e) = res {
+            self.net.withhold(pairs, out_pairs);
+            return Err(e);
+        }
         if let Some(o) = out_pairs {
             copy_to_other_outputs(o);
         }
@@ -931,8 +980,12 @@ impl DistWorker {
                 });
             }
         }
-        self.net.exchange(&mut reqs, &mut dests)?;
+        let res = self.net.exchange(&mut reqs, &mut dests);
         drop(dests);
+        if let Err(e) = res {
+            self.net.withhold(&[], Some(pairs));
+            return Err(e);
+        }
         copy_to_other_outputs(pairs);
         Ok(())
     }
@@ -998,6 +1051,12 @@ fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
 
 impl Drop for DistWorker {
     fn drop(&mut self) {
+        // Withheld memory is freed only once no server that could write it is alive.
+        if self.net.links.iter().flatten().any(|l| !l.server.exited()) {
+            for a in self.net.withheld.drain(..) {
+                std::mem::forget(a);
+            }
+        }
         // Tell the servers this is a clean exit, then the scheduler that this worker is done.
         let bye = Msg::new(Op::Bye);
         for c in &mut self.net.servers {
