@@ -487,7 +487,7 @@ fn late(kv: &mut KVStore) {
     ok("init 10", kv.init(10, &NDArray::zeros(&[N])));
     if kv.rank() == 1 {
         std::thread::sleep(Duration::from_secs_f64(secs * 2.0));
-        let mut outs = vec![NDArray::zeros(&[N]), NDArray::zeros(&[N])];
+        let mut outs = [NDArray::zeros(&[N]), NDArray::zeros(&[N])];
         let ones = [NDArray::ones(&[N]), NDArray::ones(&[N])];
         ok(
             "the late pushpull",
