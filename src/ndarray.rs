@@ -7,9 +7,9 @@ use std::sync::Arc;
 use crate::dtype::with_dtype;
 use crate::{DType, Device, Element, KvError, Result};
 
-/// Storage in shared memory: a region of a segment, owned by this array (freed into its pool
-/// when the array is dropped) or lent to it (a view of a peer's pages, valid while the peer
-/// waits for the answer).
+/// Storage in shared memory: a region of a worker's pool segment, owned by this array (freed
+/// into its pool when the array is dropped). A server may write it only while a call holding
+/// the array mutably waits for the answer; after a failed call the store withholds it.
 pub(crate) struct SharedBuf {
     pub(crate) seg: Arc<kvstore_shm::Segment>,
     pub(crate) offset: usize,
@@ -55,7 +55,11 @@ impl Storage {
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Storage::Heap(b) => b.bytes(),
-            Storage::Shared(s) => s.seg.bytes(s.offset, s.len).unwrap_or(&[]),
+            // SAFETY: the region was allocated for this array alone. A peer writes it only to
+            // answer a pull into it, which happens while the call holds the array's `&mut`,
+            // and a call that fails with the answer outstanding takes the storage out of the
+            // caller's array (the worker withholds it), so no `&` to it can be live then.
+            Storage::Shared(s) => unsafe { s.seg.bytes(s.offset, s.len) }.unwrap_or(&[]),
         }
     }
 
@@ -400,8 +404,7 @@ impl NDArray {
         }
     }
 
-    /// Whether the bytes live in shared memory (an array from `KVStore::alloc`, or a view of a
-    /// peer's pages).
+    /// Whether the bytes live in shared memory (an array from `KVStore::alloc`).
     pub fn is_shared_memory(&self) -> bool {
         matches!(&*self.buf, Storage::Shared(_))
     }

@@ -16,6 +16,20 @@ pub fn add_into<T: Element>(dst: &mut [T], src: &[T]) {
     }
 }
 
+/// `dst[i] += src[i]`, where `src` is memory another process may write (a peer's pages): each
+/// element is read exactly once, through the pointer, and no slice of it is ever formed.
+///
+/// # Safety
+/// `src` must be valid for reads of `dst.len()` elements, aligned for `T`, and must not
+/// overlap `dst`. (`T` is plain numbers: whatever bits a racing writer leaves are a value.)
+#[inline]
+pub unsafe fn add_from_raw<T: Element>(dst: &mut [T], src: *const T) {
+    for (i, d) in dst.iter_mut().enumerate() {
+        // SAFETY: `i < dst.len()`, and the caller vouches for `dst.len()` readable elements.
+        *d = d.add(unsafe { src.add(i).read() });
+    }
+}
+
 /// `dst[i] += alpha * src[i]`.
 #[inline]
 pub fn axpy_into<T: Element>(dst: &mut [T], alpha: f64, src: &[T]) {

@@ -97,17 +97,24 @@ impl Segment {
 
     /// The bytes at `off..off+len` as a slice.
     ///
-    /// The slice aliases memory other processes map: it is only meaningful while the protocol
-    /// gives this process those bytes (a region it allocated, or one a descriptor handed to it
-    /// and whose owner waits for the answer).
-    pub fn bytes(&self, off: usize, len: usize) -> Result<&[u8], ShmError> {
+    /// # Safety
+    /// No process may write the range while the slice lives: it must be a region this process
+    /// owns under the protocol (one it allocated and has not handed to a peer for writing), or
+    /// the compiler's assumption that the bytes do not change is broken.
+    pub unsafe fn bytes(&self, off: usize, len: usize) -> Result<&[u8], ShmError> {
         self.check(off, len, 1)?;
-        // SAFETY: the range is inside the mapping, which lives as long as `self`; u8 has no
-        // invalid bit patterns. Who may write these bytes meanwhile is the protocol's contract
-        // (see above); this process never writes them through another path while the slice
-        // lives, because the only mutable access is `bytes_mut`, whose caller promises
-        // exclusivity.
+        // SAFETY: in bounds (checked), inside a mapping that lives as long as `self`; u8 has
+        // no invalid bit patterns; that nobody writes it meanwhile is the caller's promise.
         Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
+    }
+
+    /// The address of `off..off+len` (checked to lie inside the mapping), for readers that
+    /// must not form a slice over bytes a peer may write: they read each element once through
+    /// the pointer, which stays valid while `self` lives.
+    pub fn ptr(&self, off: usize, len: usize) -> Result<*const u8, ShmError> {
+        self.check(off, len, 1)?;
+        // SAFETY: `off` is inside the mapping (checked), so the offset pointer stays in bounds.
+        Ok(unsafe { self.map.as_ptr().add(off) })
     }
 
     /// The bytes at `off..off+len` as a mutable slice.

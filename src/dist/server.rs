@@ -10,7 +10,7 @@ use mio::net::{TcpListener as MioListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
 use super::proto::{Msg, Op};
-use super::server_state::{Out, Payload, PeerId, ServerState};
+use super::server_state::{Input, Out, Payload, PeerId, ServerState};
 use super::shm::{self, ServerLink};
 use super::{join, Config};
 use crate::config::secret_matches;
@@ -136,7 +136,8 @@ impl FrameSink for ConnSink<'_> {
             Op::Bye => self.conn.bye = true,
             _ => {
                 let w = self.conn.worker.unwrap_or(usize::MAX);
-                self.state.handle(self.peer, w, &m, &mut self.conn.scratch);
+                self.state
+                    .handle(self.peer, w, &m, Input::Owned(&mut self.conn.scratch));
             }
         }
         Ok(())
@@ -183,8 +184,9 @@ fn handle_desc(
     ) {
         return Err(KvError::Protocol(format!("{:?} over shared memory", m.op)));
     }
-    let mut payload = if d.payload_len == 0 {
-        NDArray::zeros_dtype(&[0], DType::U8)
+    let mut empty = NDArray::zeros_dtype(&[0], DType::U8);
+    let pages = if d.payload_len == 0 {
+        None
     } else {
         let Some(src) = d.src else {
             refuse(state, "a payload without a region".into());
@@ -204,7 +206,7 @@ fn handle_desc(
             (d.payload_len as usize, DType::U8)
         };
         match l.view(src, len, dtype) {
-            Ok(v) => v,
+            Ok(v) => Some(v),
             Err(e) => {
                 refuse(state, format!("bad descriptor: {e}"));
                 return Ok(());
@@ -234,7 +236,10 @@ fn handle_desc(
             }
         }
     }
-    state.handle(peer, l.worker, &m, &mut payload);
+    match &pages {
+        Some(p) => state.handle(peer, l.worker, &m, Input::Peer(p)),
+        None => state.handle(peer, l.worker, &m, Input::Owned(&mut empty)),
+    }
     Ok(())
 }
 

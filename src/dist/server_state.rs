@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 
 use super::proto::{status, Msg, Op};
+use super::shm::PeerPages;
 use crate::local::check_updater_kept_shape;
 use crate::optimizer::{Optimizer, OptimizerUpdater};
 use crate::registry::{self, SharedUpdater};
@@ -47,6 +48,55 @@ pub struct Out {
     pub msg: Msg,
     /// Its payload.
     pub payload: Payload,
+}
+
+/// A request's payload, as the I/O layer received it.
+pub enum Input<'a> {
+    /// In this server's own receive buffer: it may become the stored or merged value without
+    /// a copy (another buffer is left in its place).
+    Owned(&'a mut NDArray),
+    /// In a peer's pages (shared memory): read through copies or in-place sums only.
+    Peer(&'a PeerPages),
+}
+
+impl<'a> From<&'a mut NDArray> for Input<'a> {
+    fn from(a: &'a mut NDArray) -> Self {
+        Input::Owned(a)
+    }
+}
+
+impl Input<'_> {
+    fn bytes(&self) -> crate::Result<Vec<u8>> {
+        match self {
+            Input::Owned(a) => Ok(a.as_bytes().to_vec()),
+            Input::Peer(p) => p.to_bytes(),
+        }
+    }
+
+    fn copy_into(&self, dst: &mut NDArray) -> crate::Result<()> {
+        match self {
+            Input::Owned(a) => dst.copy_from(a),
+            Input::Peer(p) => p.copy_into(dst),
+        }
+    }
+
+    fn add_into(&self, dst: &mut NDArray) -> crate::Result<()> {
+        match self {
+            Input::Owned(a) => dst.add_assign(a),
+            Input::Peer(p) => p.add_into(dst),
+        }
+    }
+
+    /// The payload as an array of this process: taken from the receive buffer, or copied.
+    fn take(self) -> crate::Result<NDArray> {
+        match self {
+            Input::Owned(a) => {
+                let dtype = a.dtype();
+                Ok(std::mem::replace(a, NDArray::zeros_dtype(&[0], dtype)))
+            }
+            Input::Peer(p) => p.to_array(),
+        }
+    }
 }
 
 enum Updater {
@@ -134,21 +184,31 @@ impl ServerState {
 
     /// Handles one request from `worker` (the rank authenticated on connection `peer`).
     /// `payload` holds the frame's payload: tensor data of the request's dtype for data
-    /// requests, bytes (`u8`) otherwise. The server may take its buffer (leaving another one of
-    /// any size in its place), so a received tensor becomes the stored or merged value without
-    /// a copy.
-    pub fn handle(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: &mut NDArray) {
+    /// requests, bytes (`u8`) otherwise. The server may take an owned buffer (leaving another
+    /// one of any size in its place), so a received tensor becomes the stored or merged value
+    /// without a copy; a peer's pages are summed where they lie, or copied.
+    pub fn handle<'p>(
+        &mut self,
+        peer: PeerId,
+        worker: usize,
+        m: &Msg,
+        payload: impl Into<Input<'p>>,
+    ) {
+        let payload = payload.into();
         if let Some(why) = &self.failed {
             let why = why.clone();
             return self.err(peer, m, status::PEER_LOST, why);
         }
         match m.op {
-            Op::Init => self.init(peer, m, payload),
+            Op::Init => self.init(peer, m, &payload),
             Op::Push | Op::PushPull => self.push(peer, worker, m, payload),
             Op::Pull => self.pull(peer, m),
             Op::SetOptimizer => {
-                let words: Vec<f64> = payload
-                    .as_bytes()
+                let bytes = match payload.bytes() {
+                    Ok(b) => b,
+                    Err(e) => return self.err(peer, m, status::FAILED, e.to_string()),
+                };
+                let words: Vec<f64> = bytes
                     .chunks_exact(8)
                     .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
                     .collect();
@@ -161,7 +221,10 @@ impl ServerState {
                 }
             }
             Op::SetUpdater => {
-                let name = String::from_utf8_lossy(payload.as_bytes()).into_owned();
+                let name = match payload.bytes() {
+                    Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+                    Err(e) => return self.err(peer, m, status::FAILED, e.to_string()),
+                };
                 match registry::lookup(&name) {
                     Ok(f) => {
                         self.updater = Updater::Named(name, f);
@@ -179,7 +242,7 @@ impl ServerState {
         }
     }
 
-    fn init(&mut self, peer: PeerId, m: &Msg, payload: &NDArray) {
+    fn init(&mut self, peer: PeerId, m: &Msg, payload: &Input<'_>) {
         if self.slots.contains_key(&m.key) {
             return self.err(
                 peer,
@@ -190,7 +253,9 @@ impl ServerState {
         }
         // A fresh array: the connection's receive buffer is reused for the next frame.
         let mut stored = NDArray::zeros_dtype(&[m.len as usize], m.dtype);
-        stored.as_bytes_mut().copy_from_slice(payload.as_bytes());
+        if let Err(e) = payload.copy_into(&mut stored) {
+            return self.err(peer, m, status::MISMATCH, e.to_string());
+        }
         self.slots.insert(
             m.key,
             Slot {
@@ -253,7 +318,7 @@ impl ServerState {
         }
     }
 
-    fn push(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: &mut NDArray) {
+    fn push(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: Input<'_>) {
         if let Err((code, text)) = self.check_slot(m) {
             return self.err(peer, m, code, text);
         }
@@ -265,7 +330,19 @@ impl ServerState {
             let Some(slot) = self.slots.get_mut(&key) else {
                 return;
             };
-            let res = apply(&mut self.updater, false, key, &*payload, &mut slot.stored);
+            // An updater gets an array of this process, never a view of a peer's pages.
+            let owned;
+            let input: &NDArray = match payload {
+                Input::Owned(a) => a,
+                Input::Peer(p) => match p.to_array() {
+                    Ok(a) => {
+                        owned = a;
+                        &owned
+                    }
+                    Err(e) => return self.err(peer, m, status::FAILED, e.to_string()),
+                },
+            };
+            let res = apply(&mut self.updater, false, key, input, &mut slot.stored);
             let value = slot.stored.clone();
             return match res {
                 Ok(()) if m.op == Op::PushPull => self.ok(peer, m, Payload::Array(value)),
@@ -286,29 +363,26 @@ impl ServerState {
         }
         slot.pushed[worker] = true;
         slot.count += 1;
-        match &mut slot.merge {
-            Some(merge) if slot.count > 1 => {
-                // Shapes were checked against the slot; this cannot fail.
-                let _ = merge.add_assign(payload);
-            }
+        // Shapes and dtypes were checked against the slot, so these cannot fail but for a
+        // payload region the pool refused, which fails the request.
+        let res = match &mut slot.merge {
+            Some(merge) if slot.count > 1 => payload.add_into(merge),
             // The round's first push: a received buffer becomes the merge buffer (no copy), and
-            // the connection receives into the old merge buffer next time; a view of a worker's
-            // shared pages is read where it lies into the merge buffer (the worker reuses them).
-            Some(merge) if payload.is_shared_memory() => {
-                let _ = merge.copy_from(payload);
-            }
-            Some(merge) => std::mem::swap(merge, payload),
-            None if payload.is_shared_memory() => {
-                let mut merge = NDArray::zeros_dtype(payload.shape(), payload.dtype());
-                let _ = merge.copy_from(payload);
-                slot.merge = Some(merge);
-            }
-            None => {
-                slot.merge = Some(std::mem::replace(
-                    payload,
-                    NDArray::zeros_dtype(&[0], m.dtype),
-                ))
-            }
+            // the connection receives into the old merge buffer next time; a peer's pages are
+            // read where they lie into the merge buffer (the worker reuses them).
+            Some(merge) => match payload {
+                Input::Owned(a) => {
+                    std::mem::swap(merge, a);
+                    Ok(())
+                }
+                Input::Peer(p) => p.copy_into(merge),
+            },
+            None => payload.take().map(|a| slot.merge = Some(a)),
+        };
+        if let Err(e) = res {
+            slot.pushed[worker] = false;
+            slot.count -= 1;
+            return self.err(peer, m, status::FAILED, e.to_string());
         }
         slot.held.push(Held { peer, req: *m });
         if slot.count == self.num_workers {

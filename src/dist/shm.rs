@@ -21,7 +21,7 @@ use kvstore_transport::{FrameHeader, HEADER_LEN};
 
 use super::proto::Msg;
 use crate::ndarray::SharedBuf;
-use crate::{DType, KvError, NDArray, Result};
+use crate::{DType, Element, KvError, NDArray, Result};
 
 static COPIES: AtomicU64 = AtomicU64::new(0);
 static COPIED_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -403,6 +403,76 @@ pub(crate) fn attach(
     })
 }
 
+/// A payload in a peer's pool pages. The peer can write those pages at any time (it should not
+/// while it waits for the answer, but nothing here can enforce that), so they are never viewed
+/// as a slice: they are read once, element by element, into this process's own memory.
+pub struct PeerPages {
+    seg: Arc<Segment>,
+    offset: usize,
+    /// Elements of `dtype`.
+    len: usize,
+    dtype: DType,
+}
+
+impl PeerPages {
+    fn nbytes(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+
+    /// The bytes, copied (control payloads: names, optimizer parameters).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.nbytes()];
+        self.seg.read(self.offset, &mut v).map_err(shm)?;
+        Ok(v)
+    }
+
+    /// Copies the elements into `dst` (same length and dtype).
+    pub fn copy_into(&self, dst: &mut NDArray) -> Result<()> {
+        self.check_like(dst)?;
+        self.seg.read(self.offset, dst.as_bytes_mut()).map_err(shm)
+    }
+
+    /// The elements in a new array of this process.
+    pub fn to_array(&self) -> Result<NDArray> {
+        let mut a = NDArray::zeros_dtype(&[self.len], self.dtype);
+        self.copy_into(&mut a)?;
+        Ok(a)
+    }
+
+    /// `dst += self`, reading each element once where it lies (no copy).
+    pub fn add_into(&self, dst: &mut NDArray) -> Result<()> {
+        self.check_like(dst)?;
+        let p = self.seg.ptr(self.offset, self.nbytes()).map_err(shm)?;
+        crate::dtype::with_dtype!(self.dtype, T => add_peer::<T>(dst, p))
+    }
+
+    fn check_like(&self, dst: &NDArray) -> Result<()> {
+        if dst.dtype() != self.dtype || dst.size() != self.len {
+            return Err(KvError::Protocol(format!(
+                "{} {} elements do not fit {} {} elements",
+                self.len,
+                self.dtype,
+                dst.size(),
+                dst.dtype()
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn add_peer<T: Element>(dst: &mut NDArray, p: *const u8) -> Result<()> {
+    if (p as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(KvError::Protocol("a misaligned payload region".into()));
+    }
+    let d: &mut [T] = bytemuck::cast_slice_mut(dst.as_bytes_mut());
+    // SAFETY: `p` addresses `d.len()` elements inside the peer's mapped pool (checked by
+    // `Segment::ptr` against the mapping, and by the pool against its pages), is aligned for
+    // `T` (checked above), and cannot overlap `d`, which is this process's own heap memory
+    // (a merge buffer). The mapping lives while `self.seg` does, which outlives the call.
+    unsafe { crate::ops::add_from_raw(d, p as *const T) };
+    Ok(())
+}
+
 /// A server's end of a channel from one worker.
 pub(crate) struct ServerLink {
     pub chan: Channel,
@@ -480,24 +550,20 @@ pub(crate) fn accept(sock: UnixStream, secret: &str, num_workers: usize) -> Resu
 }
 
 impl ServerLink {
-    /// A view of a payload in the worker's pool, after checking the region is allocated there.
-    pub fn view(&self, r: Region, len: usize, dtype: DType) -> Result<NDArray> {
+    /// A payload in the worker's pool, after checking the region is allocated there.
+    pub fn view(&self, r: Region, len: usize, dtype: DType) -> Result<PeerPages> {
         self.pool.check(r).map_err(shm)?;
         if r.len < len * dtype.size() {
             return Err(KvError::Protocol(
                 "payload region shorter than the message".into(),
             ));
         }
-        Ok(NDArray::from_shared(
-            &[len],
+        Ok(PeerPages {
+            seg: self.pool_seg.clone(),
+            offset: r.offset,
+            len,
             dtype,
-            SharedBuf {
-                seg: self.pool_seg.clone(),
-                offset: r.offset,
-                len: len * dtype.size(),
-                release: None,
-            },
-        ))
+        })
     }
 
     /// Whether the worker closed its end.
@@ -652,6 +718,38 @@ mod tests {
             Err(e) => assert!(e.to_string().contains("another user"), "{e}"),
             Ok(_) => panic!("a peer of another user was accepted"),
         }
+    }
+
+    #[test]
+    fn peer_pages_are_read_by_copy_or_summed_in_place() {
+        let p = WorkerPool::create(1 << 20).unwrap();
+        let r = p.pool.alloc(16).unwrap();
+        let vals = [1.0f32, 2.0, 3.0, 4.0];
+        p.seg.write(r.offset, bytemuck::cast_slice(&vals)).unwrap();
+        let pages = PeerPages {
+            seg: p.seg.clone(),
+            offset: r.offset,
+            len: 4,
+            dtype: DType::F32,
+        };
+        let mut acc = NDArray::from_vec(&[4], vec![10.0f32; 4]).unwrap();
+        pages.add_into(&mut acc).unwrap();
+        assert_eq!(acc.to_vec::<f32>().unwrap(), vec![11.0, 12.0, 13.0, 14.0]);
+        assert_eq!(pages.to_array().unwrap().to_vec::<f32>().unwrap(), vals);
+        assert_eq!(pages.to_bytes().unwrap(), bytemuck::cast_slice(&vals));
+        assert!(pages.add_into(&mut NDArray::zeros(&[3])).is_err());
+        assert!(pages
+            .copy_into(&mut NDArray::zeros_dtype(&[4], DType::F64))
+            .is_err());
+        // A region past the mapping is refused, not read.
+        let past = PeerPages {
+            seg: p.seg.clone(),
+            offset: p.seg.len() - 8,
+            len: 4,
+            dtype: DType::F32,
+        };
+        assert!(past.add_into(&mut NDArray::zeros(&[4])).is_err());
+        assert!(past.to_array().is_err());
     }
 
     #[test]
