@@ -242,6 +242,137 @@ fn a_late_answer_never_lands_in_memory_a_failed_call_gave_back() {
     }
 }
 
+/// A worker played by the test over raw frames: it joins, connects to server 0, and then only
+/// writes. Returns the stream to the server.
+fn raw_worker(port: u16) -> std::net::TcpStream {
+    use kvstore::dist::proto::{role, Msg, Op};
+    use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+    use kvstore_transport::FrameHeader;
+    let hello = |s: &mut std::net::TcpStream| {
+        let mut m = Msg::new(Op::Hello);
+        m.key = role::WORKER;
+        let secret = b"test-secret";
+        write_frame(
+            s,
+            &FrameHeader::new(m.encode(), secret.len() as u64),
+            secret,
+        )
+        .unwrap();
+        read_frame(
+            s,
+            1 << 20,
+            Some(std::time::Instant::now() + Duration::from_secs(20)),
+        )
+        .unwrap()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut sched = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("no scheduler: {e}"),
+        }
+    };
+    let (_, roster) = hello(&mut sched);
+    let roster = String::from_utf8(roster).unwrap();
+    let addr = roster
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    let mut server = std::net::TcpStream::connect(addr).unwrap();
+    let (h, _) = hello(&mut server);
+    assert_eq!(Msg::decode(&h.meta).unwrap().op, Op::HelloAck);
+    // The scheduler connection stays open for the job's life (closing it is leaving).
+    std::mem::forget(sched);
+    server
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn answers_a_worker_does_not_read_do_not_grow_the_server() {
+    use kvstore::dist::proto::{Msg, Op};
+    use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+    use kvstore_transport::FrameHeader;
+    const N: u64 = 256 * 1024; // 1 MiB of f32
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let mut s = raw_worker(job.port);
+    let data = |op: Op, id: u64| {
+        let mut m = Msg::new(op);
+        m.key = 1;
+        m.dtype = kvstore::DType::F32;
+        m.ndim = 1;
+        m.shape[0] = N;
+        m.total = N;
+        m.len = N;
+        m.req_id = id;
+        m
+    };
+    let payload = vec![0u8; N as usize * 4];
+    let init = data(Op::Init, 1);
+    write_frame(
+        &mut s,
+        &FrameHeader::new(init.encode(), payload.len() as u64),
+        &payload,
+    )
+    .unwrap();
+    let (h, _) = read_frame(&mut s, 1 << 20, None).unwrap();
+    assert_eq!(Msg::decode(&h.meta).unwrap().status, 0);
+    let base = rss_kib(job.servers[0].id());
+    // 300 rounds of 1 MiB pushpulls whose answers are never read: each answer is a distinct
+    // version of the value. The writer blocks once the server stops reading.
+    let mut w = s.try_clone().unwrap();
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = sent.clone();
+    std::thread::spawn(move || {
+        for i in 0..300 {
+            let m = data(Op::PushPull, 2 + i);
+            if write_frame(
+                &mut w,
+                &FrameHeader::new(m.encode(), payload.len() as u64),
+                &payload,
+            )
+            .is_err()
+            {
+                return;
+            }
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    // Let the writer go as far as the server lets it.
+    let mut last = usize::MAX;
+    loop {
+        std::thread::sleep(Duration::from_millis(1500));
+        let now = sent.load(std::sync::atomic::Ordering::SeqCst);
+        if now == last || now == 300 {
+            break;
+        }
+        last = now;
+    }
+    let grown_mib = rss_kib(job.servers[0].id()).saturating_sub(base) / 1024;
+    let rounds = sent.load(std::sync::atomic::Ordering::SeqCst);
+    println!("{rounds} rounds sent, server grew by {grown_mib} MiB");
+    job.kill_all();
+    // The server holds at most 64 MiB of unsent answers (and a few socket buffers' worth).
+    assert!(
+        rounds < 300,
+        "the server read all 300 rounds without its answers being read"
+    );
+    assert!(
+        grown_mib < 128,
+        "server memory grew by {grown_mib} MiB after {rounds} unread 1 MiB answers"
+    );
+}
+
 #[test]
 fn a_process_of_another_job_is_refused() {
     // Workers with the wrong secret never join: the rendezvous times out with an error.

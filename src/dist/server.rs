@@ -28,6 +28,9 @@ const SHM_PEER: usize = 1 << 29;
 const SPIN: Duration = Duration::from_micros(200);
 /// Largest control payload (hello, names, optimizer parameters, error text).
 const MAX_CONTROL: u64 = 64 * 1024;
+/// Bytes of answers a connection may have waiting to be sent before the server stops reading
+/// its requests (backpressure); it reads again once they are below half of this.
+const MAX_BACKLOG: usize = 64 << 20;
 
 struct Conn {
     stream: TcpStream,
@@ -42,6 +45,8 @@ struct ConnSink<'a> {
     conn: &'a mut ConnFields,
     secret: &'a [u8],
     taken: &'a mut Vec<bool>,
+    /// Bytes of answers this connection may still queue before reading pauses.
+    budget: usize,
 }
 
 /// The parts of a connection the sink needs (the reader and stream are borrowed apart).
@@ -52,6 +57,8 @@ struct ConnFields {
     /// Receive buffer for payloads, reused from frame to frame.
     scratch: NDArray,
     cur: Option<Msg>,
+    /// Reading is paused until the answers queued for this connection drain.
+    paused: bool,
 }
 
 fn refuse(why: impl Into<String>) -> TransportError {
@@ -136,12 +143,68 @@ impl FrameSink for ConnSink<'_> {
             Op::Bye => self.conn.bye = true,
             _ => {
                 let w = self.conn.worker.unwrap_or(usize::MAX);
+                let before = self.state.outbox.len();
                 self.state
                     .handle(self.peer, w, &m, Input::Owned(&mut self.conn.scratch));
+                let queued: usize = self.state.outbox[before..]
+                    .iter()
+                    .filter(|o| o.to == self.peer)
+                    .map(|o| kvstore_transport::HEADER_LEN + o.payload.bytes().len())
+                    .sum();
+                self.budget = self.budget.saturating_sub(queued);
             }
         }
         Ok(())
     }
+
+    fn wants_more(&self) -> bool {
+        self.budget > 0
+    }
+}
+
+/// Takes what a connection has sent, until it would block or its queued answers reach
+/// [`MAX_BACKLOG`] (then it is paused); closes it on an error or end of stream.
+fn read_conn(
+    poll: &Poll,
+    conns: &mut [Option<(Conn, ConnFields)>],
+    slot: usize,
+    state: &mut ServerState,
+    secret: &[u8],
+    taken: &mut Vec<bool>,
+) {
+    let Some(Some((c, f))) = conns.get_mut(slot) else {
+        return;
+    };
+    let budget = MAX_BACKLOG.saturating_sub(c.out.pending_bytes(|p| p.bytes()));
+    let mut sink = ConnSink {
+        state,
+        peer: slot,
+        conn: f,
+        secret,
+        taken,
+        budget,
+    };
+    let res = c.reader.read_from(&mut c.stream, &mut sink);
+    let paused = sink.budget == 0;
+    let Err(e) = res else {
+        f.paused = paused;
+        return;
+    };
+    if let Some(w) = f.worker {
+        taken[w] = false;
+        if !f.bye {
+            let why = match e {
+                TransportError::Closed | TransportError::Truncated { .. } => {
+                    format!("worker {w} disconnected")
+                }
+                other => format!("connection of worker {w} closed: {other}"),
+            };
+            state.worker_lost(&why);
+        }
+    }
+    let _ = poll.registry().deregister(&mut c.stream);
+    state.forget_peer(slot);
+    conns[slot] = None;
 }
 
 fn drop_link(poll: &Poll, links: &mut [Option<ServerLink>], k: usize, state: &mut ServerState) {
@@ -339,7 +402,16 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut stop_by: Option<Instant> = None;
 
     loop {
-        let mut timeout = Duration::from_millis(200);
+        // Answers waiting for room (in a ring, or after a resumed read) are looked at again
+        // soon; a worker that reads nothing costs a wake-up per millisecond, not a spin.
+        let waiting = !state.outbox.is_empty()
+            || links.iter().flatten().any(|l| !l.backlog.is_empty())
+            || conns.iter().flatten().any(|(_, f)| f.paused);
+        let mut timeout = if waiting {
+            Duration::from_millis(1)
+        } else {
+            Duration::from_millis(200)
+        };
         let mut armed = Vec::new();
         if links.iter().any(Option::is_some) {
             if last_shm.elapsed() < SPIN {
@@ -477,6 +549,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                                 bye: false,
                                 scratch: NDArray::zeros_dtype(&[0], DType::U8),
                                 cur: None,
+                                paused: false,
                             };
                             if slot == conns.len() {
                                 conns.push(Some((c, f)));
@@ -511,38 +584,9 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                 }
                 Token(t) => {
                     let slot = t - FIRST_CONN;
-                    let Some(Some((c, f))) = conns.get_mut(slot) else {
-                        continue;
-                    };
-                    let mut closed: Option<TransportError> = None;
-                    if ev.is_readable() || ev.is_read_closed() {
-                        let mut sink = ConnSink {
-                            state: &mut state,
-                            peer: slot,
-                            conn: f,
-                            secret: &secret,
-                            taken: &mut taken,
-                        };
-                        if let Err(e) = c.reader.read_from(&mut c.stream, &mut sink) {
-                            closed = Some(e);
-                        }
-                    }
-                    if let Some(e) = closed {
-                        if let Some(w) = f.worker {
-                            taken[w] = false;
-                            if !f.bye {
-                                let why = match e {
-                                    TransportError::Closed | TransportError::Truncated { .. } => {
-                                        format!("worker {w} disconnected")
-                                    }
-                                    other => format!("connection of worker {w} closed: {other}"),
-                                };
-                                state.worker_lost(&why);
-                            }
-                        }
-                        let _ = poll.registry().deregister(&mut c.stream);
-                        state.forget_peer(slot);
-                        conns[slot] = None;
+                    let paused = matches!(conns.get(slot), Some(Some((_, f))) if f.paused);
+                    if (ev.is_readable() || ev.is_read_closed()) && !paused {
+                        read_conn(&poll, &mut conns, slot, &mut state, &secret, &mut taken);
                     }
                 }
             }
@@ -553,7 +597,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                 continue;
             };
             let mut slot = [0u8; kvstore_shm::SLOT];
-            loop {
+            while !l.backlogged() {
                 match l.chan.try_recv(&mut slot) {
                     Ok(true) => {
                         last_shm = Instant::now();
@@ -585,7 +629,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                         Payload::Text(t) => (&[], t),
                         Payload::None => (&[], &[]),
                     };
-                    if let Err(e) = l.answer(&o.msg, data, text, Instant::now() + cfg.timeout) {
+                    if let Err(e) = l.answer(&o.msg, data, text) {
                         eprintln!(
                             "kvstore server: cannot answer worker {} over shared memory: {e}",
                             l.worker
@@ -608,6 +652,26 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             if c.out.flush(&mut c.stream, |p| p.bytes()).is_err() {
                 let _ = poll.registry().deregister(&mut c.stream);
                 conns[slot] = None;
+            }
+        }
+        // Connections paused for backpressure read again once their answers drained; what
+        // they had sent meanwhile is still in the socket, so it is read now, not on an event.
+        for slot in 0..conns.len() {
+            let resume = matches!(conns.get(slot), Some(Some((c, f)))
+                if f.paused && c.out.pending_bytes(|p| p.bytes()) < MAX_BACKLOG / 2);
+            if resume {
+                read_conn(&poll, &mut conns, slot, &mut state, &secret, &mut taken);
+            }
+        }
+        for k in 0..links.len() {
+            if let Some(Some(l)) = links.get_mut(k) {
+                if let Err(e) = l.flush() {
+                    eprintln!(
+                        "kvstore server: corrupt channel of worker {}: {e}",
+                        l.worker
+                    );
+                    drop_link(&poll, &mut links, k, &mut state);
+                }
             }
         }
         if let Some(why) = state.failed() {

@@ -14,7 +14,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvstore_shm::{recv_fds, send_fds, Channel, ChannelConfig, Pool, Region, Segment, SLOT};
 use kvstore_transport::{FrameHeader, HEADER_LEN};
@@ -489,6 +489,10 @@ pub(crate) struct ServerLink {
     pub cma: bool,
     /// Where each pending pull's answer goes.
     pub pulls: HashMap<u64, Dest>,
+    /// Answers the worker's ring had no room for yet, in order. While it holds a ring's worth,
+    /// the server takes no more requests from this worker (backpressure), so it stays bounded
+    /// and a worker that does not read never stalls the server.
+    pub backlog: std::collections::VecDeque<[u8; SLOT]>,
 }
 
 /// Where a pull's answer goes.
@@ -546,6 +550,7 @@ pub(crate) fn accept(sock: UnixStream, secret: &str, num_workers: usize) -> Resu
         peer,
         cma,
         pulls: HashMap::new(),
+        backlog: std::collections::VecDeque::new(),
     })
 }
 
@@ -572,14 +577,25 @@ impl ServerLink {
         matches!((&self.sock).read(&mut b), Ok(0))
     }
 
-    /// Sends an answer; a pull's value is written once, into the region the worker named.
-    pub fn answer(
-        &mut self,
-        msg: &Msg,
-        payload: &[u8],
-        text: &[u8],
-        deadline: Instant,
-    ) -> Result<()> {
+    /// Whether the server should take no more requests from this worker for now.
+    pub fn backlogged(&self) -> bool {
+        self.backlog.len() >= RING_SLOTS as usize
+    }
+
+    /// Posts queued answers while the worker's ring has room.
+    pub fn flush(&mut self) -> Result<()> {
+        while let Some(d) = self.backlog.front() {
+            if !self.chan.try_send(d).map_err(shm)? {
+                break;
+            }
+            self.backlog.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Answers a request: a pull's value is written once, into the region the worker named,
+    /// and the descriptor is posted (or queued, never waited for, if the ring is full).
+    pub fn answer(&mut self, msg: &Msg, payload: &[u8], text: &[u8]) -> Result<()> {
         let mut dst = None;
         let mut msg = *msg;
         let mut text = text.to_vec();
@@ -619,8 +635,8 @@ impl ServerLink {
             self.pulls.remove(&msg.req_id);
         }
         let plen = if msg.status == 0 { payload.len() } else { 0 };
-        let d = encode(&msg, plen, None, dst, &text);
-        self.chan.send(&d, deadline).map_err(shm)
+        self.backlog.push_back(encode(&msg, plen, None, dst, &text));
+        self.flush()
     }
 }
 
@@ -701,11 +717,11 @@ mod tests {
             println!("SKIPPED: no python3 to connect as another user");
             return;
         };
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
         let sock = loop {
             match l.accept() {
                 Ok((s, _)) => break s,
-                Err(_) if Instant::now() < deadline => {
+                Err(_) if std::time::Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(10))
                 }
                 Err(e) => panic!("the other user's process never connected: {e}"),

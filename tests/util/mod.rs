@@ -127,6 +127,8 @@ pub fn free_port() -> u16 {
 
 /// A job whose processes the test starts itself (no kvrun), so it can kill one.
 pub struct ManualJob {
+    /// The scheduler's port on 127.0.0.1 (the job secret is `test-secret`).
+    pub port: u16,
     pub scheduler: Child,
     pub servers: Vec<Child>,
     pub workers: Vec<Child>,
@@ -161,6 +163,18 @@ fn role_cmd(
 
 impl ManualJob {
     pub fn start(w: usize, s: usize, args: &[&str], env: &[(&str, &str)]) -> ManualJob {
+        Self::start_some(w, w, s, args, env)
+    }
+
+    /// A job of `w` workers of which only the first `spawned` are started here (the test plays
+    /// the others itself).
+    pub fn start_some(
+        w: usize,
+        spawned: usize,
+        s: usize,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> ManualJob {
         let port = free_port();
         let scheduler = role_cmd("scheduler", 0, port, w, s, args, env)
             .spawn()
@@ -172,7 +186,7 @@ impl ManualJob {
                     .unwrap()
             })
             .collect();
-        let workers = (0..w)
+        let workers = (0..spawned)
             .map(|r| {
                 role_cmd("worker", r, port, w, s, args, env)
                     .spawn()
@@ -180,6 +194,7 @@ impl ManualJob {
             })
             .collect();
         ManualJob {
+            port,
             scheduler,
             servers,
             workers,

@@ -15,6 +15,12 @@ pub trait FrameSink {
     fn payload_dest(&mut self, h: &FrameHeader) -> &mut [u8];
     /// The frame is complete. An error closes the connection.
     fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError>;
+    /// Whether to take another frame now. `false` pauses the reader at a frame boundary
+    /// (backpressure): `read_from` returns `Ok(())`, keeps what it has buffered, and goes on
+    /// from there on its next call.
+    fn wants_more(&self) -> bool {
+        true
+    }
 }
 
 /// Staging buffer size: small frames are parsed out of it, several per `read`.
@@ -97,6 +103,7 @@ impl FrameReader {
     ) -> Result<(), TransportError> {
         loop {
             match self.cur {
+                None if !sink.wants_more() => return Ok(()),
                 None => {
                     if self.end - self.start >= HEADER_LEN {
                         let mut hb = [0u8; HEADER_LEN];

@@ -56,6 +56,16 @@ impl<P> OutQueue<P> {
         self.q.len()
     }
 
+    /// Bytes not yet written (headers and payloads).
+    pub fn pending_bytes(&self, resolve: impl Fn(&P) -> &[u8]) -> usize {
+        let all: usize = self
+            .q
+            .iter()
+            .map(|(_, p)| HEADER_LEN + resolve(p).len())
+            .sum();
+        all - self.off
+    }
+
     /// Drops every queued frame.
     pub fn clear(&mut self) {
         self.q.clear();
