@@ -743,6 +743,32 @@ mod tests {
     }
 
     #[test]
+    fn a_full_answer_ring_queues_answers_and_never_blocks_the_server() {
+        let pool = WorkerPool::create(1 << 20).unwrap();
+        let (worker_end, mut l) = link(&pool);
+        let t = Instant::now();
+        for id in 0..3000u64 {
+            let mut m = Msg::new(Op::Reply);
+            m.req_id = id;
+            l.answer(&m, &[], &[]).unwrap();
+        }
+        // No wait for the worker: the ring took 16, the rest are queued in order.
+        assert!(t.elapsed() < Duration::from_secs(5));
+        assert_eq!(l.backlog.len(), 3000 - 16);
+        assert!(l.backlogged(), "requests of this worker wait now");
+        let mut slot = [0u8; kvstore_shm::SLOT];
+        let mut got = Vec::new();
+        while got.len() < 3000 {
+            while worker_end.try_recv(&mut slot).unwrap() {
+                got.push(shm::decode(&slot).unwrap().msg.req_id);
+            }
+            l.flush().unwrap();
+        }
+        assert_eq!(got, (0..3000).collect::<Vec<u64>>());
+        assert!(l.backlog.is_empty() && !l.backlogged());
+    }
+
+    #[test]
     fn descriptors_outside_the_pool_or_at_freed_pages_are_refused_not_followed() {
         let pool = WorkerPool::create(1 << 20).unwrap();
         let (_chan, mut l) = link(&pool);
