@@ -370,17 +370,17 @@ fn zerocopy(kv: &mut KVStore) {
         ));
     }
     a.fill(kv.rank() as f64 + 1.0);
-    let before = kvstore::transport_copies();
+    let before = kv.transport_copies();
     ok("push alloc", kv.push(0, &a));
-    let after_alloc = kvstore::transport_copies();
+    let after_alloc = kv.transport_copies();
     ok("push heap", kv.push(0, &NDArray::full(&[n], 1.0)));
-    let after_heap = kvstore::transport_copies();
+    let after_heap = kv.transport_copies();
     let mut out = ok("alloc out", kv.alloc(&[n], DType::F32));
     ok("pull alloc", kv.pull(0, &mut out));
-    let after_pull_alloc = kvstore::transport_copies();
+    let after_pull_alloc = kv.transport_copies();
     let mut hout = NDArray::zeros(&[n]);
     ok("pull heap", kv.pull(0, &mut hout));
-    let after_pull_heap = kvstore::transport_copies();
+    let after_pull_heap = kv.transport_copies();
     expect_vals("pull into alloc", &out, &vec![w; n]);
     expect_vals("pull into heap", &hout, &vec![w; n]);
     let d = |x: (u64, u64), y: (u64, u64)| (y.0 - x.0, y.1 - x.1);

@@ -31,7 +31,6 @@ mod registry;
 mod store;
 
 pub use args::{Key, Keys, Outputs, Values};
-pub use dist::shm::transport_copies;
 pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};
 pub use ndarray::NDArray;

@@ -107,6 +107,17 @@ impl KVStore {
         }
     }
 
+    /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made in this
+    /// process. Pushing an array from [`KVStore::alloc`] makes none and pushing another array
+    /// one (into the pool); a pull is the server's one copy (into the output), plus one here
+    /// where the host forbids cross-memory writes. Zero for local stores and over TCP.
+    pub fn transport_copies(&self) -> (u64, u64) {
+        match &self.inner {
+            Inner::Local(_) => (0, 0),
+            Inner::Dist(d) => d.transport_copies(),
+        }
+    }
+
     /// Where the servers of a distributed store listen, by rank (empty for local stores).
     /// For diagnostics and tools.
     pub fn server_addrs(&self) -> Vec<std::net::SocketAddr> {

@@ -12,7 +12,6 @@ use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,23 +22,22 @@ use super::proto::Msg;
 use crate::ndarray::SharedBuf;
 use crate::{DType, Element, KvError, NDArray, Result};
 
-static COPIES: AtomicU64 = AtomicU64::new(0);
-static COPIED_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Copies of tensor bytes a worker's shared-memory transport made: `(copies, bytes)`, per
+/// store. Pushing an array from `KVStore::alloc` makes none; pushing another array makes one
+/// (into the pool); a pull's one copy is the server's (into the output), and a pull through
+/// staging pages (where cross-memory writes are forbidden) makes one more here.
+#[derive(Default)]
+pub(crate) struct Copies(std::cell::Cell<(u64, u64)>);
 
-/// Copies of tensor bytes this process's shared-memory transport has made: `(copies, bytes)`.
-/// Pushing an array from `KVStore::alloc` makes none; pushing another array makes one (into
-/// the pool); a pull makes one on the server (into the output's pages) and, when the output is
-/// not from `KVStore::alloc`, one more here (out of the pool).
-pub fn transport_copies() -> (u64, u64) {
-    (
-        COPIES.load(Ordering::Relaxed),
-        COPIED_BYTES.load(Ordering::Relaxed),
-    )
-}
+impl Copies {
+    pub fn count(&self, bytes: usize) {
+        let (n, b) = self.0.get();
+        self.0.set((n + 1, b + bytes as u64));
+    }
 
-pub(crate) fn count_copy(bytes: usize) {
-    COPIES.fetch_add(1, Ordering::Relaxed);
-    COPIED_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+    pub fn get(&self) -> (u64, u64) {
+        self.0.get()
+    }
 }
 
 /// Which transport a worker uses for servers on its host (`KVSTORE_TRANSPORT`).
@@ -612,7 +610,6 @@ impl ServerLink {
                         ));
                     }
                     self.pool_seg.write(r.offset, payload).map_err(shm)?;
-                    count_copy(payload.len());
                     dst = Some(r);
                 }
                 Dest::Addr(addr, len) => {
@@ -622,7 +619,7 @@ impl ServerLink {
                         Err(std::io::Error::other("destination of the wrong size"))
                     };
                     match res {
-                        Ok(()) => count_copy(payload.len()),
+                        Ok(()) => {}
                         Err(e) => {
                             msg.status = super::proto::status::FAILED;
                             text = format!("cannot write the answer into the worker: {e}")

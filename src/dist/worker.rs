@@ -82,6 +82,8 @@ struct Net {
     withheld: Vec<NDArray>,
     /// Staging pages of failed calls: never freed, so no later array gets them.
     withheld_pages: Vec<Region>,
+    /// Copies of tensor bytes this store's shared-memory transport made here.
+    copies: shm::Copies,
 }
 
 /// Which answers of an exchange have come, from either transport.
@@ -303,7 +305,7 @@ impl Net {
                         let reg = pool.pool.alloc(r.payload.len()).map_err(shm::shm)?;
                         staging.push(reg);
                         pool.seg.write(reg.offset, r.payload).map_err(shm::shm)?;
-                        shm::count_copy(r.payload.len());
+                        self.copies.count(r.payload.len());
                         Some(reg)
                     };
                     let cma = self.links[r.server].as_ref().is_some_and(|l| l.cma);
@@ -516,7 +518,7 @@ impl Net {
                         .as_ref()
                         .ok_or_else(|| KvError::Protocol("no pool".into()))?;
                     pool.seg.read(dst.offset, dests[di]).map_err(shm::shm)?;
-                    shm::count_copy(dests[di].len());
+                    self.copies.count(dests[di].len());
                 }
             }
         }
@@ -636,6 +638,7 @@ impl DistWorker {
                 crowded: links.iter().flatten().count() + 1 > cores(),
                 withheld: Vec::new(),
                 withheld_pages: Vec::new(),
+                copies: shm::Copies::default(),
                 links,
                 pool,
             },
@@ -666,6 +669,11 @@ impl DistWorker {
                 _ => "tcp",
             })
             .collect()
+    }
+
+    /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made here.
+    pub(crate) fn transport_copies(&self) -> (u64, u64) {
+        self.net.copies.get()
     }
 
     /// Whether every shared-memory server writes pull answers straight into this process's
