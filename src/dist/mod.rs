@@ -5,9 +5,12 @@
 //! - [`server_state`]: the server's protocol state machine (no I/O).
 //! - [`server`], [`scheduler`], [`worker`]: the processes' I/O loops.
 
+mod exchange;
+mod peer;
 pub mod proto;
 pub mod scheduler;
 pub mod server;
+mod server_conn;
 pub mod server_state;
 pub mod shard;
 pub mod shm;

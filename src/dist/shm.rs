@@ -18,9 +18,11 @@ use std::time::Duration;
 use kvstore_shm::{recv_fds, send_fds, Channel, ChannelConfig, Pool, Region, Segment, SLOT};
 use kvstore_transport::{FrameHeader, HEADER_LEN};
 
+pub use super::peer::PeerPages;
+pub(crate) use super::peer::PeerProcess;
 use super::proto::Msg;
 use crate::ndarray::SharedBuf;
-use crate::{DType, Element, KvError, NDArray, Result};
+use crate::{DType, KvError, NDArray, Result};
 
 /// Copies of tensor bytes a worker's shared-memory transport made: `(copies, bytes)`, per
 /// store. Pushing an array from `KVStore::alloc` makes none; pushing another array makes one
@@ -186,80 +188,6 @@ pub(crate) fn decode(d: &[u8; SLOT]) -> Result<Desc> {
     })
 }
 
-/// The process at the other end of a Unix socket, as the kernel reports it (`SO_PEERCRED`),
-/// held by a pidfd so that a reused pid is never mistaken for it. A peer of another user is
-/// refused: shared memory and cross-memory writes are for the job's own processes.
-pub(crate) struct PeerProcess {
-    pub pid: i32,
-    pidfd: OwnedFd,
-}
-
-impl PeerProcess {
-    pub fn of(sock: &UnixStream) -> Result<PeerProcess> {
-        let cred = rustix::net::sockopt::socket_peercred(sock).map_err(std::io::Error::from)?;
-        if cred.uid != rustix::process::geteuid() {
-            return Err(KvError::Protocol(format!(
-                "refused a shared-memory peer of another user (uid {})",
-                cred.uid.as_raw()
-            )));
-        }
-        let pidfd = rustix::process::pidfd_open(cred.pid, rustix::process::PidfdFlags::empty())
-            .map_err(std::io::Error::from)?;
-        Ok(PeerProcess {
-            pid: cred.pid.as_raw_nonzero().get(),
-            pidfd,
-        })
-    }
-
-    /// Whether the process has exited (its pidfd is readable).
-    pub fn exited(&self) -> bool {
-        use rustix::event::{poll, PollFd, PollFlags};
-        let mut fds = [PollFd::new(&self.pidfd, PollFlags::IN)];
-        let zero = rustix::event::Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
-    }
-
-    /// Writes `data` at `addr` in this process, if it is still the process the socket named.
-    pub fn write(&self, addr: u64, data: &[u8]) -> std::io::Result<()> {
-        if self.exited() {
-            return Err(std::io::Error::other("the peer process has exited"));
-        }
-        cma_write(self.pid, addr, data)
-    }
-}
-
-/// Writes `data` at `addr` in process `pid` (`process_vm_writev`, "cross-memory attach"):
-/// one copy, made by the kernel, straight into the other process's memory.
-fn cma_write(pid: i32, addr: u64, data: &[u8]) -> std::io::Result<()> {
-    let mut done = 0usize;
-    while done < data.len() {
-        let local = libc::iovec {
-            iov_base: data[done..].as_ptr() as *mut libc::c_void,
-            iov_len: data.len() - done,
-        };
-        let remote = libc::iovec {
-            iov_base: (addr as usize + done) as *mut libc::c_void,
-            iov_len: data.len() - done,
-        };
-        // SAFETY: `local` describes bytes of this process that `data` borrows for the whole
-        // call (the kernel only reads them); `remote` names memory of another process, which
-        // the kernel checks (EFAULT) and which cannot alias this process's memory. Only
-        // initialised `iovec`s are passed, one of each.
-        let n = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
-        if n < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        done += n as usize;
-    }
-    Ok(())
-}
-
 /// A worker's pool segment.
 pub(crate) struct WorkerPool {
     pub seg: Arc<Segment>,
@@ -399,76 +327,6 @@ pub(crate) fn attach(
         server,
         _sock: sock,
     })
-}
-
-/// A payload in a peer's pool pages. The peer can write those pages at any time (it should not
-/// while it waits for the answer, but nothing here can enforce that), so they are never viewed
-/// as a slice: they are read once, element by element, into this process's own memory.
-pub struct PeerPages {
-    seg: Arc<Segment>,
-    offset: usize,
-    /// Elements of `dtype`.
-    len: usize,
-    dtype: DType,
-}
-
-impl PeerPages {
-    fn nbytes(&self) -> usize {
-        self.len * self.dtype.size()
-    }
-
-    /// The bytes, copied (control payloads: names, optimizer parameters).
-    pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let mut v = vec![0u8; self.nbytes()];
-        self.seg.read(self.offset, &mut v).map_err(shm)?;
-        Ok(v)
-    }
-
-    /// Copies the elements into `dst` (same length and dtype).
-    pub fn copy_into(&self, dst: &mut NDArray) -> Result<()> {
-        self.check_like(dst)?;
-        self.seg.read(self.offset, dst.as_bytes_mut()).map_err(shm)
-    }
-
-    /// The elements in a new array of this process.
-    pub fn to_array(&self) -> Result<NDArray> {
-        let mut a = NDArray::zeros_dtype(&[self.len], self.dtype);
-        self.copy_into(&mut a)?;
-        Ok(a)
-    }
-
-    /// `dst += self`, reading each element once where it lies (no copy).
-    pub fn add_into(&self, dst: &mut NDArray) -> Result<()> {
-        self.check_like(dst)?;
-        let p = self.seg.ptr(self.offset, self.nbytes()).map_err(shm)?;
-        crate::dtype::with_dtype!(self.dtype, T => add_peer::<T>(dst, p))
-    }
-
-    fn check_like(&self, dst: &NDArray) -> Result<()> {
-        if dst.dtype() != self.dtype || dst.size() != self.len {
-            return Err(KvError::Protocol(format!(
-                "{} {} elements do not fit {} {} elements",
-                self.len,
-                self.dtype,
-                dst.size(),
-                dst.dtype()
-            )));
-        }
-        Ok(())
-    }
-}
-
-fn add_peer<T: Element>(dst: &mut NDArray, p: *const u8) -> Result<()> {
-    if (p as usize) % std::mem::align_of::<T>() != 0 {
-        return Err(KvError::Protocol("a misaligned payload region".into()));
-    }
-    let d: &mut [T] = bytemuck::cast_slice_mut(dst.as_bytes_mut());
-    // SAFETY: `p` addresses `d.len()` elements inside the peer's mapped pool (checked by
-    // `Segment::ptr` against the mapping, and by the pool against its pages), is aligned for
-    // `T` (checked above), and cannot overlap `d`, which is this process's own heap memory
-    // (a merge buffer). The mapping lives while `self.seg` does, which outlives the call.
-    unsafe { crate::ops::add_from_raw(d, p as *const T) };
-    Ok(())
 }
 
 /// A server's end of a channel from one worker.
@@ -638,136 +496,5 @@ impl ServerLink {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::dist::proto::Op;
-
-    #[test]
-    fn descriptors_round_trip() {
-        let mut m = Msg::new(Op::PushPull);
-        m.key = 7;
-        m.len = 3;
-        m.total = 3;
-        let src = Region {
-            offset: 65536,
-            len: 12,
-        };
-        let dst = Region {
-            offset: 131072,
-            len: 12,
-        };
-        let d = encode(&m, 12, Some(src), Some(dst), b"why");
-        let x = decode(&d).unwrap();
-        assert_eq!(x.msg, m);
-        assert_eq!(
-            (x.payload_len, x.src, x.dst, x.text.as_str()),
-            (12, Some(src), Some(dst), "why")
-        );
-        let mut bad = d;
-        bad[0] ^= 0xff;
-        assert!(decode(&bad).is_err());
-    }
-
-    #[test]
-    fn pool_arrays_live_in_the_pool_and_give_their_pages_back() {
-        let p = WorkerPool::create(1 << 20).unwrap();
-        let free = p.pool.free_pages();
-        let a = p.alloc_array(&[1000], DType::F32).unwrap();
-        assert!(a.is_shared_memory());
-        assert!(p.offset_of(&a).is_some());
-        assert_eq!(p.pool.free_pages(), free - 1);
-        let copy = a.clone();
-        let mut written = copy.clone();
-        written.fill(1.0);
-        assert!(
-            !written.is_shared_memory(),
-            "writing a clone copies it out of the pool"
-        );
-        drop(a);
-        drop(copy);
-        assert_eq!(p.pool.free_pages(), free);
-    }
-
-    #[test]
-    fn the_peer_is_the_process_the_kernel_names_and_another_user_is_refused() {
-        use std::os::unix::process::CommandExt;
-        let (a, _b) = UnixStream::pair().unwrap();
-        let p = PeerProcess::of(&a).unwrap();
-        assert_eq!(p.pid as u32, std::process::id());
-        assert!(!p.exited());
-        if !rustix::process::geteuid().is_root() {
-            println!("SKIPPED: another user needs root");
-            return;
-        }
-        let name = format!("kvstore.test-peer.{}", std::process::id());
-        let l = UnixListener::bind_addr(&UnixAddr::from_abstract_name(&name).unwrap()).unwrap();
-        l.set_nonblocking(true).unwrap();
-        let script = format!(
-            "import socket,time\ns=socket.socket(socket.AF_UNIX)\ns.connect('\\0{name}')\ntime.sleep(10)"
-        );
-        let Ok(mut child) = std::process::Command::new("python3")
-            .args(["-c", &script])
-            .uid(65534)
-            .gid(65534)
-            .spawn()
-        else {
-            println!("SKIPPED: no python3 to connect as another user");
-            return;
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        let sock = loop {
-            match l.accept() {
-                Ok((s, _)) => break s,
-                Err(_) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(10))
-                }
-                Err(e) => panic!("the other user's process never connected: {e}"),
-            }
-        };
-        let refused = PeerProcess::of(&sock);
-        let _ = child.kill();
-        let _ = child.wait();
-        match refused {
-            Err(e) => assert!(e.to_string().contains("another user"), "{e}"),
-            Ok(_) => panic!("a peer of another user was accepted"),
-        }
-    }
-
-    #[test]
-    fn peer_pages_are_read_by_copy_or_summed_in_place() {
-        let p = WorkerPool::create(1 << 20).unwrap();
-        let r = p.pool.alloc(16).unwrap();
-        let vals = [1.0f32, 2.0, 3.0, 4.0];
-        p.seg.write(r.offset, bytemuck::cast_slice(&vals)).unwrap();
-        let pages = PeerPages {
-            seg: p.seg.clone(),
-            offset: r.offset,
-            len: 4,
-            dtype: DType::F32,
-        };
-        let mut acc = NDArray::from_vec(&[4], vec![10.0f32; 4]).unwrap();
-        pages.add_into(&mut acc).unwrap();
-        assert_eq!(acc.to_vec::<f32>().unwrap(), vec![11.0, 12.0, 13.0, 14.0]);
-        assert_eq!(pages.to_array().unwrap().to_vec::<f32>().unwrap(), vals);
-        assert_eq!(pages.to_bytes().unwrap(), bytemuck::cast_slice(&vals));
-        assert!(pages.add_into(&mut NDArray::zeros(&[3])).is_err());
-        assert!(pages
-            .copy_into(&mut NDArray::zeros_dtype(&[4], DType::F64))
-            .is_err());
-        // A region past the mapping is refused, not read.
-        let past = PeerPages {
-            seg: p.seg.clone(),
-            offset: p.seg.len() - 8,
-            len: 4,
-            dtype: DType::F32,
-        };
-        assert!(past.add_into(&mut NDArray::zeros(&[4])).is_err());
-        assert!(past.to_array().is_err());
-    }
-
-    #[test]
-    fn host_ids_are_stable() {
-        assert_eq!(host_id(), host_id());
-        assert!(host_id().contains("net"));
-    }
-}
+#[path = "shm_tests.rs"]
+mod tests;

@@ -1,0 +1,139 @@
+use super::*;
+use crate::DType;
+
+fn req(op: Op, key: u64, len: u64, id: u64) -> Msg {
+    let mut m = Msg::new(op);
+    m.key = key;
+    m.total = len;
+    m.len = len;
+    m.dtype = DType::F32;
+    m.req_id = id;
+    m
+}
+
+fn data(v: f32, n: usize) -> NDArray {
+    NDArray::full(&[n], v as f64)
+}
+
+fn replies(s: &mut ServerState) -> Vec<(PeerId, u64, u16, Vec<f32>)> {
+    s.outbox
+        .drain(..)
+        .map(|o| {
+            let vals = match &o.payload {
+                Payload::Array(a) => a.to_vec::<f32>().unwrap(),
+                _ => vec![],
+            };
+            (o.to, o.msg.req_id, o.msg.status, vals)
+        })
+        .collect()
+}
+
+fn empty() -> NDArray {
+    NDArray::zeros_dtype(&[0], DType::U8)
+}
+
+#[test]
+fn sync_round_holds_replies_until_every_worker_pushed() {
+    let mut s = ServerState::new(3, true);
+    s.handle(0, 0, &req(Op::Init, 3, 4, 1), &mut data(2.0, 4));
+    assert_eq!(replies(&mut s), vec![(0, 1, 0, vec![])]);
+    s.handle(0, 0, &req(Op::Push, 3, 4, 2), &mut data(1.0, 4));
+    s.handle(1, 1, &req(Op::Push, 3, 4, 3), &mut data(1.0, 4));
+    assert!(s.outbox.is_empty(), "no reply before the round is complete");
+    // A pull in the middle of the round sees the previous value, never a partial sum.
+    s.handle(2, 2, &req(Op::Pull, 3, 4, 4), &mut empty());
+    assert_eq!(replies(&mut s), vec![(2, 4, 0, vec![2.0; 4])]);
+    s.handle(2, 2, &req(Op::PushPull, 3, 4, 5), &mut data(1.0, 4));
+    let r = replies(&mut s);
+    assert_eq!(r.len(), 3);
+    assert_eq!(r[2], (2, 5, 0, vec![3.0; 4]), "ASSIGN of the round's sum");
+    assert_eq!(s.stored(3).unwrap().to_vec::<f32>().unwrap(), vec![3.0; 4]);
+}
+
+#[test]
+fn double_push_in_a_round_is_refused() {
+    let mut s = ServerState::new(2, true);
+    s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
+    s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Push, 1, 2, 3), &mut data(1.0, 2));
+    let r = replies(&mut s);
+    assert_eq!(r[1].2, status::FAILED);
+    s.handle(1, 1, &req(Op::Push, 1, 2, 4), &mut data(5.0, 2));
+    assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![6.0; 2]);
+}
+
+#[test]
+fn optimizer_runs_once_per_round_on_the_sum() {
+    let mut s = ServerState::new(2, true);
+    let words = Optimizer::sgd(0.1).encode();
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let mut p = NDArray::from_slice(&[bytes.len()], &bytes).unwrap();
+    s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut p);
+    s.handle(0, 0, &req(Op::Init, 9, 3, 2), &mut data(0.0, 3));
+    s.handle(0, 0, &req(Op::Push, 9, 3, 3), &mut data(1.0, 3));
+    s.handle(1, 1, &req(Op::Push, 9, 3, 4), &mut data(1.0, 3));
+    let w = s.stored(9).unwrap().to_vec::<f32>().unwrap();
+    assert!(w.iter().all(|&x| (x + 0.2).abs() < 1e-7), "{w:?}");
+}
+
+#[test]
+fn async_applies_each_push_and_needs_an_updater() {
+    let mut s = ServerState::new(2, false);
+    s.handle(0, 0, &req(Op::Init, 4, 2, 1), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Push, 4, 2, 2), &mut data(1.0, 2));
+    let r = replies(&mut s);
+    assert_eq!(r[1].2, status::FAILED);
+    assert_eq!(s.stored(4).unwrap().to_vec::<f32>().unwrap(), vec![1.0; 2]);
+    crate::register_updater("test_async_add", |_, i, st| st.add_assign(i));
+    let mut name = NDArray::from_slice(&[14], b"test_async_add").unwrap();
+    s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 3), &mut name);
+    s.handle(0, 0, &req(Op::Push, 4, 2, 4), &mut data(1.0, 2));
+    s.handle(1, 1, &req(Op::PushPull, 4, 2, 5), &mut data(1.0, 2));
+    let r = replies(&mut s);
+    assert_eq!(r[2], (1, 5, 0, vec![3.0; 2]));
+}
+
+#[test]
+fn bad_requests_get_errors_and_change_nothing() {
+    let mut s = ServerState::new(1, true);
+    s.handle(0, 0, &req(Op::Init, 2, 3, 1), &mut data(7.0, 3));
+    s.handle(0, 0, &req(Op::Init, 2, 3, 2), &mut data(1.0, 3));
+    s.handle(0, 0, &req(Op::Push, 5, 3, 3), &mut data(1.0, 3));
+    s.handle(0, 0, &req(Op::Push, 2, 4, 4), &mut data(1.0, 4));
+    let mut f64push = req(Op::Push, 2, 3, 5);
+    f64push.dtype = DType::F64;
+    s.handle(
+        0,
+        0,
+        &f64push,
+        &mut NDArray::full_dtype(&[3], 1.0, DType::F64),
+    );
+    s.handle(0, 0, &req(Op::Barrier, 2, 3, 6), &mut empty());
+    let codes: Vec<u16> = replies(&mut s).iter().map(|r| r.2).collect();
+    assert_eq!(
+        codes,
+        vec![
+            0,
+            status::DOUBLE_INIT,
+            status::UNKNOWN_KEY,
+            status::MISMATCH,
+            status::MISMATCH,
+            status::FAILED
+        ]
+    );
+    assert_eq!(s.stored(2).unwrap().to_vec::<f32>().unwrap(), vec![7.0; 3]);
+}
+
+#[test]
+fn a_lost_worker_fails_held_and_later_requests() {
+    let mut s = ServerState::new(2, true);
+    s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
+    s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
+    replies(&mut s);
+    s.worker_lost("worker 1 disconnected");
+    assert_eq!(replies(&mut s), vec![(0, 2, status::PEER_LOST, vec![])]);
+    s.handle(0, 0, &req(Op::Pull, 1, 2, 3), &mut empty());
+    assert_eq!(replies(&mut s)[0].2, status::PEER_LOST);
+    assert_eq!(s.failed(), Some("worker 1 disconnected"));
+    assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 2]);
+}
