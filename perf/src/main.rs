@@ -16,11 +16,11 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvstore::NDArray;
+use kvstore_perf::conn::{self, Conn};
 use kvstore_perf::raw::{self, Plan, Results};
 use kvstore_perf::{
     format_size, iperf3_loopback, loopback_stream_bandwidth, parse_size, parse_sizes,
 };
-use kvstore_transport::{ShmListener, ShmPair, TcpPair, Transport};
 
 #[derive(Parser, Debug)]
 #[command(name = "kvperf", about = "Latency and bandwidth of kvstore")]
@@ -423,44 +423,28 @@ fn parent(p: &PushPull) -> Result<(), String> {
     Ok(())
 }
 
-fn connect(a: &RawArgs, server: bool) -> Result<Box<dyn Transport>, String> {
+fn connect(a: &RawArgs, server: bool) -> Result<Conn, String> {
     let timeout = Duration::from_secs_f64(a.timeout);
     let name = a.port.to_string();
     match (a.transport, server) {
         (TransportKind::Rdma, _) => Err(NO_RDMA.into()),
-        (TransportKind::Tcp, true) => {
-            let l = std::net::TcpListener::bind(("0.0.0.0", a.port))
-                .map_err(|e| format!("port {}: {e}", a.port))?;
-            Ok(Box::new(TcpPair::accept(&l).map_err(|e| e.to_string())?))
-        }
+        (TransportKind::Tcp, true) => Conn::accept(conn::tcp_server(a.port)?, timeout),
         (TransportKind::Tcp, false) => {
             let host = a.host.clone().unwrap_or_else(|| "127.0.0.1".into());
             let addr = std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), a.port))
                 .map_err(|e| format!("{host}: {e}"))?
                 .next()
                 .ok_or_else(|| format!("{host} has no address"))?;
-            let t = TcpPair::connect(addr, timeout)
-                .map_err(|e| format!("connecting to {addr}: {e}"))?;
-            Ok(Box::new(t))
+            conn::tcp_client(addr, timeout)
         }
-        (TransportKind::Shm, true) => {
-            let l = ShmListener::bind(&name).map_err(|e| format!("shm name {name}: {e}"))?;
-            Ok(Box::new(l.accept().map_err(|e| e.to_string())?))
-        }
+        (TransportKind::Shm, true) => Conn::accept(conn::shm_server(&name)?, timeout),
         (TransportKind::Shm, false) => {
             if let Some(h) = &a.host {
                 if !matches!(h.as_str(), "localhost" | "127.0.0.1" | "::1") {
                     return Err(format!("shm reaches peers on this host only, not {h}"));
                 }
             }
-            let cfg = kvstore_shm::ChannelConfig {
-                ring_slots: 256,
-                page_size: 64 * 1024,
-                pages: 8192,
-            };
-            let t = ShmPair::connect(&name, cfg, timeout)
-                .map_err(|e| format!("shm name {name}: {e}"))?;
-            Ok(Box::new(t))
+            conn::shm_client(&name, timeout)
         }
     }
 }
@@ -483,8 +467,8 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
     }
     let timeout = Duration::from_secs_f64(a.timeout);
     if a.server {
-        let mut t = connect(a, true)?;
-        return raw::server(t.as_mut(), timeout);
+        let mut c = connect(a, true)?;
+        return raw::server(&mut c, timeout);
     }
     let mut a = a.clone();
     let mut local = None;
@@ -525,9 +509,9 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
         warmup: a.warmup,
         window: a.window,
     };
-    let result = connect(&a, false).and_then(|mut t| {
-        let name = t.name();
-        raw::client(t.as_mut(), &plan, timeout).map(|r| (name, r))
+    let result = connect(&a, false).and_then(|mut c| {
+        let name = c.name();
+        raw::client(&mut c, &plan, timeout).map(|r| (name, r))
     });
     if let Some(mut c) = local {
         if result.is_err() {

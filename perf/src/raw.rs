@@ -8,7 +8,9 @@
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kvstore_transport::{Event, RegionHandle, Transport, TransportError};
+use kvstore_transport::{Region, RemoteRegion};
+
+use crate::conn::{Conn, Event};
 
 const PLAN: u64 = 1;
 const HANDLE: u64 = 2;
@@ -102,10 +104,6 @@ pub enum Results {
     Bw(Vec<BwRow>),
 }
 
-fn e(x: TransportError) -> String {
-    x.to_string()
-}
-
 /// Bytes of the region a side exposes for `write` mode: room for `slots` messages.
 fn region_slots(plan: &Plan, size: usize) -> usize {
     let max_bytes = 256usize << 20;
@@ -117,77 +115,99 @@ fn region_slots(plan: &Plan, size: usize) -> usize {
     want.min((max_bytes / size.max(1)).max(1))
 }
 
-fn exchange_handles(
-    t: &mut dyn Transport,
+/// Memory for one size: the source of sends and puts, and (in `write` mode) a region granted
+/// to the peer and the peer's grant.
+struct Bufs {
+    src: Region,
+    mine: Option<RemoteRegion>,
+    _landing: Option<Region>,
+    remote: Option<RemoteRegion>,
+}
+
+fn setup(
+    c: &mut Conn,
     plan: &Plan,
     size: usize,
+    salt: u8,
     timeout: Duration,
-) -> Result<(RegionHandle, RegionHandle), String> {
-    let mine = t
-        .expose(size.max(1) * region_slots(plan, size))
-        .map_err(e)?;
-    t.send(HANDLE, &mine.to_bytes(), Instant::now() + timeout)
-        .map_err(e)?;
-    let mut b = [0u8; 16];
-    match t.recv(&mut b, Instant::now() + timeout).map_err(e)? {
-        Event::Message {
-            tag: HANDLE,
-            len: 16,
-        } => Ok((
-            mine,
-            RegionHandle::from_bytes(&b).ok_or("bad region handle")?,
-        )),
+) -> Result<Bufs, String> {
+    let src = c.alloc(size)?;
+    let bytes: Vec<u8> = (0..size).map(|i| i as u8 ^ salt).collect();
+    // SAFETY: fresh memory, not yet sent or granted.
+    unsafe { src.write(0, &bytes) }.map_err(|e| e.to_string())?;
+    if plan.mode != "write" {
+        return Ok(Bufs {
+            src,
+            mine: None,
+            _landing: None,
+            remote: None,
+        });
+    }
+    let landing = c.alloc(size.max(1) * region_slots(plan, size))?;
+    let mine = c.grant(&landing)?;
+    c.send(HANDLE, &mine.to_bytes(), None, Instant::now() + timeout)?;
+    match c.recv(Instant::now() + timeout)? {
+        Event::Msg {
+            tag: HANDLE, body, ..
+        } => Ok(Bufs {
+            src,
+            mine: Some(mine),
+            _landing: Some(landing),
+            remote: Some(RemoteRegion::from_bytes(&body).ok_or("bad region handle")?),
+        }),
         other => Err(format!("expected a region handle, got {other:?}")),
     }
 }
 
-/// Sends `size` bytes one way: a message, or a put into slot `slot` of the peer's region.
-fn one(
-    t: &mut dyn Transport,
-    plan: &Plan,
-    remote: Option<RegionHandle>,
-    data: &[u8],
-    slot: usize,
-    deadline: Instant,
-) -> Result<(), String> {
-    match remote {
-        Some(r) if plan.mode == "write" => {
-            t.put(r, slot * data.len(), data, DATA, deadline).map_err(e)
+impl Bufs {
+    /// After the size's last exchange (both sides drained their operations before it).
+    fn release(self, c: &mut Conn) {
+        if let Some(g) = &self.mine {
+            c.forget(g);
         }
-        _ => t.send(DATA, data, deadline).map_err(e),
     }
 }
 
-fn expect_data(t: &mut dyn Transport, buf: &mut [u8], deadline: Instant) -> Result<(), String> {
-    match t.recv(buf, deadline).map_err(e)? {
-        Event::Message { tag: DATA, .. } | Event::Put { imm: DATA, .. } => Ok(()),
+/// Sends `size` bytes one way: a message with data, or a put into slot `slot` of the peer's
+/// region.
+fn one(c: &mut Conn, b: &Bufs, size: usize, slot: usize, deadline: Instant) -> Result<(), String> {
+    match &b.remote {
+        Some(r) => c.put(&b.src, 0..size, r, slot * size, DATA as u32, deadline),
+        None => c.send(DATA, &[], Some((&b.src, 0..size)), deadline),
+    }
+}
+
+fn expect_data(c: &mut Conn, deadline: Instant) -> Result<(), String> {
+    match c.recv(deadline)? {
+        Event::Msg { tag: DATA, .. } => Ok(()),
+        Event::Put { imm, .. } if imm as u64 == DATA => Ok(()),
         other => Err(format!("expected data, got {other:?}")),
     }
 }
 
-fn expect_ack(t: &mut dyn Transport, deadline: Instant) -> Result<(), String> {
-    let mut b = [0u8; 8];
-    match t.recv(&mut b, deadline).map_err(e)? {
-        Event::Message { tag: ACK, .. } => Ok(()),
+fn expect_ack(c: &mut Conn, deadline: Instant) -> Result<(), String> {
+    match c.recv(deadline)? {
+        Event::Msg { tag: ACK, .. } => Ok(()),
         other => Err(format!("expected an ack, got {other:?}")),
     }
 }
 
+fn ack(c: &mut Conn, what: &[u8], timeout: Duration) -> Result<(), String> {
+    c.send(ACK, what, None, Instant::now() + timeout)
+}
+
 /// The client side: runs the plan against a connected server.
-pub fn client(t: &mut dyn Transport, plan: &Plan, timeout: Duration) -> Result<Results, String> {
-    t.send(PLAN, plan.encode().as_bytes(), Instant::now() + timeout)
-        .map_err(e)?;
+pub fn client(c: &mut Conn, plan: &Plan, timeout: Duration) -> Result<Results, String> {
+    c.send(
+        PLAN,
+        plan.encode().as_bytes(),
+        None,
+        Instant::now() + timeout,
+    )?;
     let mut lat = Vec::new();
     let mut bw = Vec::new();
     for &size in &plan.sizes {
-        let (mine, remote) = if plan.mode == "write" {
-            let (m, r) = exchange_handles(t, plan, size, timeout)?;
-            (Some(m), Some(r))
-        } else {
-            (None, None)
-        };
-        let data: Vec<u8> = (0..size).map(|i| i as u8).collect();
-        let mut buf = vec![0u8; size.max(8)];
+        let bufs = setup(c, plan, size, 0, timeout)?;
         let slots = region_slots(plan, size);
         let timed = |i: usize, start: Instant| {
             if plan.iters > 0 {
@@ -200,20 +220,21 @@ pub fn client(t: &mut dyn Transport, plan: &Plan, timeout: Duration) -> Result<R
             let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
                 .map_err(|x| x.to_string())?;
             for _ in 0..plan.warmup {
-                one(t, plan, remote, &data, 0, Instant::now() + timeout)?;
-                expect_data(t, &mut buf, Instant::now() + timeout)?;
+                one(c, &bufs, size, 0, Instant::now() + timeout)?;
+                expect_data(c, Instant::now() + timeout)?;
             }
             let start = Instant::now();
             let mut n = 0;
             while timed(n, start) {
                 let t0 = Instant::now();
-                one(t, plan, remote, &data, 0, t0 + timeout)?;
-                expect_data(t, &mut buf, t0 + timeout)?;
+                one(c, &bufs, size, 0, t0 + timeout)?;
+                expect_data(c, t0 + timeout)?;
                 let half = (t0.elapsed().as_nanos() as u64 / 2).max(1);
                 h.record(half).map_err(|x| x.to_string())?;
                 n += 1;
             }
-            t.send(ACK, b"end", Instant::now() + timeout).map_err(e)?;
+            c.drain(Instant::now() + timeout)?;
+            ack(c, b"end", timeout)?;
             let us = |ns: u64| ns as f64 / 1000.0;
             lat.push(LatRow {
                 size,
@@ -234,37 +255,38 @@ pub fn client(t: &mut dyn Transport, plan: &Plan, timeout: Duration) -> Result<R
                 usize::MAX
             });
             for i in 0..plan.warmup {
-                one(t, plan, remote, &data, i % slots, Instant::now() + timeout)?;
+                one(c, &bufs, size, i % slots, Instant::now() + timeout)?;
                 if (i + 1) % window == 0 {
-                    expect_ack(t, Instant::now() + timeout)?;
+                    expect_ack(c, Instant::now() + timeout)?;
                 }
             }
             if plan.warmup % window != 0 {
                 // A short last window: the flush makes the server ack and count afresh.
-                t.send(ACK, b"flush", Instant::now() + timeout).map_err(e)?;
-                expect_ack(t, Instant::now() + timeout)?;
+                ack(c, b"flush", timeout)?;
+                expect_ack(c, Instant::now() + timeout)?;
             }
             let start = Instant::now();
             let mut n = 0;
             loop {
                 let more = timed(n, start);
                 if more {
-                    one(t, plan, remote, &data, n % slots, Instant::now() + timeout)?;
+                    one(c, &bufs, size, n % slots, Instant::now() + timeout)?;
                     n += 1;
                 }
                 if n > 0 && (n % window == 0 || !more) {
                     if !more {
                         // Tell the server the last window is short: it acks on this message.
-                        t.send(ACK, b"flush", Instant::now() + timeout).map_err(e)?;
+                        ack(c, b"flush", timeout)?;
                     }
-                    expect_ack(t, Instant::now() + timeout)?;
+                    expect_ack(c, Instant::now() + timeout)?;
                 }
                 if !more {
                     break;
                 }
             }
             let secs = start.elapsed().as_secs_f64();
-            t.send(ACK, b"end", Instant::now() + timeout).map_err(e)?;
+            c.drain(Instant::now() + timeout)?;
+            ack(c, b"end", timeout)?;
             bw.push(BwRow {
                 size,
                 iters: n,
@@ -272,10 +294,8 @@ pub fn client(t: &mut dyn Transport, plan: &Plan, timeout: Duration) -> Result<R
                 msgs_per_s: n as f64 / secs,
             });
         }
-        expect_ack(t, Instant::now() + timeout)?;
-        if let Some(m) = mine {
-            t.release(m).map_err(e)?;
-        }
+        expect_ack(c, Instant::now() + timeout)?;
+        bufs.release(c);
     }
     Ok(if plan.test == "lat" {
         Results::Lat(lat)
@@ -285,21 +305,15 @@ pub fn client(t: &mut dyn Transport, plan: &Plan, timeout: Duration) -> Result<R
 }
 
 /// The server side: follows the client's plan until it is done.
-pub fn server(t: &mut dyn Transport, timeout: Duration) -> Result<(), String> {
-    let mut pb = vec![0u8; 4096];
-    let plan = match t.recv(&mut pb, Instant::now() + timeout).map_err(e)? {
-        Event::Message { tag: PLAN, len } => Plan::decode(&String::from_utf8_lossy(&pb[..len]))?,
+pub fn server(c: &mut Conn, timeout: Duration) -> Result<(), String> {
+    let plan = match c.recv(Instant::now() + timeout)? {
+        Event::Msg {
+            tag: PLAN, body, ..
+        } => Plan::decode(&String::from_utf8_lossy(&body))?,
         other => return Err(format!("expected a plan, got {other:?}")),
     };
     for &size in &plan.sizes {
-        let (mine, remote) = if plan.mode == "write" {
-            let (m, r) = exchange_handles(t, &plan, size, timeout)?;
-            (Some(m), Some(r))
-        } else {
-            (None, None)
-        };
-        let data: Vec<u8> = (0..size).map(|i| (i as u8) ^ 0x5a).collect();
-        let mut buf = vec![0u8; size.max(8)];
+        let bufs = setup(c, &plan, size, 0x5a, timeout)?;
         let window = plan.window.max(1).min(if plan.mode == "write" {
             region_slots(&plan, size)
         } else {
@@ -308,30 +322,31 @@ pub fn server(t: &mut dyn Transport, timeout: Duration) -> Result<(), String> {
         let mut got = 0usize;
         loop {
             // The client may pause between sizes; a peer gone is still seen within `timeout`.
-            let ev = t.recv(&mut buf, Instant::now() + timeout).map_err(e)?;
-            match ev {
-                Event::Message { tag: DATA, .. } | Event::Put { imm: DATA, .. } => {
+            match c.recv(Instant::now() + timeout)? {
+                ev @ (Event::Msg { tag: DATA, .. } | Event::Put { .. }) => {
+                    if matches!(ev, Event::Put { imm, .. } if imm as u64 != DATA) {
+                        return Err(format!("unexpected {ev:?}"));
+                    }
                     got += 1;
                     if plan.test == "lat" {
-                        one(t, &plan, remote, &data, 0, Instant::now() + timeout)?;
+                        one(c, &bufs, size, 0, Instant::now() + timeout)?;
                     } else if got % window == 0 {
-                        t.send(ACK, b"", Instant::now() + timeout).map_err(e)?;
+                        ack(c, b"", timeout)?;
                     }
                 }
-                Event::Message { tag: ACK, len } if &buf[..len] == b"flush" => {
+                Event::Msg { tag: ACK, body, .. } if body == b"flush" => {
                     got = 0;
-                    t.send(ACK, b"", Instant::now() + timeout).map_err(e)?;
+                    ack(c, b"", timeout)?;
                 }
-                Event::Message { tag: ACK, len } if &buf[..len] == b"end" => {
-                    t.send(ACK, b"", Instant::now() + timeout).map_err(e)?;
+                Event::Msg { tag: ACK, body, .. } if body == b"end" => {
+                    c.drain(Instant::now() + timeout)?;
+                    ack(c, b"", timeout)?;
                     break;
                 }
                 other => return Err(format!("unexpected {other:?}")),
             }
         }
-        if let Some(m) = mine {
-            t.release(m).map_err(e)?;
-        }
+        bufs.release(c);
     }
     Ok(())
 }

@@ -218,6 +218,17 @@ impl Channel {
         Ok(false)
     }
 
+    /// Posts a descriptor if the ring has room (`Ok(false)` if it is full) without waking the
+    /// peer: a chain of posts is followed by one [`Channel::wake_peer`].
+    pub fn try_post(&self, slot: &[u8]) -> Result<bool, ShmError> {
+        self.tx.try_push(slot)
+    }
+
+    /// Wakes the peer if it sleeps (after [`Channel::try_post`]).
+    pub fn wake_peer(&self) -> Result<(), ShmError> {
+        self.tx_wake.notify()
+    }
+
     /// Whether a descriptor is waiting.
     pub fn rx_pending(&self) -> bool {
         !self.rx.is_empty()

@@ -190,6 +190,24 @@ impl Pool {
         Ok(())
     }
 
+    /// Checks that `len` bytes at `offset` (anywhere, not only on page boundaries) lie inside
+    /// the pool, on allocated pages: a part of a region, named by a peer.
+    pub fn check_span(&self, offset: usize, len: usize) -> Result<(), ShmError> {
+        let bad = || ShmError::OutOfBounds(format!("bytes {offset}+{len} outside the pool"));
+        let rel = offset.checked_sub(self.pages).ok_or_else(bad)?;
+        let end = rel.checked_add(len.max(1)).ok_or_else(bad)?;
+        let (p, q) = (rel / self.page, (end - 1) / self.page);
+        if q >= self.npages {
+            return Err(bad());
+        }
+        for x in p..=q {
+            if !self.is_set(x)? {
+                return Err(ShmError::NotAllocated { offset, len });
+            }
+        }
+        Ok(())
+    }
+
     /// Frees a region (from any process). Freeing pages that are not allocated is refused.
     pub fn free(&self, r: Region) -> Result<(), ShmError> {
         let (p, n) = self.pages_of(r)?;
@@ -219,6 +237,23 @@ mod tests {
         let seg =
             Arc::new(Segment::create("pool", Pool::bytes_needed(npages, 4096) + 4096).unwrap());
         Pool::new(seg, 4096, npages, 4096).unwrap()
+    }
+
+    #[test]
+    fn a_span_inside_allocated_pages_passes_and_others_do_not() {
+        let p = pool(8);
+        let a = p.alloc(2 * 4096).unwrap();
+        p.check_span(a.offset + 100, 8000).unwrap();
+        assert!(
+            p.check_span(a.offset + 100, 8100).is_err(),
+            "into a free page"
+        );
+        assert!(p.check_span(a.offset - 1, 2).is_err(), "before the pages");
+        assert!(
+            p.check_span(a.offset + 8 * 4096, 1).is_err(),
+            "past the pool"
+        );
+        assert!(p.check_span(usize::MAX - 2, 10).is_err(), "overflow");
     }
 
     #[test]

@@ -1,30 +1,29 @@
-//! Message transports for kvstore.
+//! Transports for kvstore: one interface, [`Backend`], shaped by RDMA verbs, and its backends.
 //!
-//! A transport moves *messages*: a fixed-size header (whose meaning belongs to the protocol
-//! above) followed by a payload of bytes that is read straight into the buffer its receiver
-//! names and written with vectored I/O straight from the buffer its sender names. It knows
-//! nothing of keys or tensors.
+//! A backend moves *messages* (a small body, and data lent to the receiver) and *puts* (bytes
+//! written straight into memory the peer granted, notified with a 32-bit immediate) between
+//! the processes of a job. It knows nothing of keys or tensors.
 //!
-//! - [`frame`]: the fixed frame header (magic, version, payload length, protocol metadata) and
-//!   its validation.
-//! - [`tcp`]: non-blocking framed connections on mio: an incremental frame reader that asks its
-//!   sink where each payload goes, an output queue flushed with `writev`, and blocking helpers
-//!   for control-plane connections.
-//! - [`Transport`]: one interface for a connected pair of processes, shaped by what RDMA
-//!   offers (two-sided messages, and one-sided puts into a region the peer exposed, completed by
-//!   a notification carrying an immediate value), implemented by [`TcpPair`] and [`ShmPair`]
-//!   and tested by one conformance suite.
+//! - [`backend`]: the interface: registered memory, grants, messages, puts, completions, and
+//!   sleeping on several backends at once ([`wait`]).
+//! - [`tcp`]: framing on TCP ([`frame`], an incremental reader, a `writev` queue) and
+//!   [`TcpBackend`].
+//! - [`shm`]: [`ShmBackend`], on the shared-memory primitives of `kvstore-shm`.
+//!
+//! One conformance suite (`tests/conformance.rs`) runs over every backend.
 #![deny(missing_docs)]
 
-mod api;
+pub mod backend;
 mod error;
 pub mod frame;
-mod pair_shm;
-mod pair_tcp;
+pub mod shm;
 pub mod tcp;
 
-pub use api::{Event, RegionHandle, Transport};
+pub use backend::{
+    wait, Backend, Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Storage, Token,
+    REMOTE_LEN,
+};
 pub use error::TransportError;
 pub use frame::{FrameHeader, HEADER_LEN, META_LEN};
-pub use pair_shm::{ShmListener, ShmPair};
-pub use pair_tcp::TcpPair;
+pub use shm::{PeerProcess, ShmBackend, ShmConfig};
+pub use tcp::TcpBackend;

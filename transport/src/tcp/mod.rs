@@ -4,10 +4,12 @@
 //! allocates nothing per message once its buffers have grown. The blocking side ([`blocking`])
 //! serves control-plane connections (rendezvous, barriers) with timeouts on every wait.
 
+mod backend;
 pub mod blocking;
 mod reader;
 mod writer;
 
+pub use backend::{TcpBackend, MAX_BODY};
 pub use reader::{FrameReader, FrameSink};
 pub use writer::OutQueue;
 

@@ -1,0 +1,547 @@
+//! The one interface every medium implements, shaped by RDMA verbs.
+//!
+//! A [`Backend`] serves many peers from one thread. Its operations are posted, never waited
+//! for: each one that names a [`Token`] completes exactly once, later, in
+//! [`Backend::progress`], as [`Completion::Done`] or [`Completion::Failed`]. Between progress
+//! calls a loop sleeps on [`Backend::fd`] after [`Backend::arm`] said nothing is pending
+//! ([`wait`] does both, for several backends at once), so no wake-up is missed.
+//!
+//! - **Registered memory** ([`Region`]) holds its [`Storage`] alive through an `Arc`.
+//! - **Grants** ([`RemoteRegion`], 32 bytes) name a range of a region for one peer to put into.
+//!   [`Backend::revoke`] completes only once that peer can no longer write there.
+//! - **Two-sided messages**: a small body, optionally with a range of a region as data. The
+//!   receiver gets the body in place and the data lent ([`Lent`]); over shared memory, data from
+//!   a region of [`Backend::alloc`] is not copied at all, and the receiver's release is the
+//!   sender's completion. A full link answers [`Sent::WouldBlock`].
+//! - **One-sided puts** into a granted range, notified at the receiver with a 32-bit immediate
+//!   (RDMA's WRITE_WITH_IMM), posted in chains and pushed out by [`Backend::flush`].
+
+use std::fmt;
+use std::ops::Range;
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::TransportError;
+
+/// A peer of a backend, as that backend numbers it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u32);
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "peer {}", self.0)
+    }
+}
+
+/// The caller's name for a posted operation, handed back when it completes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Token(pub u64);
+
+/// Memory a backend may read and write on the caller's behalf.
+///
+/// # Safety
+/// [`Storage::ptr`] addresses [`Storage::len`] bytes that stay valid for reads and writes, at the
+/// same address, for as long as the value lives, and that no Rust reference covers while a
+/// backend reads or writes them (the caller's side of [`Backend::grant`], [`Backend::send`] and
+/// [`Backend::put`]).
+pub unsafe trait Storage: Send + Sync + 'static {
+    /// The first byte.
+    fn ptr(&self) -> *mut u8;
+    /// The length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the length is zero.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Plain heap memory, 64-byte aligned and zeroed, for a backend to read and write. It hands
+/// out no slices (a peer may be writing it); bytes go in and out by copy.
+pub struct Mem {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+const MEM_ALIGN: usize = 64;
+
+impl Mem {
+    /// `len` zeroed bytes.
+    pub fn zeroed(len: usize) -> Arc<Mem> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), MEM_ALIGN)
+            .expect("a length that fits a layout");
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr =
+            std::ptr::NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Arc::new(Mem { ptr, len })
+    }
+
+    /// `data`, copied into new memory.
+    pub fn from_bytes(data: &[u8]) -> Arc<Mem> {
+        let m = Mem::zeroed(data.len());
+        m.write(0, data);
+        m
+    }
+
+    /// Copies `src` in at `off` (panics out of bounds).
+    pub fn write(&self, off: usize, src: &[u8]) {
+        assert!(off.checked_add(src.len()).is_some_and(|e| e <= self.len));
+        // SAFETY: in bounds (checked); `src` is the caller's own memory, which cannot overlap
+        // this allocation while `self` is borrowed; no reference to these bytes exists.
+        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) }
+    }
+
+    /// Copies bytes out from `off` (panics out of bounds).
+    pub fn read(&self, off: usize, dst: &mut [u8]) {
+        assert!(off.checked_add(dst.len()).is_some_and(|e| e <= self.len));
+        // SAFETY: as in `write`, in the other direction.
+        unsafe { std::ptr::copy(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// All the bytes, copied.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        self.read(0, &mut v);
+        v
+    }
+}
+
+impl Drop for Mem {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.len.max(1), MEM_ALIGN)
+            .expect("the layout it was made with");
+        // SAFETY: allocated in `zeroed` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+// SAFETY: `Mem` owns its allocation, which does not move and lives until `drop`; it hands out
+// no references, so the bytes are reached only through `ptr` and copies.
+unsafe impl Storage for Mem {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: the allocation is owned and reached only through raw copies (see `Storage`).
+unsafe impl Send for Mem {}
+// SAFETY: as above; `&Mem` gives no references into the bytes.
+unsafe impl Sync for Mem {}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh number, unique in this process (backend and region identities).
+pub(crate) fn fresh_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Where a region's bytes lie, as its backend knows them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// Private memory of this process.
+    Local,
+    /// Pages of the backend's shared pool, at this offset of its segment.
+    Pool(usize),
+}
+
+/// Memory registered with one backend. Clones share the registration; the storage lives as long
+/// as any clone (and any operation that uses it).
+#[derive(Clone)]
+pub struct Region {
+    pub(crate) id: u64,
+    pub(crate) backend: u64,
+    pub(crate) mem: Arc<dyn Storage>,
+    pub(crate) place: Place,
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.id)
+            .field("len", &self.len())
+            .field("place", &self.place)
+            .finish()
+    }
+}
+
+impl Region {
+    pub(crate) fn new(backend: u64, mem: Arc<dyn Storage>, place: Place) -> Region {
+        Region {
+            id: fresh_id(),
+            backend,
+            mem,
+            place,
+        }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The storage it holds alive.
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.mem
+    }
+
+    /// Whether a peer can read it in place (pages of a shared pool: sent without a copy).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.place, Place::Pool(_))
+    }
+
+    /// Copies bytes out, from `off`.
+    ///
+    /// # Safety
+    /// No peer writes the range meanwhile (it is not granted, or the protocol above says the
+    /// peer is done with it).
+    pub unsafe fn read(&self, off: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.check(off, dst.len())?;
+        // SAFETY: in bounds; the storage is valid (its contract); no peer writes (ours).
+        unsafe { std::ptr::copy(self.mem.ptr().add(off), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` in, at `off`.
+    ///
+    /// # Safety
+    /// No backend reads or writes the range meanwhile (no send or put from it is in flight, and
+    /// it is not granted).
+    pub unsafe fn write(&self, off: usize, src: &[u8]) -> Result<(), TransportError> {
+        self.check(off, src.len())?;
+        // SAFETY: in bounds; valid storage; nothing else touches the range (ours).
+        unsafe { std::ptr::copy(src.as_ptr(), self.mem.ptr().add(off), src.len()) };
+        Ok(())
+    }
+
+    pub(crate) fn check(&self, off: usize, len: usize) -> Result<(), TransportError> {
+        if off.checked_add(len).is_none_or(|e| e > self.len()) {
+            return Err(TransportError::Refused(format!(
+                "{len} bytes at {off} are outside a region of {}",
+                self.len()
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_range(&self, r: &Range<usize>) -> Result<(), TransportError> {
+        if r.start > r.end {
+            return Err(TransportError::Refused(format!("an inverted range {r:?}")));
+        }
+        self.check(r.start, r.end - r.start)
+    }
+}
+
+/// The size of a [`RemoteRegion`] on the wire.
+pub const REMOTE_LEN: usize = 32;
+
+/// A range of a peer's memory granted to this process: what it needs to put there (a grant
+/// number, an address or offset, a length), in [`REMOTE_LEN`] bytes to send in a message.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRegion {
+    pub(crate) kind: u32,
+    pub(crate) id: u64,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+}
+
+impl fmt::Debug for RemoteRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "grant {} ({} bytes)", self.id, self.len)
+    }
+}
+
+impl RemoteRegion {
+    /// The grant's number, which its owner sees in [`Completion::Put`].
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its bytes, to send.
+    pub fn to_bytes(&self) -> [u8; REMOTE_LEN] {
+        let mut b = [0u8; REMOTE_LEN];
+        b[0..4].copy_from_slice(&self.kind.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes [`RemoteRegion::to_bytes`]; `None` if `b` is short. What it names is checked
+    /// when it is used, never trusted.
+    pub fn from_bytes(b: &[u8]) -> Option<RemoteRegion> {
+        let u = |r: Range<usize>| Some(u64::from_le_bytes(b.get(r)?.try_into().ok()?));
+        Some(RemoteRegion {
+            kind: u32::from_le_bytes(b.get(0..4)?.try_into().ok()?),
+            id: u(8..16)?,
+            addr: u(16..24)?,
+            len: u(24..32)?,
+        })
+    }
+}
+
+/// Data lent by a backend for the length of a callback: the bytes a message carried. Over
+/// shared memory they may lie in the sender's pages, so they are read by copy, or through a raw
+/// pointer, never as a slice.
+pub struct Lent<'a> {
+    ptr: *const u8,
+    len: usize,
+    _life: std::marker::PhantomData<&'a [u8]>,
+}
+
+impl<'a> Lent<'a> {
+    pub(crate) fn new(ptr: *const u8, len: usize) -> Lent<'a> {
+        Lent {
+            ptr,
+            len,
+            _life: std::marker::PhantomData,
+        }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first byte, valid for reads of [`Lent::len`] bytes during the callback.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// Copies `dst.len()` bytes out, from `off`.
+    pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        if off.checked_add(dst.len()).is_none_or(|e| e > self.len) {
+            return Err(TransportError::Refused(format!(
+                "{} bytes at {off} of {} lent",
+                dst.len(),
+                self.len
+            )));
+        }
+        // SAFETY: in bounds of what the backend lent, valid for the callback (`'a`); a copy, so
+        // no reference covers bytes the sender might write.
+        unsafe { std::ptr::copy(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// All the bytes, copied.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        let _ = self.read(0, &mut v);
+        v
+    }
+}
+
+/// Whether a send or put was taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Sent {
+    /// Posted; it completes in a later [`Backend::progress`].
+    Posted,
+    /// The link is full: nothing was posted; try again after progress.
+    WouldBlock,
+}
+
+/// What [`Backend::progress`] reports.
+pub enum Completion<'a> {
+    /// A peer connected to this backend's listener.
+    Connected {
+        /// Its number.
+        peer: PeerId,
+    },
+    /// A two-sided message.
+    Recv {
+        /// From whom.
+        peer: PeerId,
+        /// Its body, lent in place.
+        body: &'a [u8],
+        /// Its data, if it had any.
+        data: Option<Lent<'a>>,
+    },
+    /// A peer put `len` bytes at `offset` into the range granted as `grant`, and they are in
+    /// place.
+    Put {
+        /// From whom.
+        peer: PeerId,
+        /// The grant's number ([`RemoteRegion::id`]).
+        grant: u64,
+        /// Where in the granted range.
+        offset: usize,
+        /// How many bytes.
+        len: usize,
+        /// The sender's immediate.
+        imm: u32,
+    },
+    /// A posted operation is complete: its memory is the caller's again.
+    Done(Token),
+    /// A posted operation failed.
+    Failed(Token, TransportError),
+    /// A peer is gone; every operation it had pending fails.
+    Lost {
+        /// Which.
+        peer: PeerId,
+        /// Why.
+        error: TransportError,
+    },
+}
+
+impl fmt::Debug for Completion<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Completion::Connected { peer } => write!(f, "Connected({peer})"),
+            Completion::Recv { peer, body, data } => write!(
+                f,
+                "Recv({peer}, {} byte body, {:?} bytes of data)",
+                body.len(),
+                data.as_ref().map(|d| d.len())
+            ),
+            Completion::Put {
+                peer,
+                grant,
+                offset,
+                len,
+                imm,
+            } => write!(
+                f,
+                "Put({peer}, grant {grant}, {len} at {offset}, imm {imm})"
+            ),
+            Completion::Done(t) => write!(f, "Done({})", t.0),
+            Completion::Failed(t, e) => write!(f, "Failed({}, {e})", t.0),
+            Completion::Lost { peer, error } => write!(f, "Lost({peer}, {error})"),
+        }
+    }
+}
+
+/// A transport for many peers, driven from one thread. See the module documentation.
+pub trait Backend: Send {
+    /// `"tcp"` or `"shm"`.
+    fn name(&self) -> &'static str;
+
+    /// The largest message body.
+    fn max_body(&self) -> usize;
+
+    /// Registers memory for sends, puts and grants.
+    fn register(&mut self, mem: Arc<dyn Storage>) -> Result<Region, TransportError>;
+
+    /// New zeroed memory that this medium moves best: over shared memory, pool pages a peer
+    /// reads in place.
+    fn alloc(&mut self, len: usize) -> Result<Region, TransportError>;
+
+    /// Grants `peer` the right to put into `range` of `r`.
+    ///
+    /// # Safety
+    /// Until the grant is revoked (its token done) or forgotten, the caller reads the range only
+    /// after a [`Completion::Put`] into it and before the protocol above lets the peer write
+    /// again, and never writes it.
+    unsafe fn grant(
+        &mut self,
+        peer: PeerId,
+        r: &Region,
+        range: Range<usize>,
+    ) -> Result<RemoteRegion, TransportError>;
+
+    /// Fences a grant: `token` completes once `peer` can no longer write there (done), or fails
+    /// if that cannot be known (a peer that closed its socket but still lives); the backend
+    /// then keeps the memory alive for good.
+    fn revoke(
+        &mut self,
+        peer: PeerId,
+        grant: &RemoteRegion,
+        token: Token,
+    ) -> Result<(), TransportError>;
+
+    /// Drops a grant without a fence, for a protocol in which the peer puts into it once and
+    /// that put has been seen.
+    fn forget(&mut self, peer: PeerId, grant: &RemoteRegion);
+
+    /// Sends `body` (at most [`Backend::max_body`] bytes) and, optionally, `data` with a token
+    /// that completes when the data's memory is the caller's again.
+    ///
+    /// # Safety
+    /// The caller does not write the data's range until its token completes.
+    unsafe fn send(
+        &mut self,
+        peer: PeerId,
+        body: &[u8],
+        data: Option<(&Region, Range<usize>, Token)>,
+    ) -> Result<Sent, TransportError>;
+
+    /// Puts `range` of `src` at `offset` of the peer's granted `dst`, notifying it with `imm`.
+    ///
+    /// # Safety
+    /// The caller does not write `src`'s range until `token` completes.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn put(
+        &mut self,
+        peer: PeerId,
+        src: &Region,
+        range: Range<usize>,
+        dst: &RemoteRegion,
+        offset: usize,
+        imm: u32,
+        token: Token,
+    ) -> Result<Sent, TransportError>;
+
+    /// Pushes out what was posted since the last flush.
+    fn flush(&mut self) -> Result<(), TransportError>;
+
+    /// Before sleeping on [`Backend::fd`]: `false` if there is work already (do not sleep).
+    fn arm(&mut self) -> Result<bool, TransportError>;
+
+    /// The descriptor that becomes readable when there is work for [`Backend::progress`].
+    fn fd(&self) -> BorrowedFd<'_>;
+
+    /// Does what can be done without blocking and reports it; returns how many completions.
+    fn progress(&mut self, on: &mut dyn FnMut(Completion<'_>)) -> Result<usize, TransportError>;
+
+    /// Closes the link to `peer` (its pending operations fail).
+    fn close(&mut self, peer: PeerId);
+}
+
+/// Sleeps until one of `backends` has work or `timeout` passes: arms each, and sleeps only if
+/// all of them said nothing is pending.
+pub fn wait(backends: &mut [&mut dyn Backend], timeout: Duration) -> Result<(), TransportError> {
+    for b in backends.iter_mut() {
+        b.flush()?;
+        if !b.arm()? {
+            return Ok(());
+        }
+    }
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds: Vec<PollFd<'_>> = backends
+        .iter()
+        .map(|b| PollFd::from_borrowed_fd(b.fd(), PollFlags::IN))
+        .collect();
+    let ts = Timespec {
+        tv_sec: timeout.as_secs() as i64,
+        tv_nsec: timeout.subsec_nanos() as i64,
+    };
+    match poll(&mut fds, Some(&ts)) {
+        Ok(_) => Ok(()),
+        Err(e) if e == rustix::io::Errno::INTR => Ok(()),
+        Err(e) => Err(std::io::Error::from(e).into()),
+    }
+}

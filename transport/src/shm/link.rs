@@ -1,0 +1,285 @@
+//! What a shared-memory link is made of: the process's page pool, the descriptors on the
+//! rings, and the handshake that joins two processes over a Unix socket.
+//!
+//! Each process has one pool segment, which every peer maps: data sent by reference and
+//! granted pool pages lie there. Each link has a channel segment (two descriptor rings and
+//! their wake words) made by the connecting side. The handshake passes both pools, the channel
+//! and two eventfd doorbells, and each side tries one cross-memory write into the other (a
+//! canary) to learn whether the host lets it write there.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
+use std::sync::Arc;
+
+use kvstore_shm::{recv_fds, send_fds, Channel, Pool, Segment, SLOT};
+
+use super::PeerProcess;
+use crate::{Storage, TransportError};
+
+/// The handshake's first word.
+pub(super) const HELLO: &str = "kvstore-shm-link-1";
+const POOL_MAGIC: u64 = u64::from_le_bytes(*b"KVSHPOOL");
+/// Where the pool starts in its segment (after a header page).
+pub(super) const POOL_BASE: usize = 4096;
+
+// Descriptor kinds.
+pub(super) const MSG: u8 = 1;
+pub(super) const PUT: u8 = 2;
+pub(super) const RELEASE: u8 = 3;
+pub(super) const REVOKE: u8 = 4;
+pub(super) const REVOKED: u8 = 5;
+pub(super) const CAPS: u8 = 6;
+// Flags.
+pub(super) const HAS_DATA: u8 = 1;
+pub(super) const BODY_IN_POOL: u8 = 2;
+/// The descriptor's fixed part; the rest of the slot carries a small body.
+pub(super) const HEAD: usize = 64;
+/// The largest body carried inside a descriptor.
+pub(super) const INLINE: usize = SLOT - HEAD;
+
+/// A descriptor, decoded. Which fields mean something depends on `kind`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Desc {
+    pub kind: u8,
+    pub flags: u8,
+    /// Body length (MSG) or immediate (PUT).
+    pub word: u32,
+    /// Release sequence (MSG, RELEASE) or grant (PUT, REVOKE, REVOKED).
+    pub id: u64,
+    /// Data offset in the sender's pool (MSG) or offset in the grant (PUT).
+    pub off: u64,
+    /// Data length (MSG, PUT).
+    pub len: u64,
+    /// Body offset in the sender's pool (MSG with BODY_IN_POOL).
+    pub body_off: u64,
+}
+
+impl Desc {
+    pub fn encode(&self, body: &[u8]) -> [u8; SLOT] {
+        let mut d = [0u8; SLOT];
+        d[0] = self.kind;
+        d[1] = self.flags;
+        d[4..8].copy_from_slice(&self.word.to_le_bytes());
+        d[8..16].copy_from_slice(&self.id.to_le_bytes());
+        d[16..24].copy_from_slice(&self.off.to_le_bytes());
+        d[24..32].copy_from_slice(&self.len.to_le_bytes());
+        d[32..40].copy_from_slice(&self.body_off.to_le_bytes());
+        let n = body.len().min(INLINE);
+        d[HEAD..HEAD + n].copy_from_slice(&body[..n]);
+        d
+    }
+
+    pub fn decode(d: &[u8; SLOT]) -> Desc {
+        let u = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&d[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        Desc {
+            kind: d[0],
+            flags: d[1],
+            word: u32::from_le_bytes([d[4], d[5], d[6], d[7]]),
+            id: u(8),
+            off: u(16),
+            len: u(24),
+            body_off: u(32),
+        }
+    }
+}
+
+/// A process's page pool, in a segment with a header that peers check when they map it.
+pub(super) fn create_pool(
+    name: &str,
+    pages: usize,
+    page: usize,
+) -> Result<(Arc<Segment>, Arc<Pool>), TransportError> {
+    let seg = Arc::new(Segment::create(
+        &format!("{name}-pool"),
+        POOL_BASE + Pool::bytes_needed(pages, page),
+    )?);
+    for (i, w) in [POOL_MAGIC, pages as u64, page as u64].iter().enumerate() {
+        seg.write(i * 8, &w.to_le_bytes())?;
+    }
+    let pool = Arc::new(Pool::new(seg.clone(), POOL_BASE, pages, page)?);
+    Ok((seg, pool))
+}
+
+/// A peer's pool, from its descriptor: its header is checked, and its size bounded by the
+/// mapping.
+pub(super) fn attach_pool(fd: OwnedFd) -> Result<(Arc<Segment>, Pool), TransportError> {
+    let seg = Arc::new(Segment::from_fd(fd)?);
+    let mut w = [0u8; 24];
+    seg.read(0, &mut w)?;
+    let word = |i: usize| u64::from_le_bytes(w[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+    if word(0) != POOL_MAGIC {
+        return Err(TransportError::Refused("not a kvstore pool segment".into()));
+    }
+    let (pages, page) = (word(1) as usize, word(2) as usize);
+    let pool = Pool::new(seg.clone(), POOL_BASE, pages, page)?;
+    Ok((seg, pool))
+}
+
+/// Pages of this process's pool as [`Storage`]: freed when the last holder lets go.
+pub(super) struct PoolPages {
+    pub seg: Arc<Segment>,
+    pub pool: Arc<Pool>,
+    pub region: kvstore_shm::Region,
+    pub len: usize,
+}
+
+// SAFETY: the pages lie inside a mapping that `seg` keeps alive and never moves; they are
+// allocated (so no other holder gets them) until `drop`; the backend reaches them only through
+// raw pointers and copies.
+unsafe impl Storage for PoolPages {
+    fn ptr(&self) -> *mut u8 {
+        // In bounds by construction (the pool handed the region out).
+        self.seg
+            .ptr(self.region.offset, self.region.len)
+            .map_or(std::ptr::null_mut(), |p| p as *mut u8)
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for PoolPages {
+    fn drop(&mut self) {
+        let _ = self.pool.free(self.region);
+    }
+}
+
+/// The abstract socket address of a listener named `name`.
+pub(super) fn addr(name: &str) -> Result<UnixAddr, TransportError> {
+    Ok(UnixAddr::from_abstract_name(format!("kvstore-shm.{name}"))?)
+}
+
+pub(super) fn eventfd() -> Result<OwnedFd, TransportError> {
+    use rustix::event::{eventfd, EventfdFlags};
+    Ok(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(std::io::Error::from)?)
+}
+
+/// Empties a doorbell after a wake-up.
+pub(super) fn drain(fd: &OwnedFd) {
+    let mut b = [0u8; 8];
+    let _ = rustix::io::read(fd, &mut b);
+}
+
+/// What one side tells the other in the handshake.
+pub(super) struct Hello {
+    /// Where the sender keeps a canary the receiver may write to test cross-memory writes.
+    pub canary: u64,
+    /// Whether the sender could write the receiver's canary (the reply only).
+    pub wrote: bool,
+}
+
+impl Hello {
+    pub fn encode(&self) -> Vec<u8> {
+        format!("{HELLO} {:x} {}", self.canary, self.wrote as u8).into_bytes()
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Hello, TransportError> {
+        let s = std::str::from_utf8(b).unwrap_or("");
+        let w: Vec<&str> = s.split(' ').collect();
+        let bad = || TransportError::Refused(format!("a bad shared-memory hello {s:?}"));
+        if w.len() != 3 || w[0] != HELLO {
+            return Err(bad());
+        }
+        Ok(Hello {
+            canary: u64::from_str_radix(w[1], 16).map_err(|_| bad())?,
+            wrote: w[2] == "1",
+        })
+    }
+}
+
+/// Tries a cross-memory write of 8 bytes into the peer's canary.
+pub(super) fn try_canary(p: &PeerProcess, addr: u64) -> bool {
+    let v = *b"kvstoreC";
+    // SAFETY: `v` is 8 bytes of this frame, valid for the call.
+    unsafe { p.write(addr, v.as_ptr(), v.len()) }.is_ok()
+}
+
+/// The parts of a link both sides end up with.
+pub(super) struct Parts {
+    pub chan: Channel,
+    pub sock: UnixStream,
+    pub proc: PeerProcess,
+    pub their_seg: Arc<Segment>,
+    pub their_pool: Pool,
+    pub bell: OwnedFd,
+    /// Whether the peer can write this process's memory by cross-memory writes.
+    pub peer_writes_me: bool,
+    /// Whether this process can write the peer's.
+    pub i_write_peer: bool,
+}
+
+/// Sends this side's part of the handshake.
+pub(super) fn send_hello(
+    sock: &UnixStream,
+    hello: &Hello,
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> Result<(), TransportError> {
+    send_fds(sock, &hello.encode(), fds)?;
+    Ok(())
+}
+
+/// Receives the peer's part: the hello and exactly `nfds` descriptors.
+pub(super) fn recv_hello(
+    sock: &UnixStream,
+    nfds: usize,
+) -> Result<(Hello, Vec<OwnedFd>), TransportError> {
+    let mut buf = [0u8; 128];
+    let (n, fds) = recv_fds(sock, &mut buf)?;
+    if fds.len() != nfds {
+        return Err(TransportError::Refused(format!(
+            "a shared-memory hello with {} descriptors",
+            fds.len()
+        )));
+    }
+    Ok((Hello::decode(&buf[..n])?, fds))
+}
+
+/// The acceptor's side, once the hello arrived: attach, reply, test the canary.
+pub(super) fn accept_parts(
+    sock: UnixStream,
+    proc: PeerProcess,
+    hello: Hello,
+    mut fds: Vec<OwnedFd>,
+    my_pool: &Segment,
+    my_canary: u64,
+    cross_memory: bool,
+) -> Result<Parts, TransportError> {
+    let their_bell = fds
+        .pop()
+        .ok_or_else(|| TransportError::Refused("no doorbell".into()))?;
+    let pool_fd = fds
+        .pop()
+        .ok_or_else(|| TransportError::Refused("no pool".into()))?;
+    let chan_fd = fds
+        .pop()
+        .ok_or_else(|| TransportError::Refused("no channel".into()))?;
+    let mut chan = Channel::attach(Segment::from_fd(chan_fd)?)?;
+    chan.set_tx_doorbell(their_bell);
+    let (their_seg, their_pool) = attach_pool(pool_fd)?;
+    let i_write_peer = cross_memory && try_canary(&proc, hello.canary);
+    let bell = eventfd()?;
+    send_hello(
+        &sock,
+        &Hello {
+            canary: my_canary,
+            wrote: i_write_peer,
+        },
+        &[my_pool.fd().as_fd(), bell.as_fd()],
+    )?;
+    Ok(Parts {
+        chan,
+        sock,
+        proc,
+        their_seg,
+        their_pool,
+        bell,
+        // Learned from the peer's first descriptor (CAPS).
+        peer_writes_me: false,
+        i_write_peer,
+    })
+}

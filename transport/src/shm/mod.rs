@@ -1,0 +1,485 @@
+//! [`Backend`] over shared memory, for peers on the same host.
+//!
+//! Descriptors travel on a pair of rings per link; each process has one page pool that all its
+//! peers map. A message's data from pool pages ([`Backend::alloc`]) is named by the descriptor
+//! and read by the receiver where it lies; the receiver's release is the sender's completion.
+//! Data from any other memory is copied once into pool pages (its token completes at once). A
+//! put is a copy straight into the granted range: pool pages of the grantor, or its private
+//! memory by a cross-memory write (`process_vm_writev`, to the process the kernel named for the
+//! socket, checked by pidfd before each write). Where the host forbids those, private memory is
+//! granted through pool pages and copied into place on arrival.
+//!
+//! A grant cannot be fenced locally (the peer writes it directly), so a revoke asks the peer and
+//! completes on its answer, or when its process has exited. Memory a peer may still write is
+//! never freed.
+
+mod link;
+mod peer;
+
+pub use peer::PeerProcess;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::Read;
+use std::ops::Range;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvstore_shm::{Channel, ChannelConfig, Pool, Segment, SLOT};
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll};
+
+use crate::backend::{fresh_id, Place};
+use crate::{
+    Backend, Completion, Lent, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
+};
+use link::*;
+
+const KIND_SEG: u32 = 2;
+const KIND_CMA: u32 = 3;
+/// The largest message body.
+pub const MAX_BODY: usize = 64 * 1024;
+const LISTENER: mio::Token = mio::Token(usize::MAX);
+const HANDSHAKE: usize = 1 << 40;
+/// Descriptors taken from one peer per progress call, so that one busy peer cannot starve the
+/// others.
+const BATCH: usize = 256;
+
+/// The sizes of a shared-memory backend.
+#[derive(Clone, Debug)]
+pub struct ShmConfig {
+    /// Descriptor slots per ring.
+    pub ring_slots: u64,
+    /// Pool page size (a power of two, at least 4096).
+    pub page_size: usize,
+    /// Pages in this process's pool (reserved, not touched until used).
+    pub pages: usize,
+    /// How long a connecting peer has to finish the handshake.
+    pub handshake_timeout: Duration,
+    /// Whether to write peers' private memory directly where the host allows it
+    /// (`process_vm_writev`); otherwise grants of private memory go through pool pages.
+    pub cross_memory: bool,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig {
+            ring_slots: 1024,
+            page_size: 64 * 1024,
+            pages: 16 * 1024, // 1 GiB of address space
+            handshake_timeout: Duration::from_secs(5),
+            cross_memory: true,
+        }
+    }
+}
+
+struct RefOut {
+    token: Option<Token>,
+    /// What the peer may be reading: the caller's pool region, or staging pages.
+    _hold: Vec<Region>,
+}
+
+struct Peer {
+    chan: Channel,
+    sock: UnixStream,
+    proc: PeerProcess,
+    their_seg: Arc<Segment>,
+    their_pool: Pool,
+    bell: OwnedFd,
+    peer_writes_me: bool,
+    i_write_peer: bool,
+    refs: HashMap<u64, RefOut>,
+    next_seq: u64,
+    /// Grants of the peer's that it revoked: never written again.
+    revoked: HashSet<u64>,
+    /// Control descriptors waiting for room on the ring, in order.
+    unsent: VecDeque<[u8; SLOT]>,
+    posted: bool,
+    rxbuf: Vec<u8>,
+}
+
+struct Grant {
+    peer: PeerId,
+    region: Region,
+    range: Range<usize>,
+    /// Pool pages the peer writes instead, copied into place on arrival.
+    bounce: Option<Region>,
+    revoking: Option<Token>,
+}
+
+struct Pending {
+    sock: UnixStream,
+    proc: PeerProcess,
+    deadline: Instant,
+}
+
+/// Shared memory as a [`Backend`].
+pub struct ShmBackend {
+    id: u64,
+    name: String,
+    cfg: ShmConfig,
+    poll: Poll,
+    events: Events,
+    listener: Option<UnixListener>,
+    pending: HashMap<usize, Pending>,
+    next_pending: usize,
+    pool_seg: Arc<Segment>,
+    pool: Arc<Pool>,
+    canary: Box<[u8; 8]>,
+    peers: HashMap<u32, Peer>,
+    next_peer: u32,
+    grants: HashMap<u64, Grant>,
+    next_grant: u64,
+    /// Memory a lost peer that still lives may write: kept for good.
+    quarantine: Vec<Region>,
+    done: VecDeque<(Token, Option<TransportError>)>,
+    lost: VecDeque<(PeerId, TransportError)>,
+}
+
+fn shm_full(e: &kvstore_shm::ShmError) -> bool {
+    matches!(e, kvstore_shm::ShmError::Exhausted(_))
+}
+
+impl ShmBackend {
+    /// A backend with no peers; `name` labels its segments (`/proc/PID/fd`).
+    pub fn new(name: &str, cfg: ShmConfig) -> Result<ShmBackend, TransportError> {
+        let (pool_seg, pool) = create_pool(name, cfg.pages, cfg.page_size)?;
+        Ok(ShmBackend {
+            id: fresh_id(),
+            name: name.into(),
+            cfg,
+            poll: Poll::new()?,
+            events: Events::with_capacity(256),
+            listener: None,
+            pending: HashMap::new(),
+            next_pending: 0,
+            pool_seg,
+            pool,
+            canary: Box::new([0u8; 8]),
+            peers: HashMap::new(),
+            next_peer: 0,
+            grants: HashMap::new(),
+            next_grant: 1,
+            quarantine: Vec::new(),
+            done: VecDeque::new(),
+            lost: VecDeque::new(),
+        })
+    }
+
+    /// Listens under `name` (an abstract Unix socket: per network namespace, nothing on disk).
+    pub fn listen(&mut self, name: &str) -> Result<(), TransportError> {
+        let l = UnixListener::bind_addr(&addr(name)?)?;
+        l.set_nonblocking(true)?;
+        self.poll.registry().register(
+            &mut SourceFd(&l.as_raw_fd()),
+            LISTENER,
+            Interest::READABLE,
+        )?;
+        self.listener = Some(l);
+        Ok(())
+    }
+
+    /// Connects to the backend listening under `name`, waiting up to `timeout`.
+    pub fn connect(&mut self, name: &str, timeout: Duration) -> Result<PeerId, TransportError> {
+        let deadline = Instant::now() + timeout;
+        let sock = loop {
+            match UnixStream::connect_addr(&addr(name)?) {
+                Ok(s) => break s,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let proc = PeerProcess::of(&sock)?;
+        sock.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        ))?;
+        let chan = Channel::create(
+            &format!("{}-link", self.name),
+            ChannelConfig {
+                ring_slots: self.cfg.ring_slots,
+                page_size: 4096,
+                pages: 1,
+            },
+        )?;
+        let bell = eventfd()?;
+        let me = Hello {
+            canary: self.canary.as_ptr() as u64,
+            wrote: false,
+        };
+        send_hello(
+            &sock,
+            &me,
+            &[chan.segment().fd(), self.pool_seg.fd(), bell.as_fd()],
+        )?;
+        let (reply, mut fds) = recv_hello(&sock, 2).map_err(|e| match e {
+            TransportError::Io(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                TransportError::Timeout(format!("the shared-memory handshake with {name}"))
+            }
+            e => e,
+        })?;
+        let their_bell = fds
+            .pop()
+            .ok_or_else(|| TransportError::Refused("no doorbell".into()))?;
+        let (their_seg, their_pool) = attach_pool(
+            fds.pop()
+                .ok_or_else(|| TransportError::Refused("no pool".into()))?,
+        )?;
+        let mut chan = chan;
+        chan.set_tx_doorbell(their_bell);
+        let i_write_peer = self.cfg.cross_memory && try_canary(&proc, reply.canary);
+        let parts = Parts {
+            chan,
+            sock,
+            proc,
+            their_seg,
+            their_pool,
+            bell,
+            peer_writes_me: reply.wrote,
+            i_write_peer,
+        };
+        let peer = self.add(parts)?;
+        let caps = Desc {
+            kind: CAPS,
+            flags: i_write_peer as u8,
+            ..Desc::default()
+        };
+        self.post_control(peer, caps.encode(&[]));
+        Ok(peer)
+    }
+
+    /// Whether this process may write `peer`'s private memory (cross-memory writes).
+    pub fn writes_peer_memory(&self, peer: PeerId) -> bool {
+        self.peers.get(&peer.0).is_some_and(|p| p.i_write_peer)
+    }
+
+    /// The process at the other end of `peer`'s link.
+    pub fn peer_process(&self, peer: PeerId) -> Option<&PeerProcess> {
+        self.peers.get(&peer.0).map(|p| &p.proc)
+    }
+
+    /// Connections still in their handshake.
+    pub fn pending_handshakes(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Pages of the pool not allocated.
+    pub fn free_pages(&self) -> usize {
+        self.pool.free_pages()
+    }
+
+    fn add(&mut self, p: Parts) -> Result<PeerId, TransportError> {
+        p.sock.set_nonblocking(true)?;
+        let id = self.next_peer;
+        self.next_peer += 1;
+        let r = self.poll.registry();
+        r.register(
+            &mut SourceFd(&p.sock.as_raw_fd()),
+            mio::Token(2 * id as usize),
+            Interest::READABLE,
+        )?;
+        r.register(
+            &mut SourceFd(&p.bell.as_raw_fd()),
+            mio::Token(2 * id as usize + 1),
+            Interest::READABLE,
+        )?;
+        self.peers.insert(
+            id,
+            Peer {
+                chan: p.chan,
+                sock: p.sock,
+                proc: p.proc,
+                their_seg: p.their_seg,
+                their_pool: p.their_pool,
+                bell: p.bell,
+                peer_writes_me: p.peer_writes_me,
+                i_write_peer: p.i_write_peer,
+                refs: HashMap::new(),
+                next_seq: 1,
+                revoked: HashSet::new(),
+                unsent: VecDeque::new(),
+                posted: false,
+                rxbuf: Vec::new(),
+            },
+        );
+        Ok(PeerId(id))
+    }
+
+    fn peer(&mut self, peer: PeerId) -> Result<&mut Peer, TransportError> {
+        self.peers
+            .get_mut(&peer.0)
+            .ok_or_else(|| TransportError::PeerLost(format!("{peer} is not connected")))
+    }
+
+    /// Posts a control descriptor, queueing it behind others if the ring is full.
+    fn post_control(&mut self, peer: PeerId, d: [u8; SLOT]) {
+        if let Some(p) = self.peers.get_mut(&peer.0) {
+            p.unsent.push_back(d);
+            let _ = push_unsent(p);
+        }
+    }
+
+    /// Staging pages of this process's pool holding a copy of `len` bytes from `src`.
+    fn stage(&mut self, src: *const u8, len: usize) -> Result<Option<Region>, TransportError> {
+        let region = match self.pool.alloc(len) {
+            Ok(r) => r,
+            Err(e) if shm_full(&e) && len <= self.pool.capacity() => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let pages = Arc::new(PoolPages {
+            seg: self.pool_seg.clone(),
+            pool: self.pool.clone(),
+            region,
+            len,
+        });
+        // SAFETY: `src` is valid for `len` bytes (the caller's contract); the pages are freshly
+        // allocated to this process and handed to no one yet.
+        unsafe { std::ptr::copy_nonoverlapping(src, pages.ptr(), len) };
+        Ok(Some(Region::new(
+            self.id,
+            pages,
+            Place::Pool(region.offset),
+        )))
+    }
+
+    fn lose(&mut self, peer: PeerId, error: TransportError) {
+        let Some(p) = self.peers.remove(&peer.0) else {
+            return;
+        };
+        let r = self.poll.registry();
+        let _ = r.deregister(&mut SourceFd(&p.sock.as_raw_fd()));
+        let _ = r.deregister(&mut SourceFd(&p.bell.as_raw_fd()));
+        for (_, out) in p.refs {
+            if let Some(t) = out.token {
+                let e = TransportError::PeerLost(format!("{peer}: {error}"));
+                self.done.push_back((t, Some(e)));
+            }
+        }
+        // Grants to it are fenced only if its process is gone; otherwise their memory is kept.
+        let exited = p.proc.exited();
+        let ids: Vec<u64> = self
+            .grants
+            .iter()
+            .filter(|(_, g)| g.peer == peer)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let Some(g) = self.grants.remove(&id) else {
+                continue;
+            };
+            if let Some(t) = g.revoking {
+                let e = (!exited).then(|| {
+                    TransportError::PeerLost(format!(
+                        "{peer} closed its link but still runs: grant {id} kept, never freed"
+                    ))
+                });
+                self.done.push_back((t, e));
+            }
+            if !exited {
+                self.quarantine.push(g.region);
+                self.quarantine.extend(g.bounce);
+            }
+        }
+        self.lost.push_back((peer, error));
+    }
+
+    fn accept_all(&mut self) -> Result<(), TransportError> {
+        while let Some(l) = &self.listener {
+            let sock = match l.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => return Ok(()),
+            };
+            // Another user's process is refused before it costs anything.
+            let Ok(proc) = PeerProcess::of(&sock) else {
+                continue;
+            };
+            if sock.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let k = self.next_pending;
+            self.next_pending += 1;
+            self.poll.registry().register(
+                &mut SourceFd(&sock.as_raw_fd()),
+                mio::Token(HANDSHAKE + k),
+                Interest::READABLE,
+            )?;
+            self.pending.insert(
+                k,
+                Pending {
+                    sock,
+                    proc,
+                    deadline: Instant::now() + self.cfg.handshake_timeout,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    fn handshake(&mut self, k: usize, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) {
+        let Some(p) = self.pending.get(&k) else {
+            return;
+        };
+        let res = recv_hello(&p.sock, 3);
+        if matches!(&res, Err(TransportError::Shm(kvstore_shm::ShmError::Io(e))) if e.kind() == std::io::ErrorKind::WouldBlock)
+        {
+            return;
+        }
+        let Some(p) = self.pending.remove(&k) else {
+            return;
+        };
+        let _ = self
+            .poll
+            .registry()
+            .deregister(&mut SourceFd(&p.sock.as_raw_fd()));
+        let Ok((hello, fds)) = res else { return };
+        let parts = accept_parts(
+            p.sock,
+            p.proc,
+            hello,
+            fds,
+            &self.pool_seg,
+            self.canary.as_ptr() as u64,
+            self.cfg.cross_memory,
+        );
+        if let Ok(peer) = parts.and_then(|parts| self.add(parts)) {
+            *n += 1;
+            on(Completion::Connected { peer });
+        }
+    }
+
+    fn expire_handshakes(&mut self) {
+        let now = Instant::now();
+        let old: Vec<usize> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(&k, _)| k)
+            .collect();
+        for k in old {
+            if let Some(p) = self.pending.remove(&k) {
+                let _ = self
+                    .poll
+                    .registry()
+                    .deregister(&mut SourceFd(&p.sock.as_raw_fd()));
+            }
+        }
+    }
+}
+
+/// Posts queued control descriptors while the ring has room.
+fn push_unsent(p: &mut Peer) -> Result<(), TransportError> {
+    while let Some(d) = p.unsent.front() {
+        if !p.chan.try_post(d)? {
+            break;
+        }
+        p.unsent.pop_front();
+        p.posted = true;
+    }
+    Ok(())
+}
+
+mod ops;

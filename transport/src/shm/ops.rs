@@ -1,0 +1,526 @@
+//! The shared-memory backend's operations: posting, and taking descriptors off the rings.
+
+use super::*;
+
+impl ShmBackend {
+    /// Takes up to [`BATCH`] descriptors from `id`'s ring. An error is the peer's fault: the
+    /// link is closed.
+    fn read_peer(
+        &mut self,
+        id: u32,
+        on: &mut dyn FnMut(Completion<'_>),
+        n: &mut usize,
+    ) -> Result<(), TransportError> {
+        let peer = PeerId(id);
+        let ShmBackend {
+            peers,
+            grants,
+            done,
+            next_grant,
+            ..
+        } = self;
+        let Some(p) = peers.get_mut(&id) else {
+            return Ok(());
+        };
+        p.chan.disarm_rx()?;
+        let mut slot = [0u8; SLOT];
+        for _ in 0..BATCH {
+            if !p.chan.try_recv(&mut slot)? {
+                break;
+            }
+            let d = Desc::decode(&slot);
+            match d.kind {
+                MSG => {
+                    recv_msg(p, peer, &d, &slot, on)?;
+                    *n += 1;
+                }
+                PUT => {
+                    let (off, len) = (d.off as usize, d.len as usize);
+                    match grants.get(&d.id) {
+                        Some(g) if g.peer == peer => {
+                            if off.checked_add(len).is_none_or(|e| e > g.range.len()) {
+                                return Err(TransportError::Refused(format!(
+                                    "a put of {len} bytes at {off} into a grant of {}",
+                                    g.range.len()
+                                )));
+                            }
+                            if g.revoking.is_some() {
+                                continue;
+                            }
+                            if let Some(b) = &g.bounce {
+                                // SAFETY: both ranges were checked against their regions; the
+                                // bounce pages are this process's, written by the peer before
+                                // it posted this descriptor; the destination is granted.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        b.mem.ptr().add(off),
+                                        g.region.mem.ptr().add(g.range.start + off),
+                                        len,
+                                    )
+                                };
+                            }
+                            on(Completion::Put {
+                                peer,
+                                grant: d.id,
+                                offset: off,
+                                len,
+                                imm: d.word,
+                            });
+                            *n += 1;
+                        }
+                        // Revoked or forgotten: the bytes are not wanted.
+                        None if d.id < *next_grant => {}
+                        _ => {
+                            return Err(TransportError::Refused(format!(
+                                "a put into grant {} it was never given",
+                                d.id
+                            )))
+                        }
+                    }
+                }
+                RELEASE => {
+                    if let Some(out) = p.refs.remove(&d.id) {
+                        if let Some(t) = out.token {
+                            done.push_back((t, None));
+                        }
+                    }
+                }
+                REVOKE => {
+                    p.revoked.insert(d.id);
+                    let ack = Desc {
+                        kind: REVOKED,
+                        id: d.id,
+                        ..Desc::default()
+                    };
+                    p.unsent.push_back(ack.encode(&[]));
+                }
+                REVOKED => {
+                    if let Some(g) = grants.get(&d.id) {
+                        if g.peer == peer {
+                            if let Some(t) = g.revoking {
+                                grants.remove(&d.id);
+                                done.push_back((t, None));
+                            }
+                        }
+                    }
+                }
+                CAPS => p.peer_writes_me = d.flags & 1 != 0,
+                k => return Err(TransportError::Refused(format!("a descriptor of kind {k}"))),
+            }
+        }
+        push_unsent(p)
+    }
+}
+
+/// Delivers a message: its body copied out of the descriptor or the peer's pool, its data lent
+/// where it lies; then releases what the peer lent.
+fn recv_msg(
+    p: &mut Peer,
+    peer: PeerId,
+    d: &Desc,
+    slot: &[u8; SLOT],
+    on: &mut dyn FnMut(Completion<'_>),
+) -> Result<(), TransportError> {
+    let blen = d.word as usize;
+    if blen > MAX_BODY || (d.flags & BODY_IN_POOL == 0 && blen > INLINE) {
+        return Err(TransportError::Refused(format!("a body of {blen} bytes")));
+    }
+    if d.flags & BODY_IN_POOL != 0 {
+        let r = kvstore_shm::Region {
+            offset: d.body_off as usize,
+            len: blen,
+        };
+        p.their_pool.check_span(r.offset, blen)?;
+        p.rxbuf.resize(blen, 0);
+        p.their_seg.read(r.offset, &mut p.rxbuf)?;
+    }
+    let data = if d.flags & HAS_DATA != 0 {
+        let len = d.len as usize;
+        if len == 0 {
+            Some(Lent::new(std::ptr::NonNull::<u8>::dangling().as_ptr(), 0))
+        } else {
+            let r = kvstore_shm::Region {
+                offset: d.off as usize,
+                len,
+            };
+            // Pages outside the peer's pool, or not allocated, are refused.
+            p.their_pool.check_span(r.offset, len)?;
+            Some(Lent::new(p.their_seg.ptr(r.offset, len)?, len))
+        }
+    } else {
+        None
+    };
+    let body = if d.flags & BODY_IN_POOL != 0 {
+        &p.rxbuf[..]
+    } else {
+        &slot[HEAD..HEAD + blen]
+    };
+    on(Completion::Recv { peer, body, data });
+    if d.flags & (HAS_DATA | BODY_IN_POOL) != 0 {
+        let r = Desc {
+            kind: RELEASE,
+            id: d.id,
+            ..Desc::default()
+        };
+        p.unsent.push_back(r.encode(&[]));
+    }
+    Ok(())
+}
+
+impl Backend for ShmBackend {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn max_body(&self) -> usize {
+        MAX_BODY
+    }
+
+    fn register(&mut self, mem: Arc<dyn Storage>) -> Result<Region, TransportError> {
+        Ok(Region::new(self.id, mem, Place::Local))
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<Region, TransportError> {
+        let region = self.pool.alloc(len)?;
+        let pages = PoolPages {
+            seg: self.pool_seg.clone(),
+            pool: self.pool.clone(),
+            region,
+            len,
+        };
+        // Pages come back dirty from earlier use: zero them.
+        self.pool_seg.write(region.offset, &vec![0u8; len])?;
+        Ok(Region::new(
+            self.id,
+            Arc::new(pages),
+            Place::Pool(region.offset),
+        ))
+    }
+
+    unsafe fn grant(
+        &mut self,
+        peer: PeerId,
+        r: &Region,
+        range: Range<usize>,
+    ) -> Result<RemoteRegion, TransportError> {
+        if r.backend != self.id {
+            return Err(TransportError::Refused(
+                "a region of another backend".into(),
+            ));
+        }
+        r.check_range(&range)?;
+        let cma = self.peer(peer)?.peer_writes_me;
+        let id = self.next_grant;
+        let len = range.len() as u64;
+        let (kind, addr, bounce) = match r.place {
+            Place::Pool(off) => (KIND_SEG, (off + range.start) as u64, None),
+            Place::Local if cma => (KIND_CMA, r.mem.ptr() as u64 + range.start as u64, None),
+            Place::Local => {
+                let b = self.alloc(range.len())?;
+                let Place::Pool(off) = b.place else {
+                    return Err(TransportError::Refused("bounce pages".into()));
+                };
+                (KIND_SEG, off as u64, Some(b))
+            }
+        };
+        self.next_grant += 1;
+        self.grants.insert(
+            id,
+            Grant {
+                peer,
+                region: r.clone(),
+                range,
+                bounce,
+                revoking: None,
+            },
+        );
+        Ok(RemoteRegion {
+            kind,
+            id,
+            addr,
+            len,
+        })
+    }
+
+    fn revoke(
+        &mut self,
+        peer: PeerId,
+        grant: &RemoteRegion,
+        token: Token,
+    ) -> Result<(), TransportError> {
+        match self.grants.get_mut(&grant.id) {
+            Some(g) if g.peer == peer && g.revoking.is_none() => {
+                g.revoking = Some(token);
+                let d = Desc {
+                    kind: REVOKE,
+                    id: grant.id,
+                    ..Desc::default()
+                };
+                self.post_control(peer, d.encode(&[]));
+            }
+            Some(_) => {
+                return Err(TransportError::Refused(format!(
+                    "{grant:?} is not {peer}'s, or is already being revoked"
+                )))
+            }
+            None => self.done.push_back((token, None)),
+        }
+        Ok(())
+    }
+
+    fn forget(&mut self, peer: PeerId, grant: &RemoteRegion) {
+        if self.grants.get(&grant.id).is_some_and(|g| g.peer == peer) {
+            self.grants.remove(&grant.id);
+        }
+    }
+
+    unsafe fn send(
+        &mut self,
+        peer: PeerId,
+        body: &[u8],
+        data: Option<(&Region, Range<usize>, Token)>,
+    ) -> Result<Sent, TransportError> {
+        if body.len() > MAX_BODY {
+            return Err(TransportError::Refused(format!(
+                "a body of {} bytes (at most {MAX_BODY})",
+                body.len()
+            )));
+        }
+        if !self.peer(peer)?.unsent.is_empty() {
+            return Ok(Sent::WouldBlock);
+        }
+        let mut d = Desc {
+            kind: MSG,
+            word: body.len() as u32,
+            ..Desc::default()
+        };
+        let mut hold = Vec::new();
+        if body.len() > INLINE {
+            let Some(b) = self.stage(body.as_ptr(), body.len())? else {
+                return Ok(Sent::WouldBlock);
+            };
+            d.flags |= BODY_IN_POOL;
+            d.body_off = pool_offset(&b);
+            hold.push(b);
+        }
+        let (mut token, mut done_now) = (None, None);
+        if let Some((r, range, t)) = data {
+            if r.backend != self.id {
+                return Err(TransportError::Refused(
+                    "a region of another backend".into(),
+                ));
+            }
+            r.check_range(&range)?;
+            d.flags |= HAS_DATA;
+            d.len = range.len() as u64;
+            match r.place {
+                Place::Pool(off) => {
+                    d.off = (off + range.start) as u64;
+                    hold.push(r.clone());
+                    token = Some(t);
+                }
+                Place::Local if range.is_empty() => done_now = Some(t),
+                Place::Local => {
+                    // SAFETY: the range was checked; the caller does not write it meanwhile.
+                    let src = unsafe { r.mem.ptr().add(range.start) };
+                    let Some(s) = self.stage(src, range.len())? else {
+                        return Ok(Sent::WouldBlock);
+                    };
+                    d.off = pool_offset(&s);
+                    hold.push(s);
+                    done_now = Some(t);
+                }
+            }
+        }
+        let p = self.peer(peer)?;
+        if !hold.is_empty() {
+            d.id = p.next_seq;
+        }
+        let inline = if body.len() <= INLINE { body } else { &[] };
+        if !p.chan.try_post(&d.encode(inline))? {
+            return Ok(Sent::WouldBlock);
+        }
+        p.posted = true;
+        if !hold.is_empty() {
+            p.next_seq += 1;
+            p.refs.insert(d.id, RefOut { token, _hold: hold });
+        }
+        if let Some(t) = done_now {
+            self.done.push_back((t, None));
+        }
+        Ok(Sent::Posted)
+    }
+
+    unsafe fn put(
+        &mut self,
+        peer: PeerId,
+        src: &Region,
+        range: Range<usize>,
+        dst: &RemoteRegion,
+        offset: usize,
+        imm: u32,
+        token: Token,
+    ) -> Result<Sent, TransportError> {
+        src.check_range(&range)?;
+        let n = range.len();
+        if offset.checked_add(n).is_none_or(|e| e as u64 > dst.len) {
+            return Err(TransportError::Refused(format!(
+                "a put of {n} bytes at {offset} into {dst:?}"
+            )));
+        }
+        let p = self.peer(peer)?;
+        if p.revoked.contains(&dst.id) {
+            return Err(TransportError::Refused(format!("{dst:?} was revoked")));
+        }
+        if !p.unsent.is_empty() {
+            return Ok(Sent::WouldBlock);
+        }
+        // SAFETY: the range was checked; the caller does not write it until the token completes
+        // (which is before this returns: the copy is made here).
+        let from = unsafe { src.mem.ptr().add(range.start) } as *const u8;
+        match dst.kind {
+            KIND_SEG => {
+                let whole = kvstore_shm::Region {
+                    offset: dst.addr as usize,
+                    len: dst.len as usize,
+                };
+                // Only pages the peer allocated, inside its pool.
+                p.their_pool.check_span(whole.offset, whole.len)?;
+                if n > 0 {
+                    let to = p.their_seg.ptr(whole.offset + offset, n)? as *mut u8;
+                    // SAFETY: `to` is inside the peer's mapped pool (checked), which cannot
+                    // overlap `from` (this process's memory, or its own pool); `from` is valid
+                    // for `n` bytes (the region's contract and the range check).
+                    unsafe { std::ptr::copy_nonoverlapping(from, to, n) };
+                }
+            }
+            KIND_CMA if p.i_write_peer => {
+                // SAFETY: `from` is valid for `n` bytes, as above.
+                unsafe { p.proc.write(dst.addr.wrapping_add(offset as u64), from, n) }?;
+            }
+            _ => {
+                return Err(TransportError::Refused(format!(
+                    "{dst:?} is not a shared-memory grant this process can write"
+                )))
+            }
+        }
+        let d = Desc {
+            kind: PUT,
+            word: imm,
+            id: dst.id,
+            off: offset as u64,
+            len: n as u64,
+            ..Desc::default()
+        };
+        if !p.chan.try_post(&d.encode(&[]))? {
+            return Ok(Sent::WouldBlock);
+        }
+        p.posted = true;
+        self.done.push_back((token, None));
+        Ok(Sent::Posted)
+    }
+
+    fn flush(&mut self) -> Result<(), TransportError> {
+        for p in self.peers.values_mut() {
+            push_unsent(p)?;
+            if std::mem::take(&mut p.posted) {
+                p.chan.wake_peer()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn arm(&mut self) -> Result<bool, TransportError> {
+        if !self.done.is_empty() || !self.lost.is_empty() {
+            return Ok(false);
+        }
+        for p in self.peers.values() {
+            // Descriptors waiting for room: the peer frees it without a wake-up, so look again.
+            if !p.unsent.is_empty() || !p.chan.arm_rx()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the poll's descriptor lives as long as `self`, which the borrow is tied to.
+        unsafe { BorrowedFd::borrow_raw(self.poll.as_raw_fd()) }
+    }
+
+    fn progress(&mut self, on: &mut dyn FnMut(Completion<'_>)) -> Result<usize, TransportError> {
+        let mut n = 0;
+        match self.poll.poll(&mut self.events, Some(Duration::ZERO)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+        let ready: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
+        for t in ready {
+            if t == LISTENER.0 {
+                self.accept_all()?;
+            } else if t >= HANDSHAKE {
+                self.handshake(t - HANDSHAKE, on, &mut n);
+            } else if let Some(p) = self.peers.get(&((t / 2) as u32)) {
+                if t % 2 == 1 {
+                    drain(&p.bell);
+                } else if matches!((&p.sock).read(&mut [0u8; 1]), Ok(0)) {
+                    // Descriptors it posted before it went still count.
+                    let _ = self.read_peer((t / 2) as u32, on, &mut n);
+                    self.lose(PeerId((t / 2) as u32), TransportError::Closed);
+                }
+            }
+        }
+        self.expire_handshakes();
+        let ids: Vec<u32> = self.peers.keys().copied().collect();
+        for id in ids {
+            if let Err(e) = self.read_peer(id, on, &mut n) {
+                self.lose(PeerId(id), e);
+            }
+        }
+        while let Some((t, err)) = self.done.pop_front() {
+            n += 1;
+            match err {
+                None => on(Completion::Done(t)),
+                Some(e) => on(Completion::Failed(t, e)),
+            }
+        }
+        while let Some((peer, error)) = self.lost.pop_front() {
+            n += 1;
+            on(Completion::Lost { peer, error });
+        }
+        Ok(n)
+    }
+
+    fn close(&mut self, peer: PeerId) {
+        self.lose(peer, TransportError::Closed);
+    }
+}
+
+fn pool_offset(r: &Region) -> u64 {
+    match r.place {
+        Place::Pool(off) => off as u64,
+        Place::Local => 0,
+    }
+}
+
+impl AsFd for ShmBackend {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd()
+    }
+}
+
+impl Drop for ShmBackend {
+    fn drop(&mut self) {
+        // Memory a living peer may still write is never given back to the allocator.
+        let keep = std::mem::take(&mut self.quarantine);
+        let live: Vec<Region> = self
+            .grants
+            .drain()
+            .filter(|(_, g)| self.peers.get(&g.peer.0).is_some_and(|p| !p.proc.exited()))
+            .flat_map(|(_, g)| std::iter::once(g.region).chain(g.bounce))
+            .collect();
+        std::mem::forget(keep);
+        std::mem::forget(live);
+    }
+}
