@@ -14,13 +14,14 @@ use kvstore_transport::{
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// A message: its tag (the body's first 8 bytes), the rest of its body, and how many bytes
-    /// of data it lent.
+    /// of data it carried (copied out into a buffer of the receiver's, as a receive into a
+    /// posted buffer would leave them).
     Msg {
         /// The tag.
         tag: u64,
         /// The body after the tag.
         body: Vec<u8>,
-        /// Bytes of data (read in place, not copied).
+        /// Bytes of data.
         data: usize,
     },
     /// A put landed in a region this side granted.
@@ -44,6 +45,8 @@ pub struct Conn {
     spin: Duration,
     /// Why the link failed: reported once what arrived before has been taken.
     failed: Option<String>,
+    /// Where received data is copied.
+    rx: Vec<u8>,
 }
 
 fn err(e: impl std::fmt::Display) -> String {
@@ -79,6 +82,7 @@ impl Conn {
             in_flight: 0,
             spin: Duration::from_micros(200),
             failed: None,
+            rx: Vec::new(),
         }
     }
 
@@ -109,7 +113,12 @@ impl Conn {
         if let Some(f) = &self.failed {
             return Err(f.clone());
         }
-        let (inbox, in_flight, peer) = (&mut self.inbox, &mut self.in_flight, &mut self.peer);
+        let (inbox, in_flight, peer, rx) = (
+            &mut self.inbox,
+            &mut self.in_flight,
+            &mut self.peer,
+            &mut self.rx,
+        );
         let mut failure = None;
         let n = self
             .b
@@ -118,10 +127,17 @@ impl Conn {
                     let mut tag = [0u8; 8];
                     let k = body.len().min(8);
                     tag[..k].copy_from_slice(&body[..k]);
+                    let n = data.map_or(0, |d| {
+                        if rx.len() < d.len() {
+                            rx.resize(d.len(), 0);
+                        }
+                        let _ = d.read(0, &mut rx[..d.len()]);
+                        d.len()
+                    });
                     inbox.push_back(Event::Msg {
                         tag: u64::from_le_bytes(tag),
                         body: body[k..].to_vec(),
-                        data: data.map_or(0, |d| d.len()),
+                        data: n,
                     })
                 }
                 Completion::Put { imm, len, .. } => inbox.push_back(Event::Put { imm, len }),

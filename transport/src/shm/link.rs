@@ -33,6 +33,8 @@ pub(super) const CAPS: u8 = 6;
 // Flags.
 pub(super) const HAS_DATA: u8 = 1;
 pub(super) const BODY_IN_POOL: u8 = 2;
+/// Small data rides in the descriptor, after the body (no release needed).
+pub(super) const DATA_INLINE: u8 = 4;
 /// The descriptor's fixed part; the rest of the slot carries a small body.
 pub(super) const HEAD: usize = 64;
 /// The largest body carried inside a descriptor.

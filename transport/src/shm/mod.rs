@@ -135,7 +135,17 @@ pub struct ShmBackend {
     quarantine: Vec<Region>,
     done: VecDeque<(Token, Option<TransportError>)>,
     lost: VecDeque<(PeerId, TransportError)>,
+    /// Whether `arm` marked the rings asleep since the last progress.
+    armed: bool,
+    /// When the sockets, doorbells and listener were last polled.
+    last_poll: Instant,
+    /// Reused list of peers to visit.
+    ids: Vec<u32>,
 }
+
+/// How often a busy loop that never sleeps looks at its sockets (a peer gone, a new peer): the
+/// rings themselves are read on every progress call, without a system call.
+const POLL_EVERY: Duration = Duration::from_micros(200);
 
 fn shm_full(e: &kvstore_shm::ShmError) -> bool {
     matches!(e, kvstore_shm::ShmError::Exhausted(_))
@@ -164,6 +174,9 @@ impl ShmBackend {
             quarantine: Vec::new(),
             done: VecDeque::new(),
             lost: VecDeque::new(),
+            armed: false,
+            last_poll: Instant::now(),
+            ids: Vec::new(),
         })
     }
 

@@ -22,7 +22,6 @@ impl ShmBackend {
         let Some(p) = peers.get_mut(&id) else {
             return Ok(());
         };
-        p.chan.disarm_rx()?;
         let mut slot = [0u8; SLOT];
         for _ in 0..BATCH {
             if !p.chan.try_recv(&mut slot)? {
@@ -134,7 +133,16 @@ fn recv_msg(
         p.rxbuf.resize(blen, 0);
         p.their_seg.read(r.offset, &mut p.rxbuf)?;
     }
-    let data = if d.flags & HAS_DATA != 0 {
+    let data = if d.flags & DATA_INLINE != 0 {
+        let len = d.len as usize;
+        if d.flags & BODY_IN_POOL != 0 || blen.checked_add(len).is_none_or(|e| e > INLINE) {
+            return Err(TransportError::Refused(format!(
+                "{len} bytes of inline data"
+            )));
+        }
+        let at = &slot[HEAD + blen..HEAD + blen + len];
+        Some(Lent::new(at.as_ptr(), len))
+    } else if d.flags & HAS_DATA != 0 {
         let len = d.len as usize;
         if len == 0 {
             Some(Lent::new(std::ptr::NonNull::<u8>::dangling().as_ptr(), 0))
@@ -156,7 +164,7 @@ fn recv_msg(
         &slot[HEAD..HEAD + blen]
     };
     on(Completion::Recv { peer, body, data });
-    if d.flags & (HAS_DATA | BODY_IN_POOL) != 0 {
+    if d.flags & DATA_INLINE == 0 && d.flags & (HAS_DATA | BODY_IN_POOL) != 0 {
         let r = Desc {
             kind: RELEASE,
             id: d.id,
@@ -313,6 +321,22 @@ impl Backend for ShmBackend {
             r.check_range(&range)?;
             d.flags |= HAS_DATA;
             d.len = range.len() as u64;
+            if body.len() + range.len() <= INLINE {
+                // Small data is copied into the descriptor: no pages, no release.
+                let total = body.len() + range.len();
+                let mut both = [0u8; INLINE];
+                both[..body.len()].copy_from_slice(body);
+                // SAFETY: the range was checked; the caller does not write it meanwhile.
+                unsafe { r.read(range.start, &mut both[body.len()..total]) }?;
+                d.flags |= DATA_INLINE;
+                let p = self.peer(peer)?;
+                if !p.chan.try_post(&d.encode(&both[..total]))? {
+                    return Ok(Sent::WouldBlock);
+                }
+                p.posted = true;
+                self.done.push_back((t, None));
+                return Ok(Sent::Posted);
+            }
             match r.place {
                 Place::Pool(off) => {
                     d.off = (off + range.start) as u64;
@@ -434,6 +458,7 @@ impl Backend for ShmBackend {
         if !self.done.is_empty() || !self.lost.is_empty() {
             return Ok(false);
         }
+        self.armed = true;
         for p in self.peers.values() {
             // Descriptors waiting for room: the peer frees it without a wake-up, so look again.
             if !p.unsent.is_empty() || !p.chan.arm_rx()? {
@@ -450,6 +475,15 @@ impl Backend for ShmBackend {
 
     fn progress(&mut self, on: &mut dyn FnMut(Completion<'_>)) -> Result<usize, TransportError> {
         let mut n = 0;
+        if std::mem::take(&mut self.armed) {
+            for p in self.peers.values() {
+                p.chan.disarm_rx()?;
+            }
+        } else if self.last_poll.elapsed() < POLL_EVERY {
+            // A busy loop: the rings are all there is to look at.
+            return self.progress_rings(on, n);
+        }
+        self.last_poll = Instant::now();
         match self.poll.poll(&mut self.events, Some(Duration::ZERO)) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -472,12 +506,30 @@ impl Backend for ShmBackend {
             }
         }
         self.expire_handshakes();
-        let ids: Vec<u32> = self.peers.keys().copied().collect();
-        for id in ids {
+        self.progress_rings(on, n)
+    }
+
+    fn close(&mut self, peer: PeerId) {
+        self.lose(peer, TransportError::Closed);
+    }
+}
+
+impl ShmBackend {
+    /// Takes what the rings hold and reports what completed.
+    fn progress_rings(
+        &mut self,
+        on: &mut dyn FnMut(Completion<'_>),
+        mut n: usize,
+    ) -> Result<usize, TransportError> {
+        let mut ids = std::mem::take(&mut self.ids);
+        ids.clear();
+        ids.extend(self.peers.keys().copied());
+        for &id in &ids {
             if let Err(e) = self.read_peer(id, on, &mut n) {
                 self.lose(PeerId(id), e);
             }
         }
+        self.ids = ids;
         while let Some((t, err)) = self.done.pop_front() {
             n += 1;
             match err {
@@ -490,10 +542,6 @@ impl Backend for ShmBackend {
             on(Completion::Lost { peer, error });
         }
         Ok(n)
-    }
-
-    fn close(&mut self, peer: PeerId) {
-        self.lose(peer, TransportError::Closed);
     }
 }
 
