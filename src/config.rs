@@ -62,6 +62,21 @@ pub struct Config {
     pub bigarray_bound: usize,
     /// Largest payload accepted.
     pub max_message: u64,
+    /// Which transport a worker uses for servers on its host (`KVSTORE_TRANSPORT`).
+    pub transport: TransportChoice,
+    /// Bytes of a worker's shared-memory pool (`KVSTORE_SHM_POOL`; reserved, touched as used).
+    pub shm_pool_bytes: usize,
+}
+
+/// Which transport a worker uses for servers on its host (`KVSTORE_TRANSPORT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory where the server is on this host, TCP otherwise (the default).
+    Auto,
+    /// TCP everywhere.
+    Tcp,
+    /// Shared memory, and an error if a server is not on this host.
+    Shm,
 }
 
 /// Where variables come from: the process environment, or a table in tests.
@@ -273,6 +288,17 @@ fn place(env: Lookup) -> Result<Place> {
 
 impl Config {
     /// Reads the configuration from the environment.
+    /// The role `DMLC_ROLE` names, without reading the rest (`None` if unset or unknown).
+    pub fn role_from_env() -> Option<Role> {
+        match std::env::var("DMLC_ROLE").as_deref() {
+            Ok("server") => Some(Role::Server),
+            Ok("scheduler") => Some(Role::Scheduler),
+            Ok("worker") => Some(Role::Worker),
+            _ => None,
+        }
+    }
+
+    /// Reads the configuration from the process environment.
     pub fn from_env() -> Result<Config> {
         Config::from_lookup(&|name| std::env::var(name).ok())
     }
@@ -302,7 +328,23 @@ impl Config {
             Some(v) => parse("KVSTORE_MAX_MESSAGE", &v)?,
             None => 8 << 30,
         };
+        let transport = match get(env, "KVSTORE_TRANSPORT").as_deref() {
+            None | Some("") | Some("auto") => TransportChoice::Auto,
+            Some("tcp") => TransportChoice::Tcp,
+            Some("shm") => TransportChoice::Shm,
+            Some(other) => {
+                return Err(KvError::Config(format!(
+                    "KVSTORE_TRANSPORT={other:?}; expected auto, tcp or shm"
+                )))
+            }
+        };
+        let shm_pool_bytes = match get(env, "KVSTORE_SHM_POOL") {
+            Some(v) => parse("KVSTORE_SHM_POOL", &v)?,
+            None => 1usize << 30,
+        };
         Ok(Config {
+            transport,
+            shm_pool_bytes,
             role: p.role,
             root: p.root,
             num_servers: p.num_servers,

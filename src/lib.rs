@@ -14,12 +14,16 @@
 //! ```
 //!
 //! Store types: `local` and `device` (one process), `dist_sync` and `dist_async` (scheduler,
-//! servers and workers as separate processes, started by `kvrun`; see [`dist`]).
+//! servers and workers as separate processes, started by `kvrun`, configured by [`Config`]).
+//!
+//! Inside, a distributed job is: [`scheduler`] (rendezvous), `server` (an I/O loop around the
+//! server's state machine, which owns a shard of the keys), `worker` (the store a program
+//! uses), `protocol` (what a message means, which server holds which part of a key), and
+//! `shm_link` (shared memory between a worker and the servers on its host).
 #![deny(missing_docs)]
 
 mod args;
 mod config;
-pub mod dist;
 mod dtype;
 mod error;
 mod format;
@@ -27,13 +31,26 @@ mod local;
 mod ndarray;
 pub mod ops;
 mod optimizer;
+#[cfg(not(feature = "internals"))]
+mod protocol;
+/// The wire protocol, for the test suite's raw peers only (feature `internals`): not an API.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod protocol;
 mod registry;
+mod roles;
+pub mod scheduler;
+mod server;
+mod shm_link;
 mod store;
+mod worker;
 
 pub use args::{Key, Keys, Outputs, Values};
+pub use config::{Config, Role, TransportChoice};
 pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};
 pub use ndarray::NDArray;
 pub use optimizer::{Optimizer, OptimizerUpdater};
 pub use registry::{register_updater, SharedUpdater};
+pub use roles::run_role_if_not_worker;
 pub use store::{create, KVStore, Updater, TYPES};

@@ -14,7 +14,7 @@ pub const TYPES: [&str; 4] = ["local", "device", "dist_sync", "dist_async"];
 
 enum Inner {
     Local(LocalStore),
-    Dist(Box<crate::dist::worker::DistWorker>),
+    Dist(Box<crate::worker::DistWorker>),
 }
 
 /// Integer keys or string keys: a store takes one kind.
@@ -43,7 +43,7 @@ pub struct KVStore {
 /// Creates a store: `"local"`, `"device"`, `"dist_sync"` or `"dist_async"`.
 ///
 /// For the `dist_*` types the process's role comes from its environment (`DMLC_ROLE` and the
-/// rest, see [`crate::dist::Config`]). In the server or scheduler role, `create` runs that role
+/// rest, see [`crate::Config`]). In the server or scheduler role, `create` runs that role
 /// until the job ends and then exits the process; only workers get a store back.
 pub fn create(name: &str) -> Result<KVStore> {
     let Some(kind) = TYPES.iter().copied().find(|t| *t == name) else {
@@ -54,7 +54,7 @@ pub fn create(name: &str) -> Result<KVStore> {
     };
     let inner = match kind {
         "local" | "device" => Inner::Local(LocalStore::new()),
-        _ => Inner::Dist(Box::new(crate::dist::start_worker_or_run_role(
+        _ => Inner::Dist(Box::new(crate::roles::start_worker_or_run_role(
             kind == "dist_sync",
         )?)),
     };

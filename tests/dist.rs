@@ -245,7 +245,7 @@ fn a_late_answer_never_lands_in_memory_a_failed_call_gave_back() {
 /// A worker played by the test over raw frames: it joins, connects to server 0, and then only
 /// writes. Returns the stream to the server.
 fn raw_worker(port: u16) -> std::net::TcpStream {
-    use kvstore::dist::proto::{role, Msg, Op};
+    use kvstore::protocol::{role, Msg, Op};
     use kvstore_transport::tcp::blocking::{read_frame, write_frame};
     use kvstore_transport::FrameHeader;
     let hello = |s: &mut std::net::TcpStream| {
@@ -300,7 +300,7 @@ fn rss_kib(pid: u32) -> u64 {
 
 #[test]
 fn answers_a_worker_does_not_read_do_not_grow_the_server() {
-    use kvstore::dist::proto::{Msg, Op};
+    use kvstore::protocol::{Msg, Op};
     use kvstore_transport::tcp::blocking::{read_frame, write_frame};
     use kvstore_transport::FrameHeader;
     const N: u64 = 256 * 1024; // 1 MiB of f32

@@ -16,7 +16,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvstore::dist::scheduler::{run_scheduler, SchedulerOptions};
+use kvstore::scheduler::{run_scheduler, SchedulerOptions};
 
 pub use child::{shell_quote, Child, RoleName};
 pub use hosts::{Host, MapBy};

@@ -1,5 +1,8 @@
 //! The server process: a mio loop that moves frames between sockets and [`ServerState`].
 
+mod conn;
+pub(crate) mod state;
+
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
@@ -9,10 +12,11 @@ use kvstore_transport::{FrameHeader, TransportError};
 use mio::net::{TcpListener as MioListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
-use super::proto::{Msg, Op};
-use super::server_state::{Input, Out, Payload, PeerId, ServerState};
-use super::shm::{self, ServerLink};
-use super::{join, Config};
+use crate::config::Config;
+use crate::protocol::{Msg, Op};
+use crate::roles::join;
+use crate::server::state::{Input, Out, Payload, PeerId, ServerState};
+use crate::shm_link::{self as shm, ServerLink};
 use crate::{DType, KvError, NDArray, Result};
 
 const LISTENER: Token = Token(0);
@@ -25,7 +29,7 @@ const SHM_TOKENS: usize = (1 << 30) + 1;
 const SHM_PEER: usize = 1 << 29;
 /// How long the loop keeps polling the rings after the last descriptor before it sleeps.
 const SPIN: Duration = Duration::from_micros(200);
-use super::server_conn::{read_conn, refuse, Conn, ConnFields, MAX_BACKLOG, MAX_CONTROL};
+use crate::server::conn::{read_conn, refuse, Conn, ConnFields, MAX_BACKLOG, MAX_CONTROL};
 
 fn drop_link(poll: &Poll, links: &mut [Option<ServerLink>], k: usize, state: &mut ServerState) {
     if let Some(l) = links.get_mut(k).and_then(Option::take) {
@@ -54,7 +58,7 @@ fn handle_desc(
     let refuse = |state: &mut ServerState, why: String| {
         let mut r = m;
         r.op = Op::Reply;
-        r.status = super::proto::status::FAILED;
+        r.status = crate::protocol::status::FAILED;
         state.outbox.push(Out {
             to: peer,
             msg: r,
@@ -177,7 +181,12 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     };
     let listener = TcpListener::bind(SocketAddr::new(ip, 0))?;
     let addr = listener.local_addr()?;
-    let roster = join(cfg, &mut sched_std, super::proto::role::SERVER, Some(addr))?;
+    let roster = join(
+        cfg,
+        &mut sched_std,
+        crate::protocol::role::SERVER,
+        Some(addr),
+    )?;
     let num_workers = roster.num_workers;
 
     let mut poll = Poll::new()?;
@@ -271,7 +280,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         if timeout.is_zero()
             && !ring_ready
             && events.is_empty()
-            && links.iter().flatten().count() + 1 > super::worker::cores()
+            && links.iter().flatten().count() + 1 > crate::worker::cores()
         {
             // Spinning with more processes here than cores: let a worker run meanwhile.
             std::thread::yield_now();
@@ -510,5 +519,4 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
 }
 
 #[cfg(test)]
-#[path = "server_tests.rs"]
 mod tests;

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use kvstore_transport::tcp::blocking::{read_frame, write_frame};
 use kvstore_transport::FrameHeader;
 
-use super::proto::{role, Msg, Op};
 use crate::config::secret_matches;
+use crate::protocol::{role, Msg, Op};
 use crate::{KvError, Result};
 
 /// How a scheduler is set up.

@@ -1,6 +1,6 @@
 use super::*;
-use crate::dist::proto::status;
-use crate::dist::shm::WorkerPool;
+use crate::protocol::status;
+use crate::shm_link::WorkerPool;
 use kvstore_shm::{send_fds, Channel, ChannelConfig, Region};
 use std::os::fd::AsFd;
 

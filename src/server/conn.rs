@@ -6,9 +6,9 @@ use kvstore_transport::{FrameHeader, TransportError};
 use mio::net::TcpStream;
 use mio::Poll;
 
-use super::proto::{Msg, Op};
-use super::server_state::{Input, Out, Payload, PeerId, ServerState};
 use crate::config::secret_matches;
+use crate::protocol::{Msg, Op};
+use crate::server::state::{Input, Out, Payload, PeerId, ServerState};
 use crate::{DType, NDArray};
 
 /// Largest control payload (hello, names, optimizer parameters, error text).

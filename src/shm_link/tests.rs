@@ -1,5 +1,5 @@
 use super::*;
-use crate::dist::proto::Op;
+use crate::protocol::Op;
 
 #[test]
 fn descriptors_round_trip() {
@@ -52,7 +52,7 @@ fn the_peer_is_the_process_the_kernel_names_and_another_user_is_refused() {
     use std::os::unix::process::CommandExt;
     let (a, _b) = UnixStream::pair().unwrap();
     let p = PeerProcess::of(&a).unwrap();
-    assert_eq!(p.pid as u32, std::process::id());
+    assert_eq!(p.pid() as u32, std::process::id());
     assert!(!p.exited());
     if !rustix::process::geteuid().is_root() {
         println!("SKIPPED: another user needs root");

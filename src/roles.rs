@@ -1,20 +1,5 @@
-//! The distributed store: scheduler, servers and workers over TCP.
-//!
-//! - [`proto`]: what a frame means.
-//! - [`shard`]: which server holds which part of a key.
-//! - [`server_state`]: the server's protocol state machine (no I/O).
-//! - [`server`], [`scheduler`], [`worker`]: the processes' I/O loops.
-
-mod exchange;
-mod peer;
-pub mod proto;
-pub mod scheduler;
-pub mod server;
-mod server_conn;
-pub mod server_state;
-pub mod shard;
-pub mod shm;
-pub mod worker;
+//! Which role this process plays in a distributed job (from `DMLC_ROLE`, through
+//! [`Config`]), and joining the job at the scheduler.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Instant;
@@ -22,8 +7,9 @@ use std::time::Instant;
 use kvstore_transport::tcp::blocking::{read_frame, write_frame};
 use kvstore_transport::FrameHeader;
 
-pub use crate::config::{Config, Role};
-use proto::{Msg, Op};
+use crate::config::{Config, Role};
+use crate::protocol::{Msg, Op};
+use crate::{scheduler, server, shm_link as shm, worker};
 
 /// What the scheduler told a node at rendezvous.
 #[derive(Clone, Debug)]
@@ -142,8 +128,8 @@ pub(crate) fn start_worker_or_run_role(sync: bool) -> crate::Result<worker::Dist
 /// process; returns at once in a worker (or when no role is set). Call it first thing in a
 /// program that should not do its worker-side setup in the other roles.
 pub fn run_role_if_not_worker(sync: bool) -> crate::Result<()> {
-    match std::env::var("DMLC_ROLE").as_deref() {
-        Ok("server") | Ok("scheduler") => start_worker_or_run_role(sync).map(|_| ()),
+    match Config::role_from_env() {
+        Some(Role::Server | Role::Scheduler) => start_worker_or_run_role(sync).map(|_| ()),
         _ => Ok(()),
     }
 }

@@ -9,6 +9,8 @@
 //! A data frame's payload is `range length` elements of `dtype`, raw; a control frame's payload
 //! is short text (addresses, names, error messages) or eight f64 (optimizer parameters).
 
+pub mod shard;
+
 use kvstore_transport::{FrameHeader, META_LEN};
 
 use crate::{DType, KvError, Result};

@@ -7,6 +7,8 @@
 //! is a frame header (the same bytes as on TCP) plus a source region (the payload, read by the
 //! server in place) and a destination region (where a pull's answer is written, once).
 
+mod peer;
+
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
@@ -18,10 +20,10 @@ use std::time::Duration;
 use kvstore_shm::{recv_fds, send_fds, Channel, ChannelConfig, Pool, Region, Segment, SLOT};
 use kvstore_transport::{FrameHeader, HEADER_LEN};
 
-pub use super::peer::PeerPages;
-pub(crate) use super::peer::PeerProcess;
-use super::proto::Msg;
 use crate::ndarray::SharedBuf;
+use crate::protocol::Msg;
+pub use crate::shm_link::peer::PeerPages;
+pub(crate) use crate::shm_link::peer::PeerProcess;
 use crate::{DType, KvError, NDArray, Result};
 
 /// Copies of tensor bytes a worker's shared-memory transport made: `(copies, bytes)`, per
@@ -39,30 +41,6 @@ impl Copies {
 
     pub fn get(&self) -> (u64, u64) {
         self.0.get()
-    }
-}
-
-/// Which transport a worker uses for servers on its host (`KVSTORE_TRANSPORT`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Choice {
-    /// Shared memory where the server is on this host, TCP otherwise (the default).
-    Auto,
-    /// TCP everywhere.
-    Tcp,
-    /// Shared memory, and an error if a server is not on this host.
-    Shm,
-}
-
-impl Choice {
-    pub(crate) fn from_env() -> Result<Choice> {
-        match std::env::var("KVSTORE_TRANSPORT").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(Choice::Auto),
-            Ok("tcp") => Ok(Choice::Tcp),
-            Ok("shm") => Ok(Choice::Shm),
-            Ok(other) => Err(KvError::Config(format!(
-                "KVSTORE_TRANSPORT={other:?}; expected auto, tcp or shm"
-            ))),
-        }
     }
 }
 
@@ -393,7 +371,8 @@ pub(crate) fn accept(sock: UnixStream, secret: &str, num_workers: usize) -> Resu
     let pool_seg = Arc::new(Segment::from_fd(pseg).map_err(shm)?);
     let pool = Pool::new(pool_seg.clone(), 0, npages, page).map_err(shm)?;
     // Cross-memory attach works here (same user, no ptrace restriction) if the canary lands.
-    let cma = peer.write(canary, CANARY).is_ok();
+    // SAFETY: CANARY is 8 bytes of static memory.
+    let cma = unsafe { peer.write(canary, CANARY.as_ptr(), CANARY.len()) }.is_ok();
     (&sock).write_all(if cma { b"ok1" } else { b"ok0" })?;
     sock.set_nonblocking(true)?;
     Ok(ServerLink {
@@ -472,14 +451,15 @@ impl ServerLink {
                 }
                 Dest::Addr(addr, len) => {
                     let res = if len == payload.len() {
-                        self.peer.write(addr, payload)
+                        // SAFETY: `payload` is borrowed for the call.
+                        unsafe { self.peer.write(addr, payload.as_ptr(), payload.len()) }
                     } else {
                         Err(std::io::Error::other("destination of the wrong size"))
                     };
                     match res {
                         Ok(()) => {}
                         Err(e) => {
-                            msg.status = super::proto::status::FAILED;
+                            msg.status = crate::protocol::status::FAILED;
                             text = format!("cannot write the answer into the worker: {e}")
                                 .into_bytes();
                         }
@@ -496,5 +476,4 @@ impl ServerLink {
 }
 
 #[cfg(test)]
-#[path = "shm_tests.rs"]
 mod tests;

@@ -7,11 +7,11 @@
 
 use std::collections::HashMap;
 
-use super::proto::{status, Msg, Op};
-use super::shm::PeerPages;
 use crate::local::check_updater_kept_shape;
 use crate::optimizer::{Optimizer, OptimizerUpdater};
+use crate::protocol::{status, Msg, Op};
 use crate::registry::{self, SharedUpdater};
+use crate::shm_link::PeerPages;
 use crate::{Key, KvError, NDArray};
 
 /// A connection, as the I/O layer numbers them.
@@ -159,7 +159,8 @@ impl ServerState {
         self.failed.as_deref()
     }
 
-    /// The stored value of a key's slice (for tests and inspection).
+    /// The stored value of a key's slice (for tests).
+    #[cfg(test)]
     pub fn stored(&self, key: u64) -> Option<&NDArray> {
         self.slots.get(&key).map(|s| &s.stored)
     }
@@ -475,5 +476,5 @@ fn apply(
 }
 
 #[cfg(test)]
-#[path = "server_state_tests.rs"]
+#[path = "state_tests.rs"]
 mod tests;

@@ -6,6 +6,8 @@
 //! output. Every wait is bounded by the configured timeout; after a timeout or a lost server the
 //! store refuses further calls rather than risk reading a stale reply into an array.
 
+mod exchange;
+
 use std::collections::HashMap;
 use std::net::TcpStream as StdStream;
 use std::time::Instant;
@@ -16,14 +18,16 @@ use kvstore_transport::{FrameHeader, TransportError};
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token};
 
-use super::exchange::{Net, Req, ServerConn, SHM_TOKENS};
-use super::proto::{role, Msg, Op, MAX_NDIM};
-use super::shard::{placement, Part};
-use super::shm::{self, Choice, WorkerLink, WorkerPool};
+use crate::config::TransportChoice;
+use crate::protocol::shard::{placement, Part};
+use crate::protocol::{role, Msg, Op, MAX_NDIM};
+use crate::shm_link::{self as shm, WorkerLink, WorkerPool};
+use crate::worker::exchange::{Net, Req, ServerConn, SHM_TOKENS};
 
-use super::{join, Config};
+use crate::config::Config;
 use crate::local::{check_like, sum_into};
 use crate::optimizer::Optimizer;
+use crate::roles::join;
 use crate::{DType, Key, KvError, NDArray, Result};
 
 struct KeyInfo {
@@ -86,37 +90,33 @@ impl DistWorker {
             });
         }
         // Servers on this host: shared memory, unless KVSTORE_TRANSPORT says otherwise.
-        let choice = Choice::from_env()?;
+        let choice = cfg.transport;
         let me = shm::host_id();
         let mut links: Vec<Option<WorkerLink>> = Vec::new();
         let mut pool = None;
         for (i, addr) in roster.servers.iter().enumerate() {
             let local = roster.server_hosts.get(i).is_some_and(|h| *h == me);
             let link = match (choice, local) {
-                (Choice::Tcp, _) => None,
-                (Choice::Shm, false) => {
+                (TransportChoice::Tcp, _) => None,
+                (TransportChoice::Shm, false) => {
                     return Err(KvError::Config(format!(
                         "KVSTORE_TRANSPORT=shm, but server {i} ({addr}) is on another host"
                     )))
                 }
                 (_, true) => {
                     if pool.is_none() {
-                        let bytes = std::env::var("KVSTORE_SHM_POOL")
-                            .ok()
-                            .and_then(|v| v.parse().ok())
-                            .unwrap_or(1usize << 30);
-                        pool = Some(WorkerPool::create(bytes)?);
+                        pool = Some(WorkerPool::create(cfg.shm_pool_bytes)?);
                     }
                     let p = pool
                         .as_ref()
                         .ok_or_else(|| KvError::Protocol("pool".into()))?;
                     match shm::attach(addr.port(), &cfg.secret, roster.rank, p, cfg.timeout) {
                         Ok(l) => Some(l),
-                        Err(e) if choice == Choice::Shm => return Err(e),
+                        Err(e) if choice == TransportChoice::Shm => return Err(e),
                         Err(_) => None,
                     }
                 }
-                (Choice::Auto, false) => None,
+                (TransportChoice::Auto, false) => None,
             };
             if let Some(l) = &link {
                 let fd = std::os::fd::AsRawFd::as_raw_fd(&l.doorbell);

@@ -12,8 +12,8 @@ use kvstore_transport::{FrameHeader, TransportError};
 use mio::net::TcpStream;
 use mio::{Events, Poll};
 
-use super::proto::{status, Msg, Op};
-use super::shm::{self, WorkerLink, WorkerPool};
+use crate::protocol::{status, Msg, Op};
+use crate::shm_link::{self as shm, WorkerLink, WorkerPool};
 use crate::{Key, KvError, NDArray, Result};
 
 /// Tokens of shared-memory doorbells in the poll set (server rank added).
