@@ -218,6 +218,7 @@ impl Msg {
     }
 
     /// The shape carried in the message.
+    #[cfg(test)]
     pub fn shape(&self) -> Vec<usize> {
         self.shape[..self.ndim as usize]
             .iter()

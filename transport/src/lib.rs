@@ -17,6 +17,7 @@ pub mod backend;
 mod error;
 pub mod frame;
 pub mod shm;
+mod table;
 pub mod tcp;
 
 pub use backend::{

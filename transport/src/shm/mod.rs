@@ -31,6 +31,7 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll};
 
 use crate::backend::{fresh_id, Place};
+use crate::table::PeerTable;
 use crate::{
     Backend, Completion, Lent, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
 };
@@ -127,7 +128,7 @@ pub struct ShmBackend {
     pool_seg: Arc<Segment>,
     pool: Arc<Pool>,
     canary: Box<[u8; 8]>,
-    peers: HashMap<u32, Peer>,
+    peers: PeerTable<Peer>,
     next_peer: u32,
     grants: HashMap<u64, Grant>,
     next_grant: u64,
@@ -141,6 +142,8 @@ pub struct ShmBackend {
     last_poll: Instant,
     /// Reused list of peers to visit.
     ids: Vec<u32>,
+    /// Progress calls, to read the clock on few of them.
+    calls: u32,
 }
 
 /// How often a busy loop that never sleeps looks at its sockets (a peer gone, a new peer): the
@@ -167,7 +170,7 @@ impl ShmBackend {
             pool_seg,
             pool,
             canary: Box::new([0u8; 8]),
-            peers: HashMap::new(),
+            peers: PeerTable::new(),
             next_peer: 0,
             grants: HashMap::new(),
             next_grant: 1,
@@ -177,6 +180,7 @@ impl ShmBackend {
             armed: false,
             last_poll: Instant::now(),
             ids: Vec::new(),
+            calls: 0,
         })
     }
 

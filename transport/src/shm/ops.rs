@@ -479,9 +479,13 @@ impl Backend for ShmBackend {
             for p in self.peers.values() {
                 p.chan.disarm_rx()?;
             }
-        } else if self.last_poll.elapsed() < POLL_EVERY {
-            // A busy loop: the rings are all there is to look at.
-            return self.progress_rings(on, n);
+        } else {
+            // A busy loop: the rings are all there is to look at, and the clock is read only
+            // now and then.
+            self.calls = self.calls.wrapping_add(1);
+            if self.calls % 32 != 0 || self.last_poll.elapsed() < POLL_EVERY {
+                return self.progress_rings(on, n);
+            }
         }
         self.last_poll = Instant::now();
         match self.poll.poll(&mut self.events, Some(Duration::ZERO)) {
@@ -523,7 +527,7 @@ impl ShmBackend {
     ) -> Result<usize, TransportError> {
         let mut ids = std::mem::take(&mut self.ids);
         ids.clear();
-        ids.extend(self.peers.keys().copied());
+        ids.extend(self.peers.keys());
         for &id in &ids {
             if let Err(e) = self.read_peer(id, on, &mut n) {
                 self.lose(PeerId(id), e);

@@ -22,6 +22,7 @@ use mio::{Events, Interest, Poll};
 use super::{FrameReader, FrameSink};
 use crate::backend::{fresh_id, Place};
 use crate::frame::{FrameHeader, HEADER_LEN, META_LEN};
+use crate::table::PeerTable;
 use crate::{
     Backend, Completion, Lent, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
 };
@@ -94,7 +95,7 @@ pub struct TcpBackend {
     poll: Poll,
     events: Events,
     listener: Option<TcpListener>,
-    peers: HashMap<u32, Peer>,
+    peers: PeerTable<Peer>,
     next_peer: u32,
     grants: HashMap<u64, Grant>,
     next_grant: u64,
@@ -127,7 +128,7 @@ impl TcpBackend {
             poll: Poll::new()?,
             events: Events::with_capacity(256),
             listener: None,
-            peers: HashMap::new(),
+            peers: PeerTable::new(),
             next_peer: 0,
             grants: HashMap::new(),
             next_grant: 1,
@@ -553,7 +554,7 @@ impl Backend for TcpBackend {
             .peers
             .iter()
             .filter(|(_, p)| !p.out.is_empty())
-            .map(|(&id, _)| id)
+            .map(|(id, _)| id)
             .collect();
         for id in ids {
             self.write_peer(id);
