@@ -3,6 +3,7 @@
 #![deny(missing_docs)]
 
 pub mod conn;
+pub mod limit;
 pub mod raw;
 
 use std::io::{Read, Write};

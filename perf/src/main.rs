@@ -37,6 +37,38 @@ enum Cmd {
     Bw(RawArgs),
     /// push+pull through real servers: bandwidth per size, and the rate of many small keys.
     Pushpull(PushPull),
+    /// The ceiling alone: one push+pull round of threads sharing memory (what `pushpull
+    /// --reference` divides by), as `../shared/bench/ps_limit.c` measures it.
+    Limit(LimitArgs),
+}
+
+#[derive(Args, Debug)]
+struct LimitArgs {
+    /// Workers.
+    #[arg(short = 'n', long, default_value_t = 2)]
+    workers: usize,
+    /// Servers.
+    #[arg(short = 's', long, default_value_t = 2)]
+    servers: usize,
+    /// Bytes per round (f32), e.g. 64M.
+    #[arg(long, default_value = "64M")]
+    size: String,
+    /// Rounds (the first is not timed).
+    #[arg(long, default_value_t = 21)]
+    rounds: usize,
+}
+
+fn run_limit(a: &LimitArgs) -> Result<(), String> {
+    let bytes = parse_size(&a.size)?;
+    let l = kvstore_perf::limit::measure(bytes, a.workers, a.servers, a.rounds)?;
+    println!(
+        "bytes {bytes} W {} S {}: round p50 {:.3} ms zero-copy, {:.3} ms one copy in",
+        a.workers,
+        a.servers,
+        l.zero_copy * 1e3,
+        l.one_copy * 1e3
+    );
+    Ok(())
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -252,6 +284,24 @@ fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
     Ok(())
 }
 
+/// A number for JSON: `null` where there is none (JSON has no NaN).
+fn json_num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.4}")
+    } else {
+        "null".into()
+    }
+}
+
+/// A table cell: `-` where there is no figure.
+fn cell(x: f64, prec: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.prec$}")
+    } else {
+        "-".into()
+    }
+}
+
 fn field(line: &str, name: &str) -> f64 {
     let key = format!("\"{name}\":");
     line.split(&key)
@@ -338,7 +388,7 @@ fn parent(p: &PushPull) -> Result<(), String> {
         });
         let _ = writeln!(
             stdout,
-            "W={} S={} keys/call={} transport={} arrays={} op={}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11}",
+            "W={} S={} keys/call={} transport={} arrays={} op={}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11} {:>9} {:>7}",
             p.workers,
             p.servers,
             p.keys,
@@ -355,7 +405,9 @@ fn parent(p: &PushPull) -> Result<(), String> {
             "x memcpy",
             "x iperf3",
             "x stream",
-            "key-ops/s"
+            "key-ops/s",
+            "limit us",
+            "x limit"
         );
     }
     for line in text.lines() {
@@ -387,22 +439,42 @@ fn parent(p: &PushPull) -> Result<(), String> {
             )
         });
         let x_memcpy = memcpy.map_or(f64::NAN, |m| per_worker / m);
+        // The ceiling of a push+pull round on this host for the same W, S and bytes: zero-copy
+        // for kv.alloc arrays, one copy in for ordinary ones.
+        let limit = if p.reference && matches!(p.op.as_str(), "push+pull" | "pushpull") {
+            let bytes = size as usize * keys as usize;
+            let rounds = ((256usize << 20) / bytes.max(1)).clamp(5, 201);
+            let l = kvstore_perf::limit::measure(
+                bytes,
+                p.workers as usize,
+                p.servers as usize,
+                rounds,
+            )?;
+            Some(if p.alloc { l.zero_copy } else { l.one_copy })
+        } else {
+            None
+        };
+        let limit_us = limit.map_or(f64::NAN, |l| l * 1e6);
+        let x_limit = limit.map_or(f64::NAN, |l| per_iter / l);
         if p.json {
             let _ = writeln!(
                 stdout,
-                "{{\"size\":{size},\"keys\":{keys},\"iters\":{iters},\"us_per_iter\":{:.3},\"gbps_per_worker\":{:.4},\"gbps_all\":{:.4},\"op\":\"{}\",\"call_p50_us\":{p50:.3},\"call_p99_us\":{p99:.3},\"ratio_memcpy\":{x_memcpy:.4},\"ratio_iperf3\":{:.4},\"ratio_stream\":{:.4},\"key_ops_per_s\":{:.1}}}",
+                "{{\"size\":{size},\"keys\":{keys},\"iters\":{iters},\"us_per_iter\":{:.3},\"gbps_per_worker\":{:.4},\"gbps_all\":{:.4},\"op\":\"{}\",\"call_p50_us\":{p50:.3},\"call_p99_us\":{p99:.3},\"ratio_memcpy\":{},\"ratio_iperf3\":{},\"ratio_stream\":{},\"key_ops_per_s\":{:.1},\"limit_us\":{},\"ratio_limit\":{}}}",
                 per_iter * 1e6,
                 gbs(per_worker),
                 gbs(all),
                 p.op,
-                ratio(iperf_ref),
-                ratio(stream_ref),
-                ops
+                json_num(x_memcpy),
+                json_num(ratio(iperf_ref)),
+                json_num(ratio(stream_ref)),
+                ops,
+                json_num(limit_us),
+                json_num(x_limit),
             );
         } else {
             let _ = writeln!(
                 stdout,
-                "{:>8} {:>7} {:>10.1} {:>9.3} {:>9.3} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>8.2} {:>11.0}",
+                "{:>8} {:>7} {:>10.1} {:>9.3} {:>9.3} {:>9.2} {:>9.2} {:>8} {:>8} {:>8} {:>11.0} {:>9} {:>7}",
                 format_size(size as usize),
                 iters,
                 per_iter * 1e6,
@@ -410,15 +482,18 @@ fn parent(p: &PushPull) -> Result<(), String> {
                 gbs(all),
                 p50,
                 p99,
-                x_memcpy,
-                ratio(iperf_ref),
-                ratio(stream_ref),
-                ops
+                cell(x_memcpy, 2),
+                cell(ratio(iperf_ref), 2),
+                cell(ratio(stream_ref), 2),
+                ops,
+                cell(limit_us, 1),
+                cell(x_limit, 2),
             );
         }
     }
     if !p.json && p.reference {
         let _ = writeln!(stdout, "call p50/p99: one call of the op (request and answer), us; x memcpy: GB/s/wkr over single-threaded memcpy of the size");
+        let _ = writeln!(stdout, "limit us: the ceiling, one push+pull round of W worker and S server threads sharing memory ({}); x limit: us/iter over it", if p.alloc { "gradients already shared: zero-copy" } else { "gradients copied in: one copy" });
     }
     Ok(())
 }
@@ -680,6 +755,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Lat(a) => run_raw("lat", &a),
         Cmd::Bw(a) => run_raw("bw", &a),
+        Cmd::Limit(a) => run_limit(&a),
         Cmd::Pushpull(p) => match (
             std::env::var("DMLC_ROLE").ok(),
             std::env::var("KVPERF_OUT").ok(),

@@ -146,6 +146,47 @@ fn pushpull_through_a_real_job() {
             "{out}"
         );
     }
+    // With references, every line is strict JSON (no NaN: a missing figure is null), and the
+    // ceiling of the same W, S and size is there with the ratio to it.
+    let (code, out, err) = kvperf(&[
+        "pushpull",
+        "-n",
+        "2",
+        "-s",
+        "1",
+        "--transport",
+        "shm",
+        "--size",
+        "64K",
+        "--iters",
+        "20",
+        "--reference",
+        "--json",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let rows = json_lines(&out);
+    assert_eq!(rows.len(), 1, "{out}");
+    assert!(!out.contains("NaN") && !out.contains("inf"), "{out}");
+    let (limit, ratio, per_iter) = (
+        field(rows[0], "limit_us"),
+        field(rows[0], "ratio_limit"),
+        field(rows[0], "us_per_iter"),
+    );
+    assert!(limit > 0.0 && ratio > 0.0, "{out}");
+    assert!((ratio - per_iter / limit).abs() <= 0.01 * ratio, "{out}");
+    // Without references there is no figure to divide by: null, not NaN.
+    let (code, out, err) = kvperf(&["pushpull", "--size", "4K", "--iters", "3", "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("\"ratio_limit\":null") && !out.contains("NaN"),
+        "{out}"
+    );
+    let (code, out, err) = kvperf(&["limit", "--size", "1M", "--rounds", "5"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("zero-copy") && out.contains("one copy in"),
+        "{out}"
+    );
     let (code, out, err) = kvperf(&["pushpull", "--size", "1K", "--keys", "100", "--iters", "3"]);
     assert_eq!(code, Some(0), "{err}");
     assert!(

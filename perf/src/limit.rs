@@ -1,0 +1,143 @@
+//! The ceiling of a parameter server on this host: one push+pull round done by threads that
+//! share memory, with nothing between them but barriers (as `../shared/bench/ps_limit.c`).
+//!
+//! W worker threads and S server threads; per round each worker copies its gradient into a
+//! shared buffer (the one copy of a push from ordinary memory; skipped for the zero-copy
+//! ceiling, as a push from `kv.alloc` pages needs none), the servers sum the W gradients of
+//! their slice into the stored value (an ASSIGN of the sum), and each worker copies the stored
+//! value out (the pull). No store can do a round faster on the same memory and cores.
+
+use std::sync::{Arc, Barrier, RwLock};
+use std::time::Instant;
+
+/// Median round times of the ceiling, in seconds.
+#[derive(Clone, Copy, Debug)]
+pub struct Limit {
+    /// Gradients already in shared memory (pushes from `kv.alloc` arrays).
+    pub zero_copy: f64,
+    /// Gradients copied in first (pushes from ordinary arrays).
+    pub one_copy: f64,
+}
+
+/// The ceiling for `bytes` of f32 per round with `w` workers and `s` servers, the median of
+/// `rounds` rounds (at least 3), each way. Errors if a round computes a wrong sum.
+pub fn measure(bytes: usize, w: usize, s: usize, rounds: usize) -> Result<Limit, String> {
+    if w == 0 || s == 0 {
+        return Err("the ceiling needs a worker and a server".into());
+    }
+    Ok(Limit {
+        zero_copy: median_round(bytes, w, s, false, rounds)?,
+        one_copy: median_round(bytes, w, s, true, rounds)?,
+    })
+}
+
+fn median_round(
+    bytes: usize,
+    w: usize,
+    s: usize,
+    copy_in: bool,
+    rounds: usize,
+) -> Result<f64, String> {
+    let n = (bytes / 4).max(1);
+    let rounds = rounds.max(3);
+    let private: Arc<Vec<Vec<f32>>> = Arc::new((0..w).map(|i| vec![(i + 1) as f32; n]).collect());
+    let pool: Arc<Vec<RwLock<Vec<f32>>>> = Arc::new(
+        (0..w)
+            .map(|i| RwLock::new(vec![(i + 1) as f32; n]))
+            .collect(),
+    );
+    let bounds: Vec<(usize, usize)> = (0..s).map(|k| (n * k / s, n * (k + 1) / s)).collect();
+    let stored: Arc<Vec<RwLock<Vec<f32>>>> = Arc::new(
+        bounds
+            .iter()
+            .map(|&(lo, hi)| RwLock::new(vec![0.0; hi - lo]))
+            .collect(),
+    );
+    let bar = Arc::new(Barrier::new(w + s));
+    let mut handles = Vec::new();
+    for i in 0..w {
+        let (private, pool, stored, bar) =
+            (private.clone(), pool.clone(), stored.clone(), bar.clone());
+        handles.push(std::thread::spawn(move || -> Result<Vec<f64>, String> {
+            let mut out = vec![0f32; n];
+            for _ in 0..rounds {
+                bar.wait();
+                if copy_in {
+                    let mut p = pool[i].write().map_err(|e| e.to_string())?;
+                    p.copy_from_slice(&private[i]);
+                }
+                bar.wait();
+                bar.wait();
+                let mut at = 0;
+                for chunk in stored.iter() {
+                    let c = chunk.read().map_err(|e| e.to_string())?;
+                    out[at..at + c.len()].copy_from_slice(&c);
+                    at += c.len();
+                }
+                bar.wait();
+            }
+            let want = (w * (w + 1) / 2) as f32;
+            if out[0] != want || out[n - 1] != want {
+                return Err(format!(
+                    "the ceiling's round summed {} where {want} was due",
+                    out[0]
+                ));
+            }
+            Ok(Vec::new())
+        }));
+    }
+    for (k, &(lo, hi)) in bounds.iter().enumerate() {
+        let (pool, stored, bar) = (pool.clone(), stored.clone(), bar.clone());
+        handles.push(std::thread::spawn(move || -> Result<Vec<f64>, String> {
+            let mut times = Vec::with_capacity(rounds);
+            for _ in 0..rounds {
+                bar.wait();
+                let t0 = Instant::now();
+                bar.wait();
+                {
+                    let mut dst = stored[k].write().map_err(|e| e.to_string())?;
+                    let a = pool[0].read().map_err(|e| e.to_string())?;
+                    dst.copy_from_slice(&a[lo..hi]);
+                    for g in pool.iter().skip(1) {
+                        let g = g.read().map_err(|e| e.to_string())?;
+                        for (d, x) in dst.iter_mut().zip(&g[lo..hi]) {
+                            *d += x;
+                        }
+                    }
+                }
+                bar.wait();
+                bar.wait();
+                times.push(t0.elapsed().as_secs_f64());
+            }
+            Ok(times)
+        }));
+    }
+    let mut first = None;
+    for h in handles {
+        let t = h
+            .join()
+            .map_err(|_| "a ceiling thread panicked".to_string())??;
+        if first.is_none() && !t.is_empty() {
+            first = Some(t);
+        }
+    }
+    let mut t = first.ok_or("no round was timed")?;
+    // The first round faults the pages in.
+    t.remove(0);
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ceiling_sums_right_and_copying_in_costs_more_than_not() {
+        let l = measure(4 << 20, 2, 2, 7).unwrap();
+        assert!(l.zero_copy > 0.0 && l.one_copy > 0.0);
+        let one = measure(4096, 1, 1, 3).unwrap();
+        assert!(one.zero_copy > 0.0);
+        assert!(measure(4096, 0, 1, 3).is_err());
+    }
+}
