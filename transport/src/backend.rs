@@ -435,6 +435,25 @@ impl fmt::Debug for Completion<'_> {
     }
 }
 
+/// Reports completed tokens, then lost peers; returns how many.
+pub(crate) fn deliver(
+    done: &mut std::collections::VecDeque<(Token, Option<TransportError>)>,
+    lost: &mut std::collections::VecDeque<(PeerId, TransportError)>,
+    on: &mut dyn FnMut(Completion<'_>),
+) -> usize {
+    let n = done.len() + lost.len();
+    for (t, err) in done.drain(..) {
+        match err {
+            None => on(Completion::Done(t)),
+            Some(e) => on(Completion::Failed(t, e)),
+        }
+    }
+    for (peer, error) in lost.drain(..) {
+        on(Completion::Lost { peer, error });
+    }
+    n
+}
+
 /// A transport for many peers, driven from one thread. See the module documentation.
 pub trait Backend: Send {
     /// `"tcp"` or `"shm"`.

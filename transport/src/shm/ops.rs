@@ -197,7 +197,11 @@ impl Backend for ShmBackend {
             len,
         };
         // Pages come back dirty from earlier use: zero them.
-        self.pool_seg.write(region.offset, &vec![0u8; len])?;
+        let zeros = [0u8; 64 * 1024];
+        for at in (0..len).step_by(zeros.len()) {
+            let n = zeros.len().min(len - at);
+            self.pool_seg.write(region.offset + at, &zeros[..n])?;
+        }
         Ok(Region::new(
             self.id,
             Arc::new(pages),
@@ -534,17 +538,7 @@ impl ShmBackend {
             }
         }
         self.ids = ids;
-        while let Some((t, err)) = self.done.pop_front() {
-            n += 1;
-            match err {
-                None => on(Completion::Done(t)),
-                Some(e) => on(Completion::Failed(t, e)),
-            }
-        }
-        while let Some((peer, error)) = self.lost.pop_front() {
-            n += 1;
-            on(Completion::Lost { peer, error });
-        }
+        n += crate::backend::deliver(&mut self.done, &mut self.lost, on);
         Ok(n)
     }
 }

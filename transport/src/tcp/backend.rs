@@ -607,17 +607,7 @@ impl Backend for TcpBackend {
                 self.read_peer(id, on, &mut n);
             }
         }
-        while let Some((t, err)) = self.done.pop_front() {
-            n += 1;
-            match err {
-                None => on(Completion::Done(t)),
-                Some(e) => on(Completion::Failed(t, e)),
-            }
-        }
-        while let Some((peer, error)) = self.lost.pop_front() {
-            n += 1;
-            on(Completion::Lost { peer, error });
-        }
+        n += crate::backend::deliver(&mut self.done, &mut self.lost, on);
         Ok(n)
     }
 
