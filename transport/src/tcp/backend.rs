@@ -9,7 +9,7 @@
 //! scratch instead.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, IoSlice, Write};
+use std::io;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -19,75 +19,19 @@ use std::time::Duration;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll};
 
-use super::{FrameReader, FrameSink};
+use super::link::{meta, write_out, Grant, Out, Peer, Rx, Sink, MAX_BODY, MSG, PUT};
+use super::FrameReader;
 use crate::backend::{fresh_id, Place};
-use crate::frame::{FrameHeader, HEADER_LEN, META_LEN};
+use crate::frame::FrameHeader;
 use crate::table::PeerTable;
 use crate::{
-    Backend, Completion, Lent, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
+    Backend, Completion, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
 };
 
-const MSG: u8 = 1;
-const PUT: u8 = 2;
 const KIND_TCP: u32 = 1;
-/// The largest message body.
-pub const MAX_BODY: usize = 64 * 1024;
 /// Bytes queued for one peer beyond which a send answers "would block".
 const MAX_QUEUED: usize = 8 << 20;
 const LISTENER: mio::Token = mio::Token(usize::MAX);
-const MAX_IOV: usize = 64;
-
-struct Out {
-    hdr: [u8; HEADER_LEN],
-    body: Vec<u8>,
-    data: Option<(Region, Range<usize>)>,
-    token: Option<Token>,
-}
-
-impl Out {
-    fn total(&self) -> usize {
-        HEADER_LEN + self.body.len() + self.data.as_ref().map_or(0, |(_, r)| r.len())
-    }
-}
-
-/// The bytes of a queued frame's data. Safe to view: the caller of `send`/`put` promised not to
-/// write them until the token completes, and the region holds the storage alive.
-fn data_slice(d: &Option<(Region, Range<usize>)>) -> &[u8] {
-    match d {
-        // SAFETY: the range was checked against the region when posted; the storage is valid
-        // and unwritten while queued (the caller's side of `send`/`put`).
-        Some((r, range)) => unsafe {
-            std::slice::from_raw_parts(r.mem.ptr().add(range.start), range.len())
-        },
-        None => &[],
-    }
-}
-
-#[derive(Default)]
-struct Rx {
-    buf: Vec<u8>,
-    scratch: Vec<u8>,
-    kind: u8,
-    body_len: usize,
-    has_data: bool,
-    /// The put in progress: grant, offset, immediate, and whether the grant is live.
-    put: Option<(u64, usize, u32, bool)>,
-}
-
-struct Peer {
-    stream: TcpStream,
-    reader: FrameReader,
-    rx: Rx,
-    out: VecDeque<Out>,
-    off: usize,
-    queued: usize,
-}
-
-struct Grant {
-    peer: PeerId,
-    region: Region,
-    range: Range<usize>,
-}
 
 /// TCP as a [`Backend`].
 pub struct TcpBackend {
@@ -102,22 +46,6 @@ pub struct TcpBackend {
     done: VecDeque<(Token, Option<TransportError>)>,
     lost: VecDeque<(PeerId, TransportError)>,
     max_payload: u64,
-}
-
-fn meta(kind: u8, has_data: bool, word: u32, grant: u64, offset: u64) -> [u8; META_LEN] {
-    let mut m = [0u8; META_LEN];
-    m[0] = kind;
-    m[1] = has_data as u8;
-    m[4..8].copy_from_slice(&word.to_le_bytes());
-    m[8..16].copy_from_slice(&grant.to_le_bytes());
-    m[16..24].copy_from_slice(&offset.to_le_bytes());
-    m
-}
-
-fn word(m: &[u8; META_LEN], r: Range<usize>) -> u64 {
-    let mut b = [0u8; 8];
-    b[..r.len()].copy_from_slice(&m[r]);
-    u64::from_le_bytes(b)
 }
 
 impl TcpBackend {
@@ -248,167 +176,6 @@ impl TcpBackend {
         if let Err(e) = p.reader.read_from(&mut p.stream, &mut sink) {
             self.lose(PeerId(id), e);
         }
-    }
-}
-
-fn write_out(p: &mut Peer, done: &mut VecDeque<(Token, Option<TransportError>)>) -> io::Result<()> {
-    while !p.out.is_empty() {
-        let res = {
-            let mut iov = [IoSlice::new(&[]); MAX_IOV];
-            let mut n = 0;
-            let mut skip = p.off;
-            for o in p.out.iter() {
-                if n + 3 > MAX_IOV {
-                    break;
-                }
-                for part in [&o.hdr[..], &o.body[..], data_slice(&o.data)] {
-                    if skip >= part.len() {
-                        skip -= part.len();
-                        continue;
-                    }
-                    iov[n] = IoSlice::new(&part[skip..]);
-                    skip = 0;
-                    n += 1;
-                }
-            }
-            p.stream.write_vectored(&iov[..n])
-        };
-        match res {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(mut written) => {
-                p.queued -= written.min(p.queued);
-                while written > 0 {
-                    let Some(o) = p.out.front() else { break };
-                    let left = o.total() - p.off;
-                    if written >= left {
-                        written -= left;
-                        p.off = 0;
-                        if let Some(t) = p.out.pop_front().and_then(|o| o.token) {
-                            done.push_back((t, None));
-                        }
-                    } else {
-                        p.off += written;
-                        written = 0;
-                    }
-                }
-                // Zero-length frames at the front are complete too.
-                while p.out.front().is_some_and(|o| o.total() == 0) {
-                    p.out.pop_front();
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-struct Sink<'a> {
-    peer: PeerId,
-    rx: &'a mut Rx,
-    grants: &'a HashMap<u64, Grant>,
-    next_grant: u64,
-    on: &'a mut dyn FnMut(Completion<'_>),
-    n: &'a mut usize,
-}
-
-impl FrameSink for Sink<'_> {
-    fn on_header(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
-        let len = h.payload_len as usize;
-        self.rx.kind = h.meta[0];
-        match h.meta[0] {
-            MSG => {
-                let body = word(&h.meta, 4..8) as usize;
-                if body > len || body > MAX_BODY {
-                    return Err(TransportError::Refused(format!(
-                        "a body of {body} bytes in a frame of {len}"
-                    )));
-                }
-                self.rx.body_len = body;
-                self.rx.has_data = h.meta[1] != 0;
-                self.rx.buf.resize(len, 0);
-            }
-            PUT => {
-                let (grant, offset) = (word(&h.meta, 8..16), word(&h.meta, 16..24) as usize);
-                let imm = word(&h.meta, 4..8) as u32;
-                let live = match self.grants.get(&grant) {
-                    Some(g) if g.peer == self.peer => {
-                        if offset.checked_add(len).is_none_or(|e| e > g.range.len()) {
-                            return Err(TransportError::Refused(format!(
-                                "a put of {len} bytes at {offset} into a grant of {}",
-                                g.range.len()
-                            )));
-                        }
-                        true
-                    }
-                    // Revoked or forgotten (or another peer's): read into scratch, report
-                    // nothing. A grant never issued is a protocol error.
-                    _ if grant < self.next_grant => false,
-                    _ => return Err(TransportError::Refused(format!("unknown grant {grant}"))),
-                };
-                if !live {
-                    self.rx.scratch.resize(len, 0);
-                }
-                self.rx.put = Some((grant, offset, imm, live));
-            }
-            k => return Err(TransportError::Refused(format!("frame kind {k}"))),
-        }
-        Ok(())
-    }
-
-    fn payload_dest(&mut self, h: &FrameHeader) -> &mut [u8] {
-        let len = h.payload_len as usize;
-        match (self.rx.kind, self.rx.put) {
-            (PUT, Some((grant, offset, _, true))) => match self.grants.get(&grant) {
-                // SAFETY: the grant is live, so its caller promised not to touch the range
-                // (`Backend::grant`); the bounds were checked in `on_header`; the region holds
-                // the storage alive for the call.
-                Some(g) => unsafe {
-                    std::slice::from_raw_parts_mut(
-                        g.region.mem.ptr().add(g.range.start + offset),
-                        len,
-                    )
-                },
-                // Revoked in the middle of the frame: the rest goes to scratch.
-                None => {
-                    self.rx.scratch.resize(len, 0);
-                    self.rx.put = Some((grant, offset, 0, false));
-                    &mut self.rx.scratch[..]
-                }
-            },
-            (PUT, _) => &mut self.rx.scratch[..len],
-            _ => &mut self.rx.buf[..],
-        }
-    }
-
-    fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
-        *self.n += 1;
-        match (self.rx.kind, self.rx.put.take()) {
-            (PUT, Some((grant, offset, imm, true))) if self.grants.contains_key(&grant) => {
-                (self.on)(Completion::Put {
-                    peer: self.peer,
-                    grant,
-                    offset,
-                    len: h.payload_len as usize,
-                    imm,
-                })
-            }
-            (PUT, _) => *self.n -= 1,
-            _ => {
-                let (body, data) = self.rx.buf.split_at(self.rx.body_len);
-                let data = self
-                    .rx
-                    .has_data
-                    .then(|| Lent::new(data.as_ptr(), data.len()));
-                (self.on)(Completion::Recv {
-                    peer: self.peer,
-                    body,
-                    data,
-                })
-            }
-        }
-        Ok(())
     }
 }
 

@@ -6,10 +6,12 @@
 
 mod backend;
 pub mod blocking;
+mod link;
 mod reader;
 mod writer;
 
-pub use backend::{TcpBackend, MAX_BODY};
+pub use backend::TcpBackend;
+pub use link::MAX_BODY;
 pub use reader::{FrameReader, FrameSink};
 pub use writer::OutQueue;
 

@@ -1,0 +1,393 @@
+//! `kvperf pushpull`: push+pull through a real job (kvrun's launcher, in this process), one
+//! line of figures per size, with the references of the same run beside them.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use kvstore::NDArray;
+use kvstore_perf::{
+    format_size, iperf3_loopback, loopback_stream_bandwidth, parse_size, parse_sizes,
+};
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct PushPull {
+    /// Worker processes.
+    #[arg(short = 'n', long, default_value_t = 2)]
+    workers: u32,
+    /// Server processes.
+    #[arg(short = 's', long, default_value_t = 2)]
+    servers: u32,
+    /// One tensor size in bytes (4K, 64M, ...).
+    #[arg(long, conflicts_with = "sizes")]
+    size: Option<String>,
+    /// A sweep of sizes, powers of two: MIN:MAX.
+    #[arg(long, default_value = "4K:64M")]
+    sizes: String,
+    /// Keys per call (each of the given size).
+    #[arg(long, default_value_t = 1)]
+    keys: usize,
+    /// Timed iterations per size (default: enough to move about 1 GiB, 5 to 2000).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Untimed iterations first.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Also measure the references: a plain loopback TCP stream and iperf3 (if installed).
+    #[arg(long)]
+    reference: bool,
+    /// One JSON object per size instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// The transport between workers and servers on one host: auto, tcp or shm
+    /// (KVSTORE_TRANSPORT).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
+    transport: String,
+    /// What each iteration does: push then pull (two calls), push, pull, or pushpull (one
+    /// call). The latency columns time the first call of the iteration.
+    #[arg(long, default_value = "push+pull", value_parser = ["push+pull", "push", "pull", "pushpull"])]
+    op: String,
+    /// Push and pull arrays from `kv.alloc` (in the shared-memory pool: no copy to push).
+    #[arg(long)]
+    alloc: bool,
+    /// Run every process on this host (the default without --hosts or --hostfile).
+    #[arg(long, conflicts_with_all = ["hosts", "hostfile"])]
+    local: bool,
+    /// Run the job over these hosts (kvrun's -H): servers and workers across the network.
+    #[arg(short = 'H', long)]
+    hosts: Option<String>,
+    /// Run the job over the hosts of this hostfile (kvrun's --hostfile).
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
+}
+
+fn sizes_of(p: &PushPull) -> Result<Vec<usize>, String> {
+    match &p.size {
+        Some(s) => Ok(vec![parse_size(s)?]),
+        None => parse_sizes(&p.sizes),
+    }
+}
+
+fn iters_for(p: &PushPull, size: usize) -> usize {
+    p.iters
+        .unwrap_or_else(|| ((1usize << 30) / (size * p.keys).max(1)).clamp(5, 2000))
+}
+
+/// The worker side, run in every process of the job (servers never return from `create`).
+pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
+    let sizes = sizes_of(p)?;
+    let mut kv = kvstore::create("dist_sync").map_err(|e| e.to_string())?;
+    let mut lines = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        let elems = (size / 4).max(1);
+        let keys: Vec<i64> = (0..p.keys as i64)
+            .map(|k| (i * p.keys) as i64 + k)
+            .collect();
+        // --alloc: arrays in the transport's pool (pushing them copies nothing).
+        let make = |fill: f64| -> Result<NDArray, String> {
+            if p.alloc {
+                let mut a = kv
+                    .alloc(&[elems], kvstore::DType::F32)
+                    .map_err(|e| e.to_string())?;
+                a.fill(fill);
+                Ok(a)
+            } else {
+                Ok(NDArray::full(&[elems], fill))
+            }
+        };
+        let vals: Vec<NDArray> = (0..p.keys).map(|_| make(1.0)).collect::<Result<_, _>>()?;
+        let mut outs: Vec<NDArray> = (0..p.keys).map(|_| make(0.0)).collect::<Result<_, _>>()?;
+        kv.init(keys.clone(), &vals).map_err(|e| e.to_string())?;
+        // At least one full round first, so every op pulls the round's value.
+        for _ in 0..p.warmup.max(1) {
+            kv.push(keys.clone(), &vals).map_err(|e| e.to_string())?;
+            kv.pull(keys.clone(), &mut outs)
+                .map_err(|e| e.to_string())?;
+        }
+        kv.barrier().map_err(|e| e.to_string())?;
+        let iters = iters_for(p, size);
+        // Each push (request and acknowledgement) is timed too.
+        let mut push_lat = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3)
+            .map_err(|e| e.to_string())?;
+        let start = Instant::now();
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            match p.op.as_str() {
+                "pull" => kv.pull(keys.clone(), &mut outs),
+                "pushpull" => kv.pushpull(keys.clone(), &vals, &mut outs),
+                _ => kv.push(keys.clone(), &vals),
+            }
+            .map_err(|e| e.to_string())?;
+            let _ = push_lat.record((t0.elapsed().as_nanos() as u64).max(1));
+            if p.op == "push+pull" {
+                kv.pull(keys.clone(), &mut outs)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        if p.op == "push" {
+            kv.pull(keys.clone(), &mut outs)
+                .map_err(|e| e.to_string())?;
+        }
+        kv.barrier().map_err(|e| e.to_string())?;
+        // Every worker pushes ones: the pulled value is the number of workers (ASSIGN).
+        let w = kv.num_workers() as f32;
+        if outs.iter().any(|o| {
+            o.as_slice::<f32>()
+                .map(|s| s.iter().any(|&x| x != w))
+                .unwrap_or(true)
+        }) {
+            return Err(format!("wrong values pulled at size {size}"));
+        }
+        lines.push(format!(
+            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{},\"push_p50_us\":{:.3},\"push_p99_us\":{:.3},\"transport\":\"{}\",\"op\":\"{}\"}}",
+            elems * 4,
+            p.keys,
+            kv.num_workers(),
+            p.servers,
+            push_lat.value_at_quantile(0.5) as f64 / 1000.0,
+            push_lat.value_at_quantile(0.99) as f64 / 1000.0,
+            kv.transports().first().copied().unwrap_or("-"),
+            p.op,
+        ));
+    }
+    if kv.rank() == 0 {
+        std::fs::write(&out, lines.join("\n")).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// A number for JSON: `null` where there is none (JSON has no NaN).
+fn json_num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.4}")
+    } else {
+        "null".into()
+    }
+}
+
+/// A table cell: `-` where there is no figure.
+fn cell(x: f64, prec: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.prec$}")
+    } else {
+        "-".into()
+    }
+}
+
+fn field(line: &str, name: &str) -> f64 {
+    let key = format!("\"{name}\":");
+    line.split(&key)
+        .nth(1)
+        .and_then(|r| r.split([',', '}']).next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
+    sizes_of(p)?;
+    if p.keys == 0 {
+        return Err("--keys must be at least 1".into());
+    }
+    let (mut stream_ref, mut iperf_ref) = (None, None);
+    if p.reference {
+        stream_ref = Some(
+            loopback_stream_bandwidth(1 << 20, Duration::from_secs(1))
+                .map_err(|e| e.to_string())?,
+        );
+        iperf_ref = iperf3_loopback(2);
+    }
+    let out = std::env::temp_dir().join(format!("kvperf-{}.jsonl", std::process::id()));
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut argv: Vec<String> = vec![
+        "kvrun".into(),
+        "-n".into(),
+        p.workers.to_string(),
+        "-s".into(),
+        p.servers.to_string(),
+        "-x".into(),
+        format!("KVPERF_OUT={}", out.display()),
+        "-x".into(),
+        format!("KVSTORE_TRANSPORT={}", p.transport),
+    ];
+    if let Some(h) = &p.hosts {
+        argv.extend(["-H".into(), h.clone()]);
+    }
+    if let Some(f) = &p.hostfile {
+        argv.extend(["--hostfile".into(), f.display().to_string()]);
+    }
+    argv.extend(["--".into(), exe.to_string_lossy().into_owned()]);
+    argv.extend(std::env::args().skip(1));
+    let opts = <kvstore_launcher::Options as clap::Parser>::try_parse_from(argv)
+        .map_err(|e| e.to_string())?;
+    let code = kvstore_launcher::run(&opts);
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    if code != 0 {
+        return Err(format!("the benchmark job failed (status {code})"));
+    }
+    let mut stdout = std::io::stdout().lock();
+    print_header(p, &text, stream_ref, iperf_ref, &mut stdout);
+    for line in text.lines() {
+        print_row(p, line, stream_ref, iperf_ref, &mut stdout)?;
+    }
+    if !p.json && p.reference {
+        let _ = writeln!(stdout, "call p50/p99: one call of the op (request and answer), us; x memcpy: GB/s/wkr over single-threaded memcpy of the size");
+        let _ = writeln!(stdout, "limit us: the ceiling, one push+pull round of W worker and S server threads sharing memory ({}); x limit: us/iter over it", if p.alloc { "gradients already shared: zero-copy" } else { "gradients copied in: one copy" });
+    }
+    Ok(())
+}
+
+/// The references measured before the job, and the table's header.
+fn print_header(
+    p: &PushPull,
+    text: &str,
+    stream_ref: Option<f64>,
+    iperf_ref: Option<f64>,
+    stdout: &mut impl Write,
+) {
+    let gbs = |b: f64| b / 1e9;
+    if !p.json {
+        if let Some(s) = stream_ref {
+            let _ = writeln!(
+                stdout,
+                "reference: plain loopback TCP stream {:.2} GB/s",
+                gbs(s)
+            );
+        }
+        match (p.reference, iperf_ref) {
+            (true, Some(i)) => {
+                let _ = writeln!(
+                    stdout,
+                    "reference: iperf3 single stream loopback {:.2} GB/s",
+                    gbs(i)
+                );
+            }
+            (true, None) => {
+                let _ = writeln!(
+                    stdout,
+                    "reference: iperf3 not installed (apt-get install iperf3)"
+                );
+            }
+            _ => {}
+        }
+        let transport = text.lines().next().map(|l| {
+            l.split("\"transport\":\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+                .unwrap_or("-")
+                .to_string()
+        });
+        let _ = writeln!(
+            stdout,
+            "W={} S={} keys/call={} transport={} arrays={} op={}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11} {:>9} {:>7}",
+            p.workers,
+            p.servers,
+            p.keys,
+            transport.unwrap_or_else(|| "-".into()),
+            if p.alloc { "kv.alloc" } else { "heap" },
+            p.op,
+            "size",
+            "iters",
+            "us/iter",
+            "GB/s/wkr",
+            "GB/s all",
+            "call p50",
+            "call p99",
+            "x memcpy",
+            "x iperf3",
+            "x stream",
+            "key-ops/s",
+            "limit us",
+            "x limit"
+        );
+    }
+}
+
+/// One size's line: its figures, and its ratios to the references and the ceiling.
+fn print_row(
+    p: &PushPull,
+    line: &str,
+    stream_ref: Option<f64>,
+    iperf_ref: Option<f64>,
+    stdout: &mut impl Write,
+) -> Result<(), String> {
+    let gbs = |b: f64| b / 1e9;
+    let (size, keys, iters, secs, w) = (
+        field(line, "size"),
+        field(line, "keys"),
+        field(line, "iters"),
+        field(line, "secs"),
+        field(line, "workers"),
+    );
+    let (p50, p99) = (field(line, "push_p50_us"), field(line, "push_p99_us"));
+    let per_iter = secs / iters;
+    // push + pull (or pushpull): each worker moves 2 x size x keys bytes per iteration;
+    // push or pull alone, half that.
+    let ways = if matches!(p.op.as_str(), "push" | "pull") {
+        1.0
+    } else {
+        2.0
+    };
+    let per_worker = ways * size * keys / per_iter;
+    let all = per_worker * w;
+    let ops = keys * w / per_iter;
+    let ratio = |r: Option<f64>| r.map_or(f64::NAN, |r| all / r);
+    // One worker's push+pull bandwidth against one core's memcpy of the same size.
+    let memcpy = p.reference.then(|| {
+        kvstore_perf::raw::memcpy_bandwidth(
+            size as usize * keys as usize,
+            Duration::from_millis(300),
+        )
+    });
+    let x_memcpy = memcpy.map_or(f64::NAN, |m| per_worker / m);
+    // The ceiling of a push+pull round on this host for the same W, S and bytes: zero-copy
+    // for kv.alloc arrays, one copy in for ordinary ones.
+    let limit = if p.reference && matches!(p.op.as_str(), "push+pull" | "pushpull") {
+        let bytes = size as usize * keys as usize;
+        let rounds = ((256usize << 20) / bytes.max(1)).clamp(5, 201);
+        let l =
+            kvstore_perf::limit::measure(bytes, p.workers as usize, p.servers as usize, rounds)?;
+        Some(if p.alloc { l.zero_copy } else { l.one_copy })
+    } else {
+        None
+    };
+    let limit_us = limit.map_or(f64::NAN, |l| l * 1e6);
+    let x_limit = limit.map_or(f64::NAN, |l| per_iter / l);
+    if p.json {
+        let _ = writeln!(
+            stdout,
+            "{{\"size\":{size},\"keys\":{keys},\"iters\":{iters},\"us_per_iter\":{:.3},\"gbps_per_worker\":{:.4},\"gbps_all\":{:.4},\"op\":\"{}\",\"call_p50_us\":{p50:.3},\"call_p99_us\":{p99:.3},\"ratio_memcpy\":{},\"ratio_iperf3\":{},\"ratio_stream\":{},\"key_ops_per_s\":{:.1},\"limit_us\":{},\"ratio_limit\":{}}}",
+            per_iter * 1e6,
+            gbs(per_worker),
+            gbs(all),
+            p.op,
+            json_num(x_memcpy),
+            json_num(ratio(iperf_ref)),
+            json_num(ratio(stream_ref)),
+            ops,
+            json_num(limit_us),
+            json_num(x_limit),
+        );
+    } else {
+        let _ = writeln!(
+            stdout,
+            "{:>8} {:>7} {:>10.1} {:>9.3} {:>9.3} {:>9.2} {:>9.2} {:>8} {:>8} {:>8} {:>11.0} {:>9} {:>7}",
+            format_size(size as usize),
+            iters,
+            per_iter * 1e6,
+            gbs(per_worker),
+            gbs(all),
+            p50,
+            p99,
+            cell(x_memcpy, 2),
+            cell(ratio(iperf_ref), 2),
+            cell(ratio(stream_ref), 2),
+            ops,
+            cell(limit_us, 1),
+            cell(x_limit, 2),
+        );
+    }
+    Ok(())
+}

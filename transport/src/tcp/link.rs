@@ -1,0 +1,251 @@
+//! A TCP peer's link: the frames queued for it (written with `writev` straight from the
+//! caller's memory) and the sink that takes its frames apart (a message into one buffer, a put
+//! straight into the granted memory).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSlice, Write};
+use std::ops::Range;
+
+use mio::net::TcpStream;
+
+use super::{FrameReader, FrameSink};
+use crate::frame::{FrameHeader, HEADER_LEN, META_LEN};
+use crate::{Completion, Lent, PeerId, Region, Token, TransportError};
+
+pub(super) const MSG: u8 = 1;
+pub(super) const PUT: u8 = 2;
+/// The largest message body.
+pub const MAX_BODY: usize = 64 * 1024;
+const MAX_IOV: usize = 64;
+
+pub(super) struct Out {
+    pub(super) hdr: [u8; HEADER_LEN],
+    pub(super) body: Vec<u8>,
+    pub(super) data: Option<(Region, Range<usize>)>,
+    pub(super) token: Option<Token>,
+}
+
+impl Out {
+    pub(super) fn total(&self) -> usize {
+        HEADER_LEN + self.body.len() + self.data.as_ref().map_or(0, |(_, r)| r.len())
+    }
+}
+
+/// The bytes of a queued frame's data. Safe to view: the caller of `send`/`put` promised not to
+/// write them until the token completes, and the region holds the storage alive.
+pub(super) fn data_slice(d: &Option<(Region, Range<usize>)>) -> &[u8] {
+    match d {
+        // SAFETY: the range was checked against the region when posted; the storage is valid
+        // and unwritten while queued (the caller's side of `send`/`put`).
+        Some((r, range)) => unsafe {
+            std::slice::from_raw_parts(r.mem.ptr().add(range.start), range.len())
+        },
+        None => &[],
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Rx {
+    pub(super) buf: Vec<u8>,
+    pub(super) scratch: Vec<u8>,
+    pub(super) kind: u8,
+    pub(super) body_len: usize,
+    pub(super) has_data: bool,
+    /// The put in progress: grant, offset, immediate, and whether the grant is live.
+    pub(super) put: Option<(u64, usize, u32, bool)>,
+}
+
+pub(super) struct Peer {
+    pub(super) stream: TcpStream,
+    pub(super) reader: FrameReader,
+    pub(super) rx: Rx,
+    pub(super) out: VecDeque<Out>,
+    pub(super) off: usize,
+    pub(super) queued: usize,
+}
+
+pub(super) struct Grant {
+    pub(super) peer: PeerId,
+    pub(super) region: Region,
+    pub(super) range: Range<usize>,
+}
+
+pub(super) fn meta(kind: u8, has_data: bool, word: u32, grant: u64, offset: u64) -> [u8; META_LEN] {
+    let mut m = [0u8; META_LEN];
+    m[0] = kind;
+    m[1] = has_data as u8;
+    m[4..8].copy_from_slice(&word.to_le_bytes());
+    m[8..16].copy_from_slice(&grant.to_le_bytes());
+    m[16..24].copy_from_slice(&offset.to_le_bytes());
+    m
+}
+
+pub(super) fn word(m: &[u8; META_LEN], r: Range<usize>) -> u64 {
+    let mut b = [0u8; 8];
+    b[..r.len()].copy_from_slice(&m[r]);
+    u64::from_le_bytes(b)
+}
+
+pub(super) fn write_out(
+    p: &mut Peer,
+    done: &mut VecDeque<(Token, Option<TransportError>)>,
+) -> io::Result<()> {
+    while !p.out.is_empty() {
+        let res = {
+            let mut iov = [IoSlice::new(&[]); MAX_IOV];
+            let mut n = 0;
+            let mut skip = p.off;
+            for o in p.out.iter() {
+                if n + 3 > MAX_IOV {
+                    break;
+                }
+                for part in [&o.hdr[..], &o.body[..], data_slice(&o.data)] {
+                    if skip >= part.len() {
+                        skip -= part.len();
+                        continue;
+                    }
+                    iov[n] = IoSlice::new(&part[skip..]);
+                    skip = 0;
+                    n += 1;
+                }
+            }
+            p.stream.write_vectored(&iov[..n])
+        };
+        match res {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(mut written) => {
+                p.queued -= written.min(p.queued);
+                while written > 0 {
+                    let Some(o) = p.out.front() else { break };
+                    let left = o.total() - p.off;
+                    if written >= left {
+                        written -= left;
+                        p.off = 0;
+                        if let Some(t) = p.out.pop_front().and_then(|o| o.token) {
+                            done.push_back((t, None));
+                        }
+                    } else {
+                        p.off += written;
+                        written = 0;
+                    }
+                }
+                // Zero-length frames at the front are complete too.
+                while p.out.front().is_some_and(|o| o.total() == 0) {
+                    p.out.pop_front();
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+pub(super) struct Sink<'a> {
+    pub(super) peer: PeerId,
+    pub(super) rx: &'a mut Rx,
+    pub(super) grants: &'a HashMap<u64, Grant>,
+    pub(super) next_grant: u64,
+    pub(super) on: &'a mut dyn FnMut(Completion<'_>),
+    pub(super) n: &'a mut usize,
+}
+
+impl FrameSink for Sink<'_> {
+    fn on_header(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
+        let len = h.payload_len as usize;
+        self.rx.kind = h.meta[0];
+        match h.meta[0] {
+            MSG => {
+                let body = word(&h.meta, 4..8) as usize;
+                if body > len || body > MAX_BODY {
+                    return Err(TransportError::Refused(format!(
+                        "a body of {body} bytes in a frame of {len}"
+                    )));
+                }
+                self.rx.body_len = body;
+                self.rx.has_data = h.meta[1] != 0;
+                self.rx.buf.resize(len, 0);
+            }
+            PUT => {
+                let (grant, offset) = (word(&h.meta, 8..16), word(&h.meta, 16..24) as usize);
+                let imm = word(&h.meta, 4..8) as u32;
+                let live = match self.grants.get(&grant) {
+                    Some(g) if g.peer == self.peer => {
+                        if offset.checked_add(len).is_none_or(|e| e > g.range.len()) {
+                            return Err(TransportError::Refused(format!(
+                                "a put of {len} bytes at {offset} into a grant of {}",
+                                g.range.len()
+                            )));
+                        }
+                        true
+                    }
+                    // Revoked or forgotten (or another peer's): read into scratch, report
+                    // nothing. A grant never issued is a protocol error.
+                    _ if grant < self.next_grant => false,
+                    _ => return Err(TransportError::Refused(format!("unknown grant {grant}"))),
+                };
+                if !live {
+                    self.rx.scratch.resize(len, 0);
+                }
+                self.rx.put = Some((grant, offset, imm, live));
+            }
+            k => return Err(TransportError::Refused(format!("frame kind {k}"))),
+        }
+        Ok(())
+    }
+
+    fn payload_dest(&mut self, h: &FrameHeader) -> &mut [u8] {
+        let len = h.payload_len as usize;
+        match (self.rx.kind, self.rx.put) {
+            (PUT, Some((grant, offset, _, true))) => match self.grants.get(&grant) {
+                // SAFETY: the grant is live, so its caller promised not to touch the range
+                // (`Backend::grant`); the bounds were checked in `on_header`; the region holds
+                // the storage alive for the call.
+                Some(g) => unsafe {
+                    std::slice::from_raw_parts_mut(
+                        g.region.mem.ptr().add(g.range.start + offset),
+                        len,
+                    )
+                },
+                // Revoked in the middle of the frame: the rest goes to scratch.
+                None => {
+                    self.rx.scratch.resize(len, 0);
+                    self.rx.put = Some((grant, offset, 0, false));
+                    &mut self.rx.scratch[..]
+                }
+            },
+            (PUT, _) => &mut self.rx.scratch[..len],
+            _ => &mut self.rx.buf[..],
+        }
+    }
+
+    fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
+        *self.n += 1;
+        match (self.rx.kind, self.rx.put.take()) {
+            (PUT, Some((grant, offset, imm, true))) if self.grants.contains_key(&grant) => {
+                (self.on)(Completion::Put {
+                    peer: self.peer,
+                    grant,
+                    offset,
+                    len: h.payload_len as usize,
+                    imm,
+                })
+            }
+            (PUT, _) => *self.n -= 1,
+            _ => {
+                let (body, data) = self.rx.buf.split_at(self.rx.body_len);
+                let data = self
+                    .rx
+                    .has_data
+                    .then(|| Lent::new(data.as_ptr(), data.len()));
+                (self.on)(Completion::Recv {
+                    peer: self.peer,
+                    body,
+                    data,
+                })
+            }
+        }
+        Ok(())
+    }
+}
