@@ -47,6 +47,8 @@ pub struct Conn {
     failed: Option<String>,
     /// Where received data is copied.
     rx: Vec<u8>,
+    /// Where an outgoing body is assembled (tag, then body), reused.
+    tx: Vec<u8>,
 }
 
 fn err(e: impl std::fmt::Display) -> String {
@@ -83,6 +85,7 @@ impl Conn {
             spin: Duration::from_micros(200),
             failed: None,
             rx: Vec::new(),
+            tx: Vec::new(),
         }
     }
 
@@ -172,15 +175,29 @@ impl Conn {
         deadline: Instant,
     ) -> Result<(), String> {
         let peer = self.peer()?;
-        let mut b = tag.to_le_bytes().to_vec();
+        let mut b = std::mem::take(&mut self.tx);
+        b.clear();
+        b.extend_from_slice(&tag.to_le_bytes());
         b.extend_from_slice(body);
+        let r = self.send_body(peer, &b, data, deadline);
+        self.tx = b;
+        r
+    }
+
+    fn send_body(
+        &mut self,
+        peer: PeerId,
+        b: &[u8],
+        data: Option<(&Region, Range<usize>)>,
+        deadline: Instant,
+    ) -> Result<(), String> {
         loop {
             let t = data.as_ref().map(|_| self.token());
             let d = data
                 .as_ref()
                 .map(|(r, range)| (*r, range.clone(), t.unwrap_or(Token(0))));
             // SAFETY: kvperf never writes a region it sends from.
-            let sent = unsafe { self.b.send(peer, &b, d) }.map_err(err)?;
+            let sent = unsafe { self.b.send(peer, b, d) }.map_err(err)?;
             if sent == Sent::Posted {
                 return self.b.flush().map_err(err);
             }

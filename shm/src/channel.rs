@@ -224,6 +224,11 @@ impl Channel {
         self.tx.try_push(slot)
     }
 
+    /// Whether the ring to the peer is full (a post would be refused until the peer takes one).
+    pub fn tx_full(&self) -> bool {
+        self.tx.is_full()
+    }
+
     /// Wakes the peer if it sleeps (after [`Channel::try_post`]).
     pub fn wake_peer(&self) -> Result<(), ShmError> {
         self.tx_wake.notify()

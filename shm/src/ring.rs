@@ -96,6 +96,14 @@ impl Ring {
         Ok(true)
     }
 
+    /// Whether a push would find no room (for the producer: only the consumer frees slots, so
+    /// room seen here stays until the producer pushes).
+    pub fn is_full(&self) -> bool {
+        self.indices()
+            .map(|(h, t)| h - t == self.cap)
+            .unwrap_or(true)
+    }
+
     /// Whether nothing is waiting (for the consumer).
     pub fn is_empty(&self) -> bool {
         self.indices().map(|(h, t)| h == t).unwrap_or(false)

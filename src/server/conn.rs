@@ -160,7 +160,7 @@ pub(super) fn read_conn(
     let Some(Some((c, f))) = conns.get_mut(slot) else {
         return;
     };
-    let budget = MAX_BACKLOG.saturating_sub(c.out.pending_bytes(|p| p.bytes()));
+    let budget = MAX_BACKLOG.saturating_sub(c.out.pending_bytes());
     let mut sink = ConnSink {
         state,
         peer: slot,

@@ -478,7 +478,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             if c.out.is_empty() {
                 continue;
             }
-            if c.out.flush(&mut c.stream, |p| p.bytes()).is_err() {
+            if c.out.flush(&mut c.stream).is_err() {
                 let _ = poll.registry().deregister(&mut c.stream);
                 conns[slot] = None;
             }
@@ -487,7 +487,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         // they had sent meanwhile is still in the socket, so it is read now, not on an event.
         for slot in 0..conns.len() {
             let resume = matches!(conns.get(slot), Some(Some((c, f)))
-                if f.paused && c.out.pending_bytes(|p| p.bytes()) < MAX_BACKLOG / 2);
+                if f.paused && c.out.pending_bytes() < MAX_BACKLOG / 2);
             if resume {
                 read_conn(&poll, &mut conns, slot, &mut state, &secret, &mut taken);
             }

@@ -28,6 +28,12 @@ pub enum Payload {
     Text(Vec<u8>),
 }
 
+impl kvstore_transport::tcp::Payload for Payload {
+    fn parts(&self) -> [&[u8]; 2] {
+        [self.bytes(), &[]]
+    }
+}
+
 impl Payload {
     /// The bytes to send.
     pub fn bytes(&self) -> &[u8] {

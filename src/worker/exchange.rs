@@ -417,7 +417,7 @@ impl Net {
                     };
                     let out = &mut queues[s];
                     if !out.is_empty() {
-                        if let Err(e) = out.flush(&mut c.stream, |p| *p) {
+                        if let Err(e) = out.flush(&mut c.stream) {
                             return Err(KvError::PeerLost(format!("server {s}: {e}")));
                         }
                     }

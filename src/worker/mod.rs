@@ -577,7 +577,7 @@ impl Drop for DistWorker {
         for c in &mut self.net.servers {
             let mut q = OutQueue::new();
             q.push(bye.header(0), ());
-            let _ = q.flush(&mut c.stream, |_| &[]);
+            let _ = q.flush(&mut c.stream);
         }
         let fin = Msg::new(Op::Finish);
         let _ = write_frame(&mut self.sched, &FrameHeader::new(fin.encode(), 0), &[]);

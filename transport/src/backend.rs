@@ -194,11 +194,6 @@ impl Region {
         &self.mem
     }
 
-    /// Whether a peer can read it in place (pages of a shared pool: sent without a copy).
-    pub fn is_shared(&self) -> bool {
-        matches!(self.place, Place::Pool(_))
-    }
-
     /// Copies bytes out, from `off`.
     ///
     /// # Safety

@@ -4,19 +4,11 @@
 /// A map from peer numbers to `T`.
 pub(crate) struct PeerTable<T> {
     slots: Vec<Option<Box<T>>>,
-    len: usize,
 }
 
 impl<T> PeerTable<T> {
     pub fn new() -> Self {
-        PeerTable {
-            slots: Vec::new(),
-            len: 0,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
+        PeerTable { slots: Vec::new() }
     }
 
     pub fn get(&self, id: &u32) -> Option<&T> {
@@ -32,15 +24,11 @@ impl<T> PeerTable<T> {
         if self.slots.len() <= i {
             self.slots.resize_with(i + 1, || None);
         }
-        if self.slots[i].replace(Box::new(v)).is_none() {
-            self.len += 1;
-        }
+        self.slots[i] = Some(Box::new(v));
     }
 
     pub fn remove(&mut self, id: &u32) -> Option<T> {
-        let v = self.slots.get_mut(*id as usize)?.take()?;
-        self.len -= 1;
-        Some(*v)
+        self.slots.get_mut(*id as usize)?.take().map(|v| *v)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
@@ -48,6 +36,13 @@ impl<T> PeerTable<T> {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| s.as_deref().map(|p| (i as u32, p)))
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (u32, &mut T)> {
+        self.slots
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_deref_mut().map(|p| (i as u32, p)))
     }
 
     pub fn values(&self) -> impl Iterator<Item = &T> {
@@ -72,14 +67,14 @@ mod tests {
         let mut t = PeerTable::new();
         t.insert(0, "a");
         t.insert(3, "d");
-        assert_eq!(t.len(), 2);
+        assert_eq!(t.values().count(), 2);
         assert_eq!(t.get(&3), Some(&"d"));
         assert_eq!(t.get(&1), None);
         assert_eq!(t.get(&99), None);
         assert_eq!(t.keys().collect::<Vec<_>>(), vec![0, 3]);
         assert_eq!(t.remove(&0), Some("a"));
         assert_eq!(t.remove(&0), None);
-        assert_eq!(t.len(), 1);
+        assert_eq!(t.values().count(), 1);
         *t.get_mut(&3).unwrap() = "e";
         assert_eq!(t.values().collect::<Vec<_>>(), vec![&"e"]);
     }

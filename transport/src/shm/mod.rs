@@ -267,26 +267,6 @@ impl ShmBackend {
         Ok(peer)
     }
 
-    /// Whether this process may write `peer`'s private memory (cross-memory writes).
-    pub fn writes_peer_memory(&self, peer: PeerId) -> bool {
-        self.peers.get(&peer.0).is_some_and(|p| p.i_write_peer)
-    }
-
-    /// The process at the other end of `peer`'s link.
-    pub fn peer_process(&self, peer: PeerId) -> Option<&PeerProcess> {
-        self.peers.get(&peer.0).map(|p| &p.proc)
-    }
-
-    /// Connections still in their handshake.
-    pub fn pending_handshakes(&self) -> usize {
-        self.pending.len()
-    }
-
-    /// Pages of the pool not allocated.
-    pub fn free_pages(&self) -> usize {
-        self.pool.free_pages()
-    }
-
     fn add(&mut self, p: Parts) -> Result<PeerId, TransportError> {
         p.sock.set_nonblocking(true)?;
         let id = self.next_peer;

@@ -298,7 +298,9 @@ impl Backend for ShmBackend {
                 body.len()
             )));
         }
-        if !self.peer(peer)?.unsent.is_empty() {
+        // A full link is found before any staging copy, so a retry never copies twice.
+        let p = self.peer(peer)?;
+        if !p.unsent.is_empty() || p.chan.tx_full() {
             return Ok(Sent::WouldBlock);
         }
         let mut d = Desc {
@@ -306,6 +308,9 @@ impl Backend for ShmBackend {
             word: body.len() as u32,
             ..Desc::default()
         };
+        // What rides in the descriptor: a small body, and after it small data.
+        let mut inline = [0u8; INLINE];
+        let mut inline_len = 0;
         let mut hold = Vec::new();
         if body.len() > INLINE {
             let Some(b) = self.stage(body.as_ptr(), body.len())? else {
@@ -314,6 +319,9 @@ impl Backend for ShmBackend {
             d.flags |= BODY_IN_POOL;
             d.body_off = pool_offset(&b);
             hold.push(b);
+        } else {
+            inline[..body.len()].copy_from_slice(body);
+            inline_len = body.len();
         }
         let (mut token, mut done_now) = (None, None);
         if let Some((r, range, t)) = data {
@@ -325,38 +333,32 @@ impl Backend for ShmBackend {
             r.check_range(&range)?;
             d.flags |= HAS_DATA;
             d.len = range.len() as u64;
-            if body.len() + range.len() <= INLINE {
+            if d.flags & BODY_IN_POOL == 0 && inline_len + range.len() <= INLINE {
                 // Small data is copied into the descriptor: no pages, no release.
-                let total = body.len() + range.len();
-                let mut both = [0u8; INLINE];
-                both[..body.len()].copy_from_slice(body);
+                let end = inline_len + range.len();
                 // SAFETY: the range was checked; the caller does not write it meanwhile.
-                unsafe { r.read(range.start, &mut both[body.len()..total]) }?;
+                unsafe { r.read(range.start, &mut inline[inline_len..end]) }?;
+                inline_len = end;
                 d.flags |= DATA_INLINE;
-                let p = self.peer(peer)?;
-                if !p.chan.try_post(&d.encode(&both[..total]))? {
-                    return Ok(Sent::WouldBlock);
-                }
-                p.posted = true;
-                self.done.push_back((t, None));
-                return Ok(Sent::Posted);
-            }
-            match r.place {
-                Place::Pool(off) => {
-                    d.off = (off + range.start) as u64;
-                    hold.push(r.clone());
-                    token = Some(t);
-                }
-                Place::Local if range.is_empty() => done_now = Some(t),
-                Place::Local => {
-                    // SAFETY: the range was checked; the caller does not write it meanwhile.
-                    let src = unsafe { r.mem.ptr().add(range.start) };
-                    let Some(s) = self.stage(src, range.len())? else {
-                        return Ok(Sent::WouldBlock);
-                    };
-                    d.off = pool_offset(&s);
-                    hold.push(s);
-                    done_now = Some(t);
+                done_now = Some(t);
+            } else {
+                match r.place {
+                    Place::Pool(off) => {
+                        d.off = (off + range.start) as u64;
+                        hold.push(r.clone());
+                        token = Some(t);
+                    }
+                    Place::Local if range.is_empty() => done_now = Some(t),
+                    Place::Local => {
+                        // SAFETY: the range was checked; the caller does not write it meanwhile.
+                        let src = unsafe { r.mem.ptr().add(range.start) };
+                        let Some(s) = self.stage(src, range.len())? else {
+                            return Ok(Sent::WouldBlock);
+                        };
+                        d.off = pool_offset(&s);
+                        hold.push(s);
+                        done_now = Some(t);
+                    }
                 }
             }
         }
@@ -364,8 +366,7 @@ impl Backend for ShmBackend {
         if !hold.is_empty() {
             d.id = p.next_seq;
         }
-        let inline = if body.len() <= INLINE { body } else { &[] };
-        if !p.chan.try_post(&d.encode(inline))? {
+        if !p.chan.try_post(&d.encode(&inline[..inline_len]))? {
             return Ok(Sent::WouldBlock);
         }
         p.posted = true;
@@ -400,7 +401,8 @@ impl Backend for ShmBackend {
         if p.revoked.contains(&dst.id) {
             return Err(TransportError::Refused(format!("{dst:?} was revoked")));
         }
-        if !p.unsent.is_empty() {
+        // A full link is found before the copy, so a retry never copies twice.
+        if !p.unsent.is_empty() || p.chan.tx_full() {
             return Ok(Sent::WouldBlock);
         }
         // SAFETY: the range was checked; the caller does not write it until the token completes

@@ -20,7 +20,7 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll};
 
 use super::link::{meta, write_out, Grant, Out, Peer, Rx, Sink, MAX_BODY, MSG, PUT};
-use super::FrameReader;
+use super::{FrameReader, OutQueue};
 use crate::backend::{fresh_id, Place};
 use crate::frame::FrameHeader;
 use crate::table::PeerTable;
@@ -88,11 +88,6 @@ impl TcpBackend {
         self.add(TcpStream::from_std(s))
     }
 
-    /// The number of peers connected.
-    pub fn peers(&self) -> usize {
-        self.peers.len()
-    }
-
     fn add(&mut self, mut stream: TcpStream) -> Result<PeerId, TransportError> {
         stream.set_nodelay(true)?;
         let id = self.next_peer;
@@ -108,9 +103,7 @@ impl TcpBackend {
                 stream,
                 reader: FrameReader::new(self.max_payload),
                 rx: Rx::default(),
-                out: VecDeque::new(),
-                off: 0,
-                queued: 0,
+                out: OutQueue::new(),
             },
         );
         Ok(PeerId(id))
@@ -127,7 +120,7 @@ impl TcpBackend {
             return;
         };
         let _ = self.poll.registry().deregister(&mut p.stream);
-        for o in p.out.drain(..) {
+        for o in p.out.drain() {
             if let Some(t) = o.token {
                 self.done.push_back((
                     t,
@@ -140,13 +133,12 @@ impl TcpBackend {
         self.lost.push_back((peer, error));
     }
 
-    fn enqueue(&mut self, peer: PeerId, o: Out) -> Result<Sent, TransportError> {
+    fn enqueue(&mut self, peer: PeerId, hdr: FrameHeader, o: Out) -> Result<Sent, TransportError> {
         let p = self.peer(peer)?;
-        if p.queued >= MAX_QUEUED {
+        if p.out.pending_bytes() >= MAX_QUEUED {
             return Ok(Sent::WouldBlock);
         }
-        p.queued += o.total();
-        p.out.push_back(o);
+        p.out.push(hdr.encode(), o);
         Ok(Sent::Posted)
     }
 
@@ -271,8 +263,8 @@ impl Backend for TcpBackend {
         );
         self.enqueue(
             peer,
+            hdr,
             Out {
-                hdr: hdr.encode(),
                 body: body.to_vec(),
                 data,
                 token,
@@ -307,8 +299,8 @@ impl Backend for TcpBackend {
         );
         self.enqueue(
             peer,
+            hdr,
             Out {
-                hdr: hdr.encode(),
                 body: Vec::new(),
                 data: Some((src.clone(), range)),
                 token: Some(token),
@@ -317,14 +309,16 @@ impl Backend for TcpBackend {
     }
 
     fn flush(&mut self) -> Result<(), TransportError> {
-        let ids: Vec<u32> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| !p.out.is_empty())
-            .map(|(id, _)| id)
-            .collect();
-        for id in ids {
-            self.write_peer(id);
+        let mut failed = Vec::new();
+        for (id, p) in self.peers.iter_mut() {
+            if !p.out.is_empty() {
+                if let Err(e) = write_out(p, &mut self.done) {
+                    failed.push((id, e));
+                }
+            }
+        }
+        for (id, e) in failed {
+            self.lose(PeerId(id), e.into());
         }
         Ok(())
     }

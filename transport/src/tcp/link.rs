@@ -3,31 +3,31 @@
 //! straight into the granted memory).
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, IoSlice, Write};
+use std::io;
 use std::ops::Range;
 
 use mio::net::TcpStream;
 
-use super::{FrameReader, FrameSink};
-use crate::frame::{FrameHeader, HEADER_LEN, META_LEN};
+use super::{FrameReader, FrameSink, OutQueue, Payload};
+use crate::frame::{FrameHeader, META_LEN};
 use crate::{Completion, Lent, PeerId, Region, Token, TransportError};
 
 pub(super) const MSG: u8 = 1;
 pub(super) const PUT: u8 = 2;
 /// The largest message body.
 pub const MAX_BODY: usize = 64 * 1024;
-const MAX_IOV: usize = 64;
 
+/// What follows a frame's header: a body of its own, and data in registered memory, with the
+/// token that completes once the frame is in the kernel.
 pub(super) struct Out {
-    pub(super) hdr: [u8; HEADER_LEN],
     pub(super) body: Vec<u8>,
     pub(super) data: Option<(Region, Range<usize>)>,
     pub(super) token: Option<Token>,
 }
 
-impl Out {
-    pub(super) fn total(&self) -> usize {
-        HEADER_LEN + self.body.len() + self.data.as_ref().map_or(0, |(_, r)| r.len())
+impl Payload for Out {
+    fn parts(&self) -> [&[u8]; 2] {
+        [&self.body, data_slice(&self.data)]
     }
 }
 
@@ -59,9 +59,7 @@ pub(super) struct Peer {
     pub(super) stream: TcpStream,
     pub(super) reader: FrameReader,
     pub(super) rx: Rx,
-    pub(super) out: VecDeque<Out>,
-    pub(super) off: usize,
-    pub(super) queued: usize,
+    pub(super) out: OutQueue<Out>,
 }
 
 pub(super) struct Grant {
@@ -86,59 +84,16 @@ pub(super) fn word(m: &[u8; META_LEN], r: Range<usize>) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// Writes what `p` has queued until the socket would block; written frames' tokens are done.
 pub(super) fn write_out(
     p: &mut Peer,
     done: &mut VecDeque<(Token, Option<TransportError>)>,
 ) -> io::Result<()> {
-    while !p.out.is_empty() {
-        let res = {
-            let mut iov = [IoSlice::new(&[]); MAX_IOV];
-            let mut n = 0;
-            let mut skip = p.off;
-            for o in p.out.iter() {
-                if n + 3 > MAX_IOV {
-                    break;
-                }
-                for part in [&o.hdr[..], &o.body[..], data_slice(&o.data)] {
-                    if skip >= part.len() {
-                        skip -= part.len();
-                        continue;
-                    }
-                    iov[n] = IoSlice::new(&part[skip..]);
-                    skip = 0;
-                    n += 1;
-                }
-            }
-            p.stream.write_vectored(&iov[..n])
-        };
-        match res {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(mut written) => {
-                p.queued -= written.min(p.queued);
-                while written > 0 {
-                    let Some(o) = p.out.front() else { break };
-                    let left = o.total() - p.off;
-                    if written >= left {
-                        written -= left;
-                        p.off = 0;
-                        if let Some(t) = p.out.pop_front().and_then(|o| o.token) {
-                            done.push_back((t, None));
-                        }
-                    } else {
-                        p.off += written;
-                        written = 0;
-                    }
-                }
-                // Zero-length frames at the front are complete too.
-                while p.out.front().is_some_and(|o| o.total() == 0) {
-                    p.out.pop_front();
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-            Err(e) => return Err(e),
+    p.out.flush_each(&mut p.stream, |o| {
+        if let Some(t) = o.token {
+            done.push_back((t, None));
         }
-    }
+    })?;
     Ok(())
 }
 

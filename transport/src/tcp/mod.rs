@@ -13,7 +13,7 @@ mod writer;
 pub use backend::TcpBackend;
 pub use link::MAX_BODY;
 pub use reader::{FrameReader, FrameSink};
-pub use writer::OutQueue;
+pub use writer::{OutQueue, Payload};
 
 use std::io;
 use std::net::SocketAddr;
