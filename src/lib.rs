@@ -19,7 +19,7 @@
 //! Inside, a distributed job is: [`scheduler`] (rendezvous), `server` (an I/O loop around the
 //! server's state machine, which owns a shard of the keys), `worker` (the store a program
 //! uses), `protocol` (what a message means, which server holds which part of a key), and
-//! `shm_link` (shared memory between a worker and the servers on its host).
+//! `net` (the transports of `kvstore-transport` that the worker's and server's loops drive).
 #![deny(missing_docs)]
 
 mod args;
@@ -29,6 +29,7 @@ mod error;
 mod format;
 mod local;
 mod ndarray;
+mod net;
 pub mod ops;
 mod optimizer;
 #[cfg(not(feature = "internals"))]
@@ -41,7 +42,6 @@ mod registry;
 mod roles;
 pub mod scheduler;
 mod server;
-mod shm_link;
 mod store;
 mod worker;
 

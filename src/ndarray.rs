@@ -7,42 +7,23 @@ use std::sync::Arc;
 use crate::dtype::with_dtype;
 use crate::{DType, Device, Element, KvError, Result};
 
-/// Storage in shared memory: a region of a worker's pool segment, owned by this array (freed
-/// into its pool when the array is dropped). A server may write it only while a call holding
-/// the array mutably waits for the answer; after a failed call the store withholds it.
-pub(crate) struct SharedBuf {
-    pub(crate) seg: Arc<kvstore_shm::Segment>,
-    pub(crate) offset: usize,
-    pub(crate) len: usize,
-    /// Called with the region when the array is dropped (owned regions give their pages back).
-    pub(crate) release: Option<Box<dyn Fn(kvstore_shm::Region) + Send + Sync>>,
-}
-
-impl Drop for SharedBuf {
-    fn drop(&mut self) {
-        if let Some(r) = &self.release {
-            r(kvstore_shm::Region {
-                offset: self.offset,
-                len: self.len,
-            });
-        }
-    }
-}
-
 /// Where an array's bytes are.
 pub(crate) enum Storage {
     /// Process memory.
     Heap(AlignedBuf),
-    /// Shared memory.
-    Shared(SharedBuf),
+    /// Memory a transport allocated (`KVStore::alloc`): over shared memory, pool pages that a
+    /// peer reads in place. A peer writes them only to answer a pull into them, while the call
+    /// holds the array mutably; a call that fails with the answer outstanding takes them out of
+    /// the caller's array.
+    Region(kvstore_transport::Region),
 }
 
 impl Clone for Storage {
-    /// A copy in process memory (a clone of shared storage does not share the pages).
+    /// A copy in process memory (a clone of a transport's memory does not share it).
     fn clone(&self) -> Storage {
         match self {
             Storage::Heap(b) => Storage::Heap(b.clone()),
-            Storage::Shared(_) => {
+            Storage::Region(_) => {
                 let mut b = AlignedBuf::zeroed(self.bytes().len());
                 b.bytes_mut().copy_from_slice(self.bytes());
                 Storage::Heap(b)
@@ -55,64 +36,131 @@ impl Storage {
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Storage::Heap(b) => b.bytes(),
-            // SAFETY: the region was allocated for this array alone. A peer writes it only to
-            // answer a pull into it, which happens while the call holds the array's `&mut`,
-            // and a call that fails with the answer outstanding takes the storage out of the
-            // caller's array (the worker withholds it), so no `&` to it can be live then.
-            Storage::Shared(s) => unsafe { s.seg.bytes(s.offset, s.len) }.unwrap_or(&[]),
+            // SAFETY: the region's storage is valid for its length while the region lives (it
+            // holds it). A peer writes it only to answer a pull into this array, which happens
+            // while a call holds the array's `&mut`, and a call that fails with the answer
+            // outstanding takes the storage out of the caller's array, so no `&` to it is live
+            // then.
+            Storage::Region(r) => unsafe {
+                std::slice::from_raw_parts(kvstore_transport::Storage::ptr(&**r.storage()), r.len())
+            },
         }
     }
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
             Storage::Heap(b) => b.bytes_mut(),
-            // SAFETY: a shared buffer is the only owner of its region in this process (the
-            // region was allocated for it, or lent to it alone), and `&mut self` makes this
-            // the only access to it here; the peer touches the region only while this process
-            // waits for it (the transport's protocol).
-            Storage::Shared(s) => unsafe { s.seg.bytes_mut(s.offset, s.len) }.unwrap_or(&mut []),
+            // SAFETY: as in `bytes`; `&mut self` makes this the only access in this process.
+            Storage::Region(r) => unsafe {
+                std::slice::from_raw_parts_mut(
+                    kvstore_transport::Storage::ptr(&**r.storage()),
+                    r.len(),
+                )
+            },
         }
     }
 
     fn set_len(&mut self, len: usize) {
         match self {
             Storage::Heap(b) => b.set_len(len),
-            Storage::Shared(_) => *self = Storage::Heap(AlignedBuf::zeroed(len)),
+            Storage::Region(_) => *self = Storage::Heap(AlignedBuf::zeroed(len)),
         }
     }
 }
 
-/// Byte storage aligned to 8 bytes, so it can be viewed as a slice of any element type.
-#[derive(Clone, Default)]
+// SAFETY: `ptr` addresses `len` bytes that live, at the same address, as long as the value: a
+// heap buffer is never reallocated through `&self`, and a region holds its storage alive. A
+// transport writes them only where the store granted them, while the store holds the array
+// mutably or has taken the storage out of the caller's array (see `Storage::bytes`).
+unsafe impl kvstore_transport::Storage for Storage {
+    fn ptr(&self) -> *mut u8 {
+        match self {
+            Storage::Heap(b) => b.ptr.as_ptr().cast(),
+            Storage::Region(r) => r.storage().ptr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Storage::Heap(b) => b.len,
+            Storage::Region(r) => r.len(),
+        }
+    }
+}
+
+/// Byte storage aligned to 8 bytes, so it can be viewed as a slice of any element type. It is a
+/// raw allocation (not a `Vec`), so that a transport may write it through its address while
+/// no reference to it is live.
 pub(crate) struct AlignedBuf {
-    words: Vec<u64>,
+    ptr: std::ptr::NonNull<u64>,
+    words: usize,
     len: usize,
 }
 
+// SAFETY: the buffer owns its allocation; shared access only reads it.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as above.
+unsafe impl Sync for AlignedBuf {}
+
 impl AlignedBuf {
     pub(crate) fn zeroed(len: usize) -> Self {
-        AlignedBuf {
-            words: vec![0u64; len.div_ceil(8)],
-            len,
-        }
+        let words = len.div_ceil(8);
+        let ptr = match std::alloc::Layout::array::<u64>(words) {
+            Ok(layout) if words > 0 => {
+                // SAFETY: the layout has a non-zero size.
+                let p = unsafe { std::alloc::alloc_zeroed(layout) };
+                match std::ptr::NonNull::new(p.cast::<u64>()) {
+                    Some(p) => p,
+                    None => std::alloc::handle_alloc_error(layout),
+                }
+            }
+            _ => std::ptr::NonNull::dangling(),
+        };
+        AlignedBuf { ptr, words, len }
     }
 
     /// Makes the buffer `len` bytes long, keeping its allocation when it is big enough.
     pub(crate) fn set_len(&mut self, len: usize) {
-        let words = len.div_ceil(8);
-        if self.words.len() < words {
-            self.words.resize(words, 0);
+        if len.div_ceil(8) > self.words {
+            *self = AlignedBuf::zeroed(len);
+        } else {
+            self.len = len;
         }
-        self.len = len;
     }
 
     pub(crate) fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        // SAFETY: the allocation holds at least `len` initialised bytes (zeroed at first) and
+        // lives as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast(), self.len) }
     }
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        let len = self.len;
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..len]
+        // SAFETY: as in `bytes`, and `&mut self` is the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast(), self.len) }
+    }
+}
+
+impl Clone for AlignedBuf {
+    fn clone(&self) -> Self {
+        let mut b = AlignedBuf::zeroed(self.len);
+        b.bytes_mut().copy_from_slice(self.bytes());
+        b
+    }
+}
+
+impl Default for AlignedBuf {
+    fn default() -> Self {
+        AlignedBuf::zeroed(0)
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if let Ok(layout) = std::alloc::Layout::array::<u64>(self.words) {
+            if self.words > 0 {
+                // SAFETY: allocated in `zeroed` with this very layout.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+            }
+        }
     }
 }
 
@@ -386,27 +434,43 @@ impl NDArray {
         self.dtype = dtype;
     }
 
-    /// An array over shared-memory storage (the bytes must fill the shape).
-    pub(crate) fn from_shared(shape: &[usize], dtype: DType, buf: SharedBuf) -> NDArray {
+    /// An array over memory a transport allocated (the region must fill the shape).
+    pub(crate) fn from_region(
+        shape: &[usize],
+        dtype: DType,
+        r: kvstore_transport::Region,
+    ) -> NDArray {
         NDArray {
             shape: shape.to_vec(),
             dtype,
             device: Device::default(),
-            buf: Arc::new(Storage::Shared(buf)),
+            buf: Arc::new(Storage::Region(r)),
         }
     }
 
-    /// Where the array's bytes live in shared memory (segment, offset), if they do.
-    pub(crate) fn shared_region(&self) -> Option<(&Arc<kvstore_shm::Segment>, usize)> {
+    /// The transport region the bytes live in, if they do.
+    pub(crate) fn region(&self) -> Option<&kvstore_transport::Region> {
         match &*self.buf {
-            Storage::Shared(s) => Some((&s.seg, s.offset)),
+            Storage::Region(r) => Some(r),
             Storage::Heap(_) => None,
         }
     }
 
-    /// Whether the bytes live in shared memory (an array from `KVStore::alloc`).
+    /// The storage, for a transport to register (it holds it alive).
+    pub(crate) fn storage(&self) -> Arc<dyn kvstore_transport::Storage> {
+        self.buf.clone()
+    }
+
+    /// Gives the array fresh zeroed storage of its size; the old storage stays with whoever
+    /// holds it (a transport that may still write it).
+    pub(crate) fn replace_storage(&mut self) {
+        self.buf = Arc::new(Storage::Heap(AlignedBuf::zeroed(self.nbytes())));
+    }
+
+    /// Whether the bytes live in memory a transport allocated (an array from `KVStore::alloc`
+    /// on a host where a server shares memory with this process).
     pub fn is_shared_memory(&self) -> bool {
-        matches!(&*self.buf, Storage::Shared(_))
+        matches!(&*self.buf, Storage::Region(_))
     }
 
     /// Whether storage is shared with another clone (for tests of copy counts).

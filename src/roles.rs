@@ -9,7 +9,7 @@ use kvstore_transport::FrameHeader;
 
 use crate::config::{Config, Role};
 use crate::protocol::{Msg, Op};
-use crate::{scheduler, server, shm_link as shm, worker};
+use crate::{net, scheduler, server, worker};
 
 /// What the scheduler told a node at rendezvous.
 #[derive(Clone, Debug)]
@@ -18,7 +18,7 @@ pub(crate) struct Roster {
     pub num_workers: usize,
     pub num_servers: usize,
     pub servers: Vec<SocketAddr>,
-    /// Each server's host identity ([`shm::host_id`]), to find the ones on this host.
+    /// Each server's host identity ([`net::host_id`]), to find the ones on this host.
     pub server_hosts: Vec<String>,
 }
 
@@ -68,7 +68,7 @@ pub(crate) fn join(
         payload.push('\n');
         payload.push_str(&a.to_string());
         payload.push('\n');
-        payload.push_str(&shm::host_id());
+        payload.push_str(&net::host_id());
     }
     write_frame(
         sched,

@@ -90,8 +90,8 @@ impl KVStore {
     /// A zeroed array for pushing and pulling. In a distributed store with servers on this
     /// host its pages are in shared memory: pushing it copies nothing, and a pull into it is the
     /// server's one copy. Elsewhere it is an ordinary array.
-    pub fn alloc(&self, shape: &[usize], dtype: crate::DType) -> Result<NDArray> {
-        match &self.inner {
+    pub fn alloc(&mut self, shape: &[usize], dtype: crate::DType) -> Result<NDArray> {
+        match &mut self.inner {
             Inner::Local(_) => Ok(NDArray::zeros_dtype(shape, dtype)),
             Inner::Dist(d) => d.alloc(shape, dtype),
         }

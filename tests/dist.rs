@@ -242,29 +242,37 @@ fn a_late_answer_never_lands_in_memory_a_failed_call_gave_back() {
     }
 }
 
+/// Writes one message as the TCP backend frames it: a body, then optionally data.
+fn send_msg(s: &mut std::net::TcpStream, body: &[u8], data: Option<&[u8]>) -> std::io::Result<()> {
+    use std::io::Write;
+    let h = kvstore_transport::tcp::msg_frame_header(body.len(), data.map(|d| d.len()));
+    s.write_all(&h)?;
+    s.write_all(body)?;
+    if let Some(d) = data {
+        s.write_all(d)?;
+    }
+    Ok(())
+}
+
+/// Reads one message frame from a server and decodes its header.
+fn read_msg(s: &mut std::net::TcpStream) -> kvstore::protocol::Msg {
+    use kvstore_transport::tcp::blocking::read_frame;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (_, body) = read_frame(s, 1 << 20, Some(deadline)).unwrap();
+    let meta: [u8; kvstore_transport::META_LEN] =
+        body[..kvstore_transport::META_LEN].try_into().unwrap();
+    kvstore::protocol::Msg::decode(&meta).unwrap()
+}
+
 /// A worker played by the test over raw frames: it joins, connects to server 0, and then only
 /// writes. Returns the stream to the server.
 fn raw_worker(port: u16) -> std::net::TcpStream {
     use kvstore::protocol::{role, Msg, Op};
     use kvstore_transport::tcp::blocking::{read_frame, write_frame};
     use kvstore_transport::FrameHeader;
-    let hello = |s: &mut std::net::TcpStream| {
-        let mut m = Msg::new(Op::Hello);
-        m.key = role::WORKER;
-        let secret = b"test-secret";
-        write_frame(
-            s,
-            &FrameHeader::new(m.encode(), secret.len() as u64),
-            secret,
-        )
-        .unwrap();
-        read_frame(
-            s,
-            1 << 20,
-            Some(std::time::Instant::now() + Duration::from_secs(20)),
-        )
-        .unwrap()
-    };
+    let mut m = Msg::new(Op::Hello);
+    m.key = role::WORKER;
+    let secret = b"test-secret";
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let mut sched = loop {
         match std::net::TcpStream::connect(("127.0.0.1", port)) {
@@ -275,7 +283,14 @@ fn raw_worker(port: u16) -> std::net::TcpStream {
             Err(e) => panic!("no scheduler: {e}"),
         }
     };
-    let (_, roster) = hello(&mut sched);
+    // The scheduler speaks plain frames.
+    write_frame(
+        &mut sched,
+        &FrameHeader::new(m.encode(), secret.len() as u64),
+        secret,
+    )
+    .unwrap();
+    let (_, roster) = read_frame(&mut sched, 1 << 20, Some(deadline)).unwrap();
     let roster = String::from_utf8(roster).unwrap();
     let addr = roster
         .lines()
@@ -284,9 +299,12 @@ fn raw_worker(port: u16) -> std::net::TcpStream {
         .split_whitespace()
         .next()
         .unwrap();
+    // A server speaks the TCP backend's messages.
     let mut server = std::net::TcpStream::connect(addr).unwrap();
-    let (h, _) = hello(&mut server);
-    assert_eq!(Msg::decode(&h.meta).unwrap().op, Op::HelloAck);
+    let mut body = m.encode().to_vec();
+    body.extend_from_slice(secret);
+    send_msg(&mut server, &body, None).unwrap();
+    assert_eq!(read_msg(&mut server).op, Op::HelloAck);
     // The scheduler connection stays open for the job's life (closing it is leaving).
     std::mem::forget(sched);
     server
@@ -301,8 +319,6 @@ fn rss_kib(pid: u32) -> u64 {
 #[test]
 fn answers_a_worker_does_not_read_do_not_grow_the_server() {
     use kvstore::protocol::{Msg, Op};
-    use kvstore_transport::tcp::blocking::{read_frame, write_frame};
-    use kvstore_transport::FrameHeader;
     const N: u64 = 256 * 1024; // 1 MiB of f32
     let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
     let mut s = raw_worker(job.port);
@@ -317,16 +333,15 @@ fn answers_a_worker_does_not_read_do_not_grow_the_server() {
         m.req_id = id;
         m
     };
+    // A grant the server puts each answer into (the TCP backend's kind, number 1, N floats):
+    // the worker never reads them.
+    let mut grant = [0u8; 32];
+    grant[0] = 1;
+    grant[8] = 1;
+    grant[24..32].copy_from_slice(&(N * 4).to_le_bytes());
     let payload = vec![0u8; N as usize * 4];
-    let init = data(Op::Init, 1);
-    write_frame(
-        &mut s,
-        &FrameHeader::new(init.encode(), payload.len() as u64),
-        &payload,
-    )
-    .unwrap();
-    let (h, _) = read_frame(&mut s, 1 << 20, None).unwrap();
-    assert_eq!(Msg::decode(&h.meta).unwrap().status, 0);
+    send_msg(&mut s, &data(Op::Init, 1).encode(), Some(&payload)).unwrap();
+    assert_eq!(read_msg(&mut s).status, 0);
     let base = rss_kib(job.servers[0].id());
     // 300 rounds of 1 MiB pushpulls whose answers are never read: each answer is a distinct
     // version of the value. The writer blocks once the server stops reading.
@@ -335,14 +350,9 @@ fn answers_a_worker_does_not_read_do_not_grow_the_server() {
     let counter = sent.clone();
     std::thread::spawn(move || {
         for i in 0..300 {
-            let m = data(Op::PushPull, 2 + i);
-            if write_frame(
-                &mut w,
-                &FrameHeader::new(m.encode(), payload.len() as u64),
-                &payload,
-            )
-            .is_err()
-            {
+            let mut body = data(Op::PushPull, 2 + i).encode().to_vec();
+            body.extend_from_slice(&grant);
+            if send_msg(&mut w, &body, Some(&payload)).is_err() {
                 return;
             }
             counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);

@@ -85,7 +85,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             .map(|k| (i * p.keys) as i64 + k)
             .collect();
         // --alloc: arrays in the transport's pool (pushing them copies nothing).
-        let make = |fill: f64| -> Result<NDArray, String> {
+        let mut make = |fill: f64| -> Result<NDArray, String> {
             if p.alloc {
                 let mut a = kv
                     .alloc(&[elems], kvstore::DType::F32)

@@ -11,7 +11,7 @@
 
 pub mod shard;
 
-use kvstore_transport::{FrameHeader, META_LEN};
+use kvstore_transport::META_LEN;
 
 use crate::{DType, KvError, Result};
 
@@ -170,9 +170,11 @@ impl Msg {
         b
     }
 
-    /// A frame header for this message with a payload of `payload_len` bytes.
+    /// A frame header for this message with a payload of `payload_len` bytes (the scheduler's
+    /// frames).
+    #[cfg(test)]
     pub fn header(&self, payload_len: usize) -> [u8; kvstore_transport::HEADER_LEN] {
-        FrameHeader::new(self.encode(), payload_len as u64).encode()
+        kvstore_transport::FrameHeader::new(self.encode(), payload_len as u64).encode()
     }
 
     /// Decodes and validates metadata.

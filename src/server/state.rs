@@ -11,7 +11,7 @@ use crate::local::check_updater_kept_shape;
 use crate::optimizer::{Optimizer, OptimizerUpdater};
 use crate::protocol::{status, Msg, Op};
 use crate::registry::{self, SharedUpdater};
-use crate::shm_link::PeerPages;
+pub use crate::server::peer_data::PeerData;
 use crate::{Key, KvError, NDArray};
 
 /// A connection, as the I/O layer numbers them.
@@ -26,23 +26,6 @@ pub enum Payload {
     Array(NDArray),
     /// Text (error messages).
     Text(Vec<u8>),
-}
-
-impl kvstore_transport::tcp::Payload for Payload {
-    fn parts(&self) -> [&[u8]; 2] {
-        [self.bytes(), &[]]
-    }
-}
-
-impl Payload {
-    /// The bytes to send.
-    pub fn bytes(&self) -> &[u8] {
-        match self {
-            Payload::None => &[],
-            Payload::Array(a) => a.as_bytes(),
-            Payload::Text(t) => t,
-        }
-    }
 }
 
 /// An outgoing frame.
@@ -61,8 +44,9 @@ pub enum Input<'a> {
     /// In this server's own receive buffer: it may become the stored or merged value without
     /// a copy (another buffer is left in its place).
     Owned(&'a mut NDArray),
-    /// In a peer's pages (shared memory): read through copies or in-place sums only.
-    Peer(&'a PeerPages),
+    /// Lent by the transport, possibly in a peer's pages: read through copies or in-place
+    /// sums only.
+    Peer(&'a PeerData<'a>),
 }
 
 impl<'a> From<&'a mut NDArray> for Input<'a> {
@@ -75,7 +59,7 @@ impl Input<'_> {
     fn bytes(&self) -> crate::Result<Vec<u8>> {
         match self {
             Input::Owned(a) => Ok(a.as_bytes().to_vec()),
-            Input::Peer(p) => p.to_bytes(),
+            Input::Peer(p) => Ok(p.to_bytes()),
         }
     }
 

@@ -1,122 +1,49 @@
-//! A worker's exchange: the requests of one call go out to every server, over TCP or shared
-//! memory, and the loop in the calling thread takes every answer, reading payloads straight
-//! into the caller's outputs. Every wait is bounded by the configured timeout.
+//! A worker's exchange: the requests of one call go out to every server over whichever backend
+//! reaches it, and the loop in the calling thread takes every answer. A pull's destination is
+//! granted to its server with each request; the server puts the value there, then replies.
+//! Every wait is bounded by the configured timeout.
+//!
+//! Ownership: from the moment a destination is granted until its answer is in, the transport
+//! owns it. A call that fails with answers outstanding revokes the grants (the backend keeps
+//! the memory until the peer can no longer write it) and gives the caller fresh storage in
+//! place of each output, so a late answer never lands in memory the caller got back; values a
+//! backend may still be reading are held, so a caller's write goes to a copy.
 
 use std::collections::HashMap;
-use std::io;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use kvstore_shm::Region;
-use kvstore_transport::tcp::{FrameReader, FrameSink, OutQueue};
-use kvstore_transport::{FrameHeader, TransportError};
-use mio::net::TcpStream;
-use mio::{Events, Poll};
+use kvstore_transport::{Completion, RemoteRegion, Sent, Token, META_LEN};
 
+use crate::net::{Addr, Medium, Net};
 use crate::protocol::{status, Msg, Op};
-use crate::shm_link::{self as shm, WorkerLink, WorkerPool};
 use crate::{Key, KvError, NDArray, Result};
-
-/// Tokens of shared-memory doorbells in the poll set (server rank added).
-pub(crate) const SHM_TOKENS: usize = 1 << 30;
-/// How long a wait polls the rings before it sleeps on the doorbells.
-const SPIN: Duration = Duration::from_micros(200);
 
 /// One request of a call.
 pub(crate) struct Req<'a> {
     pub(crate) server: usize,
     pub(crate) msg: Msg,
-    pub(crate) payload: &'a [u8],
-    /// Index of the buffer the reply's payload goes to.
-    pub(crate) dest: Option<usize>,
-    /// Where `payload` lies in this worker's shared pool, if it does (then it is not copied).
-    pub(crate) payload_at: Option<usize>,
-    /// Where the reply's buffer lies in the shared pool, if it does (the server writes there).
-    pub(crate) dest_at: Option<usize>,
+    /// Tensor data: a range of bytes of a value.
+    pub(crate) data: Option<(&'a NDArray, Range<usize>)>,
+    /// Control bytes after the header (optimizer parameters, an updater's name).
+    pub(crate) text: &'a [u8],
+    /// Where the answer's value goes: an output (by index) and a range of its bytes.
+    pub(crate) dest: Option<(usize, Range<usize>)>,
 }
 
-pub(crate) struct ServerConn {
-    pub(crate) stream: TcpStream,
-    pub(crate) reader: FrameReader,
-    /// The reply being read (it may span many readiness events) and its error text.
-    pub(crate) cur: Option<(usize, Msg)>,
-    pub(crate) text: Vec<u8>,
-}
-
-/// The sockets of a worker.
-pub(crate) struct Net {
-    pub(crate) poll: Poll,
-    pub(crate) events: Events,
-    pub(crate) servers: Vec<ServerConn>,
+/// A worker's links to its servers.
+pub(crate) struct Links {
+    pub(crate) net: Net,
+    /// The link to each server.
+    pub(crate) servers: Vec<Addr>,
     pub(crate) next_req: u64,
+    next_token: u64,
     pub(crate) rank: u32,
-    pub(crate) timeout: std::time::Duration,
+    pub(crate) timeout: Duration,
     pub(crate) broken: Option<String>,
-    /// Shared-memory links to the servers on this host, by server rank.
-    pub(crate) links: Vec<Option<WorkerLink>>,
-    /// This worker's pool, when it has a shared-memory link.
-    pub(crate) pool: Option<WorkerPool>,
-    /// More of the job's processes on this host (this one and its local servers) than cores:
-    /// spinning yields the core.
-    pub(crate) crowded: bool,
-    /// After a failed call, what a shared-memory server may still write or read: the outputs
-    /// taken from the caller (it got fresh arrays in their place) and pool arrays it pushed.
-    /// Kept while the servers live; leaked, never freed, if they still do when the store goes.
-    pub(crate) withheld: Vec<NDArray>,
-    /// Staging pages of failed calls: never freed, so no later array gets them.
-    pub(crate) withheld_pages: Vec<Region>,
-    /// Copies of tensor bytes this store's shared-memory transport made here.
-    pub(crate) copies: shm::Copies,
-}
-
-/// Which answers of an exchange have come, from either transport.
-pub(crate) struct Tally {
-    pub(crate) base: u64,
-    pub(crate) done: Vec<bool>,
-    pub(crate) remaining: usize,
-    pub(crate) first_err: Option<KvError>,
-}
-
-impl Tally {
-    pub(crate) fn new(base: u64, n: usize) -> Tally {
-        Tally {
-            base,
-            done: vec![false; n],
-            remaining: n,
-            first_err: None,
-        }
-    }
-
-    /// The request an answer with `req_id` from `server` is for, if it is one still due.
-    pub(crate) fn due(&self, reqs: &[Req<'_>], req_id: u64, server: usize) -> Option<usize> {
-        let idx = req_id.wrapping_sub(self.base) as usize;
-        (idx < reqs.len() && !self.done[idx] && reqs[idx].server == server).then_some(idx)
-    }
-
-    /// Records the answer to request `idx`; a refusal becomes the call's error if it is the
-    /// first.
-    pub(crate) fn answer(
-        &mut self,
-        reqs: &[Req<'_>],
-        idx: usize,
-        status: u16,
-        server: usize,
-        text: impl FnOnce() -> String,
-    ) {
-        self.done[idx] = true;
-        self.remaining -= 1;
-        if status != status::OK && self.first_err.is_none() {
-            self.first_err = Some(remote_error(status, reqs[idx].msg.key, server, text()));
-        }
-    }
-}
-
-pub(crate) struct ReplySink<'r, 'd> {
-    pub(crate) server: usize,
-    pub(crate) reqs: &'r [Req<'r>],
-    pub(crate) dests: &'r mut [&'d mut [u8]],
-    pub(crate) tally: &'r mut Tally,
-    pub(crate) cur: &'r mut Option<(usize, Msg)>,
-    pub(crate) text: &'r mut Vec<u8>,
+    /// Values a backend may still read after their call failed, held so that the caller's
+    /// next write copies first.
+    held: HashMap<Token, NDArray>,
 }
 
 /// The error a server's answer with a non-zero status stands for.
@@ -133,100 +60,31 @@ pub(crate) fn remote_error(status: u16, key: u64, server: usize, text: String) -
     }
 }
 
-pub(crate) fn refuse(why: String) -> TransportError {
-    TransportError::Refused(why)
+/// What one call is waiting for.
+struct Call {
+    base: u64,
+    /// Per request: answered yet, and the grant it made.
+    answered: Vec<bool>,
+    grants: Vec<Option<RemoteRegion>>,
+    remaining: usize,
+    /// Data tokens not yet complete, with the request they belong to.
+    tokens: HashMap<Token, usize>,
+    first_err: Option<KvError>,
+    /// A lost server or a failed send: the call cannot complete.
+    fatal: Option<KvError>,
 }
 
-impl FrameSink for ReplySink<'_, '_> {
-    fn on_header(&mut self, h: &FrameHeader) -> std::result::Result<(), TransportError> {
-        let m = Msg::decode(&h.meta).map_err(|e| refuse(e.to_string()))?;
-        if m.op == Op::Abort {
-            self.text.resize(h.payload_len.min(1 << 16) as usize, 0);
-            *self.cur = Some((usize::MAX, m));
-            return Ok(());
-        }
-        let due = self.tally.due(self.reqs, m.req_id, self.server);
-        let Some(idx) = due.filter(|_| m.op == Op::Reply) else {
-            return Err(refuse(format!(
-                "unexpected {:?} for request {}",
-                m.op, m.req_id
-            )));
-        };
-        if m.status != status::OK {
-            if h.payload_len > 1 << 16 {
-                return Err(refuse("oversized error text".into()));
-            }
-            self.text.resize(h.payload_len as usize, 0);
-        } else {
-            let want = self.reqs[idx]
-                .dest
-                .map_or(0, |d| self.dests[d].len() as u64);
-            if h.payload_len != want {
-                return Err(refuse(format!(
-                    "reply of {} bytes where {want} were expected",
-                    h.payload_len
-                )));
-            }
-        }
-        *self.cur = Some((idx, m));
-        Ok(())
-    }
-
-    fn payload_dest(&mut self, _h: &FrameHeader) -> &mut [u8] {
-        match *self.cur {
-            Some((idx, m)) if idx != usize::MAX && m.status == status::OK => {
-                match self.reqs[idx].dest {
-                    Some(d) => self.dests[d],
-                    None => &mut [],
-                }
-            }
-            _ => self.text,
-        }
-    }
-
-    fn on_frame(&mut self, _h: &FrameHeader) -> std::result::Result<(), TransportError> {
-        let Some((idx, m)) = self.cur.take() else {
-            return Err(refuse("frame without header".into()));
-        };
-        if idx == usize::MAX {
-            return Err(refuse(format!(
-                "job aborted: {}",
-                String::from_utf8_lossy(self.text)
-            )));
-        }
-        let text = &*self.text;
-        self.tally
-            .answer(self.reqs, idx, m.status, self.server, || {
-                String::from_utf8_lossy(text).into_owned()
-            });
-        Ok(())
-    }
-}
-
-impl Net {
-    /// After a call failed with answers outstanding, a shared-memory server may still write an
-    /// output's pages (a late answer) or read a pushed pool array's pages. Each such output
-    /// gets fresh storage (zeros; a failed call's output has no defined value) and its old
-    /// storage is withheld; each pushed pool array is withheld through a copy-on-write clone,
-    /// so the caller's next write moves the caller to new pages.
-    pub(crate) fn withhold(
-        &mut self,
-        pushed: &[(Key, Vec<&NDArray>)],
-        outs: Option<&mut [(Key, Vec<&mut NDArray>)]>,
-    ) {
-        if self.broken.is_none() || self.links.iter().all(Option::is_none) {
-            return;
-        }
-        for v in pushed.iter().flat_map(|(_, vs)| vs) {
-            if v.is_shared_memory() {
-                self.withheld.push((*v).clone());
-            }
-        }
-        for (_, list) in outs.into_iter().flatten() {
-            if let Some(first) = list.first_mut() {
-                let fresh = NDArray::zeros_dtype(first.shape(), first.dtype()).on(first.device());
-                self.withheld.push(std::mem::replace(&mut **first, fresh));
-            }
+impl Links {
+    pub(crate) fn new(net: Net, servers: Vec<Addr>, rank: u32, timeout: Duration) -> Links {
+        Links {
+            net,
+            servers,
+            next_req: 1,
+            next_token: 1,
+            rank,
+            timeout,
+            broken: None,
+            held: HashMap::new(),
         }
     }
 
@@ -242,268 +100,316 @@ impl Net {
         e
     }
 
-    /// Sends every request and waits for every reply, reading payloads into `dests`.
-    ///
-    /// Requests to servers on this host go over shared memory: a payload already in the pool
-    /// (an array from `KVStore::alloc`) is named, not copied; any other is copied once into the
-    /// pool. A reply's value is written by the server straight into the output when the output
-    /// is in the pool, else into staging pages copied out here.
-    pub(crate) fn exchange(&mut self, reqs: &mut [Req<'_>], dests: &mut [&mut [u8]]) -> Result<()> {
+    /// Takes what the backends have for `call` (or, with none, for held values only).
+    fn pump(&mut self, reqs: &[Req<'_>], mut call: Option<&mut Call>) -> Result<()> {
+        let servers = &self.servers;
+        let held = &mut self.held;
+        self.net.progress(&mut |medium, c| {
+            let Some(call) = call.as_deref_mut() else {
+                if let Completion::Done(t) | Completion::Failed(t, _) = c {
+                    held.remove(&t);
+                }
+                return;
+            };
+            match c {
+                Completion::Recv { peer, body, .. } => {
+                    let addr = Addr { medium, peer };
+                    let Some(server) = servers.iter().position(|a| *a == addr) else {
+                        return;
+                    };
+                    let Some(meta) = body.get(..META_LEN).and_then(|b| b.try_into().ok()) else {
+                        call.fatal.get_or_insert(KvError::Protocol(format!(
+                            "server {server} sent a message shorter than its header"
+                        )));
+                        return;
+                    };
+                    let m = match Msg::decode(meta) {
+                        Ok(m) if m.op == Op::Reply => m,
+                        Ok(m) => {
+                            call.fatal.get_or_insert(KvError::Protocol(format!(
+                                "server {server} sent {:?}, not a reply",
+                                m.op
+                            )));
+                            return;
+                        }
+                        Err(e) => {
+                            call.fatal.get_or_insert(e);
+                            return;
+                        }
+                    };
+                    let idx = m.req_id.wrapping_sub(call.base) as usize;
+                    if idx >= reqs.len() || call.answered[idx] || reqs[idx].server != server {
+                        return;
+                    }
+                    call.answered[idx] = true;
+                    call.remaining -= 1;
+                    if m.status != status::OK && call.first_err.is_none() {
+                        let text = String::from_utf8_lossy(&body[META_LEN..]).into_owned();
+                        call.first_err =
+                            Some(remote_error(m.status, reqs[idx].msg.key, server, text));
+                    }
+                }
+                Completion::Done(t) => {
+                    call.tokens.remove(&t);
+                    held.remove(&t);
+                }
+                Completion::Failed(t, e) => {
+                    held.remove(&t);
+                    if call.tokens.remove(&t).is_some() {
+                        call.fatal.get_or_insert(KvError::Transport(e));
+                    }
+                }
+                Completion::Lost { peer, error } => {
+                    let addr = Addr { medium, peer };
+                    if let Some(s) = servers.iter().position(|a| *a == addr) {
+                        call.fatal
+                            .get_or_insert(KvError::PeerLost(format!("server {s}: {error}")));
+                    }
+                }
+                Completion::Put { .. } | Completion::Connected { .. } => {}
+            }
+        })?;
+        Ok(())
+    }
+
+    /// Posts one request, taking answers while its link is full.
+    fn post(
+        &mut self,
+        reqs: &[Req<'_>],
+        i: usize,
+        call: &mut Call,
+        outs: &mut [&mut NDArray],
+        deadline: Instant,
+    ) -> Result<()> {
+        let r = &reqs[i];
+        let addr = self.servers[r.server];
+        let mut body = Vec::with_capacity(META_LEN + 32 + r.text.len());
+        body.extend_from_slice(&r.msg.encode());
+        if let Some((o, range)) = &r.dest {
+            let out = &*outs[*o];
+            let b = self.net.backend(addr.medium)?;
+            let region = match out.region().filter(|g| g.backend_id() == b.id()) {
+                Some(g) => g.clone(),
+                None => b.register(out.storage())?,
+            };
+            // SAFETY: the call holds the output mutably and touches it only after the answer
+            // is in; a call that fails first revokes the grant and takes the storage out of
+            // the output.
+            let g = unsafe { b.grant(addr.peer, &region, range.clone()) }?;
+            body.extend_from_slice(&g.to_bytes());
+            call.grants[i] = Some(g);
+        }
+        body.extend_from_slice(r.text);
+        let data = match &r.data {
+            Some((v, range)) => {
+                let b = self.net.backend(addr.medium)?;
+                let region = match v.region().filter(|g| g.backend_id() == b.id()) {
+                    Some(g) => g.clone(),
+                    None => b.register(v.storage())?,
+                };
+                Some((region, range.clone(), (*v).clone()))
+            }
+            None => None,
+        };
+        loop {
+            let token = Token(self.next_token);
+            let b = self.net.backend(addr.medium)?;
+            let d = data.as_ref().map(|(g, range, _)| (g, range.clone(), token));
+            // SAFETY: the value is read only: the caller holds it shared for the call, and
+            // after a failed call a clone is held until the token completes, so the caller's
+            // writes go to a copy.
+            match unsafe { b.send(addr.peer, &body, d) }? {
+                Sent::Posted => {
+                    if let Some((_, _, v)) = data {
+                        self.next_token += 1;
+                        call.tokens.insert(token, i);
+                        self.held.insert(token, v);
+                    }
+                    return Ok(());
+                }
+                Sent::WouldBlock => {
+                    self.net.flush()?;
+                    self.pump(reqs, Some(call))?;
+                    if let Some(e) = call.fatal.take() {
+                        return Err(e);
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(self.timed_out("room in a link to a server"));
+                    }
+                }
+            }
+        }
+    }
+
+    fn timed_out(&self, what: &str) -> KvError {
+        KvError::Timeout {
+            what: what.into(),
+            secs: self.timeout.as_secs_f64(),
+        }
+    }
+
+    /// Sends every request and waits for every answer; answers' values land in `outs`.
+    pub(crate) fn exchange(
+        &mut self,
+        reqs: &mut [Req<'_>],
+        outs: &mut [&mut NDArray],
+    ) -> Result<()> {
         self.check()?;
         if reqs.is_empty() {
             return Ok(());
         }
         let base = self.next_req;
         self.next_req += reqs.len() as u64;
-        let deadline = Instant::now() + self.timeout;
-        let mut queues: Vec<OutQueue<&[u8]>> =
-            self.servers.iter().map(|_| OutQueue::new()).collect();
-        // Staging regions: freed when the exchange ends (pushes: once read; pulls: copied out).
-        let mut staging: Vec<Region> = Vec::new();
-        let mut recv_staging: HashMap<usize, Region> = HashMap::new();
-        let mut tally = Tally::new(base, reqs.len());
         for (i, r) in reqs.iter_mut().enumerate() {
             r.msg.req_id = base + i as u64;
             r.msg.sender = self.rank;
         }
         let reqs: &[Req<'_>] = reqs;
-        let result = (|| -> Result<()> {
-            // Answers taken while posting (a full ring).
-            let mut shm_early = 0usize;
-            for (i, r) in reqs.iter().enumerate() {
-                if self.links.get(r.server).is_some_and(Option::is_some) {
-                    let pool = self
-                        .pool
-                        .as_ref()
-                        .ok_or_else(|| KvError::Protocol("no pool".into()))?;
-                    let src = if r.payload.is_empty() {
-                        None
-                    } else if let Some(off) = r.payload_at {
-                        Some(Region {
-                            offset: off,
-                            len: r.payload.len(),
-                        })
-                    } else {
-                        let reg = pool.pool.alloc(r.payload.len()).map_err(shm::shm)?;
-                        staging.push(reg);
-                        pool.seg.write(reg.offset, r.payload).map_err(shm::shm)?;
-                        self.copies.count(r.payload.len());
-                        Some(reg)
-                    };
-                    let cma = self.links[r.server].as_ref().is_some_and(|l| l.cma);
-                    let mut dst_addr = None;
-                    let dst = match (r.dest, r.dest_at) {
-                        (Some(d), Some(off)) => Some(Region {
-                            offset: off,
-                            len: dests[d].len(),
-                        }),
-                        // The server writes the answer straight into the output (one copy).
-                        (Some(d), None) if cma && !dests[d].is_empty() => {
-                            dst_addr = Some((dests[d].as_mut_ptr() as u64, dests[d].len()));
-                            None
-                        }
-                        (Some(d), None) => {
-                            let reg = pool.pool.alloc(dests[d].len().max(1)).map_err(shm::shm)?;
-                            recv_staging.insert(i, reg);
-                            Some(Region {
-                                offset: reg.offset,
-                                len: dests[d].len(),
-                            })
-                        }
-                        _ => None,
-                    };
-                    let desc = shm::encode_to(&r.msg, r.payload.len(), src, dst, dst_addr, &[]);
-                    loop {
-                        let link = self.links[r.server]
-                            .as_ref()
-                            .ok_or_else(|| KvError::Protocol("link".into()))?;
-                        if link.chan.try_send(&desc).map_err(shm::shm)? {
-                            break;
-                        }
-                        // The ring is full: take answers meanwhile, so neither side waits on the other.
-                        shm_early += self.drain_shm(reqs, dests, &mut tally, &recv_staging)?;
-                        if Instant::now() >= deadline {
-                            return Err(KvError::Timeout {
-                                what: "room in a shared-memory ring".into(),
-                                secs: self.timeout.as_secs_f64(),
-                            });
-                        }
-                        std::thread::yield_now();
-                    }
-                } else {
-                    let h = r.msg.header(r.payload.len());
-                    queues[r.server].push(h, r.payload);
-                }
-            }
-            let tcp_servers: Vec<usize> = (0..self.servers.len())
-                .filter(|&s| self.links.get(s).is_none_or(Option::is_none) && !queues[s].is_empty())
-                .collect();
-            // Answers still due over shared memory; the rest of `remaining` come over TCP.
-            let mut shm_left = reqs
-                .iter()
-                .filter(|r| self.links.get(r.server).is_some_and(Option::is_some))
-                .count()
-                - shm_early;
-            let mut first_pass = true;
-            let mut last_progress = Instant::now();
-            while tally.remaining > 0 {
-                let n = self.drain_shm(reqs, dests, &mut tally, &recv_staging)?;
-                if n > 0 {
-                    shm_left -= n;
-                    last_progress = Instant::now();
-                    continue;
-                }
-                let mut ready: Vec<usize> = Vec::new();
-                if first_pass {
-                    ready.extend(tcp_servers.iter().copied());
-                    first_pass = false;
-                } else {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(KvError::Timeout {
-                            what: format!("{} replies from the servers", tally.remaining),
-                            secs: self.timeout.as_secs_f64(),
-                        });
-                    }
-                    let shm_pending = shm_left > 0;
-                    let mut timeout = left;
-                    let mut armed = Vec::new();
-                    if shm_pending {
-                        if last_progress.elapsed() < SPIN {
-                            timeout = Duration::ZERO;
-                        } else {
-                            for (s, l) in self.links.iter().enumerate() {
-                                if let Some(l) = l {
-                                    match l.chan.arm_rx() {
-                                        Ok(true) => armed.push(s),
-                                        _ => timeout = Duration::ZERO,
-                                    }
-                                }
-                            }
-                            timeout = timeout.min(Duration::from_millis(100));
-                        }
-                    }
-                    // Pure spinning on the rings needs no system call.
-                    if timeout.is_zero() && tally.remaining == shm_left && self.crowded {
-                        // Spinning with more processes here than cores: let the server run.
-                        std::thread::yield_now();
-                    }
-                    if !timeout.is_zero() || tally.remaining > shm_left {
-                        if let Err(e) = self.poll.poll(&mut self.events, Some(timeout)) {
-                            if e.kind() != io::ErrorKind::Interrupted {
-                                return Err(e.into());
-                            }
-                        }
-                        for ev in self.events.iter() {
-                            let t = ev.token().0;
-                            if t >= SHM_TOKENS {
-                                if let Some(Some(l)) = self.links.get(t - SHM_TOKENS) {
-                                    shm::drain(&l.doorbell);
-                                }
-                            } else {
-                                ready.push(t);
-                            }
-                        }
-                    }
-                    for s in armed {
-                        if let Some(Some(l)) = self.links.get(s) {
-                            let _ = l.chan.disarm_rx();
-                        }
-                    }
-                }
-                for s in ready {
-                    let Some(c) = self.servers.get_mut(s) else {
-                        continue;
-                    };
-                    let out = &mut queues[s];
-                    if !out.is_empty() {
-                        if let Err(e) = out.flush(&mut c.stream) {
-                            return Err(KvError::PeerLost(format!("server {s}: {e}")));
-                        }
-                    }
-                    let mut sink = ReplySink {
-                        server: s,
-                        reqs,
-                        dests,
-                        tally: &mut tally,
-                        cur: &mut c.cur,
-                        text: &mut c.text,
-                    };
-                    if let Err(e) = c.reader.read_from(&mut c.stream, &mut sink) {
-                        return Err(match e {
-                            TransportError::Closed | TransportError::Truncated { .. } => {
-                                KvError::PeerLost(format!("server {s} closed the connection"))
-                            }
-                            TransportError::Refused(why) if why.starts_with("job aborted") => {
-                                KvError::Aborted(why)
-                            }
-                            other => KvError::PeerLost(format!("server {s}: {other}")),
-                        });
-                    }
-                }
-            }
-            Ok(())
-        })();
-        if let Some(pool) = &self.pool {
-            let regions = staging.into_iter().chain(recv_staging.into_values());
-            if result.is_ok() {
-                for r in regions {
-                    let _ = pool.pool.free(r);
-                }
+        let mut call = Call {
+            base,
+            answered: vec![false; reqs.len()],
+            grants: vec![None; reqs.len()],
+            remaining: reqs.len(),
+            tokens: HashMap::new(),
+            first_err: None,
+            fatal: None,
+        };
+        // Every output gets storage of its own before anything is granted (a grant shares the
+        // storage, so making it unique later would copy it away from the grant).
+        for o in outs.iter_mut() {
+            o.as_bytes_mut();
+        }
+        let deadline = Instant::now() + self.timeout;
+        let res = self.run(reqs, &mut call, outs, deadline);
+        // Grants whose answers are in were written once and are done with; the others are
+        // revoked, and their outputs get fresh storage.
+        for (i, g) in call.grants.iter().enumerate() {
+            let Some(g) = g else { continue };
+            let addr = self.servers[reqs[i].server];
+            let Ok(b) = self.net.backend(addr.medium) else {
+                continue;
+            };
+            if call.answered[i] {
+                b.forget(addr.peer, g);
             } else {
-                // A server may still read or write them: they stay allocated.
-                self.withheld_pages.extend(regions);
+                let _ = b.revoke(addr.peer, g, Token(0));
+                if let Some((o, _)) = &reqs[i].dest {
+                    outs[*o].replace_storage();
+                }
             }
         }
-        match result {
-            Err(e) => Err(self.fail(e)),
-            Ok(()) => match tally.first_err {
+        match res {
+            Ok(()) => match call.first_err.take() {
                 Some(e) => Err(e),
                 None => Ok(()),
             },
+            Err(e) => Err(self.fail(e)),
         }
     }
 
-    /// Takes every answer waiting on the shared-memory rings; returns how many there were.
-    pub(crate) fn drain_shm(
-        &self,
+    fn run(
+        &mut self,
         reqs: &[Req<'_>],
-        dests: &mut [&mut [u8]],
-        tally: &mut Tally,
-        recv_staging: &HashMap<usize, Region>,
-    ) -> Result<usize> {
-        let mut any = 0;
-        let mut slot = [0u8; kvstore_shm::SLOT];
-        for (s, l) in self.links.iter().enumerate() {
-            let Some(l) = l else { continue };
-            while l.chan.try_recv(&mut slot).map_err(shm::shm)? {
-                any += 1;
-                let d = shm::decode(&slot)?;
-                let m = d.msg;
-                if m.op == Op::Abort {
-                    return Err(KvError::Aborted(d.text));
-                }
-                let due = tally.due(reqs, m.req_id, s);
-                let Some(idx) = due.filter(|_| m.op == Op::Reply) else {
-                    return Err(KvError::Protocol(format!(
-                        "unexpected answer {:?} for request {}",
-                        m.op, m.req_id
-                    )));
-                };
-                tally.answer(reqs, idx, m.status, s, || d.text);
-                if m.status != status::OK {
-                    continue;
-                }
-                if let (Some(dst), Some(di)) = (recv_staging.get(&idx), reqs[idx].dest) {
-                    let pool = self
-                        .pool
-                        .as_ref()
-                        .ok_or_else(|| KvError::Protocol("no pool".into()))?;
-                    pool.seg.read(dst.offset, dests[di]).map_err(shm::shm)?;
-                    self.copies.count(dests[di].len());
-                }
+        call: &mut Call,
+        outs: &mut [&mut NDArray],
+        deadline: Instant,
+    ) -> Result<()> {
+        for i in 0..reqs.len() {
+            self.post(reqs, i, call, outs, deadline)?;
+        }
+        loop {
+            self.pump(reqs, Some(call))?;
+            if let Some(e) = call.fatal.take() {
+                return Err(e);
+            }
+            if call.remaining == 0 && call.tokens.is_empty() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.timed_out("the servers' answers"));
+            }
+            self.net
+                .wait(None, (deadline - now).min(Duration::from_millis(100)))?;
+        }
+    }
+
+    /// Sends a message with no data and no answer expected (a goodbye), best effort.
+    pub(crate) fn notify(&mut self, op: Op) {
+        let mut m = Msg::new(op);
+        m.sender = self.rank;
+        let body = m.encode();
+        for addr in self.servers.clone() {
+            if let Ok(b) = self.net.backend(addr.medium) {
+                // SAFETY: no data rides with it.
+                let _ = unsafe { b.send(addr.peer, &body, None) };
             }
         }
-        Ok(any)
+        let _ = self.net.flush();
+        let _ = self.pump(&[], None);
+    }
+
+    /// Sends the hello to every server and waits for every acknowledgement.
+    pub(crate) fn hello(&mut self, secret: &str) -> Result<()> {
+        let mut m = Msg::new(Op::Hello);
+        m.key = crate::protocol::role::WORKER;
+        m.sender = self.rank;
+        let mut body = m.encode().to_vec();
+        body.extend_from_slice(secret.as_bytes());
+        let deadline = Instant::now() + self.timeout;
+        for addr in self.servers.clone() {
+            let b = self.net.backend(addr.medium)?;
+            // SAFETY: no data rides with it.
+            if let Sent::WouldBlock = unsafe { b.send(addr.peer, &body, None) }? {
+                return Err(KvError::Protocol("a new link is full".into()));
+            }
+        }
+        let mut acked = vec![false; self.servers.len()];
+        let mut failure: Option<KvError> = None;
+        while acked.iter().any(|a| !a) {
+            let servers = &self.servers;
+            self.net.progress(&mut |medium, c| match c {
+                Completion::Recv { peer, body, .. } => {
+                    let Some(s) = servers.iter().position(|a| *a == Addr { medium, peer }) else {
+                        return;
+                    };
+                    let ok = body
+                        .get(..META_LEN)
+                        .and_then(|b| b.try_into().ok())
+                        .and_then(|b| Msg::decode(b).ok())
+                        .is_some_and(|m| m.op == Op::HelloAck);
+                    if ok {
+                        acked[s] = true;
+                    } else {
+                        failure.get_or_insert(KvError::Protocol(format!(
+                            "server {s} did not acknowledge the hello"
+                        )));
+                    }
+                }
+                Completion::Lost { peer, error } => {
+                    if let Some(s) = servers.iter().position(|a| *a == Addr { medium, peer }) {
+                        failure.get_or_insert(KvError::PeerLost(format!(
+                            "server {s} refused the hello: {error}"
+                        )));
+                    }
+                }
+                _ => {}
+            })?;
+            if let Some(e) = failure.take() {
+                return Err(e);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.timed_out("the servers' acknowledgement of the hello"));
+            }
+            self.net
+                .wait(None, (deadline - now).min(Duration::from_millis(50)))?;
+        }
+        Ok(())
+    }
+
+    /// The medium of each server's link.
+    pub(crate) fn media(&self) -> impl Iterator<Item = Medium> + '_ {
+        self.servers.iter().map(|a| a.medium)
     }
 }

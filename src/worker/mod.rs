@@ -1,10 +1,11 @@
 //! The worker side of a distributed store.
 //!
 //! A call sends all its requests (every key, every slice, to every server) at once and then
-//! drives one mio loop, in the calling thread, until every reply is in: pushes are written
-//! straight from the caller's arrays with `writev`, pulls are read straight into the caller's
-//! output. Every wait is bounded by the configured timeout; after a timeout or a lost server the
-//! store refuses further calls rather than risk reading a stale reply into an array.
+//! drives the backends, in the calling thread, until every answer is in: pushes are sent
+//! straight from the caller's arrays (over shared memory an array from `KVStore::alloc` is
+//! named, not copied), and pulls are answered by the server putting the value straight into
+//! the output the request granted. Every wait is bounded by the configured timeout; after a
+//! timeout or a lost server the store refuses further calls rather than risk a stale answer.
 
 mod exchange;
 
@@ -13,16 +14,14 @@ use std::net::TcpStream as StdStream;
 use std::time::Instant;
 
 use kvstore_transport::tcp::blocking::{read_frame, write_frame};
-use kvstore_transport::tcp::{connect_retry, FrameReader, OutQueue};
+use kvstore_transport::tcp::connect_retry;
 use kvstore_transport::{FrameHeader, TransportError};
-use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Token};
 
 use crate::config::TransportChoice;
+use crate::net::{self, Addr, Medium, Net};
 use crate::protocol::shard::{placement, Part};
 use crate::protocol::{role, Msg, Op, MAX_NDIM};
-use crate::shm_link::{self as shm, WorkerLink, WorkerPool};
-use crate::worker::exchange::{Net, Req, ServerConn, SHM_TOKENS};
+use crate::worker::exchange::{Links, Req};
 
 use crate::config::Config;
 use crate::local::{check_like, sum_into};
@@ -45,10 +44,60 @@ pub struct DistWorker {
     num_servers: usize,
     server_addrs: Vec<std::net::SocketAddr>,
     sched: StdStream,
-    net: Net,
+    net: Links,
     keys: HashMap<Key, KeyInfo>,
     str_ids: HashMap<String, u64>,
     merge: HashMap<Key, NDArray>,
+}
+
+/// Connects to every server: over shared memory to those on this host (unless
+/// `KVSTORE_TRANSPORT` says otherwise), over TCP to the others.
+fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, Vec<Addr>)> {
+    let choice = cfg.transport;
+    let me = net::host_id();
+    let local: Vec<bool> = (0..roster.servers.len())
+        .map(|i| roster.server_hosts.get(i).is_some_and(|h| *h == me))
+        .collect();
+    if choice == TransportChoice::Shm {
+        if let Some(i) = local.iter().position(|l| !l) {
+            return Err(KvError::Config(format!(
+                "KVSTORE_TRANSPORT=shm, but server {i} ({}) is on another host",
+                roster.servers[i]
+            )));
+        }
+    }
+    let want_shm = choice != TransportChoice::Tcp && local.iter().any(|l| *l);
+    let mut net = Net::new(cfg.max_message, want_shm, cfg.shm_pool_bytes)?;
+    let mut links = Vec::with_capacity(roster.servers.len());
+    for (i, addr) in roster.servers.iter().enumerate() {
+        let mut link = None;
+        if let (true, Some(shm)) = (local[i], &mut net.shm) {
+            match shm.connect(&net::shm_name(addr.port(), &cfg.secret), cfg.timeout) {
+                Ok(peer) => {
+                    link = Some(Addr {
+                        medium: Medium::Shm,
+                        peer,
+                    })
+                }
+                Err(e) if choice == TransportChoice::Shm => return Err(e.into()),
+                Err(_) => {}
+            }
+        }
+        let link = match link {
+            Some(l) => l,
+            None => Addr {
+                medium: Medium::Tcp,
+                peer: net.tcp.connect(*addr, cfg.timeout)?,
+            },
+        };
+        links.push(link);
+    }
+    let shm_links = links.iter().filter(|a| a.medium == Medium::Shm).count();
+    if shm_links == 0 {
+        net.shm = None;
+    }
+    net.set_local_processes(1 + shm_links);
+    Ok((net, links))
 }
 
 impl DistWorker {
@@ -56,99 +105,16 @@ impl DistWorker {
     pub(crate) fn connect(cfg: Config) -> Result<DistWorker> {
         let mut sched = connect_retry(cfg.root, cfg.timeout)?;
         let roster = join(&cfg, &mut sched, role::WORKER, None)?;
-        let poll = Poll::new()?;
-        let mut servers = Vec::with_capacity(roster.servers.len());
-        for (i, addr) in roster.servers.iter().enumerate() {
-            let mut s = connect_retry(*addr, cfg.timeout)?;
-            let mut hello = Msg::new(Op::Hello);
-            hello.key = role::WORKER;
-            hello.sender = roster.rank as u32;
-            write_frame(
-                &mut s,
-                &FrameHeader::new(hello.encode(), cfg.secret.len() as u64),
-                cfg.secret.as_bytes(),
-            )?;
-            let (h, _) = read_frame(&mut s, 1 << 16, Some(Instant::now() + cfg.timeout))
-                .map_err(|e| KvError::PeerLost(format!("server {i} refused the hello: {e}")))?;
-            if Msg::decode(&h.meta)?.op != Op::HelloAck {
-                return Err(KvError::Protocol(format!(
-                    "server {i} did not acknowledge the hello"
-                )));
-            }
-            s.set_nonblocking(true)?;
-            let mut stream = TcpStream::from_std(s);
-            poll.registry().register(
-                &mut stream,
-                Token(i),
-                Interest::READABLE | Interest::WRITABLE,
-            )?;
-            servers.push(ServerConn {
-                stream,
-                reader: FrameReader::new(cfg.max_message),
-                cur: None,
-                text: Vec::new(),
-            });
-        }
-        // Servers on this host: shared memory, unless KVSTORE_TRANSPORT says otherwise.
-        let choice = cfg.transport;
-        let me = shm::host_id();
-        let mut links: Vec<Option<WorkerLink>> = Vec::new();
-        let mut pool = None;
-        for (i, addr) in roster.servers.iter().enumerate() {
-            let local = roster.server_hosts.get(i).is_some_and(|h| *h == me);
-            let link = match (choice, local) {
-                (TransportChoice::Tcp, _) => None,
-                (TransportChoice::Shm, false) => {
-                    return Err(KvError::Config(format!(
-                        "KVSTORE_TRANSPORT=shm, but server {i} ({addr}) is on another host"
-                    )))
-                }
-                (_, true) => {
-                    if pool.is_none() {
-                        pool = Some(WorkerPool::create(cfg.shm_pool_bytes)?);
-                    }
-                    let p = pool
-                        .as_ref()
-                        .ok_or_else(|| KvError::Protocol("pool".into()))?;
-                    match shm::attach(addr.port(), &cfg.secret, roster.rank, p, cfg.timeout) {
-                        Ok(l) => Some(l),
-                        Err(e) if choice == TransportChoice::Shm => return Err(e),
-                        Err(_) => None,
-                    }
-                }
-                (TransportChoice::Auto, false) => None,
-            };
-            if let Some(l) = &link {
-                let fd = std::os::fd::AsRawFd::as_raw_fd(&l.doorbell);
-                poll.registry().register(
-                    &mut mio::unix::SourceFd(&fd),
-                    Token(SHM_TOKENS + i),
-                    Interest::READABLE,
-                )?;
-            }
-            links.push(link);
-        }
+        let (net, servers) = connect_servers(&cfg, &roster)?;
+        let mut links = Links::new(net, servers, roster.rank as u32, cfg.timeout);
+        links.hello(&cfg.secret)?;
         Ok(DistWorker {
             rank: roster.rank,
             num_workers: roster.num_workers,
             num_servers: roster.num_servers,
             server_addrs: roster.servers.clone(),
             sched,
-            net: Net {
-                poll,
-                events: Events::with_capacity(64),
-                servers,
-                next_req: 1,
-                rank: roster.rank as u32,
-                timeout: cfg.timeout,
-                broken: None,
-                crowded: links.iter().flatten().count() + 1 > cores(),
-                withheld: Vec::new(),
-                withheld_pages: Vec::new(),
-                copies: shm::Copies::default(),
-                links,
-                pool,
-            },
+            net: links,
             cfg,
             keys: HashMap::new(),
             str_ids: HashMap::new(),
@@ -170,32 +136,45 @@ impl DistWorker {
 
     /// The transport used to reach each server.
     pub(crate) fn transports(&self) -> Vec<&'static str> {
-        (0..self.net.servers.len())
-            .map(|i| match self.net.links.get(i) {
-                Some(Some(_)) => "shm",
-                _ => "tcp",
+        self.net
+            .media()
+            .map(|m| match m {
+                Medium::Shm => "shm",
+                Medium::Tcp => "tcp",
             })
             .collect()
     }
 
     /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made here.
     pub(crate) fn transport_copies(&self) -> (u64, u64) {
-        self.net.copies.get()
+        self.net.net.shm.as_ref().map_or((0, 0), |s| s.copies())
     }
 
     /// Whether every shared-memory server writes pull answers straight into this process's
-    /// memory (cross-memory attach), so a pull into any output is one copy.
+    /// memory (cross-memory writes), so a pull into any output is one copy.
     pub(crate) fn cross_memory(&self) -> bool {
-        let links: Vec<&WorkerLink> = self.net.links.iter().flatten().collect();
-        !links.is_empty() && links.iter().all(|l| l.cma)
+        let Some(shm) = &self.net.net.shm else {
+            return false;
+        };
+        let shm_links: Vec<&Addr> = self
+            .net
+            .servers
+            .iter()
+            .filter(|a| a.medium == Medium::Shm)
+            .collect();
+        !shm_links.is_empty() && shm_links.iter().all(|a| shm.peer_writes_me(a.peer))
     }
 
     /// An array in this worker's shared pool (pushing it copies nothing), or in process memory
     /// when no server is on this host.
-    pub(crate) fn alloc(&self, shape: &[usize], dtype: crate::DType) -> Result<NDArray> {
-        match &self.net.pool {
-            Some(p) => p.alloc_array(shape, dtype),
-            None => Ok(NDArray::zeros_dtype(shape, dtype)),
+    pub(crate) fn alloc(&mut self, shape: &[usize], dtype: crate::DType) -> Result<NDArray> {
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        match &mut self.net.net.shm {
+            Some(s) if bytes > 0 => {
+                let r = kvstore_transport::Backend::alloc(s, bytes)?;
+                Ok(NDArray::from_region(shape, dtype, r))
+            }
+            _ => Ok(NDArray::zeros_dtype(shape, dtype)),
         }
     }
 
@@ -288,25 +267,18 @@ impl DistWorker {
         if self.rank == 0 {
             let mut reqs = Vec::new();
             for ((_, vs), info) in pairs.iter().zip(&infos) {
-                let bytes = vs[0].as_bytes();
-                let at = self.net.pool.as_ref().and_then(|p| p.offset_of(vs[0]));
                 let es = info.dtype.size();
                 for p in &info.parts {
                     reqs.push(Req {
                         server: p.server,
                         msg: Self::data_msg(Op::Init, info, p),
-                        payload: &bytes[p.start as usize * es..(p.start + p.len) as usize * es],
+                        data: Some((vs[0], byte_range(p, es))),
+                        text: &[],
                         dest: None,
-                        payload_at: at.map(|o| o + p.start as usize * es),
-                        dest_at: None,
                     });
                 }
             }
             result = self.net.exchange(&mut reqs, &mut []);
-            drop(reqs);
-            if result.is_err() {
-                self.net.withhold(pairs, None);
-            }
         }
         // Every worker waits, so no one pushes or pulls a key before rank 0 has stored it.
         let barrier = self.barrier();
@@ -369,7 +341,7 @@ impl DistWorker {
         &mut self,
         op: Op,
         pairs: &[(Key, Vec<&NDArray>)],
-        outs: Option<&mut [(Key, Vec<&mut NDArray>)]>,
+        mut outs: Option<&mut [(Key, Vec<&mut NDArray>)]>,
     ) -> Result<()> {
         self.net.check()?;
         self.check_values(pairs)?;
@@ -377,75 +349,40 @@ impl DistWorker {
             self.check_outputs(o)?;
         }
         self.merge_lists(pairs);
-        let mut reqs = Vec::new();
-        let mut dests: Vec<&mut [u8]> = Vec::new();
-        let mut out_pairs = outs;
-        // Where each key's reply goes: the first output of that key.
-        let mut firsts: HashMap<Key, Vec<&mut [u8]>> = HashMap::new();
-        // Where each key's first output lies in the shared pool, if it does.
-        let mut first_at: HashMap<Key, Option<usize>> = HashMap::new();
-        if let Some(o) = out_pairs.as_deref() {
-            for (k, list) in o.iter() {
-                if let Some(first) = list.first() {
-                    let at = self.net.pool.as_ref().and_then(|p| p.offset_of(first));
-                    first_at.entry(k.clone()).or_insert(at);
-                }
-            }
-        }
-        if let Some(o) = out_pairs.as_deref_mut() {
+        // Each key's answer goes to its first output.
+        let mut dests: Vec<&mut NDArray> = Vec::new();
+        let mut dest_of: HashMap<Key, usize> = HashMap::new();
+        if let Some(o) = outs.as_deref_mut() {
             for (k, list) in o.iter_mut() {
                 if let Some(first) = list.first_mut() {
-                    if firsts.contains_key(k) {
-                        continue;
+                    if !dest_of.contains_key(k) {
+                        dest_of.insert(k.clone(), dests.len());
+                        dests.push(&mut **first);
                     }
-                    let info = &self.keys[k];
-                    let es = info.dtype.size();
-                    let mut rest: &mut [u8] = first.as_bytes_mut();
-                    let mut chunks = Vec::new();
-                    for p in &info.parts {
-                        let (a, b) = rest.split_at_mut(p.len as usize * es);
-                        chunks.push(a);
-                        rest = b;
-                    }
-                    firsts.insert(k.clone(), chunks);
                 }
             }
         }
+        let mut reqs = Vec::new();
         for (k, vs) in pairs {
             let info = &self.keys[k];
-            let (bytes, at) = if vs.len() > 1 {
-                (self.merge[k].as_bytes(), None)
-            } else {
-                let at = self.net.pool.as_ref().and_then(|p| p.offset_of(vs[0]));
-                (vs[0].as_bytes(), at)
-            };
+            let value: &NDArray = if vs.len() > 1 { &self.merge[k] } else { vs[0] };
             let es = info.dtype.size();
-            let out_at = first_at.get(k).copied().flatten();
-            let mut chunks = firsts.remove(k).map(|c| c.into_iter());
+            let dest = dest_of.get(k).copied();
             for p in &info.parts {
-                let dest = chunks.as_mut().and_then(|c| c.next()).map(|d| {
-                    dests.push(d);
-                    dests.len() - 1
-                });
-                let off = p.start as usize * es;
                 reqs.push(Req {
                     server: p.server,
                     msg: Self::data_msg(op, info, p),
-                    payload: &bytes[off..(p.start + p.len) as usize * es],
-                    dest,
-                    payload_at: at.map(|o| o + off),
-                    dest_at: out_at.filter(|_| dest.is_some()).map(|o| o + off),
+                    data: Some((value, byte_range(p, es))),
+                    text: &[],
+                    dest: dest.map(|d| (d, byte_range(p, es))),
                 });
             }
         }
         let res = self.net.exchange(&mut reqs, &mut dests);
         drop(dests);
         drop(reqs);
-        if let Err(e) = res {
-            self.net.withhold(pairs, out_pairs);
-            return Err(e);
-        }
-        if let Some(o) = out_pairs {
+        res?;
+        if let Some(o) = outs {
             copy_to_other_outputs(o);
         }
         Ok(())
@@ -472,35 +409,27 @@ impl DistWorker {
         self.net.check()?;
         self.check_outputs(pairs)?;
         let mut reqs = Vec::new();
-        let mut dests: Vec<&mut [u8]> = Vec::new();
+        let mut dests: Vec<&mut NDArray> = Vec::new();
         for (k, list) in pairs.iter_mut() {
             let info = &self.keys[k];
             let es = info.dtype.size();
             let Some(first) = list.first_mut() else {
                 continue;
             };
-            let at = self.net.pool.as_ref().and_then(|p| p.offset_of(first));
-            let mut rest: &mut [u8] = first.as_bytes_mut();
+            dests.push(&mut **first);
             for p in &info.parts {
-                let (a, b) = rest.split_at_mut(p.len as usize * es);
-                rest = b;
-                dests.push(a);
                 reqs.push(Req {
                     server: p.server,
                     msg: Self::data_msg(Op::Pull, info, p),
-                    payload: &[],
-                    dest: Some(dests.len() - 1),
-                    payload_at: None,
-                    dest_at: at.map(|o| o + p.start as usize * es),
+                    data: None,
+                    text: &[],
+                    dest: Some((dests.len() - 1, byte_range(p, es))),
                 });
             }
         }
         let res = self.net.exchange(&mut reqs, &mut dests);
         drop(dests);
-        if let Err(e) = res {
-            self.net.withhold(&[], Some(pairs));
-            return Err(e);
-        }
+        res?;
         copy_to_other_outputs(pairs);
         Ok(())
     }
@@ -512,10 +441,9 @@ impl DistWorker {
                 .map(|s| Req {
                     server: s,
                     msg: Msg::new(op),
-                    payload,
+                    data: None,
+                    text: payload,
                     dest: None,
-                    payload_at: None,
-                    dest_at: None,
                 })
                 .collect();
             result = self.net.exchange(&mut reqs, &mut []);
@@ -541,10 +469,9 @@ impl DistWorker {
     }
 }
 
-/// The cores this process may run on (read once: the query reads cgroup files).
-pub(crate) fn cores() -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+/// The bytes of a value that a part of its key covers.
+fn byte_range(p: &Part, es: usize) -> std::ops::Range<usize> {
+    p.start as usize * es..(p.start + p.len) as usize * es
 }
 
 /// After a key's first output was filled, copies it into the key's other outputs.
@@ -566,19 +493,8 @@ fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
 
 impl Drop for DistWorker {
     fn drop(&mut self) {
-        // Withheld memory is freed only once no server that could write it is alive.
-        if self.net.links.iter().flatten().any(|l| !l.server.exited()) {
-            for a in self.net.withheld.drain(..) {
-                std::mem::forget(a);
-            }
-        }
         // Tell the servers this is a clean exit, then the scheduler that this worker is done.
-        let bye = Msg::new(Op::Bye);
-        for c in &mut self.net.servers {
-            let mut q = OutQueue::new();
-            q.push(bye.header(0), ());
-            let _ = q.flush(&mut c.stream);
-        }
+        self.net.notify(Op::Bye);
         let fin = Msg::new(Op::Finish);
         let _ = write_frame(&mut self.sched, &FrameHeader::new(fin.encode(), 0), &[]);
     }

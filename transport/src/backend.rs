@@ -189,6 +189,11 @@ impl Region {
         self.len() == 0
     }
 
+    /// The identity of the backend it is registered with ([`Backend::id`]).
+    pub fn backend_id(&self) -> u64 {
+        self.backend
+    }
+
     /// The storage it holds alive.
     pub fn storage(&self) -> &Arc<dyn Storage> {
         &self.mem
@@ -454,6 +459,10 @@ pub trait Backend: Send {
     /// `"tcp"` or `"shm"`.
     fn name(&self) -> &'static str;
 
+    /// This backend's identity, unique in the process: a [`Region`] serves only the backend
+    /// with its [`Region::backend_id`].
+    fn id(&self) -> u64;
+
     /// The largest message body.
     fn max_body(&self) -> usize;
 
@@ -533,6 +542,11 @@ pub trait Backend: Send {
 
     /// Closes the link to `peer` (its pending operations fail).
     fn close(&mut self, peer: PeerId);
+
+    /// Stops taking messages from `peer` (`true`), or takes them again: while paused, what the
+    /// peer sends waits in the link, and once the link is full the peer's sends would block.
+    /// Backpressure for a receiver that cannot keep up with one peer.
+    fn pause(&mut self, peer: PeerId, paused: bool);
 }
 
 /// Sleeps until one of `backends` has work or `timeout` passes: arms each, and sleeps only if

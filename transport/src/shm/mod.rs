@@ -98,6 +98,8 @@ struct Peer {
     unsent: VecDeque<[u8; SLOT]>,
     posted: bool,
     rxbuf: Vec<u8>,
+    /// Its ring is not read while set (backpressure).
+    paused: bool,
 }
 
 struct Grant {
@@ -144,6 +146,8 @@ pub struct ShmBackend {
     ids: Vec<u32>,
     /// Progress calls, to read the clock on few of them.
     calls: u32,
+    /// Copies of data this backend made (into staging pages, out of bounce pages): count, bytes.
+    copies: (u64, u64),
 }
 
 /// How often a busy loop that never sleeps looks at its sockets (a peer gone, a new peer): the
@@ -181,6 +185,7 @@ impl ShmBackend {
             last_poll: Instant::now(),
             ids: Vec::new(),
             calls: 0,
+            copies: (0, 0),
         })
     }
 
@@ -299,6 +304,7 @@ impl ShmBackend {
                 unsent: VecDeque::new(),
                 posted: false,
                 rxbuf: Vec::new(),
+                paused: false,
             },
         );
         Ok(PeerId(id))
@@ -319,6 +325,19 @@ impl ShmBackend {
     }
 
     /// Staging pages of this process's pool holding a copy of `len` bytes from `src`.
+    /// `(count, bytes)` of the data copies this backend made: a send from memory outside the
+    /// pool is copied once into staging pages; a put into a grant that the peer cannot write
+    /// directly is copied once out of bounce pages.
+    pub fn copies(&self) -> (u64, u64) {
+        self.copies
+    }
+
+    /// Whether `peer` writes puts straight into this process's private memory (cross-memory
+    /// writes), with no bounce copy here.
+    pub fn peer_writes_me(&self, peer: PeerId) -> bool {
+        self.peers.get(&peer.0).is_some_and(|p| p.peer_writes_me)
+    }
+
     fn stage(&mut self, src: *const u8, len: usize) -> Result<Option<Region>, TransportError> {
         let region = match self.pool.alloc(len) {
             Ok(r) => r,

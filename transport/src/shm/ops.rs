@@ -17,11 +17,15 @@ impl ShmBackend {
             grants,
             done,
             next_grant,
+            copies,
             ..
         } = self;
         let Some(p) = peers.get_mut(&id) else {
             return Ok(());
         };
+        if p.paused {
+            return Ok(());
+        }
         let mut slot = [0u8; SLOT];
         for _ in 0..BATCH {
             if !p.chan.try_recv(&mut slot)? {
@@ -47,6 +51,8 @@ impl ShmBackend {
                                 continue;
                             }
                             if let Some(b) = &g.bounce {
+                                copies.0 += 1;
+                                copies.1 += len as u64;
                                 // SAFETY: both ranges were checked against their regions; the
                                 // bounce pages are this process's, written by the peer before
                                 // it posted this descriptor; the destination is granted.
@@ -355,6 +361,8 @@ impl Backend for ShmBackend {
                         let Some(s) = self.stage(src, range.len())? else {
                             return Ok(Sent::WouldBlock);
                         };
+                        self.copies.0 += 1;
+                        self.copies.1 += range.len() as u64;
                         d.off = pool_offset(&s);
                         hold.push(s);
                         done_now = Some(t);
@@ -460,6 +468,10 @@ impl Backend for ShmBackend {
         Ok(())
     }
 
+    fn id(&self) -> u64 {
+        self.id
+    }
+
     fn arm(&mut self) -> Result<bool, TransportError> {
         if !self.done.is_empty() || !self.lost.is_empty() {
             return Ok(false);
@@ -467,7 +479,8 @@ impl Backend for ShmBackend {
         self.armed = true;
         for p in self.peers.values() {
             // Descriptors waiting for room: the peer frees it without a wake-up, so look again.
-            if !p.unsent.is_empty() || !p.chan.arm_rx()? {
+            // A paused peer's ring is not read, so what waits there is no work.
+            if !p.unsent.is_empty() || (!p.paused && !p.chan.arm_rx()?) {
                 return Ok(false);
             }
         }
@@ -521,6 +534,12 @@ impl Backend for ShmBackend {
 
     fn close(&mut self, peer: PeerId) {
         self.lose(peer, TransportError::Closed);
+    }
+
+    fn pause(&mut self, peer: PeerId, paused: bool) {
+        if let Some(p) = self.peers.get_mut(&peer.0) {
+            p.paused = paused;
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use std::time::Duration;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll};
 
-use super::link::{meta, write_out, Grant, Out, Peer, Rx, Sink, MAX_BODY, MSG, PUT};
+use super::link::{meta, write_out, Grant, Out, Peer, Rx, Sink, MAX_BODY, MSG, PUT, READ_BUDGET};
 use super::{FrameReader, OutQueue};
 use crate::backend::{fresh_id, Place};
 use crate::frame::FrameHeader;
@@ -46,6 +46,18 @@ pub struct TcpBackend {
     done: VecDeque<(Token, Option<TransportError>)>,
     lost: VecDeque<(PeerId, TransportError)>,
     max_payload: u64,
+    /// Peers resumed after a pause: read at the next progress (their readiness came and went).
+    resumed: Vec<u32>,
+}
+
+/// The header of a message frame as this backend writes it, for a body of `body_len` bytes
+/// followed by `data_len` bytes of data: for tools and tests that play a peer by hand.
+pub fn msg_frame_header(body_len: usize, data_len: Option<usize>) -> [u8; crate::HEADER_LEN] {
+    FrameHeader::new(
+        meta(MSG, data_len.is_some(), body_len as u32, 0, 0),
+        (body_len + data_len.unwrap_or(0)) as u64,
+    )
+    .encode()
 }
 
 impl TcpBackend {
@@ -63,6 +75,7 @@ impl TcpBackend {
             done: VecDeque::new(),
             lost: VecDeque::new(),
             max_payload,
+            resumed: Vec::new(),
         })
     }
 
@@ -104,6 +117,7 @@ impl TcpBackend {
                 reader: FrameReader::new(self.max_payload),
                 rx: Rx::default(),
                 out: OutQueue::new(),
+                paused: false,
             },
         );
         Ok(PeerId(id))
@@ -157,6 +171,9 @@ impl TcpBackend {
         let Some(p) = self.peers.get_mut(&id) else {
             return;
         };
+        if p.paused {
+            return;
+        }
         let mut sink = Sink {
             peer: PeerId(id),
             rx: &mut p.rx,
@@ -164,9 +181,15 @@ impl TcpBackend {
             next_grant: self.next_grant,
             on,
             n,
+            budget: READ_BUDGET,
         };
-        if let Err(e) = p.reader.read_from(&mut p.stream, &mut sink) {
-            self.lose(PeerId(id), e);
+        let res = p.reader.read_from(&mut p.stream, &mut sink);
+        let more = sink.budget == 0;
+        match res {
+            Err(e) => self.lose(PeerId(id), e),
+            // Stopped before the socket was drained: its readiness will not come again.
+            Ok(()) if more => self.resumed.push(id),
+            Ok(()) => {}
         }
     }
 }
@@ -174,6 +197,10 @@ impl TcpBackend {
 impl Backend for TcpBackend {
     fn name(&self) -> &'static str {
         "tcp"
+    }
+
+    fn id(&self) -> u64 {
+        self.id
     }
 
     fn max_body(&self) -> usize {
@@ -324,7 +351,7 @@ impl Backend for TcpBackend {
     }
 
     fn arm(&mut self) -> Result<bool, TransportError> {
-        Ok(self.done.is_empty() && self.lost.is_empty())
+        Ok(self.done.is_empty() && self.lost.is_empty() && self.resumed.is_empty())
     }
 
     fn fd(&self) -> BorrowedFd<'_> {
@@ -355,6 +382,9 @@ impl Backend for TcpBackend {
                 )
             })
             .collect();
+        for id in std::mem::take(&mut self.resumed) {
+            self.read_peer(id, on, &mut n);
+        }
         for (t, readable, writable) in ready {
             if t == LISTENER {
                 self.accept_all(on, &mut n)?;
@@ -374,6 +404,15 @@ impl Backend for TcpBackend {
 
     fn close(&mut self, peer: PeerId) {
         self.lose(peer, TransportError::Closed);
+    }
+
+    fn pause(&mut self, peer: PeerId, paused: bool) {
+        if let Some(p) = self.peers.get_mut(&peer.0) {
+            if p.paused && !paused {
+                self.resumed.push(peer.0);
+            }
+            p.paused = paused;
+        }
     }
 }
 

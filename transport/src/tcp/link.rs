@@ -60,6 +60,8 @@ pub(super) struct Peer {
     pub(super) reader: FrameReader,
     pub(super) rx: Rx,
     pub(super) out: OutQueue<Out>,
+    /// Not read while set (backpressure).
+    pub(super) paused: bool,
 }
 
 pub(super) struct Grant {
@@ -104,11 +106,22 @@ pub(super) struct Sink<'a> {
     pub(super) next_grant: u64,
     pub(super) on: &'a mut dyn FnMut(Completion<'_>),
     pub(super) n: &'a mut usize,
+    /// Bytes this peer may still deliver in this progress call, so that one busy peer cannot
+    /// keep the caller from answering (and from pausing it).
+    pub(super) budget: usize,
 }
 
+/// Bytes of frames taken from one peer per progress call.
+pub(super) const READ_BUDGET: usize = 8 << 20;
+
 impl FrameSink for Sink<'_> {
+    fn wants_more(&self) -> bool {
+        self.budget > 0
+    }
+
     fn on_header(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
         let len = h.payload_len as usize;
+        self.budget = self.budget.saturating_sub(len.max(1) + crate::HEADER_LEN);
         self.rx.kind = h.meta[0];
         match h.meta[0] {
             MSG => {

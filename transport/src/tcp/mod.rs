@@ -10,7 +10,7 @@ mod link;
 mod reader;
 mod writer;
 
-pub use backend::TcpBackend;
+pub use backend::{msg_frame_header, TcpBackend};
 pub use link::MAX_BODY;
 pub use reader::{FrameReader, FrameSink};
 pub use writer::{OutQueue, Payload};

@@ -1,0 +1,196 @@
+//! The transports of one process of a job, as the worker's and the server's loops use them:
+//! TCP always, shared memory with the processes on this host. This is the only module of the
+//! store that names a backend type; the loops above drive [`Backend`]s through it, and the
+//! state machines below them see neither.
+//!
+//! A message of the store is a body (the 112 bytes of [`crate::protocol::Msg`], then a grant or
+//! short text) with, for tensor data, a range of registered memory. A pull's answer is a put of
+//! the stored value into the range the request granted, followed by the reply message.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::{Duration, Instant};
+
+use kvstore_transport::{Backend, Completion, PeerId, ShmBackend, ShmConfig, TcpBackend};
+
+use crate::{KvError, Result};
+
+/// Which backend of a [`Net`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Medium {
+    Tcp,
+    Shm,
+}
+
+/// A peer: the backend that reaches it, and its number there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Addr {
+    pub(crate) medium: Medium,
+    pub(crate) peer: PeerId,
+}
+
+impl Addr {
+    /// A number for the state machines, unique across both backends.
+    pub(crate) fn id(self) -> usize {
+        let m = match self.medium {
+            Medium::Tcp => 0,
+            Medium::Shm => 1usize << 32,
+        };
+        m | self.peer.0 as usize
+    }
+}
+
+/// How long a wait keeps polling shared-memory rings after the last thing it saw, before it
+/// sleeps: a reply usually comes sooner than a sleep and a wake-up take.
+const SPIN: Duration = Duration::from_micros(200);
+
+/// The backends of one process.
+pub(crate) struct Net {
+    pub(crate) tcp: TcpBackend,
+    pub(crate) shm: Option<ShmBackend>,
+    /// When the last completion came, for the spin before sleeping.
+    last_active: Instant,
+    /// More of the job's processes on this host than cores: a spin yields the core.
+    crowded: bool,
+}
+
+/// What makes two processes "on the same host" for shared memory: the same boot of the same
+/// kernel and the same network namespace.
+pub(crate) fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let net = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    format!("{}/{}", boot.trim(), net.replace(['[', ']', ':'], ""))
+}
+
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The shared-memory listener's name of the server whose TCP port is `port` (abstract, per
+/// network namespace; the job's secret keeps jobs apart).
+pub(crate) fn shm_name(port: u16, secret: &str) -> String {
+    format!("{port}.{:016x}", fnv(secret))
+}
+
+/// The cores this process may run on (read once: the query reads cgroup files).
+pub(crate) fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+fn transport(e: kvstore_transport::TransportError) -> KvError {
+    KvError::Transport(e)
+}
+
+impl Net {
+    /// TCP, refusing frames over `max_message` bytes; and shared memory with a pool of
+    /// `pool_bytes` when `shm` is set.
+    pub(crate) fn new(max_message: u64, shm: bool, pool_bytes: usize) -> Result<Net> {
+        let tcp = TcpBackend::new(max_message).map_err(transport)?;
+        let shm = if shm {
+            let cfg = ShmConfig::default();
+            let pages = pool_bytes.div_ceil(cfg.page_size).max(16);
+            Some(
+                ShmBackend::new(
+                    &format!("kvstore-{}", std::process::id()),
+                    ShmConfig { pages, ..cfg },
+                )
+                .map_err(transport)?,
+            )
+        } else {
+            None
+        };
+        Ok(Net {
+            tcp,
+            shm,
+            last_active: Instant::now(),
+            crowded: false,
+        })
+    }
+
+    /// Says how many of the job's processes share this host, so that spinning yields the core
+    /// when they outnumber the cores.
+    pub(crate) fn set_local_processes(&mut self, n: usize) {
+        self.crowded = n > cores();
+    }
+
+    /// The backend of `m`.
+    pub(crate) fn backend(&mut self, m: Medium) -> Result<&mut dyn Backend> {
+        match m {
+            Medium::Tcp => Ok(&mut self.tcp),
+            Medium::Shm => match &mut self.shm {
+                Some(s) => Ok(s),
+                None => Err(KvError::Protocol("no shared-memory backend".into())),
+            },
+        }
+    }
+
+    /// Does what every backend can do without blocking; `on` sees each completion with the
+    /// backend it came from. Returns how many completions there were.
+    pub(crate) fn progress(&mut self, on: &mut dyn FnMut(Medium, Completion<'_>)) -> Result<usize> {
+        let mut n = self
+            .tcp
+            .progress(&mut |c| on(Medium::Tcp, c))
+            .map_err(transport)?;
+        if let Some(s) = &mut self.shm {
+            n += s.progress(&mut |c| on(Medium::Shm, c)).map_err(transport)?;
+        }
+        if n > 0 {
+            self.last_active = Instant::now();
+        }
+        Ok(n)
+    }
+
+    /// Pushes out what was posted.
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        self.tcp.flush().map_err(transport)?;
+        if let Some(s) = &mut self.shm {
+            s.flush().map_err(transport)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for work, at most `timeout`: over shared memory it first spins a while after the
+    /// last completion (yielding the core on a crowded host); then it arms every backend and
+    /// sleeps on their descriptors and on `extra` (the scheduler's socket), unless one of them
+    /// says work is already pending.
+    pub(crate) fn wait(&mut self, extra: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<()> {
+        self.flush()?;
+        if self.shm.is_some() && self.last_active.elapsed() < SPIN {
+            if self.crowded {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+            return Ok(());
+        }
+        if !self.tcp.arm().map_err(transport)? {
+            return Ok(());
+        }
+        if let Some(s) = &mut self.shm {
+            if !s.arm().map_err(transport)? {
+                return Ok(());
+            }
+        }
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds = vec![PollFd::from_borrowed_fd(self.tcp.as_fd(), PollFlags::IN)];
+        if let Some(s) = &self.shm {
+            fds.push(PollFd::from_borrowed_fd(s.as_fd(), PollFlags::IN));
+        }
+        if let Some(e) = extra {
+            fds.push(PollFd::from_borrowed_fd(e, PollFlags::IN));
+        }
+        let ts = Timespec {
+            tv_sec: timeout.as_secs() as i64,
+            tv_nsec: timeout.subsec_nanos() as i64,
+        };
+        match poll(&mut fds, Some(&ts)) {
+            Ok(_) => Ok(()),
+            Err(e) if e == rustix::io::Errno::INTR => Ok(()),
+            Err(e) => Err(std::io::Error::from(e).into()),
+        }
+    }
+}
