@@ -51,7 +51,16 @@ pub(crate) struct Net {
     last_active: Instant,
     /// More of the job's processes on this host than cores: a spin yields the core.
     crowded: bool,
+    /// Progress calls, and when TCP was last polled: with no TCP peer, a busy loop looks at
+    /// the TCP listener only now and then (each look is a system call).
+    calls: u32,
+    last_tcp: Instant,
+    /// Turns of a spin since the last completion: the clock is read on few of them.
+    spins: u32,
 }
+
+/// How often a busy loop with no TCP peer polls the TCP backend.
+const TCP_IDLE_POLL: Duration = Duration::from_micros(200);
 
 /// What makes two processes "on the same host" for shared memory: the same boot of the same
 /// kernel and the same network namespace.
@@ -108,6 +117,9 @@ impl Net {
             shm,
             last_active: Instant::now(),
             crowded: false,
+            calls: 0,
+            last_tcp: Instant::now(),
+            spins: 0,
         })
     }
 
@@ -131,14 +143,23 @@ impl Net {
     /// Does what every backend can do without blocking; `on` sees each completion with the
     /// backend it came from. Returns how many completions there were.
     pub(crate) fn progress(&mut self, on: &mut dyn FnMut(Medium, Completion<'_>)) -> Result<usize> {
-        let mut n = self
-            .tcp
-            .progress(&mut |c| on(Medium::Tcp, c))
-            .map_err(transport)?;
+        self.calls = self.calls.wrapping_add(1);
+        let poll_tcp = !self.tcp.is_idle()
+            || self.shm.is_none()
+            || (self.calls % 32 == 0 && self.last_tcp.elapsed() >= TCP_IDLE_POLL);
+        let mut n = 0;
+        if poll_tcp {
+            self.last_tcp = Instant::now();
+            n += self
+                .tcp
+                .progress(&mut |c| on(Medium::Tcp, c))
+                .map_err(transport)?;
+        }
         if let Some(s) = &mut self.shm {
             n += s.progress(&mut |c| on(Medium::Shm, c)).map_err(transport)?;
         }
         if n > 0 {
+            self.spins = 0;
             self.last_active = Instant::now();
         }
         Ok(n)
@@ -157,22 +178,28 @@ impl Net {
     /// last completion (yielding the core on a crowded host); then it arms every backend and
     /// sleeps on their descriptors and on `extra` (the scheduler's socket), unless one of them
     /// says work is already pending.
-    pub(crate) fn wait(&mut self, extra: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<()> {
+    /// Returns whether it slept (then `extra` may be readable).
+    pub(crate) fn wait(
+        &mut self,
+        extra: Option<BorrowedFd<'_>>,
+        timeout: Duration,
+    ) -> Result<bool> {
         self.flush()?;
-        if self.shm.is_some() && self.last_active.elapsed() < SPIN {
+        self.spins = self.spins.wrapping_add(1);
+        if self.shm.is_some() && (self.spins % 64 != 0 || self.last_active.elapsed() < SPIN) {
             if self.crowded {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
             }
-            return Ok(());
+            return Ok(false);
         }
         if !self.tcp.arm().map_err(transport)? {
-            return Ok(());
+            return Ok(false);
         }
         if let Some(s) = &mut self.shm {
             if !s.arm().map_err(transport)? {
-                return Ok(());
+                return Ok(false);
             }
         }
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
@@ -188,8 +215,8 @@ impl Net {
             tv_nsec: timeout.subsec_nanos() as i64,
         };
         match poll(&mut fds, Some(&ts)) {
-            Ok(_) => Ok(()),
-            Err(e) if e == rustix::io::Errno::INTR => Ok(()),
+            Ok(_) => Ok(true),
+            Err(e) if e == rustix::io::Errno::INTR => Ok(true),
             Err(e) => Err(std::io::Error::from(e).into()),
         }
     }

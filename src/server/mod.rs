@@ -20,6 +20,9 @@ use crate::server::peers::{Workers, MAX_CONTROL};
 use crate::server::state::ServerState;
 use crate::{KvError, Result};
 
+/// How often a busy server reads the scheduler's socket.
+const SCHED_EVERY: Duration = Duration::from_millis(1);
+
 fn refuse(why: impl Into<String>) -> TransportError {
     TransportError::Refused(why.into())
 }
@@ -95,13 +98,20 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut outcome: Option<Result<()>> = None;
     let mut sched_open = true;
     let mut stop_by: Option<Instant> = None;
+    let mut last_sched = Instant::now();
+    let mut turns = 0u32;
+    let mut slept = false;
     loop {
         net.progress(&mut |m, c| workers.on(&mut state, m, c))?;
         workers.close_refused(&mut state, &mut net);
         workers.route(&mut state, &mut net);
         // This server and the workers attached over shared memory share this host's cores.
         net.set_local_processes(1 + workers.local());
-        if sched_open {
+        // The scheduler speaks rarely (shutdown, abort): a busy loop reads its socket once a
+        // millisecond, not on every turn (each read is a system call).
+        turns = turns.wrapping_add(1);
+        if sched_open && (slept || turns % 64 == 0 && last_sched.elapsed() >= SCHED_EVERY) {
+            last_sched = Instant::now();
             let r = sched_reader.read_from(&mut sched, &mut sched_sink);
             match sched_sink.event.take() {
                 Some(SchedEvent::Shutdown) => {
@@ -143,6 +153,6 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             Duration::from_millis(200)
         };
         let extra = sched_open.then(|| sched.as_fd());
-        net.wait(extra, timeout)?;
+        slept = net.wait(extra, timeout)?;
     }
 }

@@ -11,6 +11,10 @@ impl<T> PeerTable<T> {
         PeerTable { slots: Vec::new() }
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.slots.iter().all(Option::is_none)
+    }
+
     pub fn get(&self, id: &u32) -> Option<&T> {
         self.slots.get(*id as usize)?.as_deref()
     }

@@ -123,6 +123,12 @@ impl TcpBackend {
         Ok(PeerId(id))
     }
 
+    /// Whether no peer is connected and nothing is left to report: then only the listener (if
+    /// any) can bring work, and a busy loop may look at it less often.
+    pub fn is_idle(&self) -> bool {
+        self.peers.is_empty() && self.done.is_empty() && self.lost.is_empty()
+    }
+
     fn peer(&mut self, peer: PeerId) -> Result<&mut Peer, TransportError> {
         self.peers
             .get_mut(&peer.0)
