@@ -174,8 +174,8 @@ impl Net {
         Ok(())
     }
 
-    /// Waits for work, at most `timeout`: over shared memory it first spins a while after the
-    /// last completion (yielding the core on a crowded host); then it arms every backend and
+    /// Waits for work, at most `timeout`: with shared-memory peers it first spins a while after
+    /// the last completion (yielding the core on a crowded host); then it arms every backend and
     /// sleeps on their descriptors and on `extra` (the scheduler's socket), unless one of them
     /// says work is already pending.
     /// Returns whether it slept (then `extra` may be readable).
@@ -186,7 +186,8 @@ impl Net {
     ) -> Result<bool> {
         self.flush()?;
         self.spins = self.spins.wrapping_add(1);
-        if self.shm.is_some() && (self.spins % 64 != 0 || self.last_active.elapsed() < SPIN) {
+        let rings = self.shm.as_ref().is_some_and(|s| s.has_peers());
+        if rings && (self.spins % 64 != 0 || self.last_active.elapsed() < SPIN) {
             if self.crowded {
                 std::thread::yield_now();
             } else {

@@ -332,6 +332,11 @@ impl ShmBackend {
         self.copies
     }
 
+    /// Whether any peer is connected (a loop spins on the rings only when one is).
+    pub fn has_peers(&self) -> bool {
+        !self.peers.is_empty()
+    }
+
     /// Whether `peer` writes puts straight into this process's private memory (cross-memory
     /// writes), with no bounce copy here.
     pub fn peer_writes_me(&self, peer: PeerId) -> bool {
