@@ -42,6 +42,7 @@ mod registry;
 mod roles;
 pub mod scheduler;
 mod server;
+mod storage;
 mod store;
 mod worker;
 

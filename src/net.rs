@@ -10,9 +10,11 @@
 use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
-use kvstore_transport::{Backend, Completion, PeerId, ShmBackend, ShmConfig, TcpBackend};
+use kvstore_transport::{
+    Backend, Completion, PeerId, Region, ShmBackend, ShmConfig, TcpBackend, TransportError,
+};
 
-use crate::{KvError, Result};
+use crate::{KvError, NDArray, Result};
 
 /// Which backend of a [`Net`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -28,14 +30,29 @@ pub(crate) struct Addr {
     pub(crate) peer: PeerId,
 }
 
+/// The bit of [`Addr::id`] that says shared memory.
+const SHM_BIT: usize = 1 << 32;
+
 impl Addr {
     /// A number for the state machines, unique across both backends.
     pub(crate) fn id(self) -> usize {
         let m = match self.medium {
             Medium::Tcp => 0,
-            Medium::Shm => 1usize << 32,
+            Medium::Shm => SHM_BIT,
         };
         m | self.peer.0 as usize
+    }
+
+    /// The peer that [`Addr::id`] numbered.
+    pub(crate) fn from_id(id: usize) -> Addr {
+        Addr {
+            medium: if id & SHM_BIT != 0 {
+                Medium::Shm
+            } else {
+                Medium::Tcp
+            },
+            peer: PeerId(id as u32),
+        }
     }
 }
 
@@ -82,6 +99,18 @@ fn fnv(s: &str) -> u64 {
 /// network namespace; the job's secret keeps jobs apart).
 pub(crate) fn shm_name(port: u16, secret: &str) -> String {
     format!("{port}.{:016x}", fnv(secret))
+}
+
+/// An array's memory as a region of `b`: the array's own region if `b` allocated it (pool pages
+/// go by reference), else its storage registered with `b` (the region holds it alive).
+pub(crate) fn region_of(
+    b: &mut dyn Backend,
+    a: &NDArray,
+) -> std::result::Result<Region, TransportError> {
+    match a.region().filter(|r| r.backend_id() == b.id()) {
+        Some(r) => Ok(r.clone()),
+        None => b.register(a.storage()),
+    }
 }
 
 /// The cores this process may run on (read once: the query reads cgroup files).

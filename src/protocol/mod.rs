@@ -219,6 +219,15 @@ impl Msg {
         Ok(m)
     }
 
+    /// Decodes the header at the front of a message body; returns it and the rest of the body
+    /// (a grant, or text).
+    pub fn from_body(body: &[u8]) -> Result<(Msg, &[u8])> {
+        let (meta, rest) = body
+            .split_first_chunk::<META_LEN>()
+            .ok_or_else(|| KvError::Protocol("a message shorter than its header".into()))?;
+        Ok((Msg::decode(meta)?, rest))
+    }
+
     /// The shape carried in the message.
     #[cfg(test)]
     pub fn shape(&self) -> Vec<usize> {

@@ -104,7 +104,6 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     loop {
         net.progress(&mut |m, c| workers.on(&mut state, m, c))?;
         workers.close_refused(&mut state, &mut net);
-        workers.route(&mut state, &mut net);
         // This server and the workers attached over shared memory share this host's cores.
         net.set_local_processes(1 + workers.local());
         // The scheduler speaks rarely (shutdown, abort): a busy loop reads its socket once a
@@ -137,7 +136,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                 outcome = Some(Err(KvError::PeerLost(why.to_string())));
             }
         }
-        // Answers to failures go out before the end, for a little while.
+        // The answers of this turn (and, at the end, to failures) go out.
         workers.route(&mut state, &mut net);
         if outcome.is_some() {
             net.flush()?;

@@ -6,10 +6,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use kvstore_transport::{Completion, Lent, RemoteRegion, Sent, Token, TransportError, META_LEN};
+use kvstore_transport::{Completion, Lent, RemoteRegion, Sent, Token, TransportError};
 
 use crate::config::secret_matches;
-use crate::net::{Addr, Medium, Net};
+use crate::net::{region_of, Addr, Medium, Net};
 use crate::protocol::{role, status, Msg, Op};
 use crate::server::state::{Input, Out, Payload, PeerData, ServerState};
 use crate::{DType, NDArray};
@@ -48,6 +48,10 @@ pub(super) struct Workers {
     close: Vec<Addr>,
     /// Control payloads are made arrays of bytes here, reused.
     scratch: NDArray,
+    /// A reply's body is assembled here, reused.
+    body: Vec<u8>,
+    /// Workers attached over shared memory.
+    local: usize,
 }
 
 fn refusal(m: &Msg, why: impl Into<String>) -> Out {
@@ -70,6 +74,8 @@ impl Workers {
             grants: HashMap::new(),
             close: Vec::new(),
             scratch: NDArray::zeros_dtype(&[0], DType::U8),
+            body: Vec::new(),
+            local: 0,
         }
     }
 
@@ -77,6 +83,7 @@ impl Workers {
     pub(super) fn on(&mut self, state: &mut ServerState, medium: Medium, c: Completion<'_>) {
         match c {
             Completion::Connected { peer } => {
+                self.local += (medium == Medium::Shm) as usize;
                 self.peers.insert(Addr { medium, peer }, Worker::default());
             }
             Completion::Recv { peer, body, data } => {
@@ -100,12 +107,7 @@ impl Workers {
         body: &[u8],
         data: Option<Lent<'_>>,
     ) -> Result<(), String> {
-        let meta: &[u8; META_LEN] = body
-            .get(..META_LEN)
-            .and_then(|b| b.try_into().ok())
-            .ok_or("a message shorter than its header")?;
-        let m = Msg::decode(meta).map_err(|e| e.to_string())?;
-        let rest = &body[META_LEN..];
+        let (m, rest) = Msg::from_body(body).map_err(|e| e.to_string())?;
         let w = self.peers.entry(addr).or_default();
         let Some(rank) = w.rank else {
             if m.op != Op::Hello || m.key != role::WORKER {
@@ -184,6 +186,9 @@ impl Workers {
         let Some(w) = self.peers.remove(&addr) else {
             return;
         };
+        self.local = self
+            .local
+            .saturating_sub((addr.medium == Medium::Shm) as usize);
         if let Some(r) = w.rank {
             self.taken[r] = false;
             if !w.bye {
@@ -215,17 +220,9 @@ impl Workers {
     /// it; pauses the workers whose answers back up, and resumes the ones whose answers
     /// drained.
     pub(super) fn route(&mut self, state: &mut ServerState, net: &mut Net) {
-        let by_id: HashMap<usize, Addr> = if state.outbox.is_empty() {
-            HashMap::new()
-        } else {
-            self.peers.keys().map(|a| (a.id(), *a)).collect()
-        };
         for out in state.outbox.drain(..) {
-            let Some(addr) = by_id.get(&out.to) else {
-                continue;
-            };
             let grant = self.grants.remove(&(out.to, out.msg.req_id));
-            if let Some(w) = self.peers.get_mut(addr) {
+            if let Some(w) = self.peers.get_mut(&Addr::from_id(out.to)) {
                 w.backlog.push_back(Pending {
                     out,
                     grant,
@@ -239,7 +236,7 @@ impl Workers {
                 continue;
             };
             while let Some(p) = w.backlog.front_mut() {
-                match send(b, addr, p) {
+                match send(b, addr, p, &mut self.body) {
                     Ok(true) => {
                         w.backlog.pop_front();
                     }
@@ -283,12 +280,10 @@ fn send(
     b: &mut dyn kvstore_transport::Backend,
     addr: &Addr,
     p: &mut Pending,
+    body: &mut Vec<u8>,
 ) -> Result<bool, TransportError> {
     if let (Payload::Array(a), Some(g), false) = (&p.out.payload, &p.grant, p.put) {
-        let region = match a.region().filter(|r| r.backend_id() == b.id()) {
-            Some(r) => r.clone(),
-            None => b.register(a.storage())?,
-        };
+        let region = region_of(b, a)?;
         // SAFETY: the stored value is never written through this storage while the put reads
         // it: the region holds a clone of the array's storage, and the store writes its values
         // copy-on-write, so an update after this point writes other memory.
@@ -321,11 +316,11 @@ fn send(
         Payload::Text(t) => &t[..t.len().min(MAX_CONTROL)],
         _ => &[],
     };
-    let mut body = Vec::with_capacity(META_LEN + text.len());
+    body.clear();
     body.extend_from_slice(&p.out.msg.encode());
     body.extend_from_slice(text);
     // SAFETY: no data rides with the reply.
-    match unsafe { b.send(addr.peer, &body, None) }? {
+    match unsafe { b.send(addr.peer, body, None) }? {
         Sent::Posted => Ok(true),
         Sent::WouldBlock => Ok(false),
     }

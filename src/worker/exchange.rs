@@ -13,9 +13,9 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use kvstore_transport::{Completion, RemoteRegion, Sent, Token, META_LEN};
+use kvstore_transport::{Completion, RemoteRegion, Sent, Token};
 
-use crate::net::{Addr, Medium, Net};
+use crate::net::{region_of, Addr, Medium, Net};
 use crate::protocol::{status, Msg, Op};
 use crate::{Key, KvError, NDArray, Result};
 
@@ -44,6 +44,8 @@ pub(crate) struct Links {
     /// Values a backend may still read after their call failed, held so that the caller's
     /// next write copies first.
     held: HashMap<Token, NDArray>,
+    /// A request's body is assembled here, reused.
+    body: Vec<u8>,
 }
 
 /// The error a server's answer with a non-zero status stands for.
@@ -85,6 +87,7 @@ impl Links {
             timeout,
             broken: None,
             held: HashMap::new(),
+            body: Vec::new(),
         }
     }
 
@@ -117,15 +120,9 @@ impl Links {
                     let Some(server) = servers.iter().position(|a| *a == addr) else {
                         return;
                     };
-                    let Some(meta) = body.get(..META_LEN).and_then(|b| b.try_into().ok()) else {
-                        call.fatal.get_or_insert(KvError::Protocol(format!(
-                            "server {server} sent a message shorter than its header"
-                        )));
-                        return;
-                    };
-                    let m = match Msg::decode(meta) {
-                        Ok(m) if m.op == Op::Reply => m,
-                        Ok(m) => {
+                    let (m, text) = match Msg::from_body(body) {
+                        Ok((m, text)) if m.op == Op::Reply => (m, text),
+                        Ok((m, _)) => {
                             call.fatal.get_or_insert(KvError::Protocol(format!(
                                 "server {server} sent {:?}, not a reply",
                                 m.op
@@ -144,7 +141,7 @@ impl Links {
                     call.answered[idx] = true;
                     call.remaining -= 1;
                     if m.status != status::OK && call.first_err.is_none() {
-                        let text = String::from_utf8_lossy(&body[META_LEN..]).into_owned();
+                        let text = String::from_utf8_lossy(text).into_owned();
                         call.first_err =
                             Some(remote_error(m.status, reqs[idx].msg.key, server, text));
                     }
@@ -178,20 +175,31 @@ impl Links {
         reqs: &[Req<'_>],
         i: usize,
         call: &mut Call,
-        outs: &mut [&mut NDArray],
+        outs: &[&mut NDArray],
         deadline: Instant,
+    ) -> Result<()> {
+        let mut body = std::mem::take(&mut self.body);
+        let res = self.post_body(reqs, i, call, outs, deadline, &mut body);
+        self.body = body;
+        res
+    }
+
+    fn post_body(
+        &mut self,
+        reqs: &[Req<'_>],
+        i: usize,
+        call: &mut Call,
+        outs: &[&mut NDArray],
+        deadline: Instant,
+        body: &mut Vec<u8>,
     ) -> Result<()> {
         let r = &reqs[i];
         let addr = self.servers[r.server];
-        let mut body = Vec::with_capacity(META_LEN + 32 + r.text.len());
+        body.clear();
         body.extend_from_slice(&r.msg.encode());
         if let Some((o, range)) = &r.dest {
-            let out = &*outs[*o];
             let b = self.net.backend(addr.medium)?;
-            let region = match out.region().filter(|g| g.backend_id() == b.id()) {
-                Some(g) => g.clone(),
-                None => b.register(out.storage())?,
-            };
+            let region = region_of(b, outs[*o])?;
             // SAFETY: the call holds the output mutably and touches it only after the answer
             // is in; a call that fails first revokes the grant and takes the storage out of
             // the output.
@@ -202,11 +210,7 @@ impl Links {
         body.extend_from_slice(r.text);
         let data = match &r.data {
             Some((v, range)) => {
-                let b = self.net.backend(addr.medium)?;
-                let region = match v.region().filter(|g| g.backend_id() == b.id()) {
-                    Some(g) => g.clone(),
-                    None => b.register(v.storage())?,
-                };
+                let region = region_of(self.net.backend(addr.medium)?, v)?;
                 Some((region, range.clone(), (*v).clone()))
             }
             None => None,
@@ -218,7 +222,7 @@ impl Links {
             // SAFETY: the value is read only: the caller holds it shared for the call, and
             // after a failed call a clone is held until the token completes, so the caller's
             // writes go to a copy.
-            match unsafe { b.send(addr.peer, &body, d) }? {
+            match unsafe { b.send(addr.peer, body, d) }? {
                 Sent::Posted => {
                     if let Some((_, _, v)) = data {
                         self.next_token += 1;
@@ -381,11 +385,7 @@ impl Links {
                     let Some(s) = servers.iter().position(|a| *a == Addr { medium, peer }) else {
                         return;
                     };
-                    let ok = body
-                        .get(..META_LEN)
-                        .and_then(|b| b.try_into().ok())
-                        .and_then(|b| Msg::decode(b).ok())
-                        .is_some_and(|m| m.op == Op::HelloAck);
+                    let ok = Msg::from_body(body).is_ok_and(|(m, _)| m.op == Op::HelloAck);
                     if ok {
                         acked[s] = true;
                     } else {

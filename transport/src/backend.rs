@@ -233,6 +233,17 @@ impl Region {
         Ok(())
     }
 
+    /// Refuses a region registered with another backend than `backend`.
+    pub(crate) fn check_owner(&self, backend: u64) -> Result<(), TransportError> {
+        if self.backend == backend {
+            Ok(())
+        } else {
+            Err(TransportError::Refused(
+                "a region of another backend".into(),
+            ))
+        }
+    }
+
     pub(crate) fn check_range(&self, r: &Range<usize>) -> Result<(), TransportError> {
         if r.start > r.end {
             return Err(TransportError::Refused(format!("an inverted range {r:?}")));
@@ -433,6 +444,16 @@ impl fmt::Debug for Completion<'_> {
             Completion::Lost { peer, error } => write!(f, "Lost({peer}, {error})"),
         }
     }
+}
+
+/// Refuses a message body longer than `max` bytes.
+pub(crate) fn check_body(len: usize, max: usize) -> Result<(), TransportError> {
+    if len > max {
+        return Err(TransportError::Refused(format!(
+            "a body of {len} bytes (at most {max})"
+        )));
+    }
+    Ok(())
 }
 
 /// Reports completed tokens, then lost peers; returns how many.

@@ -156,6 +156,12 @@ pub(super) fn addr(name: &str) -> Result<UnixAddr, TransportError> {
     Ok(UnixAddr::from_abstract_name(format!("kvstore-shm.{name}"))?)
 }
 
+/// The last descriptor a peer passed (they come in a fixed order), or a refusal naming it.
+pub(super) fn take_fd(fds: &mut Vec<OwnedFd>, what: &str) -> Result<OwnedFd, TransportError> {
+    fds.pop()
+        .ok_or_else(|| TransportError::Refused(format!("no {what}")))
+}
+
 pub(super) fn eventfd() -> Result<OwnedFd, TransportError> {
     use rustix::event::{eventfd, EventfdFlags};
     Ok(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(std::io::Error::from)?)
@@ -251,15 +257,9 @@ pub(super) fn accept_parts(
     my_canary: u64,
     cross_memory: bool,
 ) -> Result<Parts, TransportError> {
-    let their_bell = fds
-        .pop()
-        .ok_or_else(|| TransportError::Refused("no doorbell".into()))?;
-    let pool_fd = fds
-        .pop()
-        .ok_or_else(|| TransportError::Refused("no pool".into()))?;
-    let chan_fd = fds
-        .pop()
-        .ok_or_else(|| TransportError::Refused("no channel".into()))?;
+    let their_bell = take_fd(&mut fds, "doorbell")?;
+    let pool_fd = take_fd(&mut fds, "pool")?;
+    let chan_fd = take_fd(&mut fds, "channel")?;
     let mut chan = Channel::attach(Segment::from_fd(chan_fd)?)?;
     chan.set_tx_doorbell(their_bell);
     let (their_seg, their_pool) = attach_pool(pool_fd)?;

@@ -242,13 +242,8 @@ impl ShmBackend {
             }
             e => e,
         })?;
-        let their_bell = fds
-            .pop()
-            .ok_or_else(|| TransportError::Refused("no doorbell".into()))?;
-        let (their_seg, their_pool) = attach_pool(
-            fds.pop()
-                .ok_or_else(|| TransportError::Refused("no pool".into()))?,
-        )?;
+        let their_bell = take_fd(&mut fds, "doorbell")?;
+        let (their_seg, their_pool) = attach_pool(take_fd(&mut fds, "pool")?)?;
         let mut chan = chan;
         chan.set_tx_doorbell(their_bell);
         let i_write_peer = self.cfg.cross_memory && try_canary(&proc, reply.canary);

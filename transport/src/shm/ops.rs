@@ -221,11 +221,7 @@ impl Backend for ShmBackend {
         r: &Region,
         range: Range<usize>,
     ) -> Result<RemoteRegion, TransportError> {
-        if r.backend != self.id {
-            return Err(TransportError::Refused(
-                "a region of another backend".into(),
-            ));
-        }
+        r.check_owner(self.id)?;
         r.check_range(&range)?;
         let cma = self.peer(peer)?.peer_writes_me;
         let id = self.next_grant;
@@ -298,12 +294,7 @@ impl Backend for ShmBackend {
         body: &[u8],
         data: Option<(&Region, Range<usize>, Token)>,
     ) -> Result<Sent, TransportError> {
-        if body.len() > MAX_BODY {
-            return Err(TransportError::Refused(format!(
-                "a body of {} bytes (at most {MAX_BODY})",
-                body.len()
-            )));
-        }
+        crate::backend::check_body(body.len(), MAX_BODY)?;
         // A full link is found before any staging copy, so a retry never copies twice.
         let p = self.peer(peer)?;
         if !p.unsent.is_empty() || p.chan.tx_full() {
@@ -331,11 +322,7 @@ impl Backend for ShmBackend {
         }
         let (mut token, mut done_now) = (None, None);
         if let Some((r, range, t)) = data {
-            if r.backend != self.id {
-                return Err(TransportError::Refused(
-                    "a region of another backend".into(),
-                ));
-            }
+            r.check_owner(self.id)?;
             r.check_range(&range)?;
             d.flags |= HAS_DATA;
             d.len = range.len() as u64;

@@ -227,11 +227,7 @@ impl Backend for TcpBackend {
         r: &Region,
         range: Range<usize>,
     ) -> Result<RemoteRegion, TransportError> {
-        if r.backend != self.id {
-            return Err(TransportError::Refused(
-                "a region of another backend".into(),
-            ));
-        }
+        r.check_owner(self.id)?;
         r.check_range(&range)?;
         self.peer(peer)?;
         let id = self.next_grant;
@@ -276,12 +272,7 @@ impl Backend for TcpBackend {
         body: &[u8],
         data: Option<(&Region, Range<usize>, Token)>,
     ) -> Result<Sent, TransportError> {
-        if body.len() > MAX_BODY {
-            return Err(TransportError::Refused(format!(
-                "a body of {} bytes (at most {MAX_BODY})",
-                body.len()
-            )));
-        }
+        crate::backend::check_body(body.len(), MAX_BODY)?;
         let (data, token) = match data {
             Some((r, range, t)) => {
                 r.check_range(&range)?;

@@ -1,0 +1,160 @@
+//! Where an array's bytes live: process memory the store allocated, or memory a transport
+//! allocated (`KVStore::alloc`). Both can be registered with a transport, which may write them
+//! through their address while no Rust reference to them is live.
+
+/// Where an array's bytes are.
+pub(crate) enum Storage {
+    /// Process memory.
+    Heap(AlignedBuf),
+    /// Memory a transport allocated (`KVStore::alloc`): over shared memory, pool pages that a
+    /// peer reads in place. A peer writes them only to answer a pull into them, while the call
+    /// holds the array mutably; a call that fails with the answer outstanding takes them out of
+    /// the caller's array.
+    Region(kvstore_transport::Region),
+}
+
+impl Clone for Storage {
+    /// A copy in process memory (a clone of a transport's memory does not share it).
+    fn clone(&self) -> Storage {
+        match self {
+            Storage::Heap(b) => Storage::Heap(b.clone()),
+            Storage::Region(_) => {
+                let mut b = AlignedBuf::zeroed(self.bytes().len());
+                b.bytes_mut().copy_from_slice(self.bytes());
+                Storage::Heap(b)
+            }
+        }
+    }
+}
+
+impl Storage {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Heap(b) => b.bytes(),
+            // SAFETY: the region's storage is valid for its length while the region lives (it
+            // holds it). A peer writes it only to answer a pull into this array, which happens
+            // while a call holds the array's `&mut`, and a call that fails with the answer
+            // outstanding takes the storage out of the caller's array, so no `&` to it is live
+            // then.
+            Storage::Region(r) => unsafe {
+                std::slice::from_raw_parts(kvstore_transport::Storage::ptr(&**r.storage()), r.len())
+            },
+        }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Storage::Heap(b) => b.bytes_mut(),
+            // SAFETY: as in `bytes`; `&mut self` makes this the only access in this process.
+            Storage::Region(r) => unsafe {
+                std::slice::from_raw_parts_mut(
+                    kvstore_transport::Storage::ptr(&**r.storage()),
+                    r.len(),
+                )
+            },
+        }
+    }
+
+    pub(crate) fn set_len(&mut self, len: usize) {
+        match self {
+            Storage::Heap(b) => b.set_len(len),
+            Storage::Region(_) => *self = Storage::Heap(AlignedBuf::zeroed(len)),
+        }
+    }
+}
+
+// SAFETY: `ptr` addresses `len` bytes that live, at the same address, as long as the value: a
+// heap buffer is never reallocated through `&self`, and a region holds its storage alive. A
+// transport writes them only where the store granted them, while the store holds the array
+// mutably or has taken the storage out of the caller's array (see `Storage::bytes`).
+unsafe impl kvstore_transport::Storage for Storage {
+    fn ptr(&self) -> *mut u8 {
+        match self {
+            Storage::Heap(b) => b.ptr.as_ptr().cast(),
+            Storage::Region(r) => r.storage().ptr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Storage::Heap(b) => b.len,
+            Storage::Region(r) => r.len(),
+        }
+    }
+}
+
+/// Byte storage aligned to 8 bytes, so it can be viewed as a slice of any element type. It is a
+/// raw allocation (not a `Vec`), so that a transport may write it through its address while
+/// no reference to it is live.
+pub(crate) struct AlignedBuf {
+    ptr: std::ptr::NonNull<u64>,
+    words: usize,
+    len: usize,
+}
+
+// SAFETY: the buffer owns its allocation; shared access only reads it.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as above.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    pub(crate) fn zeroed(len: usize) -> Self {
+        let words = len.div_ceil(8);
+        let ptr = match std::alloc::Layout::array::<u64>(words) {
+            Ok(layout) if words > 0 => {
+                // SAFETY: the layout has a non-zero size.
+                let p = unsafe { std::alloc::alloc_zeroed(layout) };
+                match std::ptr::NonNull::new(p.cast::<u64>()) {
+                    Some(p) => p,
+                    None => std::alloc::handle_alloc_error(layout),
+                }
+            }
+            _ => std::ptr::NonNull::dangling(),
+        };
+        AlignedBuf { ptr, words, len }
+    }
+
+    /// Makes the buffer `len` bytes long, keeping its allocation when it is big enough.
+    pub(crate) fn set_len(&mut self, len: usize) {
+        if len.div_ceil(8) > self.words {
+            *self = AlignedBuf::zeroed(len);
+        } else {
+            self.len = len;
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocation holds at least `len` initialised bytes (zeroed at first) and
+        // lives as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast(), self.len) }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` is the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast(), self.len) }
+    }
+}
+
+impl Clone for AlignedBuf {
+    fn clone(&self) -> Self {
+        let mut b = AlignedBuf::zeroed(self.len);
+        b.bytes_mut().copy_from_slice(self.bytes());
+        b
+    }
+}
+
+impl Default for AlignedBuf {
+    fn default() -> Self {
+        AlignedBuf::zeroed(0)
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if let Ok(layout) = std::alloc::Layout::array::<u64>(self.words) {
+            if self.words > 0 {
+                // SAFETY: allocated in `zeroed` with this very layout.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+            }
+        }
+    }
+}
