@@ -297,6 +297,18 @@ pub(crate) fn group_outputs<'a>(
     }
 }
 
+/// Keys paired with owned outputs, one per key (the outputs of a call in flight).
+pub(crate) fn group_owned(keys: Keys, outs: Vec<NDArray>) -> Result<Vec<(Key, NDArray)>> {
+    let pairs = match keys {
+        Keys::One(k) => pair(Keys::Many(vec![k]), Form::List(outs))?,
+        keys => pair(keys, Form::List(outs))?,
+    };
+    Ok(pairs
+        .into_iter()
+        .filter_map(|(k, mut v)| v.pop().map(|o| (k, o)))
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,4 +54,4 @@ pub use ndarray::NDArray;
 pub use optimizer::{Optimizer, OptimizerUpdater};
 pub use registry::{register_updater, SharedUpdater};
 pub use roles::run_role_if_not_worker;
-pub use store::{create, KVStore, Updater, TYPES};
+pub use store::{create, KVStore, Pending, Updater, TYPES};

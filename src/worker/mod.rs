@@ -7,7 +7,11 @@
 //! the output the request granted. Every wait is bounded by the configured timeout; after a
 //! timeout or a lost server the store refuses further calls rather than risk a stale answer.
 
+mod calls;
 mod exchange;
+mod requests;
+
+pub(crate) use requests::Ticket;
 
 use std::collections::HashMap;
 use std::net::TcpStream as StdStream;
@@ -19,12 +23,11 @@ use kvstore_transport::{FrameHeader, TransportError};
 
 use crate::config::TransportChoice;
 use crate::net::{self, Addr, Medium, Net};
-use crate::protocol::shard::{placement, Part};
-use crate::protocol::{role, Msg, Op, MAX_NDIM};
-use crate::worker::exchange::{Links, Req};
+use crate::protocol::shard::Part;
+use crate::protocol::{role, Msg, Op};
+use crate::worker::exchange::Links;
 
 use crate::config::Config;
-use crate::local::{check_like, sum_into};
 use crate::optimizer::Optimizer;
 use crate::roles::join;
 use crate::{DType, Key, KvError, NDArray, Result};
@@ -48,6 +51,8 @@ pub struct DistWorker {
     keys: HashMap<Key, KeyInfo>,
     str_ids: HashMap<String, u64>,
     merge: HashMap<Key, NDArray>,
+    /// Calls in flight that a [`Ticket`] may still claim.
+    claims: Vec<(calls::CallId, std::sync::Weak<()>)>,
 }
 
 /// Connects to every server: over shared memory to those on this host (unless
@@ -119,6 +124,7 @@ impl DistWorker {
             keys: HashMap::new(),
             str_ids: HashMap::new(),
             merge: HashMap::new(),
+            claims: Vec::new(),
         })
     }
 
@@ -179,7 +185,9 @@ impl DistWorker {
     }
 
     /// Waits at the scheduler until every worker has arrived.
+    /// This worker's calls in flight complete first.
     pub(crate) fn barrier(&mut self) -> Result<()> {
+        self.net.quiesce();
         self.net.check()?;
         let m = Msg::new(Op::Barrier);
         write_frame(&mut self.sched, &FrameHeader::new(m.encode(), 0), &[])
@@ -224,235 +232,6 @@ impl DistWorker {
             .ok_or_else(|| KvError::UnknownKey(k.clone()))
     }
 
-    fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
-        let mut m = Msg::new(op);
-        m.key = info.id;
-        m.dtype = info.dtype;
-        m.ndim = info.shape.len() as u8;
-        for (d, s) in m.shape.iter_mut().zip(&info.shape) {
-            *d = *s as u64;
-        }
-        m.total = info.shape.iter().product::<usize>() as u64;
-        m.start = part.start;
-        m.len = part.len;
-        m
-    }
-
-    /// Rank 0's value is stored; then every worker waits at a barrier (as MXNet does).
-    pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
-        self.net.check()?;
-        for (i, (k, vs)) in pairs.iter().enumerate() {
-            if self.keys.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k) {
-                return Err(KvError::DoubleInit(k.clone()));
-            }
-            if vs[0].shape().len() > MAX_NDIM {
-                return Err(KvError::Unsupported(format!(
-                    "key {k}: {} dimensions; the wire carries at most {MAX_NDIM}",
-                    vs[0].shape().len()
-                )));
-            }
-        }
-        let mut infos = Vec::with_capacity(pairs.len());
-        for (k, vs) in pairs {
-            let id = self.key_id(k);
-            let total = vs[0].size() as u64;
-            infos.push(KeyInfo {
-                id,
-                shape: vs[0].shape().to_vec(),
-                dtype: vs[0].dtype(),
-                parts: placement(id, total, self.num_servers, self.cfg.bigarray_bound),
-            });
-        }
-        let mut result = Ok(());
-        if self.rank == 0 {
-            let mut reqs = Vec::new();
-            for ((_, vs), info) in pairs.iter().zip(&infos) {
-                let es = info.dtype.size();
-                for p in &info.parts {
-                    reqs.push(Req {
-                        server: p.server,
-                        msg: Self::data_msg(Op::Init, info, p),
-                        data: Some((vs[0], byte_range(p, es))),
-                        text: &[],
-                        dest: None,
-                    });
-                }
-            }
-            result = self.net.exchange(&mut reqs, &mut []);
-        }
-        // Every worker waits, so no one pushes or pulls a key before rank 0 has stored it.
-        let barrier = self.barrier();
-        result?;
-        barrier?;
-        for ((k, _), info) in pairs.iter().zip(infos) {
-            self.keys.insert(k.clone(), info);
-        }
-        Ok(())
-    }
-
-    fn check_values(&self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
-        for (k, vs) in pairs {
-            let info = self.info(k)?;
-            for v in vs {
-                if v.shape() != info.shape.as_slice() {
-                    return Err(KvError::ShapeMismatch {
-                        key: k.clone(),
-                        expected: info.shape.clone(),
-                        got: v.shape().to_vec(),
-                    });
-                }
-                if v.dtype() != info.dtype {
-                    return Err(KvError::DTypeMismatch {
-                        key: k.clone(),
-                        expected: info.dtype,
-                        got: v.dtype(),
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn check_outputs(&self, pairs: &[(Key, Vec<&mut NDArray>)]) -> Result<()> {
-        for (k, outs) in pairs {
-            let info = self.info(k)?;
-            let like = NDArray::zeros_dtype(&info.shape, info.dtype);
-            for o in outs {
-                check_like(k, &like, o)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Sums each key's list of values into its merge buffer (single values are sent as they are).
-    fn merge_lists(&mut self, pairs: &[(Key, Vec<&NDArray>)]) {
-        for (k, vs) in pairs {
-            if vs.len() > 1 {
-                let m = self
-                    .merge
-                    .entry(k.clone())
-                    .or_insert_with(|| NDArray::zeros_dtype(vs[0].shape(), vs[0].dtype()));
-                sum_into(m, vs);
-            }
-        }
-    }
-
-    fn send_values(
-        &mut self,
-        op: Op,
-        pairs: &[(Key, Vec<&NDArray>)],
-        mut outs: Option<&mut [(Key, Vec<&mut NDArray>)]>,
-    ) -> Result<()> {
-        self.net.check()?;
-        self.check_values(pairs)?;
-        if let Some(o) = &outs {
-            self.check_outputs(o)?;
-        }
-        self.merge_lists(pairs);
-        // Each key's answer goes to its first output.
-        let mut dests: Vec<&mut NDArray> = Vec::new();
-        let mut dest_of: HashMap<Key, usize> = HashMap::new();
-        if let Some(o) = outs.as_deref_mut() {
-            for (k, list) in o.iter_mut() {
-                if let Some(first) = list.first_mut() {
-                    if !dest_of.contains_key(k) {
-                        dest_of.insert(k.clone(), dests.len());
-                        dests.push(&mut **first);
-                    }
-                }
-            }
-        }
-        let mut reqs = Vec::new();
-        for (k, vs) in pairs {
-            let info = &self.keys[k];
-            let value: &NDArray = if vs.len() > 1 { &self.merge[k] } else { vs[0] };
-            let es = info.dtype.size();
-            let dest = dest_of.get(k).copied();
-            for p in &info.parts {
-                reqs.push(Req {
-                    server: p.server,
-                    msg: Self::data_msg(op, info, p),
-                    data: Some((value, byte_range(p, es))),
-                    text: &[],
-                    dest: dest.map(|d| (d, byte_range(p, es))),
-                });
-            }
-        }
-        let res = self.net.exchange(&mut reqs, &mut dests);
-        drop(dests);
-        drop(reqs);
-        res?;
-        if let Some(o) = outs {
-            copy_to_other_outputs(o);
-        }
-        Ok(())
-    }
-
-    pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
-        self.send_values(Op::Push, pairs, None)
-    }
-
-    pub(crate) fn pushpull(
-        &mut self,
-        pairs: &[(Key, Vec<&NDArray>)],
-        outs: &mut [(Key, Vec<&mut NDArray>)],
-    ) -> Result<()> {
-        for (k, _) in outs.iter() {
-            if !pairs.iter().any(|(p, _)| p == k) {
-                return Err(KvError::UnknownKey(k.clone()));
-            }
-        }
-        self.send_values(Op::PushPull, pairs, Some(outs))
-    }
-
-    pub(crate) fn pull(&mut self, pairs: &mut [(Key, Vec<&mut NDArray>)]) -> Result<()> {
-        self.net.check()?;
-        self.check_outputs(pairs)?;
-        let mut reqs = Vec::new();
-        let mut dests: Vec<&mut NDArray> = Vec::new();
-        for (k, list) in pairs.iter_mut() {
-            let info = &self.keys[k];
-            let es = info.dtype.size();
-            let Some(first) = list.first_mut() else {
-                continue;
-            };
-            dests.push(&mut **first);
-            for p in &info.parts {
-                reqs.push(Req {
-                    server: p.server,
-                    msg: Self::data_msg(Op::Pull, info, p),
-                    data: None,
-                    text: &[],
-                    dest: Some((dests.len() - 1, byte_range(p, es))),
-                });
-            }
-        }
-        let res = self.net.exchange(&mut reqs, &mut dests);
-        drop(dests);
-        res?;
-        copy_to_other_outputs(pairs);
-        Ok(())
-    }
-
-    fn broadcast(&mut self, op: Op, payload: &[u8]) -> Result<()> {
-        let mut result = Ok(());
-        if self.rank == 0 {
-            let mut reqs: Vec<Req> = (0..self.num_servers)
-                .map(|s| Req {
-                    server: s,
-                    msg: Msg::new(op),
-                    data: None,
-                    text: payload,
-                    dest: None,
-                })
-                .collect();
-            result = self.net.exchange(&mut reqs, &mut []);
-        }
-        let b = self.barrier();
-        result?;
-        b
-    }
-
     /// Rank 0 sends the optimizer to every server; every worker waits until it is in place.
     pub(crate) fn set_optimizer(&mut self, opt: &Optimizer) -> Result<()> {
         Optimizer::decode(&opt.encode())?;
@@ -469,31 +248,10 @@ impl DistWorker {
     }
 }
 
-/// The bytes of a value that a part of its key covers.
-fn byte_range(p: &Part, es: usize) -> std::ops::Range<usize> {
-    p.start as usize * es..(p.start + p.len) as usize * es
-}
-
-/// After a key's first output was filled, copies it into the key's other outputs.
-fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
-    let mut filled: HashMap<Key, NDArray> = HashMap::new();
-    for (k, list) in pairs.iter_mut() {
-        let Some((first, rest)) = list.split_first_mut() else {
-            continue;
-        };
-        let src = filled.entry(k.clone()).or_insert_with(|| (**first).clone());
-        if !first.shares_storage_with(src) {
-            first.as_bytes_mut().copy_from_slice(src.as_bytes());
-        }
-        for o in rest {
-            o.as_bytes_mut().copy_from_slice(src.as_bytes());
-        }
-    }
-}
-
 impl Drop for DistWorker {
     fn drop(&mut self) {
         // Tell the servers this is a clean exit, then the scheduler that this worker is done.
+        self.net.quiesce();
         self.net.notify(Op::Bye);
         let fin = Msg::new(Op::Finish);
         let _ = write_frame(&mut self.sched, &FrameHeader::new(fin.encode(), 0), &[]);

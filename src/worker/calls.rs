@@ -1,0 +1,403 @@
+//! The worker's protocol state machine: no I/O and no clock reads.
+//!
+//! A call is a set of requests, one per key slice and server, with the outputs their answers
+//! land in. [`Calls::start`] takes a call; [`Calls::poll_action`] says what the I/O loop must do
+//! (send a request, release a grant); the loop reports what happened with `on_*` inputs (a
+//! request posted, a reply, a data send completed, a server lost, the time); a finished call is
+//! taken with [`Calls::take`]. Several calls may be in flight; the requests of all of them go
+//! out in the order the calls were started, so a server sees a worker's calls in order.
+//!
+//! The machine is generic over `G`, the handle of a granted destination (a
+//! `kvstore_transport::RemoteRegion` in the real loop, a number in the test harness), which it
+//! only stores and hands back.
+//!
+//! Ownership: a call owns its outputs. A call that succeeded hands them back with every grant
+//! released (each was written once and answered); a call that failed revokes the grants still
+//! unanswered and gives each of their outputs fresh storage, so nothing a peer writes late can
+//! land in memory the caller gets back. A value being sent is held (a copy-on-write clone) until
+//! its send completes, even after its call failed.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use crate::protocol::{status, Msg};
+use crate::{Key, KvError, NDArray, Result};
+
+/// One request of a call.
+pub(crate) struct Request {
+    /// The server it goes to.
+    pub(crate) server: usize,
+    /// Its header (the machine sets `req_id` and `sender`).
+    pub(crate) msg: Msg,
+    /// Tensor data: a range of bytes of a value.
+    pub(crate) data: Option<(NDArray, Range<usize>)>,
+    /// Control bytes after the header (optimizer parameters, an updater's name).
+    pub(crate) text: Vec<u8>,
+    /// Where the answer's value goes: an output of the call (by index) and a range of its bytes.
+    pub(crate) dest: Option<(usize, Range<usize>)>,
+}
+
+/// A call in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct CallId(pub(crate) u64);
+
+/// What the I/O loop must do.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Action<G> {
+    /// Post request `req` of `call` ([`Calls::request`] has it). Its data send, if any,
+    /// completes as `token`.
+    Send {
+        call: CallId,
+        req: usize,
+        token: u64,
+    },
+    /// A grant is over: `revoke` (fence it, the answer never came) or just forget it (its
+    /// answer is in, so the peer wrote it and will not write it again).
+    Release {
+        server: usize,
+        grant: G,
+        revoke: bool,
+    },
+}
+
+/// A call that is over.
+pub(crate) struct Finished {
+    pub(crate) result: Result<()>,
+    /// The outputs, in the order given to [`Calls::start`]. After a failure those that were
+    /// granted and not answered have fresh zeroed storage.
+    pub(crate) outputs: Vec<NDArray>,
+}
+
+struct Call<G> {
+    reqs: Vec<Request>,
+    outputs: Vec<NDArray>,
+    /// Per request: the grant of its destination once it was posted, and whether it was
+    /// answered.
+    grants: Vec<Option<G>>,
+    answered: Vec<bool>,
+    /// Requests not answered yet.
+    remaining: usize,
+    /// Data sends of this call not yet complete.
+    sending: usize,
+    deadline: Instant,
+    first_err: Option<KvError>,
+}
+
+/// The calls of one worker.
+pub(crate) struct Calls<G> {
+    rank: u32,
+    timeout: Duration,
+    next_call: u64,
+    next_req: u64,
+    next_token: u64,
+    live: HashMap<CallId, Call<G>>,
+    done: HashMap<CallId, Finished>,
+    /// Which call and request a request id is.
+    by_req: HashMap<u64, (CallId, usize)>,
+    /// Data sends not complete: their call (while it is live) and the value, held.
+    sends: HashMap<u64, (CallId, NDArray)>,
+    actions: VecDeque<Action<G>>,
+    broken: Option<String>,
+}
+
+/// The error a server's answer with a non-zero status stands for.
+pub(crate) fn remote_error(status: u16, key: u64, server: usize, text: String) -> KvError {
+    let key = Key::Int(key as i64);
+    match status {
+        status::UNKNOWN_KEY => KvError::UnknownKey(key),
+        status::DOUBLE_INIT => KvError::DoubleInit(key),
+        status::PEER_LOST => KvError::PeerLost(format!("server {server}: {text}")),
+        _ => KvError::Remote {
+            server,
+            message: text,
+        },
+    }
+}
+
+impl<G: Clone> Calls<G> {
+    /// The calls of worker `rank`; each must finish within `timeout`.
+    pub(crate) fn new(rank: u32, timeout: Duration) -> Calls<G> {
+        Calls {
+            rank,
+            timeout,
+            next_call: 1,
+            next_req: 1,
+            next_token: 1,
+            live: HashMap::new(),
+            done: HashMap::new(),
+            by_req: HashMap::new(),
+            sends: HashMap::new(),
+            actions: VecDeque::new(),
+            broken: None,
+        }
+    }
+
+    /// An error if an earlier failure made the store unusable.
+    pub(crate) fn check(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(KvError::Aborted(format!("this store is unusable: {why}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts a call. Its outputs get storage of their own first (a grant shares the storage,
+    /// so making it unique later would copy it away from the grant). A call the store cannot
+    /// make is over at once, with its error.
+    pub(crate) fn start(
+        &mut self,
+        now: Instant,
+        mut reqs: Vec<Request>,
+        mut outputs: Vec<NDArray>,
+    ) -> CallId {
+        let id = CallId(self.next_call);
+        self.next_call += 1;
+        let bad_dest = reqs.iter().any(|r| {
+            r.dest
+                .as_ref()
+                .is_some_and(|(o, range)| outputs.get(*o).is_none_or(|a| a.nbytes() < range.end))
+        });
+        let refused = match self.check() {
+            Err(e) => Some(e),
+            Ok(()) if bad_dest => Some(KvError::Protocol(
+                "a request's destination is outside its output".into(),
+            )),
+            Ok(()) => None,
+        };
+        if let Some(e) = refused {
+            let result = Err(e);
+            self.done.insert(id, Finished { result, outputs });
+            return id;
+        }
+        for o in &mut outputs {
+            o.as_bytes_mut();
+        }
+        for (i, r) in reqs.iter_mut().enumerate() {
+            r.msg.req_id = self.next_req;
+            r.msg.sender = self.rank;
+            self.by_req.insert(self.next_req, (id, i));
+            self.next_req += 1;
+            let token = self.next_token;
+            self.next_token += 1;
+            self.actions.push_back(Action::Send {
+                call: id,
+                req: i,
+                token,
+            });
+        }
+        let n = reqs.len();
+        let call = Call {
+            reqs,
+            outputs,
+            grants: vec![None; n],
+            answered: vec![false; n],
+            remaining: n,
+            sending: 0,
+            deadline: now + self.timeout,
+            first_err: None,
+        };
+        self.live.insert(id, call);
+        self.finish_if_complete(id);
+        id
+    }
+
+    /// The next thing the I/O loop must do.
+    pub(crate) fn poll_action(&mut self) -> Option<Action<G>> {
+        self.actions.pop_front()
+    }
+
+    /// A request to post, with the output its answer goes to; `None` once its call is over
+    /// (a queued send of a call that failed is dropped).
+    pub(crate) fn request(&self, call: CallId, req: usize) -> Option<(&Request, Option<&NDArray>)> {
+        let c = self.live.get(&call)?;
+        let r = c.reqs.get(req)?;
+        let dest = r.dest.as_ref().map(|(o, _)| &c.outputs[*o]);
+        Some((r, dest))
+    }
+
+    /// Request `req` of `call` was posted, with its destination granted as `grant`, and its
+    /// data (if any) sending as `token`.
+    pub(crate) fn on_sent(&mut self, call: CallId, req: usize, grant: Option<G>, token: u64) {
+        let Some(c) = self.live.get_mut(&call) else {
+            return;
+        };
+        c.grants[req] = grant;
+        if let Some((v, _)) = &c.reqs[req].data {
+            c.sending += 1;
+            self.sends.insert(token, (call, v.clone()));
+        }
+    }
+
+    /// A reply from `server`, with the text after its header.
+    pub(crate) fn on_reply(&mut self, server: usize, m: &Msg, text: &[u8]) {
+        let Some(&(id, i)) = self.by_req.get(&m.req_id) else {
+            return;
+        };
+        let Some(c) = self.live.get_mut(&id) else {
+            return;
+        };
+        if c.answered[i] || c.reqs[i].server != server {
+            return;
+        }
+        c.answered[i] = true;
+        c.remaining -= 1;
+        self.by_req.remove(&m.req_id);
+        if m.status != status::OK && c.first_err.is_none() {
+            let text = String::from_utf8_lossy(text).into_owned();
+            c.first_err = Some(remote_error(m.status, c.reqs[i].msg.key, server, text));
+        }
+        self.finish_if_complete(id);
+    }
+
+    /// A data send completed (`Ok`) or failed.
+    pub(crate) fn on_send_done(&mut self, token: u64, result: std::result::Result<(), String>) {
+        let Some((id, _value)) = self.sends.remove(&token) else {
+            return;
+        };
+        let Some(c) = self.live.get_mut(&id) else {
+            return;
+        };
+        c.sending -= 1;
+        match result {
+            Ok(()) => self.finish_if_complete(id),
+            Err(e) => self.fail_all(KvError::PeerLost(format!("a send failed: {e}"))),
+        }
+    }
+
+    /// A server's link is gone.
+    pub(crate) fn on_lost(&mut self, server: usize, error: &str) {
+        self.fail_all(KvError::PeerLost(format!("server {server}: {error}")));
+    }
+
+    /// A failure of the I/O loop itself, or one it saw (a malformed answer): every call fails.
+    pub(crate) fn on_fatal(&mut self, e: KvError) {
+        self.fail_all(e);
+    }
+
+    /// The time is `now`: a call past its deadline fails, and with it the store.
+    pub(crate) fn on_time(&mut self, now: Instant) {
+        if self.live.values().any(|c| now >= c.deadline) {
+            self.fail_all(KvError::Timeout {
+                what: "the servers' answers".into(),
+                secs: self.timeout.as_secs_f64(),
+            });
+        }
+    }
+
+    /// The earliest deadline of a call in flight.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.live.values().map(|c| c.deadline).min()
+    }
+
+    /// Whether `call` is over (its result can be taken).
+    pub(crate) fn is_done(&self, call: CallId) -> bool {
+        self.done.contains_key(&call) || !self.live.contains_key(&call)
+    }
+
+    /// Takes the result of a call that is over.
+    pub(crate) fn take(&mut self, call: CallId) -> Option<Finished> {
+        self.done.remove(&call)
+    }
+
+    /// Calls in flight.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Data sends not yet complete (of live calls or of failed ones).
+    pub(crate) fn sending(&self) -> usize {
+        self.sends.len()
+    }
+
+    /// Whether an output of a live call is granted and not answered (a peer may write it):
+    /// for the test harness's checks.
+    #[cfg(test)]
+    pub(crate) fn live_grants(&self) -> Vec<G> {
+        let mut v = Vec::new();
+        for c in self.live.values() {
+            for (i, g) in c.grants.iter().enumerate() {
+                if let (Some(g), false) = (g, c.answered[i]) {
+                    v.push(g.clone());
+                }
+            }
+        }
+        v
+    }
+
+    /// The output of a live call that a grant names, for the test harness's puts.
+    #[cfg(test)]
+    pub(crate) fn output_mut(&mut self, call: CallId, out: usize) -> Option<&mut NDArray> {
+        self.live.get_mut(&call)?.outputs.get_mut(out)
+    }
+
+    fn finish_if_complete(&mut self, id: CallId) {
+        let complete = self
+            .live
+            .get(&id)
+            .is_some_and(|c| c.remaining == 0 && c.sending == 0);
+        if !complete {
+            return;
+        }
+        let Some(mut c) = self.live.remove(&id) else {
+            return;
+        };
+        let result = match c.first_err.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        self.end(id, c, result);
+    }
+
+    /// Ends a call: releases its grants (revoking the unanswered ones, whose outputs get fresh
+    /// storage) and keeps its result.
+    fn end(&mut self, id: CallId, mut c: Call<G>, result: Result<()>) {
+        for (i, g) in c.grants.iter_mut().enumerate() {
+            let answered = c.answered[i];
+            if !answered {
+                self.by_req.remove(&c.reqs[i].msg.req_id);
+            }
+            let Some(grant) = g.take() else {
+                continue;
+            };
+            if !answered {
+                if let Some((o, _)) = &c.reqs[i].dest {
+                    c.outputs[*o].replace_storage();
+                }
+            }
+            self.actions.push_back(Action::Release {
+                server: c.reqs[i].server,
+                grant,
+                revoke: !answered,
+            });
+        }
+        for r in &c.reqs {
+            self.by_req.remove(&r.msg.req_id);
+        }
+        self.done.insert(
+            id,
+            Finished {
+                result,
+                outputs: std::mem::take(&mut c.outputs),
+            },
+        );
+    }
+
+    /// Fails every live call: the first (oldest) with `e`, the others as aborted by it. The
+    /// store refuses calls from now on.
+    fn fail_all(&mut self, e: KvError) {
+        let why = e.to_string();
+        self.broken.get_or_insert_with(|| why.clone());
+        let mut ids: Vec<CallId> = self.live.keys().copied().collect();
+        ids.sort();
+        let mut first = Some(e);
+        for id in ids {
+            let Some(c) = self.live.remove(&id) else {
+                continue;
+            };
+            let err = first
+                .take()
+                .unwrap_or_else(|| KvError::Aborted(format!("an earlier call failed: {why}")));
+            self.end(id, c, Err(err));
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! What a worker's calls send: each key's value cut into the slices its servers hold, and
+//! where each answer lands. Blocking calls are a call in flight plus a wait.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::local::{check_like, sum_into};
+use crate::protocol::shard::{placement, Part};
+use crate::protocol::{Msg, Op, MAX_NDIM};
+use crate::worker::calls::{CallId, Finished, Request};
+use crate::worker::{DistWorker, KeyInfo};
+use crate::{Key, KvError, NDArray, Result};
+
+/// A call in flight. It is claimed by [`DistWorker::wait`]; one dropped unclaimed lets the
+/// store discard its result once it is over.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    id: CallId,
+    _claim: Arc<()>,
+}
+
+fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
+    let mut m = Msg::new(op);
+    m.key = info.id;
+    m.dtype = info.dtype;
+    m.ndim = info.shape.len() as u8;
+    for (d, s) in m.shape.iter_mut().zip(&info.shape) {
+        *d = *s as u64;
+    }
+    m.total = info.shape.iter().product::<usize>() as u64;
+    m.start = part.start;
+    m.len = part.len;
+    m
+}
+
+/// The bytes of a value that a part of its key covers.
+fn byte_range(p: &Part, es: usize) -> std::ops::Range<usize> {
+    p.start as usize * es..(p.start + p.len) as usize * es
+}
+
+/// Moves an output out of the caller's hands for the length of a call.
+fn take_array(a: &mut NDArray) -> NDArray {
+    let dtype = a.dtype();
+    std::mem::replace(a, NDArray::zeros_dtype(&[0], dtype))
+}
+
+/// After a key's first output was filled, copies it into the key's other outputs.
+fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
+    let mut filled: HashMap<Key, NDArray> = HashMap::new();
+    for (k, list) in pairs.iter_mut() {
+        let Some((first, rest)) = list.split_first_mut() else {
+            continue;
+        };
+        let src = filled.entry(k.clone()).or_insert_with(|| (**first).clone());
+        if !first.shares_storage_with(src) {
+            first.as_bytes_mut().copy_from_slice(src.as_bytes());
+        }
+        for o in rest {
+            o.as_bytes_mut().copy_from_slice(src.as_bytes());
+        }
+    }
+}
+
+impl DistWorker {
+    /// Rank 0's value is stored; then every worker waits at a barrier (as MXNet does).
+    pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+        self.net.check()?;
+        for (i, (k, vs)) in pairs.iter().enumerate() {
+            if self.keys.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k) {
+                return Err(KvError::DoubleInit(k.clone()));
+            }
+            if vs[0].shape().len() > MAX_NDIM {
+                return Err(KvError::Unsupported(format!(
+                    "key {k}: {} dimensions; the wire carries at most {MAX_NDIM}",
+                    vs[0].shape().len()
+                )));
+            }
+        }
+        let mut infos = Vec::with_capacity(pairs.len());
+        for (k, vs) in pairs {
+            let id = self.key_id(k);
+            let total = vs[0].size() as u64;
+            infos.push(KeyInfo {
+                id,
+                shape: vs[0].shape().to_vec(),
+                dtype: vs[0].dtype(),
+                parts: placement(id, total, self.num_servers, self.cfg.bigarray_bound),
+            });
+        }
+        let mut result = Ok(());
+        if self.rank == 0 {
+            let mut reqs = Vec::new();
+            for ((_, vs), info) in pairs.iter().zip(&infos) {
+                let es = info.dtype.size();
+                for p in &info.parts {
+                    reqs.push(Request {
+                        server: p.server,
+                        msg: data_msg(Op::Init, info, p),
+                        data: Some((vs[0].clone(), byte_range(p, es))),
+                        text: Vec::new(),
+                        dest: None,
+                    });
+                }
+            }
+            result = self.run(reqs, &mut []);
+        }
+        // Every worker waits, so no one pushes or pulls a key before rank 0 has stored it.
+        let barrier = self.barrier();
+        result?;
+        barrier?;
+        for ((k, _), info) in pairs.iter().zip(infos) {
+            self.keys.insert(k.clone(), info);
+        }
+        Ok(())
+    }
+
+    fn check_values(&self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+        for (k, vs) in pairs {
+            let info = self.info(k)?;
+            for v in vs {
+                if v.shape() != info.shape.as_slice() {
+                    return Err(KvError::ShapeMismatch {
+                        key: k.clone(),
+                        expected: info.shape.clone(),
+                        got: v.shape().to_vec(),
+                    });
+                }
+                if v.dtype() != info.dtype {
+                    return Err(KvError::DTypeMismatch {
+                        key: k.clone(),
+                        expected: info.dtype,
+                        got: v.dtype(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_output(&self, k: &Key, o: &NDArray) -> Result<()> {
+        let info = self.info(k)?;
+        check_like(k, &NDArray::zeros_dtype(&info.shape, info.dtype), o)
+    }
+
+    /// Requests carrying each key's value (the sum of its list, for a list), slice by slice;
+    /// `dest(i)` is the output that the answer for the `i`th key goes to, if any.
+    fn value_requests(
+        &mut self,
+        op: Op,
+        pairs: &[(Key, Vec<&NDArray>)],
+        dest: impl Fn(usize) -> Option<usize>,
+    ) -> Vec<Request> {
+        let mut reqs = Vec::new();
+        for (i, (k, vs)) in pairs.iter().enumerate() {
+            let value = if vs.len() > 1 {
+                let m = self
+                    .merge
+                    .entry(k.clone())
+                    .or_insert_with(|| NDArray::zeros_dtype(vs[0].shape(), vs[0].dtype()));
+                sum_into(m, vs);
+                m.clone()
+            } else {
+                vs[0].clone()
+            };
+            let info = &self.keys[k];
+            let es = info.dtype.size();
+            for p in &info.parts {
+                reqs.push(Request {
+                    server: p.server,
+                    msg: data_msg(op, info, p),
+                    data: Some((value.clone(), byte_range(p, es))),
+                    text: Vec::new(),
+                    dest: dest(i).map(|d| (d, byte_range(p, es))),
+                });
+            }
+        }
+        reqs
+    }
+
+    /// Requests pulling each key into the output of the same index.
+    fn pull_requests(&self, keys: &[&Key]) -> Vec<Request> {
+        let mut reqs = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let info = &self.keys[*k];
+            let es = info.dtype.size();
+            for p in &info.parts {
+                reqs.push(Request {
+                    server: p.server,
+                    msg: data_msg(Op::Pull, info, p),
+                    data: None,
+                    text: Vec::new(),
+                    dest: Some((i, byte_range(p, es))),
+                });
+            }
+        }
+        reqs
+    }
+
+    /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
+    fn run(&mut self, reqs: Vec<Request>, outs: &mut [&mut NDArray]) -> Result<()> {
+        self.net.check()?;
+        let owned = outs.iter_mut().map(|o| take_array(o)).collect();
+        let id = self.net.start(reqs, owned);
+        let Finished { result, outputs } = self.net.wait(id);
+        for (o, a) in outs.iter_mut().zip(outputs) {
+            **o = a;
+        }
+        result
+    }
+
+    pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+        self.net.check()?;
+        self.check_values(pairs)?;
+        let reqs = self.value_requests(Op::Push, pairs, |_| None);
+        self.run(reqs, &mut [])
+    }
+
+    pub(crate) fn pushpull(
+        &mut self,
+        pairs: &[(Key, Vec<&NDArray>)],
+        outs: &mut [(Key, Vec<&mut NDArray>)],
+    ) -> Result<()> {
+        self.net.check()?;
+        self.check_values(pairs)?;
+        for (k, list) in outs.iter() {
+            if !pairs.iter().any(|(p, _)| p == k) {
+                return Err(KvError::UnknownKey(k.clone()));
+            }
+            for o in list {
+                self.check_output(k, o)?;
+            }
+        }
+        // Each key's answer goes to its first output.
+        let mut firsts: Vec<&mut NDArray> = Vec::new();
+        let mut first_of: HashMap<Key, usize> = HashMap::new();
+        for (k, list) in outs.iter_mut() {
+            if let Some(first) = list.first_mut() {
+                if !first_of.contains_key(k) {
+                    first_of.insert(k.clone(), firsts.len());
+                    firsts.push(&mut **first);
+                }
+            }
+        }
+        let dest: Vec<Option<usize>> = pairs
+            .iter()
+            .map(|(k, _)| first_of.get(k).copied())
+            .collect();
+        let reqs = self.value_requests(Op::PushPull, pairs, |i| dest[i]);
+        let res = self.run(reqs, &mut firsts);
+        drop(firsts);
+        res?;
+        copy_to_other_outputs(outs);
+        Ok(())
+    }
+
+    pub(crate) fn pull(&mut self, pairs: &mut [(Key, Vec<&mut NDArray>)]) -> Result<()> {
+        self.net.check()?;
+        for (k, list) in pairs.iter() {
+            for o in list {
+                self.check_output(k, o)?;
+            }
+        }
+        let mut keys = Vec::new();
+        let mut firsts: Vec<&mut NDArray> = Vec::new();
+        for (k, list) in pairs.iter_mut() {
+            if let Some(first) = list.first_mut() {
+                keys.push(&*k);
+                firsts.push(&mut **first);
+            }
+        }
+        let reqs = self.pull_requests(&keys);
+        let res = self.run(reqs, &mut firsts);
+        drop(firsts);
+        res?;
+        copy_to_other_outputs(pairs);
+        Ok(())
+    }
+
+    /// Rank 0 sends `op` with `payload` to every server; then every worker waits at a barrier.
+    pub(crate) fn broadcast(&mut self, op: Op, payload: &[u8]) -> Result<()> {
+        let mut result = Ok(());
+        if self.rank == 0 {
+            let reqs: Vec<Request> = (0..self.num_servers)
+                .map(|s| Request {
+                    server: s,
+                    msg: Msg::new(op),
+                    data: None,
+                    text: payload.to_vec(),
+                    dest: None,
+                })
+                .collect();
+            result = self.run(reqs, &mut []);
+        }
+        let b = self.barrier();
+        result?;
+        b
+    }
+
+    /// Starts a call and hands out its ticket (dropping the results of calls over whose
+    /// tickets are gone).
+    fn start(&mut self, reqs: Vec<Request>, outputs: Vec<NDArray>) -> Ticket {
+        self.claims.retain(|(id, claim)| {
+            if claim.strong_count() == 0 && self.net.calls.is_done(*id) {
+                self.net.calls.take(*id);
+                return false;
+            }
+            true
+        });
+        let id = self.net.start(reqs, outputs);
+        let claim = Arc::new(());
+        self.claims.push((id, Arc::downgrade(&claim)));
+        Ticket { id, _claim: claim }
+    }
+
+    /// Starts a push; its values may be changed by the caller at once (a change is a copy,
+    /// the call keeps what was pushed).
+    pub(crate) fn push_async(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<Ticket> {
+        self.net.check()?;
+        self.check_values(pairs)?;
+        let reqs = self.value_requests(Op::Push, pairs, |_| None);
+        Ok(self.start(reqs, Vec::new()))
+    }
+
+    /// Starts a pull of each key into its output, which the call owns until it is waited for.
+    pub(crate) fn pull_async(&mut self, outs: Vec<(Key, NDArray)>) -> Result<Ticket> {
+        self.net.check()?;
+        for (k, o) in &outs {
+            self.check_output(k, o)?;
+        }
+        let keys: Vec<&Key> = outs.iter().map(|(k, _)| k).collect();
+        let reqs = self.pull_requests(&keys);
+        Ok(self.start(reqs, outs.into_iter().map(|(_, o)| o).collect()))
+    }
+
+    /// Starts a push of each key's values and a pull of the result into its output.
+    pub(crate) fn pushpull_async(
+        &mut self,
+        pairs: &[(Key, Vec<&NDArray>)],
+        outs: Vec<NDArray>,
+    ) -> Result<Ticket> {
+        self.net.check()?;
+        self.check_values(pairs)?;
+        if outs.len() != pairs.len() {
+            return Err(KvError::LengthMismatch {
+                keys: pairs.len(),
+                values: outs.len(),
+            });
+        }
+        for ((k, _), o) in pairs.iter().zip(&outs) {
+            self.check_output(k, o)?;
+        }
+        let reqs = self.value_requests(Op::PushPull, pairs, Some);
+        Ok(self.start(reqs, outs))
+    }
+
+    /// Waits for a call in flight; its outputs come back, filled.
+    pub(crate) fn wait(&mut self, t: Ticket) -> Result<Vec<NDArray>> {
+        self.claims.retain(|(id, _)| *id != t.id);
+        let Finished { result, outputs } = self.net.wait(t.id);
+        result.map(|()| outputs)
+    }
+
+    /// Waits until no call of this worker is in flight.
+    pub(crate) fn wait_all(&mut self) -> Result<()> {
+        self.net.quiesce();
+        self.net.check()
+    }
+}
