@@ -32,6 +32,8 @@ mod ndarray;
 mod net;
 pub mod ops;
 mod optimizer;
+#[cfg(test)]
+mod pair;
 #[cfg(not(feature = "internals"))]
 mod protocol;
 /// The wire protocol, for the test suite's raw peers only (feature `internals`): not an API.

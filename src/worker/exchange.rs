@@ -81,6 +81,10 @@ impl Links {
                 self.calls.on_fatal(e);
             }
         }
+        // The call's grants are released (revoked, if it failed) before it returns.
+        if let Err(e) = self.post_actions() {
+            self.calls.on_fatal(e);
+        }
         self.calls.take(call).unwrap_or_else(|| Finished {
             result: Err(KvError::Protocol("this call was waited for already".into())),
             outputs: Vec::new(),
@@ -160,22 +164,23 @@ impl Links {
         })
     }
 
-    /// Carries out the machine's actions, in order, until a link is full.
+    /// Carries out the machine's actions: grants are released at once; requests are posted
+    /// in order, and those that find a link full wait (with every request after them).
     fn post_actions(&mut self) -> Result<()> {
-        loop {
-            let Some(a) = self
-                .stalled
-                .pop_front()
-                .or_else(|| self.calls.poll_action())
-            else {
-                return Ok(());
+        while let Some(Action::Send { call, req, token }) = self.stalled.front() {
+            let (call, req, token) = (*call, *req, *token);
+            match self.post(call, req, token)? {
+                Posted::Yes => self.stalled.pop_front(),
+                Posted::Full => break,
             };
+        }
+        while let Some(a) = self.calls.poll_action() {
             match a {
                 Action::Send { call, req, token } => {
-                    if let Posted::Full = self.post(call, req, token)? {
-                        self.stalled.push_front(Action::Send { call, req, token });
-                        self.net.flush()?;
-                        return Ok(());
+                    if !self.stalled.is_empty() {
+                        self.stalled.push_back(a);
+                    } else if let Posted::Full = self.post(call, req, token)? {
+                        self.stalled.push_back(a);
                     }
                 }
                 Action::Release {
@@ -193,6 +198,10 @@ impl Links {
                 }
             }
         }
+        if !self.stalled.is_empty() {
+            self.net.flush()?;
+        }
+        Ok(())
     }
 
     /// Posts one request: its destination is granted and named in the body, its data sent

@@ -7,9 +7,9 @@
 //! the output the request granted. Every wait is bounded by the configured timeout; after a
 //! timeout or a lost server the store refuses further calls rather than risk a stale answer.
 
-mod calls;
+pub(crate) mod calls;
 mod exchange;
-mod requests;
+pub(crate) mod requests;
 
 pub(crate) use requests::Ticket;
 
@@ -32,11 +32,12 @@ use crate::optimizer::Optimizer;
 use crate::roles::join;
 use crate::{DType, Key, KvError, NDArray, Result};
 
-struct KeyInfo {
-    id: u64,
-    shape: Vec<usize>,
-    dtype: DType,
-    parts: Vec<Part>,
+/// What a worker knows of a key: its number on the wire, its type, and where its slices live.
+pub(crate) struct KeyInfo {
+    pub(crate) id: u64,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) dtype: DType,
+    pub(crate) parts: Vec<Part>,
 }
 
 /// A worker's handle on a distributed store.

@@ -19,7 +19,7 @@ pub(crate) struct Ticket {
     _claim: Arc<()>,
 }
 
-fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
+pub(crate) fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
     let mut m = Msg::new(op);
     m.key = info.id;
     m.dtype = info.dtype;
@@ -36,6 +36,45 @@ fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
 /// The bytes of a value that a part of its key covers.
 fn byte_range(p: &Part, es: usize) -> std::ops::Range<usize> {
     p.start as usize * es..(p.start + p.len) as usize * es
+}
+
+/// Requests carrying values, slice by slice: `(key, value, output its answer goes to)`.
+pub(crate) fn value_requests(
+    op: Op,
+    items: Vec<(&KeyInfo, NDArray, Option<usize>)>,
+) -> Vec<Request> {
+    let mut reqs = Vec::new();
+    for (info, value, dest) in items {
+        let es = info.dtype.size();
+        for p in &info.parts {
+            reqs.push(Request {
+                server: p.server,
+                msg: data_msg(op, info, p),
+                data: Some((value.clone(), byte_range(p, es))),
+                text: Vec::new(),
+                dest: dest.map(|d| (d, byte_range(p, es))),
+            });
+        }
+    }
+    reqs
+}
+
+/// Requests pulling each key into the output of the same index.
+pub(crate) fn pull_requests<'a>(infos: impl Iterator<Item = &'a KeyInfo>) -> Vec<Request> {
+    let mut reqs = Vec::new();
+    for (i, info) in infos.enumerate() {
+        let es = info.dtype.size();
+        for p in &info.parts {
+            reqs.push(Request {
+                server: p.server,
+                msg: data_msg(Op::Pull, info, p),
+                data: None,
+                text: Vec::new(),
+                dest: Some((i, byte_range(p, es))),
+            });
+        }
+    }
+    reqs
 }
 
 /// Moves an output out of the caller's hands for the length of a call.
@@ -150,9 +189,9 @@ impl DistWorker {
         pairs: &[(Key, Vec<&NDArray>)],
         dest: impl Fn(usize) -> Option<usize>,
     ) -> Vec<Request> {
-        let mut reqs = Vec::new();
-        for (i, (k, vs)) in pairs.iter().enumerate() {
-            let value = if vs.len() > 1 {
+        let mut values = Vec::with_capacity(pairs.len());
+        for (k, vs) in pairs {
+            values.push(if vs.len() > 1 {
                 let m = self
                     .merge
                     .entry(k.clone())
@@ -161,39 +200,15 @@ impl DistWorker {
                 m.clone()
             } else {
                 vs[0].clone()
-            };
-            let info = &self.keys[k];
-            let es = info.dtype.size();
-            for p in &info.parts {
-                reqs.push(Request {
-                    server: p.server,
-                    msg: data_msg(op, info, p),
-                    data: Some((value.clone(), byte_range(p, es))),
-                    text: Vec::new(),
-                    dest: dest(i).map(|d| (d, byte_range(p, es))),
-                });
-            }
+            });
         }
-        reqs
-    }
-
-    /// Requests pulling each key into the output of the same index.
-    fn pull_requests(&self, keys: &[&Key]) -> Vec<Request> {
-        let mut reqs = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            let info = &self.keys[*k];
-            let es = info.dtype.size();
-            for p in &info.parts {
-                reqs.push(Request {
-                    server: p.server,
-                    msg: data_msg(Op::Pull, info, p),
-                    data: None,
-                    text: Vec::new(),
-                    dest: Some((i, byte_range(p, es))),
-                });
-            }
-        }
-        reqs
+        let items: Vec<(&KeyInfo, NDArray, Option<usize>)> = pairs
+            .iter()
+            .zip(values)
+            .enumerate()
+            .map(|(i, ((k, _), v))| (&self.keys[k], v, dest(i)))
+            .collect();
+        value_requests(op, items)
     }
 
     /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
@@ -268,7 +283,7 @@ impl DistWorker {
                 firsts.push(&mut **first);
             }
         }
-        let reqs = self.pull_requests(&keys);
+        let reqs = pull_requests(keys.iter().map(|k| &self.keys[*k]));
         let res = self.run(reqs, &mut firsts);
         drop(firsts);
         res?;
@@ -328,7 +343,7 @@ impl DistWorker {
             self.check_output(k, o)?;
         }
         let keys: Vec<&Key> = outs.iter().map(|(k, _)| k).collect();
-        let reqs = self.pull_requests(&keys);
+        let reqs = pull_requests(keys.iter().map(|k| &self.keys[*k]));
         Ok(self.start(reqs, outs.into_iter().map(|(_, o)| o).collect()))
     }
 

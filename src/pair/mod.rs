@@ -1,0 +1,398 @@
+//! A pair-style harness for the store's protocol, after quinn-proto's `tests/util.rs`: the
+//! workers' state machines ([`Calls`]) and the servers' ([`ServerState`]) connected in memory,
+//! with simulated time, a random delay on every message (links stay in order, so messages are
+//! reordered across peers only), and peers that die or stall.
+//!
+//! The harness is the transport: it grants destinations, carries requests, puts and replies,
+//! and completes data sends. It checks what the real backends guarantee and what the
+//! machines must never do: a put lands only in a live grant, and never in an output whose
+//! call is over (the machine must release or revoke every grant of a call before the call can
+//! be taken).
+
+mod schedules;
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use crate::protocol::{Msg, Op};
+use crate::server::state::{Input, Payload, ServerState};
+use crate::worker::calls::{Action, CallId, Calls, Request};
+use crate::{DType, NDArray};
+
+/// A message in flight.
+enum Packet {
+    Request {
+        w: usize,
+        s: usize,
+        msg: Msg,
+        data: Option<Vec<u8>>,
+        grant: Option<u64>,
+        text: Vec<u8>,
+        token: u64,
+    },
+    Put {
+        w: usize,
+        grant: u64,
+        bytes: Vec<u8>,
+    },
+    Reply {
+        w: usize,
+        s: usize,
+        msg: Msg,
+        text: Vec<u8>,
+    },
+    /// A request's data was taken: the worker's send completes.
+    SendDone { w: usize, token: u64 },
+    /// Worker `w` sees its link to server `s` end.
+    ServerGone { w: usize, s: usize },
+    /// Server `s` sees its link to worker `w` end.
+    WorkerGone { w: usize, s: usize },
+}
+
+/// A destination a worker granted.
+struct Grant {
+    worker: usize,
+    call: CallId,
+    out: usize,
+    range: Range<usize>,
+    live: bool,
+}
+
+/// A worker of the simulated job.
+pub(crate) struct SimWorker {
+    pub(crate) calls: Calls<u64>,
+    pub(crate) alive: bool,
+}
+
+/// A server of the simulated job.
+pub(crate) struct SimServer {
+    pub(crate) state: ServerState,
+    pub(crate) alive: bool,
+    /// Extra delay on everything it sends from now on (a stalled process).
+    pub(crate) stall: Duration,
+    /// Grants that pull requests carried, until the answer goes out.
+    grants: HashMap<(usize, u64), u64>,
+}
+
+/// A job: workers, servers and the messages between them.
+pub(crate) struct Job {
+    pub(crate) rng: fastrand::Rng,
+    pub(crate) now: Instant,
+    pub(crate) workers: Vec<SimWorker>,
+    pub(crate) servers: Vec<SimServer>,
+    queue: BTreeMap<(Instant, u64), Packet>,
+    seq: u64,
+    /// When the last message on each directed link arrives (links keep order).
+    link_last: HashMap<(usize, usize, bool), Instant>,
+    grants: HashMap<u64, Grant>,
+    next_grant: u64,
+    /// The range of a message's delay.
+    pub(crate) delay: Range<u64>,
+    /// Puts that found their grant revoked (late answers the transport refused).
+    pub(crate) late_refused: u64,
+}
+
+impl Job {
+    /// `w` workers and `s` servers, in sync or async mode; calls time out after `timeout`.
+    pub(crate) fn new(seed: u64, w: usize, s: usize, sync: bool, timeout: Duration) -> Job {
+        Job {
+            rng: fastrand::Rng::with_seed(seed),
+            now: Instant::now(),
+            workers: (0..w)
+                .map(|r| SimWorker {
+                    calls: Calls::new(r as u32, timeout),
+                    alive: true,
+                })
+                .collect(),
+            servers: (0..s)
+                .map(|_| SimServer {
+                    state: ServerState::new(w, sync),
+                    alive: true,
+                    stall: Duration::ZERO,
+                    grants: HashMap::new(),
+                })
+                .collect(),
+            queue: BTreeMap::new(),
+            seq: 0,
+            link_last: HashMap::new(),
+            grants: HashMap::new(),
+            next_grant: 1,
+            delay: 1..200,
+            late_refused: 0,
+        }
+    }
+
+    /// Sends `p` on the link between worker `w` and server `s` (`up`: towards the server).
+    fn send(&mut self, w: usize, s: usize, up: bool, p: Packet) {
+        let mut delay = Duration::from_micros(self.rng.u64(self.delay.clone()));
+        if !up {
+            delay += self.servers[s].stall;
+        }
+        let last = self.link_last.entry((w, s, up)).or_insert(self.now);
+        let at = (*last).max(self.now + delay);
+        *last = at;
+        self.seq += 1;
+        self.queue.insert((at, self.seq), p);
+    }
+
+    /// Starts a call on worker `w`.
+    pub(crate) fn start(&mut self, w: usize, reqs: Vec<Request>, outs: Vec<NDArray>) -> CallId {
+        let id = self.workers[w].calls.start(self.now, reqs, outs);
+        self.actions(w);
+        id
+    }
+
+    /// Does what worker `w`'s machine asks: posts requests, releases grants.
+    fn actions(&mut self, w: usize) {
+        while let Some(a) = self.workers[w].calls.poll_action() {
+            match a {
+                Action::Send { call, req, token } => self.post(w, call, req, token),
+                Action::Release { grant, .. } => {
+                    if let Some(g) = self.grants.get_mut(&grant) {
+                        g.live = false;
+                    }
+                }
+            }
+        }
+    }
+
+    fn post(&mut self, w: usize, call: CallId, req: usize, token: u64) {
+        let Some((r, _)) = self.workers[w].calls.request(call, req) else {
+            return;
+        };
+        let (s, msg, text) = (r.server, r.msg, r.text.clone());
+        let data = r
+            .data
+            .as_ref()
+            .map(|(v, range)| v.as_bytes()[range.clone()].to_vec());
+        let grant = r.dest.clone().map(|(out, range)| {
+            let id = self.next_grant;
+            self.next_grant += 1;
+            self.grants.insert(
+                id,
+                Grant {
+                    worker: w,
+                    call,
+                    out,
+                    range,
+                    live: true,
+                },
+            );
+            id
+        });
+        self.workers[w].calls.on_sent(call, req, grant, token);
+        let p = Packet::Request {
+            w,
+            s,
+            msg,
+            data,
+            grant,
+            text,
+            token,
+        };
+        self.send(w, s, true, p);
+    }
+
+    /// The earliest time something happens: a message arrives or a call's deadline passes.
+    fn next_time(&self) -> Option<Instant> {
+        let msg = self.queue.keys().next().map(|(t, _)| *t);
+        let deadline = self
+            .workers
+            .iter()
+            .filter(|w| w.alive)
+            .filter_map(|w| w.calls.next_deadline())
+            .min();
+        match (msg, deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Moves time to the next event and handles it. `false`: nothing will ever happen.
+    pub(crate) fn step(&mut self) -> bool {
+        let Some(t) = self.next_time() else {
+            return false;
+        };
+        self.now = self.now.max(t);
+        for w in 0..self.workers.len() {
+            if self.workers[w].alive {
+                self.workers[w].calls.on_time(self.now);
+                self.actions(w);
+            }
+        }
+        let first = self.queue.keys().next().copied();
+        if let Some(k) = first.filter(|(t, _)| *t <= self.now) {
+            if let Some(p) = self.queue.remove(&k) {
+                self.deliver(p);
+            }
+        }
+        true
+    }
+
+    fn deliver(&mut self, p: Packet) {
+        match p {
+            Packet::Request {
+                w,
+                s,
+                msg,
+                data,
+                grant,
+                text,
+                token,
+            } => self.serve(w, s, msg, data, grant, text, token),
+            Packet::Put { w, grant, bytes } => self.put(w, grant, &bytes),
+            Packet::Reply { w, s, msg, text } => {
+                if self.workers[w].alive {
+                    self.workers[w].calls.on_reply(s, &msg, &text);
+                    self.actions(w);
+                }
+            }
+            Packet::SendDone { w, token } => {
+                if self.workers[w].alive {
+                    self.workers[w].calls.on_send_done(token, Ok(()));
+                    self.actions(w);
+                }
+            }
+            Packet::ServerGone { w, s } => {
+                if self.workers[w].alive {
+                    self.workers[w].calls.on_lost(s, "the link closed");
+                    self.actions(w);
+                }
+            }
+            Packet::WorkerGone { w, s } => {
+                if self.servers[s].alive {
+                    let st = &mut self.servers[s].state;
+                    st.worker_lost(&format!("worker {w} disconnected"));
+                    st.forget_peer(w);
+                    self.route(s);
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn serve(
+        &mut self,
+        w: usize,
+        s: usize,
+        msg: Msg,
+        data: Option<Vec<u8>>,
+        grant: Option<u64>,
+        text: Vec<u8>,
+        token: u64,
+    ) {
+        if !self.servers[s].alive {
+            return;
+        }
+        if let Some(g) = grant {
+            self.servers[s].grants.insert((w, msg.req_id), g);
+        }
+        let mut input = match &data {
+            Some(d) => NDArray::from_bytes(&[msg.len as usize], msg.dtype, d),
+            None => NDArray::from_bytes(&[text.len()], DType::U8, &text),
+        }
+        .expect("a request's bytes match its header");
+        self.servers[s]
+            .state
+            .handle(w, w, &msg, Input::Owned(&mut input));
+        if data.is_some() {
+            self.send(w, s, false, Packet::SendDone { w, token });
+        }
+        self.route(s);
+    }
+
+    /// Sends what server `s` answered: a value's put into its grant, then the reply.
+    fn route(&mut self, s: usize) {
+        let outs: Vec<_> = self.servers[s].state.outbox.drain(..).collect();
+        for o in outs {
+            let w = o.to;
+            let grant = self.servers[s].grants.remove(&(w, o.msg.req_id));
+            if let (Payload::Array(a), Some(grant)) = (&o.payload, grant) {
+                let bytes = a.as_bytes().to_vec();
+                self.send(w, s, false, Packet::Put { w, grant, bytes });
+            }
+            let text = match o.payload {
+                Payload::Text(t) => t,
+                _ => Vec::new(),
+            };
+            debug_assert_eq!(o.msg.op, Op::Reply);
+            self.send(
+                w,
+                s,
+                false,
+                Packet::Reply {
+                    w,
+                    s,
+                    msg: o.msg,
+                    text,
+                },
+            );
+        }
+    }
+
+    /// A put arrives at worker `w`: it lands only in a live grant, in an output of a call
+    /// that is not over.
+    fn put(&mut self, w: usize, grant: u64, bytes: &[u8]) {
+        if !self.workers[w].alive {
+            return;
+        }
+        let Some(g) = self.grants.get(&grant).filter(|g| g.live) else {
+            self.late_refused += 1;
+            return;
+        };
+        assert_eq!(g.worker, w, "a put reached another worker's grant");
+        assert_eq!(g.range.len(), bytes.len(), "a put of the wrong length");
+        let range = g.range.clone();
+        let out = self.workers[w]
+            .calls
+            .output_mut(g.call, g.out)
+            .expect("a put landed in an output whose call had returned");
+        out.as_bytes_mut()[range].copy_from_slice(bytes);
+    }
+
+    /// Kills server `s`: it answers nothing more, and each worker sees its link end after
+    /// what was already in flight.
+    pub(crate) fn kill_server(&mut self, s: usize) {
+        self.servers[s].alive = false;
+        for w in 0..self.workers.len() {
+            self.send(w, s, false, Packet::ServerGone { w, s });
+        }
+    }
+
+    /// Worker `w` exits (or dies): each server sees its link end.
+    pub(crate) fn kill_worker(&mut self, w: usize) {
+        if !self.workers[w].alive {
+            return;
+        }
+        self.workers[w].alive = false;
+        for s in 0..self.servers.len() {
+            self.send(w, s, true, Packet::WorkerGone { w, s });
+        }
+    }
+
+    /// Takes a finished call of worker `w`, after checking that none of its grants is live.
+    pub(crate) fn take(
+        &mut self,
+        w: usize,
+        call: CallId,
+    ) -> Option<crate::worker::calls::Finished> {
+        let f = self.workers[w].calls.take(call)?;
+        assert!(
+            !self
+                .grants
+                .values()
+                .any(|g| g.live && g.worker == w && g.call == call),
+            "a call returned with a grant a server may still write"
+        );
+        assert!(
+            self.workers[w]
+                .calls
+                .live_grants()
+                .iter()
+                .all(|g| self.grants[g].call != call),
+            "the machine still counts a grant of a call it returned"
+        );
+        Some(f)
+    }
+}
