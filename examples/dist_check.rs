@@ -120,6 +120,49 @@ fn big(kv: &mut KVStore) {
     expect_vals("big pushpull", &out, &want);
 }
 
+/// Several calls in flight at once: pushes, pushpulls and pulls of plain, shared-memory and
+/// sliced arrays, waited for in another order than started.
+fn inflight(kv: &mut KVStore) {
+    let w = kv.num_workers() as f64;
+    let r = kv.rank() as f64;
+    let shapes = [vec![3usize], vec![1000], vec![4, 5]];
+    let zeros: Vec<NDArray> = shapes.iter().map(|s| NDArray::zeros(s)).collect();
+    ok("init", kv.init([10, 11, 12], &zeros));
+    for step in 1..=4 {
+        let g = step as f64 * (r + 1.0);
+        let sum = step as f64 * w * (w + 1.0) / 2.0;
+        let mut a = ok("alloc", kv.alloc(&shapes[0], DType::F32));
+        a.fill(g);
+        let push = ok("push_async", kv.push_async(10, &a));
+        // The call sends what was given: a change now is the caller's own.
+        a.fill(-1000.0);
+        let b = NDArray::full(&shapes[1], g);
+        let big = ok(
+            "pushpull_async big",
+            kv.pushpull_async(11, &b, vec![NDArray::zeros(&shapes[1])]),
+        );
+        let out = ok("alloc", kv.alloc(&shapes[2], DType::F32));
+        let c = NDArray::full(&shapes[2], g);
+        let small = ok("pushpull_async", kv.pushpull_async(12, &c, vec![out]));
+        let small = ok("wait small", kv.wait(small));
+        expect_vals("pushpull in flight", &small[0], &[sum; 20]);
+        ok("wait push", kv.wait(push));
+        let pull = ok(
+            "pull_async",
+            kv.pull_async([10, 12], vec![NDArray::zeros(&shapes[0]), small[0].clone()]),
+        );
+        let big = ok("wait big", kv.wait(big));
+        expect_vals("big pushpull in flight", &big[0], &vec![sum; 1000]);
+        let pulled = ok("wait pull", kv.wait(pull));
+        expect_vals("pull in flight", &pulled[0], &[sum; 3]);
+        expect_vals("pull into a returned output", &pulled[1], &[sum; 20]);
+    }
+    // A dropped call is still carried out; wait_all waits for it.
+    let _ = ok("push_async", kv.push_async(10, &NDArray::ones(&shapes[0])));
+    ok("wait_all", kv.wait_all());
+    expect_vals("after wait_all", &pulled(kv, 10, &shapes[0], DType::F32), &[w; 3]);
+}
+
 fn optimizers(kv: &mut KVStore) {
     let w = kv.num_workers();
     let sgd = Optimizer::Sgd {
@@ -548,6 +591,7 @@ fn main() {
         "seed" => seed(&mut kv),
         "big" => big(&mut kv),
         "optimizers" => optimizers(&mut kv),
+        "inflight" => inflight(&mut kv),
         "custom" => custom(&mut kv),
         "async" => async_mode(&mut kv),
         "errors" => errors(&mut kv),

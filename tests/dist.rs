@@ -106,6 +106,14 @@ fn dist_async_applies_every_push_every_shape_of_job() {
 }
 
 #[test]
+fn several_calls_in_flight_every_transport() {
+    for (w, s) in [(1, 1), (2, 2), (3, 2)] {
+        let r = kvrun_check(w, s, "inflight", "dist_sync", &[("KVSTORE_BIGARRAY_BOUND", "100")]);
+        assert_jobs_ok(&r, w, "inflight");
+    }
+}
+
+#[test]
 fn bad_input_is_refused_and_changes_nothing() {
     for kind in ["dist_sync", "dist_async"] {
         for r in kvrun_check(2, 2, "errors", kind, &[]) {
