@@ -160,7 +160,11 @@ fn inflight(kv: &mut KVStore) {
     // A dropped call is still carried out; wait_all waits for it.
     let _ = ok("push_async", kv.push_async(10, &NDArray::ones(&shapes[0])));
     ok("wait_all", kv.wait_all());
-    expect_vals("after wait_all", &pulled(kv, 10, &shapes[0], DType::F32), &[w; 3]);
+    expect_vals(
+        "after wait_all",
+        &pulled(kv, 10, &shapes[0], DType::F32),
+        &[w; 3],
+    );
 }
 
 fn optimizers(kv: &mut KVStore) {

@@ -108,7 +108,13 @@ fn dist_async_applies_every_push_every_shape_of_job() {
 #[test]
 fn several_calls_in_flight_every_transport() {
     for (w, s) in [(1, 1), (2, 2), (3, 2)] {
-        let r = kvrun_check(w, s, "inflight", "dist_sync", &[("KVSTORE_BIGARRAY_BOUND", "100")]);
+        let r = kvrun_check(
+            w,
+            s,
+            "inflight",
+            "dist_sync",
+            &[("KVSTORE_BIGARRAY_BOUND", "100")],
+        );
         assert_jobs_ok(&r, w, "inflight");
     }
 }

@@ -103,6 +103,7 @@ impl TcpBackend {
 
     fn add(&mut self, mut stream: TcpStream) -> Result<PeerId, TransportError> {
         stream.set_nodelay(true)?;
+        liveness(&stream)?;
         let id = self.next_peer;
         self.next_peer += 1;
         self.poll.registry().register(
@@ -442,5 +443,58 @@ impl TcpBackend {
 impl AsFd for TcpBackend {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd()
+    }
+}
+
+/// A peer's death is seen by the kernel, whatever the peer's threads are doing: an exit closes
+/// the connection (EOF or reset); a host that is gone is found by keepalive probes after
+/// `KEEPALIVE_IDLE` of silence (`KEEPALIVE_PROBES` unanswered, `KEEPALIVE_INTERVAL` apart),
+/// and data left unacknowledged for `USER_TIMEOUT` ends the connection. So a worker computing
+/// between calls, or a server in a long updater, is never taken for dead, and needs no thread
+/// to answer heartbeats.
+fn liveness(s: &TcpStream) -> std::io::Result<()> {
+    use rustix::net::sockopt;
+    sockopt::set_socket_keepalive(s, true)?;
+    sockopt::set_tcp_keepidle(s, KEEPALIVE_IDLE)?;
+    sockopt::set_tcp_keepintvl(s, KEEPALIVE_INTERVAL)?;
+    sockopt::set_tcp_keepcnt(s, KEEPALIVE_PROBES)?;
+    sockopt::set_tcp_user_timeout(s, USER_TIMEOUT.as_millis() as u32)?;
+    Ok(())
+}
+
+/// Silence on a connection before the kernel probes the peer.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+/// Time between probes.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+/// Unanswered probes before the connection is declared dead.
+pub const KEEPALIVE_PROBES: u32 = 5;
+/// How long sent data may stay unacknowledged before the connection is declared dead.
+pub const USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustix::net::sockopt;
+
+    #[test]
+    fn both_ends_of_a_link_have_the_kernel_watch_the_peer() {
+        let mut server = TcpBackend::new(1 << 20).unwrap();
+        let at = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut client = TcpBackend::new(1 << 20).unwrap();
+        client.connect(at, Duration::from_secs(5)).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while server.peers.is_empty() {
+            server.progress(&mut |_| {}).unwrap();
+            assert!(std::time::Instant::now() < deadline, "no connection");
+        }
+        for b in [&server, &client] {
+            let s = &b.peers.values().next().unwrap().stream;
+            assert!(sockopt::socket_keepalive(s).unwrap());
+            assert_eq!(sockopt::tcp_keepidle(s).unwrap(), KEEPALIVE_IDLE);
+            assert_eq!(sockopt::tcp_keepintvl(s).unwrap(), KEEPALIVE_INTERVAL);
+            assert_eq!(sockopt::tcp_keepcnt(s).unwrap(), KEEPALIVE_PROBES);
+            let ut = sockopt::tcp_user_timeout(s).unwrap();
+            assert_eq!(ut as u128, USER_TIMEOUT.as_millis());
+        }
     }
 }
