@@ -74,6 +74,9 @@ pub(crate) struct Net {
     last_tcp: Instant,
     /// Turns of a spin since the last completion: the clock is read on few of them.
     spins: u32,
+    /// After a sleep: which backends' descriptors were readable (TCP, shared memory). Having
+    /// armed, the others have no work, and the next progress does not look at them.
+    woke: Option<[bool; 2]>,
 }
 
 /// How often a busy loop with no TCP peer polls the TCP backend.
@@ -149,6 +152,7 @@ impl Net {
             calls: 0,
             last_tcp: Instant::now(),
             spins: 0,
+            woke: None,
         })
     }
 
@@ -173,9 +177,16 @@ impl Net {
     /// backend it came from. Returns how many completions there were.
     pub(crate) fn progress(&mut self, on: &mut dyn FnMut(Medium, Completion<'_>)) -> Result<usize> {
         self.calls = self.calls.wrapping_add(1);
-        let poll_tcp = !self.tcp.is_idle()
-            || self.shm.is_none()
-            || (self.calls % 32 == 0 && self.last_tcp.elapsed() >= TCP_IDLE_POLL);
+        let woke = self.woke.take();
+        let poll_tcp = match woke {
+            Some([tcp, _]) => tcp,
+            None => {
+                !self.tcp.is_idle()
+                    || self.shm.is_none()
+                    || (self.calls % 32 == 0 && self.last_tcp.elapsed() >= TCP_IDLE_POLL)
+            }
+        };
+        let poll_shm = woke.is_none_or(|[_, shm]| shm);
         let mut n = 0;
         if poll_tcp {
             self.last_tcp = Instant::now();
@@ -184,7 +195,7 @@ impl Net {
                 .progress(&mut |c| on(Medium::Tcp, c))
                 .map_err(transport)?;
         }
-        if let Some(s) = &mut self.shm {
+        if let (Some(s), true) = (&mut self.shm, poll_shm) {
             n += s.progress(&mut |c| on(Medium::Shm, c)).map_err(transport)?;
         }
         if n > 0 {
@@ -207,7 +218,7 @@ impl Net {
     /// the last completion (yielding the core on a crowded host); then it arms every backend and
     /// sleeps on their descriptors and on `extra` (the scheduler's socket), unless one of them
     /// says work is already pending.
-    /// Returns whether it slept (then `extra` may be readable).
+    /// Returns whether `extra` is readable.
     pub(crate) fn wait(
         &mut self,
         extra: Option<BorrowedFd<'_>>,
@@ -222,6 +233,10 @@ impl Net {
             } else {
                 std::hint::spin_loop();
             }
+            return Ok(false);
+        }
+        if self.shm.is_none() && extra.is_none() {
+            self.tcp.sleep(timeout).map_err(transport)?;
             return Ok(false);
         }
         if !self.tcp.arm().map_err(transport)? {
@@ -245,8 +260,13 @@ impl Net {
             tv_nsec: timeout.subsec_nanos() as i64,
         };
         match poll(&mut fds, Some(&ts)) {
-            Ok(_) => Ok(true),
-            Err(e) if e == rustix::io::Errno::INTR => Ok(true),
+            Ok(_) => {
+                let ready = |i: usize| fds.get(i).is_some_and(|f| !f.revents().is_empty());
+                let has_shm = self.shm.is_some() as usize;
+                self.woke = Some([ready(0), has_shm == 1 && ready(1)]);
+                Ok(extra.is_some() && ready(1 + has_shm))
+            }
+            Err(e) if e == rustix::io::Errno::INTR => Ok(extra.is_some()),
             Err(e) => Err(std::io::Error::from(e).into()),
         }
     }

@@ -100,7 +100,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut stop_by: Option<Instant> = None;
     let mut last_sched = Instant::now();
     let mut turns = 0u32;
-    let mut slept = false;
+    let mut sched_ready = false;
     loop {
         net.progress(&mut |m, c| workers.on(&mut state, m, c))?;
         workers.close_refused(&mut state, &mut net);
@@ -109,7 +109,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         // The scheduler speaks rarely (shutdown, abort): a busy loop reads its socket once a
         // millisecond, not on every turn (each read is a system call).
         turns = turns.wrapping_add(1);
-        if sched_open && (slept || turns % 64 == 0 && last_sched.elapsed() >= SCHED_EVERY) {
+        if sched_open && (sched_ready || turns % 64 == 0 && last_sched.elapsed() >= SCHED_EVERY) {
             last_sched = Instant::now();
             let r = sched_reader.read_from(&mut sched, &mut sched_sink);
             match sched_sink.event.take() {
@@ -152,6 +152,6 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             Duration::from_millis(200)
         };
         let extra = sched_open.then(|| sched.as_fd());
-        slept = net.wait(extra, timeout)?;
+        sched_ready = net.wait(extra, timeout)?;
     }
 }

@@ -77,7 +77,7 @@ impl Links {
     /// Drives the backends until `call` is over, and takes its result.
     pub(crate) fn wait(&mut self, call: CallId) -> Finished {
         while !self.calls.is_done(call) {
-            if let Err(e) = self.turn(true) {
+            if let Err(e) = self.turn(Some(call), true) {
                 self.calls.on_fatal(e);
             }
         }
@@ -97,32 +97,40 @@ impl Links {
             if self.calls.in_flight() == 0 {
                 // Only sends of failed calls are left: they complete or fail on their own, and
                 // are not worth waiting for past a short while.
-                let _ = self.turn(false);
+                let _ = self.turn(None, false);
                 break;
             }
-            if let Err(e) = self.turn(true) {
+            if let Err(e) = self.turn(None, true) {
                 self.calls.on_fatal(e);
             }
         }
     }
 
-    /// One turn: post, take completions, look at the time, and wait a little if idle.
-    fn turn(&mut self, may_wait: bool) -> Result<()> {
+    /// One turn: post, take completions, look at the time, and wait a little if there is
+    /// nothing to do: while `call` (if given) is not over, else when nothing came. (Waiting
+    /// after some completions came is right: a wait returns at once if more is ready, and
+    /// skips one poll that would find nothing.)
+    fn turn(&mut self, call: Option<CallId>, may_wait: bool) -> Result<()> {
         self.post_actions()?;
         let n = self.pump()?;
         self.post_actions()?;
+        let idle = match call {
+            Some(c) => !self.calls.is_done(c),
+            None => n == 0,
+        };
+        let may_wait = may_wait && idle;
         // The clock is read on few turns of a busy wait (a wait that sleeps ends within its
         // timeout, so the deadline is still seen in time).
         self.turns = self.turns.wrapping_add(1);
         if self.turns % 32 != 0 {
-            if n == 0 && may_wait {
+            if may_wait {
                 self.net.wait(None, Duration::from_millis(1))?;
             }
             return Ok(());
         }
         let now = Instant::now();
         self.calls.on_time(now);
-        if n == 0 && may_wait {
+        if may_wait {
             let until = self
                 .calls
                 .next_deadline()

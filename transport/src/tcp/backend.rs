@@ -38,6 +38,8 @@ pub struct TcpBackend {
     id: u64,
     poll: Poll,
     events: Events,
+    /// `events` came from a sleep and are not yet handled.
+    slept: bool,
     listener: Option<TcpListener>,
     peers: PeerTable<Peer>,
     next_peer: u32,
@@ -67,6 +69,7 @@ impl TcpBackend {
             id: fresh_id(),
             poll: Poll::new()?,
             events: Events::with_capacity(256),
+            slept: false,
             listener: None,
             peers: PeerTable::new(),
             next_peer: 0,
@@ -360,15 +363,15 @@ impl Backend for TcpBackend {
 
     fn progress(&mut self, on: &mut dyn FnMut(Completion<'_>)) -> Result<usize, TransportError> {
         let mut n = 0;
-        self.poll
-            .poll(&mut self.events, Some(Duration::ZERO))
-            .or_else(|e| {
-                if e.kind() == io::ErrorKind::Interrupted {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            })?;
+        if std::mem::take(&mut self.slept) {
+            // The events of the sleep are handled now.
+        } else if self.done.is_empty() && self.lost.is_empty() {
+            self.poll_events(Duration::ZERO)?;
+        } else {
+            // Completions are pending: they are reported now, and the sockets looked at on
+            // the next call (one system call fewer on every send that completed at once).
+            self.events.clear();
+        }
         let ready: Vec<(mio::Token, bool, bool)> = self
             .events
             .iter()
@@ -415,6 +418,28 @@ impl Backend for TcpBackend {
 }
 
 impl TcpBackend {
+    fn poll_events(&mut self, timeout: Duration) -> io::Result<()> {
+        match self.poll.poll(&mut self.events, Some(timeout)) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                self.events.clear();
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    /// Sleeps until a peer has work or `timeout` passes, when TCP is all a loop waits on: one
+    /// system call, whose events the next [`Backend::progress`] handles (instead of arming,
+    /// sleeping on [`Backend::fd`] and polling again). Returns at once if work is pending.
+    pub fn sleep(&mut self, timeout: Duration) -> Result<(), TransportError> {
+        if !self.arm()? || self.slept {
+            return Ok(());
+        }
+        self.poll_events(timeout)?;
+        self.slept = true;
+        Ok(())
+    }
+
     fn accept_all(
         &mut self,
         on: &mut dyn FnMut(Completion<'_>),
