@@ -515,6 +515,34 @@ fn a_handle_of_another_kind_or_size_is_refused(kind: Kind) {
     assert!(unsafe { a.b.send(to_b, &big, None) }.is_err());
 }
 
+fn a_paused_peer_is_not_read_until_resumed(kind: Kind) {
+    let (mut a, to_b, mut b, to_a) = pair(kind);
+    b.b.pause(to_a, true);
+    for i in 0..10u8 {
+        // SAFETY: no data rides with it.
+        let sent = unsafe { a.b.send(to_b, &[i; 40], None) }.unwrap();
+        assert_eq!(sent, Sent::Posted);
+    }
+    let until = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < until {
+        a.pump();
+        b.pump();
+    }
+    let recvd = |s: &Side| s.log.iter().filter(|e| matches!(e, Ev::Recv(..))).count();
+    assert_eq!(recvd(&b), 0, "a paused peer was read: {:?}", b.log);
+    b.b.pause(to_a, false);
+    drive(&mut a, &mut b, |_, b| recvd(b) == 10);
+    let got: Vec<Vec<u8>> = b
+        .take()
+        .into_iter()
+        .filter_map(|e| match e {
+            Ev::Recv(_, body, None) => Some(body),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(got, (0..10u8).map(|i| vec![i; 40]).collect::<Vec<_>>());
+}
+
 macro_rules! suite {
     ($($name:ident),*) => {
         mod tcp { $( #[test] fn $name() { super::$name(super::Kind::Tcp); } )* }
@@ -531,5 +559,6 @@ suite!(
     a_lost_peer_is_reported_and_fails_what_it_had,
     a_revoked_grant_is_never_written,
     garbage_closes_only_its_own_link,
-    a_handle_of_another_kind_or_size_is_refused
+    a_handle_of_another_kind_or_size_is_refused,
+    a_paused_peer_is_not_read_until_resumed
 );
