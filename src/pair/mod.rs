@@ -20,17 +20,20 @@ use crate::server::state::{Input, Payload, ServerState};
 use crate::worker::calls::{Action, CallId, Calls, Request};
 use crate::{DType, NDArray};
 
+/// A request from worker `w` to server `s`: its header, data, grant and text.
+struct Req {
+    w: usize,
+    s: usize,
+    msg: Msg,
+    data: Option<Vec<u8>>,
+    grant: Option<u64>,
+    text: Vec<u8>,
+    token: u64,
+}
+
 /// A message in flight.
 enum Packet {
-    Request {
-        w: usize,
-        s: usize,
-        msg: Msg,
-        data: Option<Vec<u8>>,
-        grant: Option<u64>,
-        text: Vec<u8>,
-        token: u64,
-    },
+    Request(Req),
     Put {
         w: usize,
         grant: u64,
@@ -43,11 +46,20 @@ enum Packet {
         text: Vec<u8>,
     },
     /// A request's data was taken: the worker's send completes.
-    SendDone { w: usize, token: u64 },
+    SendDone {
+        w: usize,
+        token: u64,
+    },
     /// Worker `w` sees its link to server `s` end.
-    ServerGone { w: usize, s: usize },
+    ServerGone {
+        w: usize,
+        s: usize,
+    },
     /// Server `s` sees its link to worker `w` end.
-    WorkerGone { w: usize, s: usize },
+    WorkerGone {
+        w: usize,
+        s: usize,
+    },
 }
 
 /// A destination a worker granted.
@@ -182,7 +194,7 @@ impl Job {
             id
         });
         self.workers[w].calls.on_sent(call, req, grant, token);
-        let p = Packet::Request {
+        let p = Packet::Request(Req {
             w,
             s,
             msg,
@@ -190,7 +202,7 @@ impl Job {
             grant,
             text,
             token,
-        };
+        });
         self.send(w, s, true, p);
     }
 
@@ -232,15 +244,7 @@ impl Job {
 
     fn deliver(&mut self, p: Packet) {
         match p {
-            Packet::Request {
-                w,
-                s,
-                msg,
-                data,
-                grant,
-                text,
-                token,
-            } => self.serve(w, s, msg, data, grant, text, token),
+            Packet::Request(r) => self.serve(r),
             Packet::Put { w, grant, bytes } => self.put(w, grant, &bytes),
             Packet::Reply { w, s, msg, text } => {
                 if self.workers[w].alive {
@@ -271,17 +275,16 @@ impl Job {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn serve(
-        &mut self,
-        w: usize,
-        s: usize,
-        msg: Msg,
-        data: Option<Vec<u8>>,
-        grant: Option<u64>,
-        text: Vec<u8>,
-        token: u64,
-    ) {
+    fn serve(&mut self, r: Req) {
+        let Req {
+            w,
+            s,
+            msg,
+            data,
+            grant,
+            text,
+            token,
+        } = r;
         if !self.servers[s].alive {
             return;
         }

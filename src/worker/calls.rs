@@ -274,6 +274,13 @@ impl<G: Clone> Calls<G> {
         self.fail_all(e);
     }
 
+    /// A failure outside any call (a barrier, the scheduler): the store becomes unusable for
+    /// `why`, and the calls in flight fail as aborted by it.
+    pub(crate) fn abort(&mut self, why: String) {
+        self.broken.get_or_insert(why.clone());
+        self.fail_all(KvError::Aborted(format!("an earlier failure: {why}")));
+    }
+
     /// The time is `now`: a call past its deadline fails, and with it the store.
     pub(crate) fn on_time(&mut self, now: Instant) {
         if self.live.values().any(|c| now >= c.deadline) {

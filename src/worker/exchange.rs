@@ -61,7 +61,7 @@ impl Links {
     /// Marks the store unusable after a failure outside a call (the scheduler lost, a barrier
     /// timed out), failing the calls in flight; returns `e` for the caller.
     pub(crate) fn fail(&mut self, e: KvError) -> KvError {
-        self.calls.on_fatal(KvError::Aborted(e.to_string()));
+        self.calls.abort(e.to_string());
         e
     }
 
