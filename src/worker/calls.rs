@@ -360,9 +360,6 @@ impl<G: Clone> Calls<G> {
     fn end(&mut self, id: CallId, mut c: Call<G>, result: Result<()>) {
         for (i, g) in c.grants.iter_mut().enumerate() {
             let answered = c.answered[i];
-            if !answered {
-                self.by_req.remove(&c.reqs[i].msg.req_id);
-            }
             let Some(grant) = g.take() else {
                 continue;
             };

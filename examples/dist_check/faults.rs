@@ -1,0 +1,294 @@
+//! The scenarios of bad input and faults (refused calls, garbage on the wire, a killed
+//! peer, a stalled job, a late answer), and of what the transport copies.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use kvstore::{DType, KVStore, KvError, NDArray};
+
+use crate::{expect_vals, fail, ok, pulled, SHAPE};
+
+pub(crate) fn errors(kv: &mut KVStore) {
+    ok("init", kv.init(3, &NDArray::ones(&SHAPE)));
+    let checks: Vec<(&str, kvstore::Result<()>)> = vec![
+        ("wrong shape", kv.push(3, &NDArray::ones(&[3, 2]))),
+        (
+            "wrong dtype",
+            kv.push(3, &NDArray::full_dtype(&SHAPE, 1.0, DType::F64)),
+        ),
+        ("unknown key", kv.push(99, &NDArray::ones(&SHAPE))),
+        ("double init", kv.init(3, &NDArray::ones(&SHAPE))),
+        ("pull wrong shape", kv.pull(3, &mut NDArray::zeros(&[6]))),
+        ("pull unknown", kv.pull(98, &mut NDArray::zeros(&SHAPE))),
+        ("lengths", kv.push([3, 3], &vec![NDArray::ones(&SHAPE); 3])),
+    ];
+    for (what, r) in checks {
+        match r {
+            Err(e) => println!("refused {what}: {e}"),
+            Ok(()) => fail(format!("{what} was accepted")),
+        }
+    }
+    expect_vals(
+        "value intact after refusals",
+        &pulled(kv, 3, &SHAPE, DType::F32),
+        &[1.0; 6],
+    );
+    let w = kv.num_workers() as f64;
+    let want = if kv.r#type() == "dist_async" {
+        ok("updater", kv.set_server_updater("add"));
+        1.0 + w
+    } else {
+        w
+    };
+    ok("push", kv.push(3, &NDArray::ones(&SHAPE)));
+    ok("barrier", kv.barrier());
+    expect_vals(
+        "store still works",
+        &pulled(kv, 3, &SHAPE, DType::F32),
+        &[want; 6],
+    );
+}
+
+fn send_raw(addr: std::net::SocketAddr, bytes: &[u8]) -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(5)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    // The server must close the connection: read returns 0 (or an error), not a hang.
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => {
+                return e.kind() != std::io::ErrorKind::WouldBlock
+                    && e.kind() != std::io::ErrorKind::TimedOut
+            }
+        }
+    }
+}
+
+pub(crate) fn garbage(kv: &mut KVStore) {
+    ok("init", kv.init(3, &NDArray::ones(&SHAPE)));
+    if kv.rank() == 0 {
+        let header = |payload_len: u64, op: u16| {
+            let mut h = [0u8; 128];
+            h[0..4].copy_from_slice(b"KVST");
+            h[4..6].copy_from_slice(&1u16.to_le_bytes());
+            h[8..16].copy_from_slice(&payload_len.to_le_bytes());
+            h[16..18].copy_from_slice(&op.to_le_bytes());
+            h
+        };
+        let mut cases: Vec<(&str, Vec<u8>)> = vec![
+            ("bad magic", vec![0x42; 300]),
+            ("oversize length", header(u64::MAX / 2, 10).to_vec()),
+            ("truncated header", header(0, 1)[..60].to_vec()),
+            ("push before hello", header(24, 10).to_vec()),
+            ("unknown op", header(0, 999).to_vec()),
+        ];
+        let mut wrong_secret = header(5, 1).to_vec();
+        wrong_secret.extend_from_slice(b"guess");
+        cases.push(("wrong secret", wrong_secret));
+        let mut bad_version = header(0, 1);
+        bad_version[4] = 9;
+        cases.push(("version skew", bad_version.to_vec()));
+        for addr in kv.server_addrs() {
+            for (what, bytes) in &cases {
+                if !send_raw(addr, bytes) {
+                    fail(format!(
+                        "server {addr} did not close the connection after {what}"
+                    ));
+                }
+            }
+        }
+        println!("every malformed connection was closed");
+    }
+    ok("barrier", kv.barrier());
+    ok("push", kv.push(3, &NDArray::ones(&SHAPE)));
+    expect_vals(
+        "served after garbage",
+        &pulled(kv, 3, &SHAPE, DType::F32),
+        &[kv.num_workers() as f64; 6],
+    );
+}
+
+/// Copies made by the shared-memory transport, counted: none to push an array from
+/// `kv.alloc`, one to push another; none here to pull into an array from `kv.alloc` (the server
+/// writes it, once), one to pull into another.
+pub(crate) fn zerocopy(kv: &mut KVStore) {
+    let shm = kv.transports().iter().all(|t| *t == "shm");
+    let w = kv.num_workers() as f64;
+    let n = 1 << 16;
+    ok("init", kv.init(0, &NDArray::zeros(&[n])));
+    let mut a = ok("alloc", kv.alloc(&[n], DType::F32));
+    if shm != a.is_shared_memory() {
+        fail(format!(
+            "alloc in shared memory: {} with transports {:?}",
+            a.is_shared_memory(),
+            kv.transports()
+        ));
+    }
+    a.fill(kv.rank() as f64 + 1.0);
+    let before = kv.transport_copies();
+    ok("push alloc", kv.push(0, &a));
+    let after_alloc = kv.transport_copies();
+    ok("push heap", kv.push(0, &NDArray::full(&[n], 1.0)));
+    let after_heap = kv.transport_copies();
+    let mut out = ok("alloc out", kv.alloc(&[n], DType::F32));
+    ok("pull alloc", kv.pull(0, &mut out));
+    let after_pull_alloc = kv.transport_copies();
+    let mut hout = NDArray::zeros(&[n]);
+    ok("pull heap", kv.pull(0, &mut hout));
+    let after_pull_heap = kv.transport_copies();
+    expect_vals("pull into alloc", &out, &vec![w; n]);
+    expect_vals("pull into heap", &hout, &vec![w; n]);
+    let d = |x: (u64, u64), y: (u64, u64)| (y.0 - x.0, y.1 - x.1);
+    let counts = [
+        d(before, after_alloc),
+        d(after_alloc, after_heap),
+        d(after_heap, after_pull_alloc),
+        d(after_pull_alloc, after_pull_heap),
+    ];
+    let bytes = (n * 4) as u64;
+    let want = if shm && kv.cross_memory() {
+        // The server writes a pull into any output itself: nothing is copied here.
+        [(0, 0), (1, bytes), (0, 0), (0, 0)]
+    } else if shm {
+        [(0, 0), (1, bytes), (0, 0), (1, bytes)]
+    } else {
+        [(0, 0); 4]
+    };
+    if counts != want {
+        fail(format!(
+            "copies (count, bytes) per step {counts:?}, want {want:?}"
+        ));
+    }
+    println!("cross-memory attach: {}", kv.cross_memory());
+    println!("copies per step: push alloc {:?}, push other {:?}, pull into alloc {:?}, pull into other {:?}", counts[0], counts[1], counts[2], counts[3]);
+}
+
+/// Rank 1 dies abruptly after init; the others keep calling until they get an error.
+pub(crate) fn die(kv: &mut KVStore) {
+    ok("init", kv.init(3, &NDArray::ones(&SHAPE)));
+    if kv.rank() == 1 {
+        std::process::abort();
+    }
+    println!("ready");
+    let _ = std::io::stdout().flush();
+    for _ in 0..100_000 {
+        if let Err(e) = kv.push(3, &NDArray::ones(&SHAPE)) {
+            println!("worker {} stopped: {e}", kv.rank());
+            std::process::exit(4);
+        }
+        let mut out = NDArray::zeros(&SHAPE);
+        if let Err(e) = kv.pull(3, &mut out) {
+            println!("worker {} stopped: {e}", kv.rank());
+            std::process::exit(4);
+        }
+    }
+    fail("no error after a worker died".into());
+}
+
+/// Keeps pushing and pulling until an error, and reports its kind (for the server-loss test).
+pub(crate) fn until_error(kv: &mut KVStore) {
+    ok("init", kv.init(3, &NDArray::ones(&SHAPE)));
+    println!("ready");
+    let _ = std::io::stdout().flush();
+    loop {
+        let r = kv
+            .push(3, &NDArray::ones(&SHAPE))
+            .and_then(|_| kv.pull(3, &mut NDArray::zeros(&SHAPE)));
+        if let Err(e) = r {
+            let kind = match e {
+                KvError::PeerLost(_) => "PeerLost",
+                KvError::Aborted(_) => "Aborted",
+                KvError::Timeout { .. } => "Timeout",
+                _ => "Other",
+            };
+            println!("error kind {kind}: {e}");
+            // A store that lost a peer refuses further calls instead of hanging.
+            match kv.pull(3, &mut NDArray::zeros(&SHAPE)) {
+                Err(_) => println!("later call refused"),
+                Ok(()) => fail("a later call succeeded on a broken store".into()),
+            }
+            std::process::exit(5);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Rank 1 never pushes: rank 0's push must time out (KVSTORE_TIMEOUT), not hang.
+pub(crate) fn stall(kv: &mut KVStore) {
+    ok("init", kv.init(3, &NDArray::ones(&SHAPE)));
+    if kv.rank() == 1 {
+        std::thread::sleep(Duration::from_secs(60));
+        std::process::exit(0);
+    }
+    match kv.push(3, &NDArray::ones(&SHAPE)) {
+        Err(KvError::Timeout { .. }) => {
+            println!("timed out as configured");
+            std::process::exit(6);
+        }
+        other => fail(format!("expected a timeout, got {other:?}")),
+    }
+}
+
+/// The late-answer reproduction: rank 0's pushpull times out because rank 1 pushes late. The
+/// outputs rank 0 got back, and memory it allocates afterwards (heap arrays, which malloc hands
+/// out at the freed addresses, and pool arrays), must never receive the late answer.
+pub(crate) fn late(kv: &mut KVStore) {
+    const N: usize = 1000;
+    let secs: f64 = std::env::var("KVSTORE_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2.0);
+    ok("init 9", kv.init(9, &NDArray::zeros(&[N])));
+    ok("init 10", kv.init(10, &NDArray::zeros(&[N])));
+    if kv.rank() == 1 {
+        std::thread::sleep(Duration::from_secs_f64(secs * 2.0));
+        let mut outs = [NDArray::zeros(&[N]), NDArray::zeros(&[N])];
+        let ones = [NDArray::ones(&[N]), NDArray::ones(&[N])];
+        ok(
+            "the late pushpull",
+            kv.pushpull(&[9, 10][..], &ones[..], &mut outs[..]),
+        );
+        // Rank 0's push was in the round before it timed out: both pushes are summed.
+        expect_vals("the round rank 0 left", &outs[0], &[2.0; N]);
+        println!("late round done");
+        return;
+    }
+    let heap_out = NDArray::zeros(&[N]);
+    let pool_out = ok("alloc", kv.alloc(&[N], DType::F32));
+    let pushed = NDArray::ones(&[N]);
+    let mut outs = vec![heap_out, pool_out];
+    match kv.pushpull(&[9, 10][..], &[pushed.clone(), pushed][..], &mut outs[..]) {
+        Err(KvError::Timeout { .. }) => println!("timed out as configured"),
+        other => fail(format!("expected a timeout, got {other:?}")),
+    }
+    // What the caller holds now is its own: fill it, drop one, allocate more of the same size.
+    let mut pool_out = outs.pop().unwrap_or_else(|| fail("outputs".into()));
+    pool_out.fill(-7.0);
+    drop(outs);
+    let fresh: Vec<NDArray> = (0..64).map(|_| NDArray::full(&[N], -7.0)).collect();
+    let fresh_pool: Vec<NDArray> = (0..8)
+        .map(|_| {
+            let mut a = ok("alloc after failure", kv.alloc(&[N], DType::F32));
+            a.fill(-7.0);
+            a
+        })
+        .collect();
+    // The round completes (rank 1 pushes at 2 x timeout) and its answers go out meanwhile.
+    std::thread::sleep(Duration::from_secs_f64(secs * 2.0 + 2.0));
+    expect_vals(
+        "an output given back by a failed call",
+        &pool_out,
+        &[-7.0; N],
+    );
+    for a in fresh.iter().chain(&fresh_pool) {
+        expect_vals("memory allocated after a failed call", a, &[-7.0; N]);
+    }
+    println!("no late write landed");
+}
