@@ -66,6 +66,9 @@ pub struct Config {
     pub transport: TransportChoice,
     /// Bytes of a worker's shared-memory pool (`KVSTORE_SHM_POOL`; reserved, touched as used).
     pub shm_pool_bytes: usize,
+    /// Bytes a server may hold in receive slots, which workers put their pushes into
+    /// (`KVSTORE_SLOT_BYTES`); pushes beyond it go as messages.
+    pub slot_bytes: usize,
 }
 
 /// Which transport a worker uses for servers on its host (`KVSTORE_TRANSPORT`).
@@ -342,9 +345,14 @@ impl Config {
             Some(v) => parse("KVSTORE_SHM_POOL", &v)?,
             None => 1usize << 30,
         };
+        let slot_bytes = match get(env, "KVSTORE_SLOT_BYTES") {
+            Some(v) => parse("KVSTORE_SLOT_BYTES", &v)?,
+            None => 256usize << 20,
+        };
         Ok(Config {
             transport,
             shm_pool_bytes,
+            slot_bytes,
             role: p.role,
             root: p.root,
             num_servers: p.num_servers,

@@ -132,6 +132,18 @@ impl KVStore {
         }
     }
 
+    /// How many pushes (of key slices) this store put straight into a server's receive slot,
+    /// rather than sending them as messages: every push of a slice after its first, while the
+    /// servers' slot budgets (`KVSTORE_SLOT_BYTES`) have room, except where the medium moves
+    /// the data by reference anyway (an array from [`KVStore::alloc`] over shared memory).
+    /// Zero for local stores.
+    pub fn slot_puts(&self) -> u64 {
+        match &self.inner {
+            Inner::Local(_) => 0,
+            Inner::Dist(d) => d.slot_puts(),
+        }
+    }
+
     /// Where the servers of a distributed store listen, by rank (empty for local stores).
     /// For diagnostics and tools.
     pub fn server_addrs(&self) -> Vec<std::net::SocketAddr> {

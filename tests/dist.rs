@@ -484,3 +484,40 @@ fn shared_memory_copies_are_counted_and_nothing_is_left_in_dev_shm() {
         "segments are anonymous (memfd): nothing may stay under /dev/shm"
     );
 }
+
+#[test]
+fn pushes_after_the_first_are_put_into_receive_slots_within_the_budget() {
+    for (w, s) in [(1, 1), (2, 2), (3, 2)] {
+        let env = [("KVSTORE_BIGARRAY_BOUND", "1000")];
+        let runs = kvrun_check(w, s, "slots", "dist_sync", &env);
+        assert_jobs_ok(&runs, w, "slots");
+        // No room for slots: every push is a message, and every value is still right.
+        let env = [
+            ("KVSTORE_BIGARRAY_BOUND", "1000"),
+            ("KVSTORE_SLOT_BYTES", "0"),
+        ];
+        let runs = kvrun_check(w, s, "slots", "dist_sync", &env);
+        assert_jobs_ok(&runs, w, "slots");
+    }
+    // Room for one slot: the small key's (400 bytes) for the worker whose first push reached
+    // its server first; the big key's slices (10000 bytes) never fit. So the job puts 3
+    // pushes in all (and, over TCP, the kv.alloc push too).
+    let env = [
+        ("KVSTORE_BIGARRAY_BOUND", "1000"),
+        ("KVSTORE_SLOT_BYTES", "400"),
+    ];
+    for (t, runs) in TRANSPORTS
+        .iter()
+        .zip(kvrun_check(2, 2, "slots", "dist_sync", &env))
+    {
+        assert_job_ok(&runs, 2, "slots");
+        let total: u64 = runs
+            .stdout
+            .lines()
+            .filter_map(|l| l.split("slot puts ").nth(1))
+            .flat_map(|c| c.split(" + ").map(|n| n.trim().parse::<u64>().unwrap()))
+            .sum();
+        let want = if *t == "tcp" { 4 } else { 3 };
+        assert_eq!(total, want, "over {t}\n{}", runs.all());
+    }
+}

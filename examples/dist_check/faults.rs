@@ -292,3 +292,70 @@ pub(crate) fn late(kv: &mut KVStore) {
     }
     println!("no late write landed");
 }
+
+/// Pushes put into the servers' receive slots: the first push of each key slice is a message
+/// whose reply brings the slot, every later one a put (push and pushpull alike), unless the
+/// slot budget (`KVSTORE_SLOT_BYTES=0`) allows none; pushes of a `kv.alloc` array over shared
+/// memory go by reference instead. Every value is checked, and the counts where the budget is
+/// the default or none (with another budget the test adds up every worker's counts).
+pub(crate) fn slots(kv: &mut KVStore) {
+    let shm = kv.transports().iter().all(|t| *t == "shm");
+    let budget = std::env::var("KVSTORE_SLOT_BYTES").ok();
+    let none = budget.as_deref() == Some("0");
+    let exact = none || budget.is_none();
+    let (w, r) = (kv.num_workers() as f64, kv.rank() as f64);
+    // Key 5 lives on one server; key 6 (over the bound the test sets) is sliced over all.
+    let (small, big) = (100, 5000);
+    ok(
+        "init",
+        kv.init([5, 6], &[NDArray::zeros(&[small]), NDArray::zeros(&[big])]),
+    );
+    let parts = 1 + kv.server_addrs().len() as u64;
+    let before = kv.slot_puts();
+    for round in 0..4u32 {
+        let g = |n: usize| NDArray::full(&[n], (r + 1.0) * (round + 1) as f64);
+        let want = (round + 1) as f64 * w * (w + 1.0) / 2.0;
+        let vals = [g(small), g(big)];
+        if round % 2 == 0 {
+            ok("push", kv.push([5, 6], &vals));
+            expect_vals(
+                "pulled",
+                &pulled(kv, 5, &[small], DType::F32),
+                &vec![want; small],
+            );
+            expect_vals(
+                "pulled",
+                &pulled(kv, 6, &[big], DType::F32),
+                &vec![want; big],
+            );
+        } else {
+            let mut outs = [NDArray::zeros(&[small]), NDArray::zeros(&[big])];
+            ok("pushpull", kv.pushpull([5, 6], &vals, &mut outs));
+            expect_vals("pushpull", &outs[0], &vec![want; small]);
+            expect_vals("pushpull", &outs[1], &vec![want; big]);
+        }
+        kv.barrier()
+            .unwrap_or_else(|e| fail(format!("barrier: {e}")));
+    }
+    let puts = kv.slot_puts() - before;
+    let want = if none { 0 } else { 3 * parts };
+    if exact && puts != want {
+        fail(format!("{puts} slot puts in 4 rounds, want {want}"));
+    }
+    let mut a = ok("alloc", kv.alloc(&[small], DType::F32));
+    a.fill(1.0);
+    ok("push alloc", kv.push(5, &a));
+    expect_vals(
+        "pulled",
+        &pulled(kv, 5, &[small], DType::F32),
+        &vec![w; small],
+    );
+    let alloc_puts = kv.slot_puts() - before - puts;
+    let want = if none || shm { 0 } else { 1 };
+    if exact && alloc_puts != want {
+        fail(format!(
+            "{alloc_puts} slot puts for a kv.alloc push, want {want}"
+        ));
+    }
+    println!("slot puts {puts} + {alloc_puts}");
+}

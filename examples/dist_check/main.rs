@@ -7,7 +7,7 @@ use kvstore::{cpu, create, DType, KVStore, KvError, NDArray, Optimizer};
 
 mod faults;
 
-use faults::{die, errors, garbage, late, stall, until_error, zerocopy};
+use faults::{die, errors, garbage, late, slots, stall, until_error, zerocopy};
 
 const SHAPE: [usize; 2] = [2, 3];
 
@@ -321,6 +321,7 @@ fn main() {
         "stall" => stall(&mut kv),
         "late" => late(&mut kv),
         "zerocopy" => zerocopy(&mut kv),
+        "slots" => slots(&mut kv),
         other => fail(format!("unknown scenario {other}")),
     }
     println!("{scenario} ok rank {} of {}", kv.rank(), kv.num_workers());

@@ -4,7 +4,9 @@
 //! reordered across peers only), and peers that die or stall.
 //!
 //! The harness is the transport: it grants destinations, carries requests, puts and replies,
-//! and completes data sends. It checks what the real backends guarantee and what the
+//! and completes data sends. Workers put pushes into the servers' receive slots when they hold
+//! a slot's credit (on a coin toss, as a real loop sends by reference where the medium
+//! allows), so both paths of a push run, and the servers' slot budgets vary. It checks what the real backends guarantee and what the
 //! machines must never do: a put lands only in a live grant, and never in an output whose
 //! call is over (the machine must release or revoke every grant of a call before the call can
 //! be taken).
@@ -15,9 +17,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::protocol::{Msg, Op};
+use crate::protocol::{flags, slot_imm, Msg, Op};
+use crate::server::slots::{PutAction, Slots};
 use crate::server::state::{Input, Payload, ServerState};
-use crate::worker::calls::{Action, CallId, Calls, Request};
+use crate::worker::calls::{Action, CallId, Calls, Request, SlotUse};
 use crate::{DType, NDArray};
 
 /// A request from worker `w` to server `s`: its header, data, grant and text.
@@ -39,11 +42,21 @@ enum Packet {
         grant: u64,
         bytes: Vec<u8>,
     },
+    /// A push's data put into server `s`'s receive slot `grant`.
+    SlotPut {
+        w: usize,
+        s: usize,
+        grant: u64,
+        bytes: Vec<u8>,
+        imm: u32,
+        token: u64,
+    },
     Reply {
         w: usize,
         s: usize,
         msg: Msg,
         text: Vec<u8>,
+        slot: Option<u64>,
     },
     /// A request's data was taken: the worker's send completes.
     SendDone {
@@ -85,6 +98,9 @@ pub(crate) struct SimServer {
     pub(crate) stall: Duration,
     /// Grants that pull requests carried, until the answer goes out.
     grants: HashMap<(usize, u64), u64>,
+    /// Receive slots (named by their grant), and their bytes.
+    slots: Slots<u64>,
+    slot_mem: HashMap<u64, Vec<u8>>,
 }
 
 /// A job: workers, servers and the messages between them.
@@ -103,11 +119,21 @@ pub(crate) struct Job {
     pub(crate) delay: Range<u64>,
     /// Puts that found their grant revoked (late answers the transport refused).
     pub(crate) late_refused: u64,
+    /// Pushes put into receive slots.
+    pub(crate) slot_puts: u64,
 }
 
 impl Job {
-    /// `w` workers and `s` servers, in sync or async mode; calls time out after `timeout`.
-    pub(crate) fn new(seed: u64, w: usize, s: usize, sync: bool, timeout: Duration) -> Job {
+    /// `w` workers and `s` servers, in sync or async mode, with `slot_bytes` of receive slots
+    /// each; calls time out after `timeout`.
+    pub(crate) fn new(
+        seed: u64,
+        w: usize,
+        s: usize,
+        sync: bool,
+        slot_bytes: usize,
+        timeout: Duration,
+    ) -> Job {
         Job {
             rng: fastrand::Rng::with_seed(seed),
             now: Instant::now(),
@@ -123,6 +149,8 @@ impl Job {
                     alive: true,
                     stall: Duration::ZERO,
                     grants: HashMap::new(),
+                    slots: Slots::new(slot_bytes),
+                    slot_mem: HashMap::new(),
                 })
                 .collect(),
             queue: BTreeMap::new(),
@@ -132,6 +160,7 @@ impl Job {
             next_grant: 1,
             delay: 1..200,
             late_refused: 0,
+            slot_puts: 0,
         }
     }
 
@@ -173,12 +202,34 @@ impl Job {
         let Some((r, _)) = self.workers[w].calls.request(call, req) else {
             return;
         };
-        let (s, msg, text) = (r.server, r.msg, r.text.clone());
-        let data = r
+        let (s, mut msg, text, dest) = (r.server, r.msg, r.text.clone(), r.dest.clone());
+        let mut data = r
             .data
             .as_ref()
             .map(|(v, range)| v.as_bytes()[range.clone()].to_vec());
-        let grant = r.dest.clone().map(|(out, range)| {
+        let slot = self.workers[w].calls.slot(call, req);
+        if let (SlotUse::Put(grant), Some(bytes), true) = (slot, &mut data, self.rng.u8(..) < 200) {
+            let bytes = std::mem::take(bytes);
+            let imm = slot_imm(msg.req_id, msg.op == Op::PushPull);
+            self.workers[w].calls.on_put(call, req, token);
+            self.slot_puts += 1;
+            let p = Packet::SlotPut {
+                w,
+                s,
+                grant,
+                bytes,
+                imm,
+                token,
+            };
+            self.send(w, s, true, p);
+            if msg.op == Op::Push {
+                self.workers[w].calls.on_sent(call, req, None, token);
+                return;
+            }
+            msg.flags |= flags::SLOT;
+            data = None;
+        }
+        let grant = dest.map(|(out, range)| {
             let id = self.next_grant;
             self.next_grant += 1;
             self.grants.insert(
@@ -246,9 +297,23 @@ impl Job {
         match p {
             Packet::Request(r) => self.serve(r),
             Packet::Put { w, grant, bytes } => self.put(w, grant, &bytes),
-            Packet::Reply { w, s, msg, text } => {
+            Packet::SlotPut {
+                w,
+                s,
+                grant,
+                bytes,
+                imm,
+                token,
+            } => self.slot_put(w, s, grant, bytes, imm, token),
+            Packet::Reply {
+                w,
+                s,
+                msg,
+                text,
+                slot,
+            } => {
                 if self.workers[w].alive {
-                    self.workers[w].calls.on_reply(s, &msg, &text);
+                    self.workers[w].calls.on_reply(s, &msg, &text, slot);
                     self.actions(w);
                 }
             }
@@ -269,6 +334,9 @@ impl Job {
                     let st = &mut self.servers[s].state;
                     st.worker_lost(&format!("worker {w} disconnected"));
                     st.forget_peer(w);
+                    for g in self.servers[s].slots.drop_peer(w) {
+                        self.servers[s].slot_mem.remove(&g);
+                    }
                     self.route(s);
                 }
             }
@@ -291,7 +359,25 @@ impl Job {
         if let Some(g) = grant {
             self.servers[s].grants.insert((w, msg.req_id), g);
         }
-        let mut input = match &data {
+        let srv = &mut self.servers[s];
+        let slot_data;
+        let data = if msg.flags & flags::SLOT != 0 {
+            let g = *srv
+                .slots
+                .on_slot_msg(w, &msg)
+                .unwrap_or_else(|e| panic!("a worker broke the slot protocol: {e}"));
+            slot_data = srv.slot_mem[&g].clone();
+            Some(&slot_data)
+        } else {
+            if let Some(bytes) = srv.slots.on_push(w, &msg) {
+                let id = self.next_grant;
+                self.next_grant += 1;
+                srv.slot_mem.insert(id, vec![0; bytes]);
+                srv.slots.add(w, &msg, id, id);
+            }
+            data.as_ref()
+        };
+        let mut input = match data {
             Some(d) => NDArray::from_bytes(&[msg.len as usize], msg.dtype, d),
             None => NDArray::from_bytes(&[text.len()], DType::U8, &text),
         }
@@ -299,17 +385,40 @@ impl Job {
         self.servers[s]
             .state
             .handle(w, w, &msg, Input::Owned(&mut input));
-        if data.is_some() {
+        if data.is_some() && msg.flags & flags::SLOT == 0 {
             self.send(w, s, false, Packet::SendDone { w, token });
         }
         self.route(s);
     }
 
+    /// A push's data lands in server `s`'s slot `grant`, which must be this worker's and
+    /// credited; the put completes at the worker, and a push is served.
+    fn slot_put(&mut self, w: usize, s: usize, grant: u64, bytes: Vec<u8>, imm: u32, token: u64) {
+        if !self.servers[s].alive {
+            return;
+        }
+        let srv = &mut self.servers[s];
+        let (action, _) = srv
+            .slots
+            .on_put(w, grant, 0, bytes.len(), imm)
+            .unwrap_or_else(|e| panic!("a worker broke the slot protocol: {e}"));
+        srv.slot_mem.insert(grant, bytes);
+        self.send(w, s, false, Packet::SendDone { w, token });
+        if let PutAction::Push(m) = action {
+            let srv = &mut self.servers[s];
+            let mut input = NDArray::from_bytes(&[m.len as usize], m.dtype, &srv.slot_mem[&grant])
+                .expect("a slot's bytes match its header");
+            srv.state.handle(w, w, &m, Input::Owned(&mut input));
+            self.route(s);
+        }
+    }
+
     /// Sends what server `s` answered: a value's put into its grant, then the reply.
     fn route(&mut self, s: usize) {
         let outs: Vec<_> = self.servers[s].state.outbox.drain(..).collect();
-        for o in outs {
+        for mut o in outs {
             let w = o.to;
+            let slot = self.servers[s].slots.on_reply(w, &mut o.msg).copied();
             let grant = self.servers[s].grants.remove(&(w, o.msg.req_id));
             if let (Payload::Array(a), Some(grant)) = (&o.payload, grant) {
                 let bytes = a.as_bytes().to_vec();
@@ -329,6 +438,7 @@ impl Job {
                     s,
                     msg: o.msg,
                     text,
+                    slot,
                 },
             );
         }

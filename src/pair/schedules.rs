@@ -25,6 +25,9 @@ enum Kind {
     Push,
     Pull,
     PushPull,
+    /// A push of zeros just before another push of the same keys (dist_async): two pushes of
+    /// a key slice in flight at once, so the second finds the slot's credit spent.
+    PushZero,
 }
 
 #[derive(Clone, Debug)]
@@ -92,6 +95,9 @@ fn plan(rng: &mut fastrand::Rng, c: &Config) -> Plan {
             while !keys.is_empty() {
                 let n = rng.usize(1..=keys.len());
                 let group: Vec<usize> = keys.drain(..n).collect();
+                if !c.sync && rng.u8(..) < 64 {
+                    calls.push((Kind::PushZero, group.clone(), r));
+                }
                 if rng.bool() {
                     calls.push((Kind::PushPull, group, r));
                 } else {
@@ -164,18 +170,25 @@ impl Run<'_> {
     fn start(&mut self, w: usize, kind: Kind, keys: &[usize], r: usize) -> CallId {
         let reqs = match kind {
             Kind::Pull => pull_requests(keys.iter().map(|k| &self.infos[*k])),
-            Kind::Push | Kind::PushPull => {
-                let op = if kind == Kind::Push {
-                    Op::Push
-                } else {
+            Kind::Push | Kind::PushPull | Kind::PushZero => {
+                let op = if kind == Kind::PushPull {
                     Op::PushPull
+                } else {
+                    Op::Push
+                };
+                let g = |k| {
+                    if kind == Kind::PushZero {
+                        0.0
+                    } else {
+                        grad(w, r, k)
+                    }
                 };
                 let items = keys
                     .iter()
                     .enumerate()
                     .map(|(i, k)| {
-                        let v = NDArray::full(&[self.p.sizes[*k]], grad(w, r, *k));
-                        self.progs[w].pushed[*k] += grad(w, r, *k);
+                        let v = NDArray::full(&[self.p.sizes[*k]], g(*k));
+                        self.progs[w].pushed[*k] += g(*k);
                         let dest = (kind == Kind::PushPull).then_some(i);
                         (&self.infos[*k], v, dest)
                     })
@@ -184,7 +197,7 @@ impl Run<'_> {
             }
         };
         let outs = match kind {
-            Kind::Push => Vec::new(),
+            Kind::Push | Kind::PushZero => Vec::new(),
             _ => keys
                 .iter()
                 .map(|k| NDArray::full(&[self.p.sizes[*k]], -1.0))
@@ -285,7 +298,7 @@ impl Run<'_> {
         if let Err(e) = f.result {
             return self.fail(w, e);
         }
-        if kind == Kind::Push {
+        if matches!(kind, Kind::Push | Kind::PushZero) {
             return;
         }
         assert_eq!(f.outputs.len(), keys.len());
@@ -356,11 +369,25 @@ impl Run<'_> {
     }
 }
 
-/// Runs one seeded schedule to its end; returns the late answers refused and the errors seen.
-fn run(c: &Config, seed: u64) -> (u64, Vec<String>, Fault) {
+/// What one schedule did.
+struct Outcome {
+    late_refused: u64,
+    slot_puts: u64,
+    errors: Vec<String>,
+    fault: Fault,
+}
+
+/// Runs one seeded schedule to its end.
+fn run(c: &Config, seed: u64) -> Outcome {
     let mut rng = fastrand::Rng::with_seed(seed);
     let p = plan(&mut rng, c);
-    let job = Job::new(seed, c.w, c.s, c.sync, TIMEOUT);
+    // Room for every slot, or for few (pushes beyond them go as messages).
+    let slot_bytes = if rng.bool() {
+        1 << 20
+    } else {
+        rng.usize(0..400)
+    };
+    let job = Job::new(seed, c.w, c.s, c.sync, slot_bytes, TIMEOUT);
     let infos = p
         .sizes
         .iter()
@@ -425,21 +452,29 @@ fn run(c: &Config, seed: u64) -> (u64, Vec<String>, Fault) {
     }
     // What is still in flight arrives (late answers included) and must land nowhere.
     while run.job.step() {}
-    (run.job.late_refused, run.errors, run.p.fault)
+    Outcome {
+        late_refused: run.job.late_refused,
+        slot_puts: run.job.slot_puts,
+        errors: run.errors,
+        fault: run.p.fault,
+    }
 }
 
 fn many(c: Config) {
     let mut late = 0;
     let mut lost = 0;
     let mut timeouts = 0;
+    let mut slot_puts = 0;
     for seed in 0..1000u64 {
-        let (l, errors, fault) = run(&c, seed * 7919 + c.w as u64 * 31 + c.s as u64);
-        late += l;
-        if matches!(fault, Fault::KillServer(_)) {
-            lost += errors.iter().any(|e| e.contains("server")) as u32;
+        let o = run(&c, seed * 7919 + c.w as u64 * 31 + c.s as u64);
+        late += o.late_refused;
+        slot_puts += o.slot_puts;
+        if matches!(o.fault, Fault::KillServer(_)) {
+            lost += o.errors.iter().any(|e| e.contains("server")) as u32;
         }
-        timeouts += errors.iter().any(|e| e.contains("timed out")) as u32;
+        timeouts += o.errors.iter().any(|e| e.contains("timed out")) as u32;
     }
+    assert!(slot_puts > 0, "no push was put into a receive slot");
     // The faults really happened: servers were lost mid-call, and stalled servers' answers
     // came after their calls had timed out.
     assert!(lost > 0, "no schedule lost a server mid-call");

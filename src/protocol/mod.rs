@@ -2,12 +2,17 @@
 //!
 //! ```text
 //! meta (112 bytes, little-endian):
-//! 0 op u16 | 2 status u16 | 4 dtype u8 | 5 ndim u8 | 6 reserved u16 | 8 sender u32 | 12 reserved u32
+//! 0 op u16 | 2 status u16 | 4 dtype u8 | 5 ndim u8 | 6 flags u16 | 8 sender u32 | 12 reserved u32
 //! 16 request id u64 | 24 key u64 | 32 total elements u64 | 40 range start u64 | 48 range length u64
 //! 56 shape: 7 x u64
 //! ```
 //! A data frame's payload is `range length` elements of `dtype`, raw; a control frame's payload
 //! is short text (addresses, names, error messages) or eight f64 (optimizer parameters).
+//!
+//! Receive slots ([`flags::SLOT`]): a server's reply to a push may grant the worker a slot (the
+//! grant follows the header) that its next push of the same key slice is put into, once; that
+//! push is then one put whose immediate is the request id ([`slot_imm`]), and for a pushpull
+//! also a message with [`flags::SLOT`] set, carrying the pull's destination and no data.
 
 pub mod shard;
 
@@ -102,6 +107,28 @@ pub mod status {
     pub const PEER_LOST: u16 = 5;
 }
 
+/// Bits of [`Msg::flags`].
+pub mod flags {
+    /// On a push or pushpull: its data was put into the worker's receive slot. On a reply: a
+    /// receive slot for the next push of this key slice follows the header.
+    pub const SLOT: u16 = 1;
+    /// Every bit a message may carry.
+    pub const ALL: u16 = SLOT;
+}
+
+/// The bit of a slot put's immediate that says a message follows (a pushpull's, with its
+/// destination); the other 31 bits are the request id.
+pub const IMM_FOLLOWS: u32 = 1 << 31;
+
+/// Request ids stay below this, so that a slot put's immediate carries them whole.
+pub const MAX_REQ_ID: u64 = IMM_FOLLOWS as u64;
+
+/// The immediate of a slot put for request `req_id` (below [`MAX_REQ_ID`]); `follows`: a
+/// message comes after it.
+pub fn slot_imm(req_id: u64, follows: bool) -> u32 {
+    (req_id as u32 & !IMM_FOLLOWS) | if follows { IMM_FOLLOWS } else { 0 }
+}
+
 /// Node roles as carried in a hello.
 pub mod role {
     /// A server.
@@ -121,6 +148,8 @@ pub struct Msg {
     pub dtype: DType,
     /// Dimensions used in `shape`.
     pub ndim: u8,
+    /// Bits of [`flags`].
+    pub flags: u16,
     /// The sender's rank (or a rank hint in a hello).
     pub sender: u32,
     /// Request id, echoed by the reply.
@@ -145,6 +174,7 @@ impl Msg {
             status: 0,
             dtype: DType::U8,
             ndim: 0,
+            flags: 0,
             sender: 0,
             req_id: 0,
             key: 0,
@@ -162,6 +192,7 @@ impl Msg {
         b[2..4].copy_from_slice(&self.status.to_le_bytes());
         b[4] = self.dtype.code();
         b[5] = self.ndim;
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..12].copy_from_slice(&self.sender.to_le_bytes());
         let words = [self.req_id, self.key, self.total, self.start, self.len];
         for (i, w) in words.iter().chain(self.shape.iter()).enumerate() {
@@ -193,6 +224,10 @@ impl Msg {
         if ndim as usize > MAX_NDIM {
             return Err(KvError::Protocol(format!("ndim {ndim} > {MAX_NDIM}")));
         }
+        let fl = u16_at(6);
+        if fl & !flags::ALL != 0 {
+            return Err(KvError::Protocol(format!("unknown flags {fl:#x}")));
+        }
         let mut shape = [0u64; MAX_NDIM];
         for (i, s) in shape.iter_mut().enumerate() {
             *s = u64_at(56 + 8 * i);
@@ -202,6 +237,7 @@ impl Msg {
             status: u16_at(2),
             dtype,
             ndim,
+            flags: fl,
             sender: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
             req_id: u64_at(16),
             key: u64_at(24),
@@ -253,6 +289,7 @@ mod tests {
         m.status = 4;
         m.dtype = DType::BF16;
         m.ndim = 3;
+        m.flags = flags::SLOT;
         m.sender = 7;
         m.req_id = u64::MAX - 1;
         m.key = 9973;
@@ -282,6 +319,7 @@ mod tests {
             m.status = (rng(&mut st) % 6) as u16;
             m.dtype = DType::ALL[(rng(&mut st) % 7) as usize];
             m.ndim = (rng(&mut st) % 8) as u8;
+            m.flags = (rng(&mut st) % 2) as u16;
             m.sender = rng(&mut st) as u32;
             m.req_id = rng(&mut st);
             m.key = rng(&mut st);
@@ -299,6 +337,7 @@ mod tests {
             }
             if let Ok(d) = Msg::decode(&junk) {
                 assert!(d.start + d.len <= d.total);
+                assert_eq!(d.flags & !flags::ALL, 0);
                 assert!(d.ndim as usize <= MAX_NDIM);
             }
         }
@@ -315,6 +354,9 @@ mod tests {
         assert!(Msg::decode(&b).is_err());
         let mut b = m.encode();
         b[5] = 8;
+        assert!(Msg::decode(&b).is_err());
+        let mut b = m.encode();
+        b[6] = 2;
         assert!(Msg::decode(&b).is_err());
         let mut bad = Msg::new(Op::Push);
         bad.total = 10;

@@ -3,6 +3,7 @@
 
 mod peer_data;
 mod peers;
+pub(crate) mod slots;
 pub(crate) mod state;
 
 use std::net::SocketAddr;
@@ -94,7 +95,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         buf: Vec::new(),
     };
     let mut state = ServerState::new(roster.num_workers, sync);
-    let mut workers = Workers::new(&cfg.secret, roster.num_workers);
+    let mut workers = Workers::new(&cfg.secret, roster.num_workers, cfg.slot_bytes);
     let mut outcome: Option<Result<()>> = None;
     let mut sched_open = true;
     let mut stop_by: Option<Instant> = None;

@@ -2,15 +2,19 @@
 //! machine (after the hello, which authenticates the worker), and the state machine's answers
 //! go out as puts into the granted destinations and reply messages, in order per worker. A
 //! worker whose answers cannot be sent is paused (its requests wait in its link) until they
-//! drain: backpressure, with nothing growing without bound.
+//! drain: backpressure, with nothing growing without bound. Pushes put into receive slots
+//! ([`Slots`]) arrive as puts, and are handled where they landed.
 
 use std::collections::{HashMap, VecDeque};
 
-use kvstore_transport::{Completion, Lent, RemoteRegion, Sent, Token, TransportError};
+use kvstore_transport::{
+    Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Token, TransportError,
+};
 
 use crate::config::secret_matches;
 use crate::net::{region_of, Addr, Medium, Net};
-use crate::protocol::{role, status, Msg, Op};
+use crate::protocol::{flags, role, status, Msg, Op};
+use crate::server::slots::{PutAction, Slots};
 use crate::server::state::{Input, Out, Payload, PeerData, ServerState};
 use crate::{DType, NDArray};
 
@@ -35,6 +39,27 @@ struct Pending {
     /// Where a value goes, and whether it was put there already.
     grant: Option<RemoteRegion>,
     put: bool,
+    /// The receive slot whose credit the reply carries.
+    slot: Option<RemoteRegion>,
+}
+
+/// A receive slot's memory and its grant to the worker.
+struct SlotMem {
+    region: Region,
+    grant: RemoteRegion,
+}
+
+impl SlotMem {
+    /// The slot's bytes as a request's data.
+    fn data(&self, m: &Msg) -> Result<PeerData<'_>, String> {
+        if m.data_bytes() != Some(self.region.len() as u64) {
+            return Err("a slot of another size".into());
+        }
+        // SAFETY: the region is `len * dtype.size()` bytes (checked) of live storage, held by
+        // the slot for the borrow; the worker writes it only with a credit, which it does not
+        // hold while the server reads (and reads are copies or in-place sums, never slices).
+        Ok(unsafe { PeerData::new(self.region.storage().ptr(), m.len as usize, m.dtype) })
+    }
 }
 
 /// The workers of a server and what is addressed to them.
@@ -52,6 +77,11 @@ pub(super) struct Workers {
     body: Vec<u8>,
     /// Workers attached over shared memory.
     local: usize,
+    slots: Slots<SlotMem>,
+    /// Slots to make (the budget said yes) before the next answers go out.
+    make: Vec<(Addr, Msg, usize)>,
+    /// Slots of lost workers, to fence.
+    fence: Vec<(Addr, SlotMem)>,
 }
 
 fn refusal(m: &Msg, why: impl Into<String>) -> Out {
@@ -66,7 +96,7 @@ fn refusal(m: &Msg, why: impl Into<String>) -> Out {
 }
 
 impl Workers {
-    pub(super) fn new(secret: &str, num_workers: usize) -> Workers {
+    pub(super) fn new(secret: &str, num_workers: usize, slot_bytes: usize) -> Workers {
         Workers {
             secret: secret.as_bytes().to_vec(),
             taken: vec![false; num_workers],
@@ -76,6 +106,9 @@ impl Workers {
             scratch: NDArray::zeros_dtype(&[0], DType::U8),
             body: Vec::new(),
             local: 0,
+            slots: Slots::new(slot_bytes),
+            make: Vec::new(),
+            fence: Vec::new(),
         }
     }
 
@@ -94,10 +127,44 @@ impl Workers {
                 }
             }
             Completion::Lost { peer, error } => self.lost(state, Addr { medium, peer }, &error),
+            Completion::Put {
+                peer,
+                grant,
+                offset,
+                len,
+                imm,
+            } => {
+                let addr = Addr { medium, peer };
+                if let Err(why) = self.slot_put(state, addr, grant, offset, len, imm) {
+                    eprintln!("kvstore server: closing a link: {why}");
+                    self.close.push(addr);
+                }
+            }
             // Puts and replies complete on their own; a failed one means a lost worker, which is
             // reported as such.
-            Completion::Done(_) | Completion::Failed(..) | Completion::Put { .. } => {}
+            Completion::Done(_) | Completion::Failed(..) => {}
         }
+    }
+
+    /// A push put into a receive slot: handled where it landed.
+    fn slot_put(
+        &mut self,
+        state: &mut ServerState,
+        addr: Addr,
+        grant: u64,
+        offset: usize,
+        len: usize,
+        imm: u32,
+    ) -> Result<(), String> {
+        let Some(rank) = self.peers.get(&addr).and_then(|w| w.rank) else {
+            return Err("a put before the hello".into());
+        };
+        let (action, mem) = self.slots.on_put(addr.id(), grant, offset, len, imm)?;
+        if let PutAction::Push(m) = action {
+            let p = mem.data(&m)?;
+            state.handle(addr.id(), rank, &m, Input::Peer(&p));
+        }
+        Ok(())
     }
 
     fn recv(
@@ -156,7 +223,17 @@ impl Workers {
                 }
             }
         }
-        if m.op.carries_data() {
+        if m.flags & flags::SLOT != 0 {
+            if data.is_some() {
+                return Err("a slot push with data of its own".into());
+            }
+            let mem = self.slots.on_slot_msg(addr.id(), &m)?;
+            let p = mem.data(&m)?;
+            state.handle(addr.id(), rank, &m, Input::Peer(&p));
+        } else if m.op.carries_data() {
+            if let Some(bytes) = self.slots.on_push(addr.id(), &m) {
+                self.make.push((addr, m, bytes));
+            }
             let Some(d) = data.filter(|d| Some(d.len() as u64) == m.data_bytes()) else {
                 self.grants.remove(&(addr.id(), m.req_id));
                 refuse(state, "payload length does not match the message");
@@ -203,7 +280,37 @@ impl Workers {
         }
         let id = addr.id();
         self.grants.retain(|(p, _), _| *p != id);
+        self.make.retain(|(a, _, _)| *a != addr);
+        for mem in self.slots.drop_peer(id) {
+            self.fence.push((addr, mem));
+        }
         state.forget_peer(id);
+    }
+
+    /// Makes the slots the budget allowed, and fences those of lost workers.
+    fn slots(&mut self, net: &mut Net) {
+        for (addr, mem) in self.fence.drain(..) {
+            if let Ok(b) = net.backend(addr.medium) {
+                // The backend keeps the memory alive if it cannot tell that the peer is done.
+                let _ = b.revoke(addr.peer, &mem.grant, Token(0));
+            }
+        }
+        for (addr, m, bytes) in std::mem::take(&mut self.make) {
+            match net
+                .backend(addr.medium)
+                .map_err(|e| TransportError::Refused(e.to_string()))
+                .and_then(|b| make_slot(b, addr.peer, bytes))
+            {
+                Ok(mem) => {
+                    let id = mem.grant.id();
+                    self.slots.add(addr.id(), &m, id, mem);
+                }
+                Err(e) => {
+                    eprintln!("kvstore server: no receive slot of {bytes} bytes: {e}");
+                    self.slots.not_made(bytes);
+                }
+            }
+        }
     }
 
     /// Closes the links that broke the protocol.
@@ -220,13 +327,16 @@ impl Workers {
     /// it; pauses the workers whose answers back up, and resumes the ones whose answers
     /// drained.
     pub(super) fn route(&mut self, state: &mut ServerState, net: &mut Net) {
-        for out in state.outbox.drain(..) {
+        self.slots(net);
+        for mut out in state.outbox.drain(..) {
             let grant = self.grants.remove(&(out.to, out.msg.req_id));
+            let slot = self.slots.on_reply(out.to, &mut out.msg).map(|s| s.grant);
             if let Some(w) = self.peers.get_mut(&Addr::from_id(out.to)) {
                 w.backlog.push_back(Pending {
                     out,
                     grant,
                     put: false,
+                    slot,
                 });
             }
         }
@@ -275,6 +385,23 @@ impl Workers {
     }
 }
 
+/// A receive slot of `bytes` for `peer`: pool pages where the medium has room (a put is then a
+/// plain copy), else private memory; granted to the peer.
+fn make_slot(
+    b: &mut dyn kvstore_transport::Backend,
+    peer: PeerId,
+    bytes: usize,
+) -> Result<SlotMem, TransportError> {
+    let region = match b.alloc(bytes) {
+        Ok(r) => r,
+        Err(_) => b.register(Mem::zeroed(bytes))?,
+    };
+    // SAFETY: the server reads the slot only after a put into it arrived and before the reply
+    // that hands the worker its credit again, and never writes it.
+    let grant = unsafe { b.grant(peer, &region, 0..bytes) }?;
+    Ok(SlotMem { region, grant })
+}
+
 /// Posts one answer: the value's put (once), then the reply. `false`: the link is full.
 fn send(
     b: &mut dyn kvstore_transport::Backend,
@@ -318,6 +445,9 @@ fn send(
     };
     body.clear();
     body.extend_from_slice(&p.out.msg.encode());
+    if let Some(g) = &p.slot {
+        body.extend_from_slice(&g.to_bytes());
+    }
     body.extend_from_slice(text);
     // SAFETY: no data rides with the reply.
     match unsafe { b.send(addr.peer, body, None) }? {

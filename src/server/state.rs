@@ -128,6 +128,7 @@ fn reply(req: &Msg) -> Msg {
     let mut m = *req;
     m.op = Op::Reply;
     m.status = status::OK;
+    m.flags = 0;
     m
 }
 

@@ -11,6 +11,11 @@
 //! `kvstore_transport::RemoteRegion` in the real loop, a number in the test harness), which it
 //! only stores and hands back.
 //!
+//! Receive slots: a server's reply to a push may carry a slot for the next push of that key
+//! slice (see [`crate::protocol::flags::SLOT`]). The machine keeps it, one credit: the loop may
+//! put a request's data into it ([`Calls::slot`], [`Calls::on_put`]) instead of sending it, and
+//! the credit is spent until the reply to that request brings it back.
+//!
 //! Ownership: a call owns its outputs. A call that succeeded hands them back with every grant
 //! released (each was written once and answered); a call that failed revokes the grants still
 //! unanswered and gives each of their outputs fresh storage, so nothing a peer writes late can
@@ -21,7 +26,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::protocol::{status, Msg};
+use crate::protocol::{status, Msg, Op, MAX_REQ_ID};
 use crate::{Key, KvError, NDArray, Result};
 
 /// One request of a call.
@@ -61,6 +66,18 @@ pub(crate) enum Action<G> {
     },
 }
 
+/// How a request's data goes, as far as slots go.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum SlotUse<G> {
+    /// As a message: no slot, or its credit is out.
+    None,
+    /// Put into this slot (spending its credit, [`Calls::on_put`]); then, for a pushpull, the
+    /// message with the slot flag.
+    Put(G),
+    /// Its put is posted: only its message (a pushpull's) is left to send.
+    Posted,
+}
+
 /// A call that is over.
 pub(crate) struct Finished {
     pub(crate) result: Result<()>,
@@ -76,6 +93,8 @@ struct Call<G> {
     /// answered.
     grants: Vec<Option<G>>,
     answered: Vec<bool>,
+    /// Per request: its data was put into a slot.
+    put: Vec<bool>,
     /// Requests not answered yet.
     remaining: usize,
     /// Data sends of this call not yet complete.
@@ -99,6 +118,8 @@ pub(crate) struct Calls<G> {
     sends: HashMap<u64, (CallId, NDArray)>,
     actions: VecDeque<Action<G>>,
     broken: Option<String>,
+    /// Receive slots whose credit this worker holds, by (server, key, slice start).
+    slots: HashMap<(usize, u64, u64), G>,
 }
 
 /// The error a server's answer with a non-zero status stands for.
@@ -130,6 +151,7 @@ impl<G: Clone> Calls<G> {
             sends: HashMap::new(),
             actions: VecDeque::new(),
             broken: None,
+            slots: HashMap::new(),
         }
     }
 
@@ -176,7 +198,8 @@ impl<G: Clone> Calls<G> {
             r.msg.req_id = self.next_req;
             r.msg.sender = self.rank;
             self.by_req.insert(self.next_req, (id, i));
-            self.next_req += 1;
+            // Ids fit a slot put's immediate; far fewer than 2^31 are ever in flight.
+            self.next_req = self.next_req % (MAX_REQ_ID - 1) + 1;
             let token = self.next_token;
             self.next_token += 1;
             self.actions.push_back(Action::Send {
@@ -191,6 +214,7 @@ impl<G: Clone> Calls<G> {
             outputs,
             grants: vec![None; n],
             answered: vec![false; n],
+            put: vec![false; n],
             remaining: n,
             sending: 0,
             deadline: now + self.timeout,
@@ -215,21 +239,57 @@ impl<G: Clone> Calls<G> {
         Some((r, dest))
     }
 
-    /// Request `req` of `call` was posted, with its destination granted as `grant`, and its
-    /// data (if any) sending as `token`.
-    pub(crate) fn on_sent(&mut self, call: CallId, req: usize, grant: Option<G>, token: u64) {
+    /// How request `req` of `call` may use a receive slot.
+    pub(crate) fn slot(&self, call: CallId, req: usize) -> SlotUse<G> {
+        let Some(c) = self.live.get(&call) else {
+            return SlotUse::None;
+        };
+        let Some(r) = c.reqs.get(req) else {
+            return SlotUse::None;
+        };
+        if c.put[req] {
+            return SlotUse::Posted;
+        }
+        if r.data.is_none() || !matches!(r.msg.op, Op::Push | Op::PushPull) {
+            return SlotUse::None;
+        }
+        match self.slots.get(&(r.server, r.msg.key, r.msg.start)) {
+            Some(g) => SlotUse::Put(g.clone()),
+            None => SlotUse::None,
+        }
+    }
+
+    /// The data of request `req` of `call` was put into its slot, as `token`: the credit is
+    /// spent, and the value is held until the token completes.
+    pub(crate) fn on_put(&mut self, call: CallId, req: usize, token: u64) {
         let Some(c) = self.live.get_mut(&call) else {
             return;
         };
-        c.grants[req] = grant;
-        if let Some((v, _)) = &c.reqs[req].data {
+        let r = &c.reqs[req];
+        self.slots.remove(&(r.server, r.msg.key, r.msg.start));
+        c.put[req] = true;
+        if let Some((v, _)) = &r.data {
             c.sending += 1;
             self.sends.insert(token, (call, v.clone()));
         }
     }
 
-    /// A reply from `server`, with the text after its header.
-    pub(crate) fn on_reply(&mut self, server: usize, m: &Msg, text: &[u8]) {
+    /// Request `req` of `call` was posted, with its destination granted as `grant`, and its
+    /// data (if any, and not put into a slot) sending as `token`.
+    pub(crate) fn on_sent(&mut self, call: CallId, req: usize, grant: Option<G>, token: u64) {
+        let Some(c) = self.live.get_mut(&call) else {
+            return;
+        };
+        c.grants[req] = grant;
+        if let (Some((v, _)), false) = (&c.reqs[req].data, c.put[req]) {
+            c.sending += 1;
+            self.sends.insert(token, (call, v.clone()));
+        }
+    }
+
+    /// A reply from `server`, with the text after its header, and the receive slot it carries
+    /// (the credit for the next push of its request's key slice).
+    pub(crate) fn on_reply(&mut self, server: usize, m: &Msg, text: &[u8], slot: Option<G>) {
         let Some(&(id, i)) = self.by_req.get(&m.req_id) else {
             return;
         };
@@ -242,6 +302,10 @@ impl<G: Clone> Calls<G> {
         c.answered[i] = true;
         c.remaining -= 1;
         self.by_req.remove(&m.req_id);
+        let r = &c.reqs[i].msg;
+        if let (Some(g), Op::Push | Op::PushPull) = (slot, r.op) {
+            self.slots.insert((server, r.key, r.start), g);
+        }
         if m.status != status::OK && c.first_err.is_none() {
             let text = String::from_utf8_lossy(text).into_owned();
             c.first_err = Some(remote_error(m.status, c.reqs[i].msg.key, server, text));
@@ -264,8 +328,9 @@ impl<G: Clone> Calls<G> {
         }
     }
 
-    /// A server's link is gone.
+    /// A server's link is gone (its slots with it).
     pub(crate) fn on_lost(&mut self, server: usize, error: &str) {
+        self.slots.retain(|(s, _, _), _| *s != server);
         self.fail_all(KvError::PeerLost(format!("server {server}: {error}")));
     }
 

@@ -10,11 +10,11 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvstore_transport::{Completion, RemoteRegion, Sent, Token};
+use kvstore_transport::{Completion, RemoteRegion, Sent, Token, REMOTE_LEN};
 
 use crate::net::{region_of, Addr, Medium, Net};
-use crate::protocol::{Msg, Op};
-use crate::worker::calls::{Action, CallId, Calls, Finished, Request};
+use crate::protocol::{flags, slot_imm, Msg, Op};
+use crate::worker::calls::{Action, CallId, Calls, Finished, Request, SlotUse};
 use crate::{KvError, NDArray, Result};
 
 /// A worker's links to its servers, and the calls in flight on them.
@@ -30,6 +30,8 @@ pub(crate) struct Links {
     /// A request's body is assembled here, reused.
     body: Vec<u8>,
     turns: u32,
+    /// Pushes put into receive slots.
+    pub(crate) slot_puts: u64,
 }
 
 /// What posting a send did.
@@ -50,6 +52,7 @@ impl Links {
             stalled: VecDeque::new(),
             body: Vec::new(),
             turns: 0,
+            slot_puts: 0,
         }
     }
 
@@ -152,7 +155,12 @@ impl Links {
                         return;
                     };
                     match Msg::from_body(body) {
-                        Ok((m, text)) if m.op == Op::Reply => calls.on_reply(s, &m, text),
+                        Ok((m, rest)) if m.op == Op::Reply => match reply_slot(&m, rest) {
+                            Some((slot, text)) => calls.on_reply(s, &m, text, slot),
+                            None => calls.on_fatal(KvError::Protocol(format!(
+                                "server {s} sent a receive slot too short to read"
+                            ))),
+                        },
                         Ok((m, _)) => calls.on_fatal(KvError::Protocol(format!(
                             "server {s} sent {:?}, not a reply",
                             m.op
@@ -212,9 +220,53 @@ impl Links {
         Ok(())
     }
 
-    /// Posts one request: its destination is granted and named in the body, its data sent
-    /// from registered memory.
+    /// Puts a request's data into its receive slot, if it has one's credit and the medium
+    /// would not move the data by reference anyway. `Some(true)`: the put is all there is to
+    /// the request (a push); `Some(false)`: its message follows; `None`: the link is full.
+    fn put(&mut self, call: CallId, req: usize, token: u64) -> Result<Option<bool>> {
+        let (src, range, slot, msg, addr) = {
+            let Some((r, _)) = self.calls.request(call, req) else {
+                return Ok(Some(true));
+            };
+            let (SlotUse::Put(slot), Some((v, range))) = (self.calls.slot(call, req), &r.data)
+            else {
+                return Ok(Some(false));
+            };
+            let addr = self.servers[r.server];
+            let b = self.net.backend(addr.medium)?;
+            let src = region_of(b, v)?;
+            if b.sends_in_place(&src) {
+                return Ok(Some(false));
+            }
+            (src, range.clone(), slot, r.msg, addr)
+        };
+        let b = self.net.backend(addr.medium)?;
+        let imm = slot_imm(msg.req_id, msg.op == Op::PushPull);
+        // SAFETY: the value is read only: the call holds a clone of it until the token
+        // completes, so a write by the caller goes to a copy.
+        match unsafe { b.put(addr.peer, &src, range, &slot, 0, imm, Token(token)) }? {
+            Sent::WouldBlock => Ok(None),
+            Sent::Posted => {
+                self.slot_puts += 1;
+                self.calls.on_put(call, req, token);
+                if msg.op == Op::Push {
+                    self.calls.on_sent(call, req, None, token);
+                    return Ok(Some(true));
+                }
+                Ok(Some(false))
+            }
+        }
+    }
+
+    /// Posts one request: its data put into its receive slot or sent from registered memory,
+    /// its destination granted and named in the body.
     fn post(&mut self, call: CallId, req: usize, token: u64) -> Result<Posted> {
+        match self.put(call, req, token)? {
+            None => return Ok(Posted::Full),
+            Some(true) => return Ok(Posted::Yes),
+            Some(false) => {}
+        }
+        let in_slot = self.calls.slot(call, req) == SlotUse::Posted;
         let Some((r, dest)) = self.calls.request(call, req) else {
             return Ok(Posted::Yes);
         };
@@ -222,7 +274,11 @@ impl Links {
         let b = self.net.backend(addr.medium)?;
         let body = &mut self.body;
         body.clear();
-        body.extend_from_slice(&r.msg.encode());
+        let mut msg = r.msg;
+        if in_slot {
+            msg.flags |= flags::SLOT;
+        }
+        body.extend_from_slice(&msg.encode());
         let mut grant = None;
         if let (Some((_, range)), Some(out)) = (&r.dest, dest) {
             let region = region_of(b, out)?;
@@ -234,8 +290,8 @@ impl Links {
         }
         body.extend_from_slice(&r.text);
         let data = match &r.data {
-            Some((v, range)) => Some((region_of(b, v)?, range.clone())),
-            None => None,
+            Some((v, range)) if !in_slot => Some((region_of(b, v)?, range.clone())),
+            _ => None,
         };
         let d = data
             .as_ref()
@@ -334,4 +390,14 @@ impl Links {
     pub(crate) fn media(&self) -> impl Iterator<Item = Medium> + '_ {
         self.servers.iter().map(|a| a.medium)
     }
+}
+
+/// The receive slot a reply carries (after its header, when flagged), and the text after it;
+/// `None` if the flag promises a slot the body is too short to hold.
+fn reply_slot<'a>(m: &Msg, rest: &'a [u8]) -> Option<(Option<RemoteRegion>, &'a [u8])> {
+    if m.flags & flags::SLOT == 0 {
+        return Some((None, rest));
+    }
+    let g = RemoteRegion::from_bytes(rest)?;
+    Some((Some(g), &rest[REMOTE_LEN..]))
 }

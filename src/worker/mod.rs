@@ -157,6 +157,11 @@ impl DistWorker {
         self.net.net.shm.as_ref().map_or((0, 0), |s| s.copies())
     }
 
+    /// Pushes this store put into receive slots.
+    pub(crate) fn slot_puts(&self) -> u64 {
+        self.net.slot_puts
+    }
+
     /// Whether every shared-memory server writes pull answers straight into this process's
     /// memory (cross-memory writes), so a pull into any output is one copy.
     pub(crate) fn cross_memory(&self) -> bool {

@@ -494,6 +494,12 @@ pub trait Backend: Send {
     /// reads in place.
     fn alloc(&mut self, len: usize) -> Result<Region, TransportError>;
 
+    /// Whether a send of `r`'s data goes by reference (the receiver reads it where it lies),
+    /// which no put into a peer's memory can beat.
+    fn sends_in_place(&self, _r: &Region) -> bool {
+        false
+    }
+
     /// Grants `peer` the right to put into `range` of `r`.
     ///
     /// # Safety

@@ -321,8 +321,9 @@ impl ShmBackend {
 
     /// Staging pages of this process's pool holding a copy of `len` bytes from `src`.
     /// `(count, bytes)` of the data copies this backend made: a send from memory outside the
-    /// pool is copied once into staging pages; a put into a grant that the peer cannot write
-    /// directly is copied once out of bounce pages.
+    /// pool is copied once into staging pages; a put is one copy into the peer's memory (and a
+    /// put into a grant that the peer cannot write directly is copied once more, out of bounce
+    /// pages, by the grantor).
     pub fn copies(&self) -> (u64, u64) {
         self.copies
     }

@@ -194,6 +194,10 @@ impl Backend for ShmBackend {
         Ok(Region::new(self.id, mem, Place::Local))
     }
 
+    fn sends_in_place(&self, r: &Region) -> bool {
+        r.backend == self.id && matches!(r.place, Place::Pool(_))
+    }
+
     fn alloc(&mut self, len: usize) -> Result<Region, TransportError> {
         let region = self.pool.alloc(len)?;
         let pages = PoolPages {
@@ -441,6 +445,10 @@ impl Backend for ShmBackend {
             return Ok(Sent::WouldBlock);
         }
         p.posted = true;
+        if n > 0 {
+            self.copies.0 += 1;
+            self.copies.1 += n as u64;
+        }
         self.done.push_back((token, None));
         Ok(Sent::Posted)
     }
