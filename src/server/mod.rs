@@ -77,7 +77,8 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             .map_err(|_| KvError::Config(format!("DMLC_NODE_HOST={h:?} is not an IP address")))?,
         None => sched.local_addr()?.ip(),
     };
-    let mut net = Net::new(cfg.max_message, true, 1 << 20)?;
+    // Receive slots for workers on this host are pool pages, which a put fills with a plain copy.
+    let mut net = Net::new(cfg.max_message, true, (1 << 20) + cfg.slot_bytes)?;
     let addr = net.tcp.listen(SocketAddr::new(ip, 0))?;
     // Workers on this host attach over shared memory.
     if let Some(shm) = &mut net.shm {
