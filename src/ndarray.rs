@@ -311,6 +311,11 @@ impl NDArray {
         self.buf = Arc::new(Storage::Heap(AlignedBuf::zeroed(self.nbytes())));
     }
 
+    /// Whether no clone shares the storage (a write goes in place, with no copy).
+    pub(crate) fn is_unique(&mut self) -> bool {
+        Arc::get_mut(&mut self.buf).is_some()
+    }
+
     /// Whether the bytes live in memory a transport allocated (an array from `KVStore::alloc`
     /// on a host where a server shares memory with this process).
     pub fn is_shared_memory(&self) -> bool {

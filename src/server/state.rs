@@ -111,6 +111,32 @@ struct Slot {
     held: Vec<Held>,
     total: u64,
     start: u64,
+    /// The other buffer of the double buffer: a value an answer's put still reads stays
+    /// there, untouched, while the update writes this one.
+    spare: Option<NDArray>,
+}
+
+/// Makes `a` writable in place without disturbing an answer whose put still reads it: if a
+/// clone pins its storage, `a` moves to the spare buffer (with its values copied over if `keep`)
+/// and the pinned buffer becomes the spare, to be written again once the put let go of it.
+/// With no pin, nothing happens; so a stored value is never copied just because a reply holds
+/// it, and the update never allocates.
+fn unpin(a: &mut NDArray, spare: &mut Option<NDArray>, keep: bool) -> crate::Result<()> {
+    if a.is_unique() {
+        return Ok(());
+    }
+    let mut other = spare
+        .take()
+        .and_then(|mut s| {
+            let fits = s.nbytes() == a.nbytes() && s.dtype() == a.dtype() && s.is_unique();
+            fits.then_some(s)
+        })
+        .unwrap_or_else(|| NDArray::zeros_dtype(a.shape(), a.dtype()));
+    if keep {
+        other.copy_from(a)?;
+    }
+    *spare = Some(std::mem::replace(a, other));
+    Ok(())
 }
 
 /// The state of one server.
@@ -258,6 +284,7 @@ impl ServerState {
                 held: Vec::new(),
                 total: m.total,
                 start: m.start,
+                spare: None,
             },
         );
         self.ok(peer, m, Payload::None);
@@ -334,7 +361,8 @@ impl ServerState {
                     Err(e) => return self.err(peer, m, status::FAILED, e.to_string()),
                 },
             };
-            let res = apply(&mut self.updater, false, key, input, &mut slot.stored);
+            let res = unpin(&mut slot.stored, &mut slot.spare, true)
+                .and_then(|()| apply(&mut self.updater, false, key, input, &mut slot.stored));
             let value = slot.stored.clone();
             return match res {
                 Ok(()) if m.op == Op::PushPull => self.ok(peer, m, Payload::Array(value)),
@@ -358,7 +386,9 @@ impl ServerState {
         // Shapes and dtypes were checked against the slot, so these cannot fail but for a
         // payload region the pool refused, which fails the request.
         let res = match &mut slot.merge {
-            Some(merge) if slot.count > 1 => payload.add_into(merge),
+            Some(merge) if slot.count > 1 => {
+                unpin(merge, &mut slot.spare, true).and_then(|()| payload.add_into(merge))
+            }
             // The round's first push: a received buffer becomes the merge buffer (no copy), and
             // the connection receives into the old merge buffer next time; a peer's pages are
             // read where they lie into the merge buffer (the worker reuses them).
@@ -367,7 +397,9 @@ impl ServerState {
                     std::mem::swap(merge, a);
                     Ok(())
                 }
-                Input::Peer(p) => p.copy_into(merge),
+                Input::Peer(p) => {
+                    unpin(merge, &mut slot.spare, false).and_then(|()| p.copy_into(merge))
+                }
             },
             None => payload.take().map(|a| slot.merge = Some(a)),
         };
@@ -393,7 +425,8 @@ impl ServerState {
                 std::mem::swap(&mut slot.stored, merge);
                 Ok(())
             }
-            (up, Some(merge)) => apply(up, true, key, merge, &mut slot.stored),
+            (up, Some(merge)) => unpin(&mut slot.stored, &mut slot.spare, true)
+                .and_then(|()| apply(up, true, key, merge, &mut slot.stored)),
             (_, None) => Ok(()),
         };
         slot.count = 0;

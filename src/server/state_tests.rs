@@ -137,3 +137,51 @@ fn a_lost_worker_fails_held_and_later_requests() {
     assert_eq!(s.failed(), Some("worker 1 disconnected"));
     assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 2]);
 }
+
+/// The address of an array's bytes, to tell buffers apart.
+fn addr(a: &NDArray) -> usize {
+    a.as_bytes().as_ptr() as usize
+}
+
+#[test]
+fn an_update_never_touches_a_value_a_reply_still_holds_and_reuses_the_spare_buffer() {
+    let mut s = ServerState::new(1, true);
+    s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut {
+        let w: Vec<u8> = Optimizer::sgd(1.0)
+            .encode()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        NDArray::from_bytes(&[w.len()], DType::U8, &w).unwrap()
+    });
+    s.handle(0, 0, &req(Op::Init, 4, 8, 2), &mut data(10.0, 8));
+    replies(&mut s);
+    // A pushpull's answer holds the stored value (as a put in flight does).
+    let mut held = Vec::new();
+    let mut bufs = Vec::new();
+    for (i, want) in [9.0f32, 8.0, 7.0, 6.0].into_iter().enumerate() {
+        s.handle(
+            0,
+            0,
+            &req(Op::PushPull, 4, 8, 3 + i as u64),
+            &mut data(1.0, 8),
+        );
+        let out = s.outbox.pop().expect("an answer");
+        let Payload::Array(a) = out.payload else {
+            panic!("a value")
+        };
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![want; 8]);
+        bufs.push(addr(&a));
+        held.push(a);
+        // Answers older than the last are done: their buffers may be written again.
+        if held.len() > 1 {
+            held.remove(0);
+        }
+    }
+    // Every update left the answer in flight intact and wrote the other buffer: two buffers
+    // in turn, never a third (no copy-on-write allocation per update).
+    assert_eq!(bufs[0], bufs[2]);
+    assert_eq!(bufs[1], bufs[3]);
+    assert_ne!(bufs[0], bufs[1]);
+    assert_eq!(held[0].to_vec::<f32>().unwrap(), vec![6.0; 8]);
+}
