@@ -121,10 +121,8 @@ impl Workers {
             }
             Completion::Recv { peer, body, data } => {
                 let addr = Addr { medium, peer };
-                if let Err(why) = self.recv(state, addr, body, data) {
-                    eprintln!("kvstore server: closing a link: {why}");
-                    self.close.push(addr);
-                }
+                let r = self.recv(state, addr, body, data);
+                self.close_on_error(addr, r);
             }
             Completion::Lost { peer, error } => self.lost(state, Addr { medium, peer }, &error),
             Completion::Put {
@@ -135,14 +133,20 @@ impl Workers {
                 imm,
             } => {
                 let addr = Addr { medium, peer };
-                if let Err(why) = self.slot_put(state, addr, grant, offset, len, imm) {
-                    eprintln!("kvstore server: closing a link: {why}");
-                    self.close.push(addr);
-                }
+                let r = self.slot_put(state, addr, grant, offset, len, imm);
+                self.close_on_error(addr, r);
             }
             // Puts and replies complete on their own; a failed one means a lost worker, which is
             // reported as such.
             Completion::Done(_) | Completion::Failed(..) => {}
+        }
+    }
+
+    /// A worker that broke the protocol: its link is closed once the backends are free.
+    fn close_on_error(&mut self, addr: Addr, r: Result<(), String>) {
+        if let Err(why) = r {
+            eprintln!("kvstore server: closing a link: {why}");
+            self.close.push(addr);
         }
     }
 

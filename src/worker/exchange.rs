@@ -34,6 +34,18 @@ pub(crate) struct Links {
     pub(crate) slot_puts: u64,
 }
 
+/// What putting a request's data into its receive slot did.
+enum SlotPut {
+    /// The put is the whole request (a push).
+    Whole,
+    /// The link is full: try again after progress.
+    Full,
+    /// A message follows: with the slot flag (`true`, a pushpull whose data is in the slot), or
+    /// carrying the data itself (`false`: no slot's credit, or the medium sends it by
+    /// reference).
+    Message(bool),
+}
+
 /// What posting a send did.
 enum Posted {
     Yes,
@@ -221,22 +233,22 @@ impl Links {
     }
 
     /// Puts a request's data into its receive slot, if it has one's credit and the medium
-    /// would not move the data by reference anyway. `Some(true)`: the put is all there is to
-    /// the request (a push); `Some(false)`: its message follows; `None`: the link is full.
-    fn put(&mut self, call: CallId, req: usize, token: u64) -> Result<Option<bool>> {
+    /// would not move the data by reference anyway.
+    fn put(&mut self, call: CallId, req: usize, token: u64) -> Result<SlotPut> {
         let (src, range, slot, msg, addr) = {
             let Some((r, _)) = self.calls.request(call, req) else {
-                return Ok(Some(true));
+                return Ok(SlotPut::Whole);
             };
-            let (SlotUse::Put(slot), Some((v, range))) = (self.calls.slot(call, req), &r.data)
-            else {
-                return Ok(Some(false));
+            let (slot, v, range) = match (self.calls.slot(call, req), &r.data) {
+                (SlotUse::Posted, _) => return Ok(SlotPut::Message(true)),
+                (SlotUse::Put(slot), Some((v, range))) => (slot, v, range),
+                _ => return Ok(SlotPut::Message(false)),
             };
             let addr = self.servers[r.server];
             let b = self.net.backend(addr.medium)?;
             let src = region_of(b, v)?;
             if b.sends_in_place(&src) {
-                return Ok(Some(false));
+                return Ok(SlotPut::Message(false));
             }
             (src, range.clone(), slot, r.msg, addr)
         };
@@ -245,15 +257,15 @@ impl Links {
         // SAFETY: the value is read only: the call holds a clone of it until the token
         // completes, so a write by the caller goes to a copy.
         match unsafe { b.put(addr.peer, &src, range, &slot, 0, imm, Token(token)) }? {
-            Sent::WouldBlock => Ok(None),
+            Sent::WouldBlock => Ok(SlotPut::Full),
             Sent::Posted => {
                 self.slot_puts += 1;
                 self.calls.on_put(call, req, token);
                 if msg.op == Op::Push {
                     self.calls.on_sent(call, req, None, token);
-                    return Ok(Some(true));
+                    return Ok(SlotPut::Whole);
                 }
-                Ok(Some(false))
+                Ok(SlotPut::Message(true))
             }
         }
     }
@@ -261,12 +273,11 @@ impl Links {
     /// Posts one request: its data put into its receive slot or sent from registered memory,
     /// its destination granted and named in the body.
     fn post(&mut self, call: CallId, req: usize, token: u64) -> Result<Posted> {
-        match self.put(call, req, token)? {
-            None => return Ok(Posted::Full),
-            Some(true) => return Ok(Posted::Yes),
-            Some(false) => {}
-        }
-        let in_slot = self.calls.slot(call, req) == SlotUse::Posted;
+        let in_slot = match self.put(call, req, token)? {
+            SlotPut::Full => return Ok(Posted::Full),
+            SlotPut::Whole => return Ok(Posted::Yes),
+            SlotPut::Message(in_slot) => in_slot,
+        };
         let Some((r, dest)) = self.calls.request(call, req) else {
             return Ok(Posted::Yes);
         };

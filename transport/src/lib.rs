@@ -16,6 +16,7 @@
 pub mod backend;
 mod error;
 pub mod frame;
+mod memory;
 pub mod shm;
 mod table;
 pub mod tcp;

@@ -1,0 +1,98 @@
+//! Memory a backend may read and write on the caller's behalf: the [`Storage`] contract that
+//! a [`crate::Region`] holds alive, and [`Mem`], plain heap memory that meets it.
+
+use std::sync::Arc;
+
+/// Memory a backend may read and write on the caller's behalf.
+///
+/// # Safety
+/// [`Storage::ptr`] addresses [`Storage::len`] bytes that stay valid for reads and writes, at the
+/// same address, for as long as the value lives, and that no Rust reference covers while a
+/// backend reads or writes them (the caller's side of [`crate::Backend::grant`],
+/// [`crate::Backend::send`] and [`crate::Backend::put`]).
+pub unsafe trait Storage: Send + Sync + 'static {
+    /// The first byte.
+    fn ptr(&self) -> *mut u8;
+    /// The length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the length is zero.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Plain heap memory, 64-byte aligned and zeroed, for a backend to read and write. It hands
+/// out no slices (a peer may be writing it); bytes go in and out by copy.
+pub struct Mem {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+const MEM_ALIGN: usize = 64;
+
+impl Mem {
+    /// `len` zeroed bytes.
+    pub fn zeroed(len: usize) -> Arc<Mem> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), MEM_ALIGN)
+            .expect("a length that fits a layout");
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr =
+            std::ptr::NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Arc::new(Mem { ptr, len })
+    }
+
+    /// `data`, copied into new memory.
+    pub fn from_bytes(data: &[u8]) -> Arc<Mem> {
+        let m = Mem::zeroed(data.len());
+        m.write(0, data);
+        m
+    }
+
+    /// Copies `src` in at `off` (panics out of bounds).
+    pub fn write(&self, off: usize, src: &[u8]) {
+        assert!(off.checked_add(src.len()).is_some_and(|e| e <= self.len));
+        // SAFETY: in bounds (checked); `src` is the caller's own memory, which cannot overlap
+        // this allocation while `self` is borrowed; no reference to these bytes exists.
+        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) }
+    }
+
+    /// Copies bytes out from `off` (panics out of bounds).
+    pub fn read(&self, off: usize, dst: &mut [u8]) {
+        assert!(off.checked_add(dst.len()).is_some_and(|e| e <= self.len));
+        // SAFETY: as in `write`, in the other direction.
+        unsafe { std::ptr::copy(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// All the bytes, copied.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        self.read(0, &mut v);
+        v
+    }
+}
+
+impl Drop for Mem {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.len.max(1), MEM_ALIGN)
+            .expect("the layout it was made with");
+        // SAFETY: allocated in `zeroed` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+// SAFETY: `Mem` owns its allocation, which does not move and lives until `drop`; it hands out
+// no references, so the bytes are reached only through `ptr` and copies.
+unsafe impl Storage for Mem {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: the allocation is owned and reached only through raw copies (see `Storage`).
+unsafe impl Send for Mem {}
+// SAFETY: as above; `&Mem` gives no references into the bytes.
+unsafe impl Sync for Mem {}
