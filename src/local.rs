@@ -1,6 +1,6 @@
 //! The `local` and `device` stores: one process, aggregation where the values live.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use crate::dtype::with_dtype;
 use crate::ops;
@@ -54,17 +54,17 @@ pub(crate) fn check_updater_kept_shape(
 
 /// A single-process store.
 pub(crate) struct LocalStore {
-    store: HashMap<Key, NDArray>,
+    store: FxHashMap<Key, NDArray>,
     /// Per-key buffers where a list of pushed values is summed before the updater runs.
-    merge: HashMap<Key, NDArray>,
+    merge: FxHashMap<Key, NDArray>,
     updater: Option<Updater>,
 }
 
 impl LocalStore {
     pub(crate) fn new() -> Self {
         LocalStore {
-            store: HashMap::new(),
-            merge: HashMap::new(),
+            store: FxHashMap::default(),
+            merge: FxHashMap::default(),
             updater: None,
         }
     }

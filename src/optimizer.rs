@@ -4,7 +4,7 @@
 //! bias-corrected learning rate of its Python `Adam`), element-wise, so they apply unchanged to
 //! the slice of a big tensor that one server holds.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use crate::dtype::with_dtype;
 use crate::{Element, Key, KvError, NDArray, Result};
@@ -138,7 +138,7 @@ struct KeyState {
 /// An optimizer with the state it keeps per key.
 pub struct OptimizerUpdater {
     opt: Optimizer,
-    state: HashMap<Key, KeyState>,
+    state: FxHashMap<Key, KeyState>,
 }
 
 fn prep(g: f64, rescale: f64, clip: f64) -> f64 {
@@ -210,7 +210,7 @@ impl OptimizerUpdater {
     pub fn new(opt: Optimizer) -> Self {
         OptimizerUpdater {
             opt,
-            state: HashMap::new(),
+            state: FxHashMap::default(),
         }
     }
 

@@ -5,7 +5,8 @@
 //! drain: backpressure, with nothing growing without bound. Pushes put into receive slots
 //! ([`Slots`]) arrive as puts, and are handled where they landed.
 
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
 
 use kvstore_transport::{
     Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Token, TransportError,
@@ -66,9 +67,9 @@ impl SlotMem {
 pub(super) struct Workers {
     secret: Vec<u8>,
     taken: Vec<bool>,
-    peers: HashMap<Addr, Worker>,
+    peers: FxHashMap<Addr, Worker>,
     /// Destinations that pull requests granted, until their answer goes out.
-    grants: HashMap<(usize, u64), RemoteRegion>,
+    grants: FxHashMap<(usize, u64), RemoteRegion>,
     /// Links to close once the backends are free.
     close: Vec<Addr>,
     /// Control payloads are made arrays of bytes here, reused.
@@ -100,8 +101,8 @@ impl Workers {
         Workers {
             secret: secret.as_bytes().to_vec(),
             taken: vec![false; num_workers],
-            peers: HashMap::new(),
-            grants: HashMap::new(),
+            peers: FxHashMap::default(),
+            grants: FxHashMap::default(),
             close: Vec::new(),
             scratch: NDArray::zeros_dtype(&[0], DType::U8),
             body: Vec::new(),

@@ -12,7 +12,7 @@
 //! finds no room goes on as a message (the link's receive buffer), as the first one did.
 //! `S` is the slot's memory and grant, as the loop holds them; this module only keeps it.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use crate::protocol::{flags, Msg, Op, IMM_FOLLOWS};
 use crate::server::state::PeerId;
@@ -42,11 +42,11 @@ pub(crate) struct Slots<S> {
     budget: usize,
     used: usize,
     /// By peer and grant number (each medium numbers its grants).
-    slots: HashMap<(PeerId, u64), Slot<S>>,
+    slots: FxHashMap<(PeerId, u64), Slot<S>>,
     /// (peer, key, slice start) to grant number.
-    by_slice: HashMap<(PeerId, u64, u64), u64>,
+    by_slice: FxHashMap<(PeerId, u64, u64), u64>,
     /// Pushes whose reply is to carry their slot's credit: (peer, request id) to grant number.
-    pending: HashMap<(PeerId, u64), u64>,
+    pending: FxHashMap<(PeerId, u64), u64>,
 }
 
 impl<S> Slots<S> {
@@ -55,9 +55,9 @@ impl<S> Slots<S> {
         Slots {
             budget,
             used: 0,
-            slots: HashMap::new(),
-            by_slice: HashMap::new(),
-            pending: HashMap::new(),
+            slots: FxHashMap::default(),
+            by_slice: FxHashMap::default(),
+            pending: FxHashMap::default(),
         }
     }
 

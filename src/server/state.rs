@@ -5,7 +5,7 @@
 //! bytes; everything about `dist_sync` rounds, slices and updaters is decided here, and tested
 //! here without I/O.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use crate::local::check_updater_kept_shape;
 use crate::optimizer::{Optimizer, OptimizerUpdater};
@@ -143,7 +143,7 @@ fn unpin(a: &mut NDArray, spare: &mut Option<NDArray>, keep: bool) -> crate::Res
 pub struct ServerState {
     num_workers: usize,
     sync: bool,
-    slots: HashMap<u64, Slot>,
+    slots: FxHashMap<u64, Slot>,
     updater: Updater,
     failed: Option<String>,
     /// Frames to send, in order.
@@ -164,7 +164,7 @@ impl ServerState {
         ServerState {
             num_workers,
             sync,
-            slots: HashMap::new(),
+            slots: FxHashMap::default(),
             updater: Updater::Assign,
             failed: None,
             outbox: Vec::new(),

@@ -22,7 +22,8 @@
 //! land in memory the caller gets back. A value being sent is held (a copy-on-write clone) until
 //! its send completes, even after its call failed.
 
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -110,16 +111,16 @@ pub(crate) struct Calls<G> {
     next_call: u64,
     next_req: u64,
     next_token: u64,
-    live: HashMap<CallId, Call<G>>,
-    done: HashMap<CallId, Finished>,
+    live: FxHashMap<CallId, Call<G>>,
+    done: FxHashMap<CallId, Finished>,
     /// Which call and request a request id is.
-    by_req: HashMap<u64, (CallId, usize)>,
+    by_req: FxHashMap<u64, (CallId, usize)>,
     /// Data sends not complete: their call (while it is live) and the value, held.
-    sends: HashMap<u64, (CallId, NDArray)>,
+    sends: FxHashMap<u64, (CallId, NDArray)>,
     actions: VecDeque<Action<G>>,
     broken: Option<String>,
     /// Receive slots whose credit this worker holds, by (server, key, slice start).
-    slots: HashMap<(usize, u64, u64), G>,
+    slots: FxHashMap<(usize, u64, u64), G>,
 }
 
 /// The error a server's answer with a non-zero status stands for.
@@ -145,13 +146,13 @@ impl<G: Clone> Calls<G> {
             next_call: 1,
             next_req: 1,
             next_token: 1,
-            live: HashMap::new(),
-            done: HashMap::new(),
-            by_req: HashMap::new(),
-            sends: HashMap::new(),
+            live: FxHashMap::default(),
+            done: FxHashMap::default(),
+            by_req: FxHashMap::default(),
+            sends: FxHashMap::default(),
             actions: VecDeque::new(),
             broken: None,
-            slots: HashMap::new(),
+            slots: FxHashMap::default(),
         }
     }
 

@@ -13,7 +13,7 @@ pub(crate) mod requests;
 
 pub(crate) use requests::Ticket;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::net::TcpStream as StdStream;
 use std::time::Instant;
 
@@ -49,9 +49,9 @@ pub struct DistWorker {
     server_addrs: Vec<std::net::SocketAddr>,
     sched: StdStream,
     net: Links,
-    keys: HashMap<Key, KeyInfo>,
-    str_ids: HashMap<String, u64>,
-    merge: HashMap<Key, NDArray>,
+    keys: FxHashMap<Key, KeyInfo>,
+    str_ids: FxHashMap<String, u64>,
+    merge: FxHashMap<Key, NDArray>,
     /// Calls in flight that a [`Ticket`] may still claim.
     claims: Vec<(calls::CallId, std::sync::Weak<()>)>,
 }
@@ -122,9 +122,9 @@ impl DistWorker {
             sched,
             net: links,
             cfg,
-            keys: HashMap::new(),
-            str_ids: HashMap::new(),
-            merge: HashMap::new(),
+            keys: FxHashMap::default(),
+            str_ids: FxHashMap::default(),
+            merge: FxHashMap::default(),
             claims: Vec::new(),
         })
     }

@@ -1,7 +1,7 @@
 //! What a worker's calls send: each key's value cut into the slices its servers hold, and
 //! where each answer lands. Blocking calls are a call in flight plus a wait.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 use crate::local::{check_like, sum_into};
@@ -85,7 +85,7 @@ fn take_array(a: &mut NDArray) -> NDArray {
 
 /// After a key's first output was filled, copies it into the key's other outputs.
 fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
-    let mut filled: HashMap<Key, NDArray> = HashMap::new();
+    let mut filled: FxHashMap<Key, NDArray> = FxHashMap::default();
     for (k, list) in pairs.iter_mut() {
         let Some((first, rest)) = list.split_first_mut() else {
             continue;
@@ -247,7 +247,7 @@ impl DistWorker {
         }
         // Each key's answer goes to its first output.
         let mut firsts: Vec<&mut NDArray> = Vec::new();
-        let mut first_of: HashMap<Key, usize> = HashMap::new();
+        let mut first_of: FxHashMap<Key, usize> = FxHashMap::default();
         for (k, list) in outs.iter_mut() {
             if let Some(first) = list.first_mut() {
                 if !first_of.contains_key(k) {

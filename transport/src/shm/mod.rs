@@ -18,7 +18,8 @@ mod peer;
 
 pub use peer::PeerProcess;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::VecDeque;
 use std::io::Read;
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -39,6 +40,9 @@ use link::*;
 
 const KIND_SEG: u32 = 2;
 const KIND_CMA: u32 = 3;
+/// Grants of private memory up to this size go through pool pages even where cross-memory
+/// writes work.
+const BOUNCE_BELOW: usize = 32 * 1024;
 /// The largest message body.
 pub const MAX_BODY: usize = 64 * 1024;
 const LISTENER: mio::Token = mio::Token(usize::MAX);
@@ -90,10 +94,10 @@ struct Peer {
     bell: OwnedFd,
     peer_writes_me: bool,
     i_write_peer: bool,
-    refs: HashMap<u64, RefOut>,
+    refs: FxHashMap<u64, RefOut>,
     next_seq: u64,
     /// Grants of the peer's that it revoked: never written again.
-    revoked: HashSet<u64>,
+    revoked: FxHashSet<u64>,
     /// Control descriptors waiting for room on the ring, in order.
     unsent: VecDeque<[u8; SLOT]>,
     posted: bool,
@@ -125,14 +129,14 @@ pub struct ShmBackend {
     poll: Poll,
     events: Events,
     listener: Option<UnixListener>,
-    pending: HashMap<usize, Pending>,
+    pending: FxHashMap<usize, Pending>,
     next_pending: usize,
     pool_seg: Arc<Segment>,
     pool: Arc<Pool>,
     canary: Box<[u8; 8]>,
     peers: PeerTable<Peer>,
     next_peer: u32,
-    grants: HashMap<u64, Grant>,
+    grants: FxHashMap<u64, Grant>,
     next_grant: u64,
     /// Memory a lost peer that still lives may write: kept for good.
     quarantine: Vec<Region>,
@@ -169,14 +173,14 @@ impl ShmBackend {
             poll: Poll::new()?,
             events: Events::with_capacity(256),
             listener: None,
-            pending: HashMap::new(),
+            pending: FxHashMap::default(),
             next_pending: 0,
             pool_seg,
             pool,
             canary: Box::new([0u8; 8]),
             peers: PeerTable::new(),
             next_peer: 0,
-            grants: HashMap::new(),
+            grants: FxHashMap::default(),
             next_grant: 1,
             quarantine: Vec::new(),
             done: VecDeque::new(),
@@ -293,9 +297,9 @@ impl ShmBackend {
                 bell: p.bell,
                 peer_writes_me: p.peer_writes_me,
                 i_write_peer: p.i_write_peer,
-                refs: HashMap::new(),
+                refs: FxHashMap::default(),
                 next_seq: 1,
-                revoked: HashSet::new(),
+                revoked: FxHashSet::default(),
                 unsent: VecDeque::new(),
                 posted: false,
                 rxbuf: Vec::new(),

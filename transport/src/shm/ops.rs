@@ -199,24 +199,7 @@ impl Backend for ShmBackend {
     }
 
     fn alloc(&mut self, len: usize) -> Result<Region, TransportError> {
-        let region = self.pool.alloc(len)?;
-        let pages = PoolPages {
-            seg: self.pool_seg.clone(),
-            pool: self.pool.clone(),
-            region,
-            len,
-        };
-        // Pages come back dirty from earlier use: zero them.
-        let zeros = [0u8; 64 * 1024];
-        for at in (0..len).step_by(zeros.len()) {
-            let n = zeros.len().min(len - at);
-            self.pool_seg.write(region.offset + at, &zeros[..n])?;
-        }
-        Ok(Region::new(
-            self.id,
-            Arc::new(pages),
-            Place::Pool(region.offset),
-        ))
+        self.alloc_pages(len, true)
     }
 
     unsafe fn grant(
@@ -229,17 +212,24 @@ impl Backend for ShmBackend {
         r.check_range(&range)?;
         let cma = self.peer(peer)?.peer_writes_me;
         let id = self.next_grant;
-        let len = range.len() as u64;
+        let len = range.len();
+        let cma_addr = r.mem.ptr() as u64 + range.start as u64;
+        // A small range goes through pool pages even where cross-memory writes work: the
+        // second copy costs less than the writer's two system calls (measured: README).
+        let small = (1..=BOUNCE_BELOW).contains(&len);
         let (kind, addr, bounce) = match r.place {
             Place::Pool(off) => (KIND_SEG, (off + range.start) as u64, None),
-            Place::Local if cma => (KIND_CMA, r.mem.ptr() as u64 + range.start as u64, None),
-            Place::Local => {
-                let b = self.alloc(range.len())?;
-                let Place::Pool(off) = b.place else {
-                    return Err(TransportError::Refused("bounce pages".into()));
-                };
-                (KIND_SEG, off as u64, Some(b))
-            }
+            Place::Local if cma && !small => (KIND_CMA, cma_addr, None),
+            Place::Local => match self.alloc_pages(range.len(), false) {
+                Ok(b) => {
+                    let Place::Pool(off) = b.place else {
+                        return Err(TransportError::Refused("bounce pages".into()));
+                    };
+                    (KIND_SEG, off as u64, Some(b))
+                }
+                Err(_) if cma => (KIND_CMA, cma_addr, None),
+                Err(e) => return Err(e),
+            },
         };
         self.next_grant += 1;
         self.grants.insert(
@@ -256,7 +246,7 @@ impl Backend for ShmBackend {
             kind,
             id,
             addr,
-            len,
+            len: len as u64,
         })
     }
 
@@ -584,5 +574,30 @@ impl Drop for ShmBackend {
             .collect();
         std::mem::forget(keep);
         std::mem::forget(live);
+    }
+}
+
+impl ShmBackend {
+    /// Pool pages of `len` bytes, zeroed if `zero`.
+    fn alloc_pages(&mut self, len: usize, zero: bool) -> Result<Region, TransportError> {
+        let region = self.pool.alloc(len)?;
+        let pages = PoolPages {
+            seg: self.pool_seg.clone(),
+            pool: self.pool.clone(),
+            region,
+            len,
+        };
+        // Pages come back dirty from earlier use: zero them, unless only a peer's put will be
+        // read from them.
+        let zeros = [0u8; 64 * 1024];
+        for at in (0..if zero { len } else { 0 }).step_by(zeros.len()) {
+            let n = zeros.len().min(len - at);
+            self.pool_seg.write(region.offset + at, &zeros[..n])?;
+        }
+        Ok(Region::new(
+            self.id,
+            Arc::new(pages),
+            Place::Pool(region.offset),
+        ))
     }
 }
