@@ -56,8 +56,8 @@ impl Addr {
     }
 }
 
-/// How long a wait keeps polling shared-memory rings after the last thing it saw, before it
-/// sleeps: a reply usually comes sooner than a sleep and a wake-up take.
+/// How long a wait keeps polling its peers after the last thing it saw, before it sleeps: a
+/// reply usually comes sooner than a sleep and a wake-up take.
 const SPIN: Duration = Duration::from_micros(200);
 
 /// The backends of one process.
@@ -226,8 +226,10 @@ impl Net {
     ) -> Result<bool> {
         self.flush()?;
         self.spins = self.spins.wrapping_add(1);
-        let rings = self.shm.as_ref().is_some_and(|s| s.has_peers());
-        if rings && (self.spins % 64 != 0 || self.last_active.elapsed() < SPIN) {
+        // Rings are read without a system call; a TCP peer is polled (one `epoll_wait` a
+        // turn), which still answers sooner than a sleep and a wake-up.
+        let peers = self.shm.as_ref().is_some_and(|s| s.has_peers()) || self.tcp.has_peers();
+        if peers && (self.spins % 64 != 0 || self.last_active.elapsed() < SPIN) {
             if self.crowded {
                 std::thread::yield_now();
             } else {

@@ -20,6 +20,9 @@ pub(crate) struct Roster {
     pub servers: Vec<SocketAddr>,
     /// Each server's host identity ([`net::host_id`]), to find the ones on this host.
     pub server_hosts: Vec<String>,
+    /// The job's servers and workers on this node's host, itself included (at least 1), so
+    /// that waits know when the job's processes outnumber the cores.
+    pub local_processes: usize,
 }
 
 fn parse_roster(text: &str) -> crate::Result<Roster> {
@@ -31,8 +34,10 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
         .split_whitespace()
         .map(|w| w.parse().map_err(|_| bad()))
         .collect::<crate::Result<_>>()?;
-    let [rank, num_workers, num_servers] = head[..] else {
-        return Err(bad());
+    let (rank, num_workers, num_servers, local_processes) = match head[..] {
+        [r, w, s] => (r, w, s, 1),
+        [r, w, s, l] => (r, w, s, l.max(1)),
+        _ => return Err(bad()),
     };
     let mut servers = Vec::new();
     let mut server_hosts = Vec::new();
@@ -50,6 +55,7 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
         num_servers,
         servers,
         server_hosts,
+        local_processes,
     })
 }
 
@@ -63,13 +69,12 @@ pub(crate) fn join(
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
     hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);
+    // The secret, this node's address (a worker has none) and its host.
     let mut payload = cfg.secret.clone();
-    if let Some(a) = addr {
-        payload.push('\n');
-        payload.push_str(&a.to_string());
-        payload.push('\n');
-        payload.push_str(&net::host_id());
-    }
+    payload.push('\n');
+    payload.push_str(&addr.map_or_else(|| "-".to_string(), |a| a.to_string()));
+    payload.push('\n');
+    payload.push_str(&net::host_id());
     write_frame(
         sched,
         &FrameHeader::new(hello.encode(), payload.len() as u64),
@@ -157,7 +162,11 @@ mod tests {
             r.server_hosts,
             vec!["boot/net1".to_string(), "-".to_string()]
         );
+        assert_eq!(r.local_processes, 1);
+        let r = parse_roster("0 1 1 5\n127.0.0.1:5000 boot/net1").unwrap();
+        assert_eq!(r.local_processes, 5);
         assert!(parse_roster("1 4 2\n127.0.0.1:5000").is_err());
+        assert!(parse_roster("1 4 2 3 9\n").is_err());
         assert!(parse_roster("x 4 2\n").is_err());
         assert!(parse_roster("").is_err());
     }

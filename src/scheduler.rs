@@ -276,9 +276,14 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
         let addr = n.addr.map(|a| a.to_string()).unwrap_or_default();
         addrs[n.rank] = format!("{addr} {}", n.host);
     }
+    let hosts: Vec<String> = nodes.values().map(|n| n.host.clone()).collect();
     for n in nodes.values_mut() {
+        let local = match n.host.as_str() {
+            "-" => 1,
+            h => hosts.iter().filter(|o| *o == h).count(),
+        };
         let text = format!(
-            "{} {} {}\n{}",
+            "{} {} {} {local}\n{}",
             n.rank,
             opts.num_workers,
             opts.num_servers,

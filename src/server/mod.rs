@@ -107,7 +107,8 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         net.progress(&mut |m, c| workers.on(&mut state, m, c))?;
         workers.close_refused(&mut state, &mut net);
         // This server and the workers attached over shared memory share this host's cores.
-        net.set_local_processes(1 + workers.local());
+        let here = 1 + workers.local() + net.tcp.local_peers();
+        net.set_local_processes(here.max(roster.local_processes));
         // The scheduler speaks rarely (shutdown, abort): a busy loop reads its socket once a
         // millisecond, not on every turn (each read is a system call).
         turns = turns.wrapping_add(1);

@@ -102,7 +102,9 @@ fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, 
     if shm_links == 0 {
         net.shm = None;
     }
-    net.set_local_processes(1 + shm_links);
+    // Every server and worker on this host, whatever the link, shares its cores.
+    let here = 1 + local.iter().filter(|l| **l).count();
+    net.set_local_processes(here.max(roster.local_processes));
     Ok((net, links))
 }
 
