@@ -276,10 +276,14 @@ pub(crate) fn group_values<'a>(
         Values::Nested(vss) => pair(keys, Form::Nested(vss))?,
     };
     let mut grouped: Vec<(Key, Vec<&'a NDArray>)> = Vec::with_capacity(pairs.len());
+    let mut at: rustc_hash::FxHashMap<Key, usize> = Default::default();
     for (k, vs) in pairs {
-        match grouped.iter_mut().find(|(g, _)| *g == k) {
-            Some((_, list)) => list.extend(vs),
-            None => grouped.push((k, vs)),
+        match at.get(&k) {
+            Some(&i) => grouped[i].1.extend(vs),
+            None => {
+                at.insert(k.clone(), grouped.len());
+                grouped.push((k, vs));
+            }
         }
     }
     Ok(grouped)

@@ -589,10 +589,10 @@ impl ShmBackend {
         };
         // Pages come back dirty from earlier use: zero them, unless only a peer's put will be
         // read from them.
-        let zeros = [0u8; 64 * 1024];
-        for at in (0..if zero { len } else { 0 }).step_by(zeros.len()) {
-            let n = zeros.len().min(len - at);
-            self.pool_seg.write(region.offset + at, &zeros[..n])?;
+        static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+        for at in (0..if zero { len } else { 0 }).step_by(ZEROS.len()) {
+            let n = ZEROS.len().min(len - at);
+            self.pool_seg.write(region.offset + at, &ZEROS[..n])?;
         }
         Ok(Region::new(
             self.id,
