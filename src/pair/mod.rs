@@ -37,10 +37,14 @@ struct Req {
 /// A message in flight.
 enum Packet {
     Request(Req),
+    /// Server `s`'s answer put into worker `w`'s grant; unless `imm` says a reply follows, it
+    /// is the whole answer.
     Put {
         w: usize,
+        s: usize,
         grant: u64,
         bytes: Vec<u8>,
+        imm: u32,
     },
     /// A push's data put into server `s`'s receive slot `grant`.
     SlotPut {
@@ -296,7 +300,13 @@ impl Job {
     fn deliver(&mut self, p: Packet) {
         match p {
             Packet::Request(r) => self.serve(r),
-            Packet::Put { w, grant, bytes } => self.put(w, grant, &bytes),
+            Packet::Put {
+                w,
+                s,
+                grant,
+                bytes,
+                imm,
+            } => self.put(w, s, grant, &bytes, imm),
             Packet::SlotPut {
                 w,
                 s,
@@ -420,9 +430,27 @@ impl Job {
             let w = o.to;
             let slot = self.servers[s].slots.on_reply(w, &mut o.msg).copied();
             let grant = self.servers[s].grants.remove(&(w, o.msg.req_id));
+            // As the server does: a value answer is its put alone unless the reply gives a
+            // slot or an error.
+            let follows = slot.is_some() || o.msg.status != crate::protocol::status::OK;
             if let (Payload::Array(a), Some(grant)) = (&o.payload, grant) {
                 let bytes = a.as_bytes().to_vec();
-                self.send(w, s, false, Packet::Put { w, grant, bytes });
+                let imm = slot_imm(o.msg.req_id, follows);
+                self.send(
+                    w,
+                    s,
+                    false,
+                    Packet::Put {
+                        w,
+                        s,
+                        grant,
+                        bytes,
+                        imm,
+                    },
+                );
+                if !follows {
+                    continue;
+                }
             }
             let text = match o.payload {
                 Payload::Text(t) => t,
@@ -446,7 +474,7 @@ impl Job {
 
     /// A put arrives at worker `w`: it lands only in a live grant, in an output of a call
     /// that is not over.
-    fn put(&mut self, w: usize, grant: u64, bytes: &[u8]) {
+    fn put(&mut self, w: usize, s: usize, grant: u64, bytes: &[u8], imm: u32) {
         if !self.workers[w].alive {
             return;
         }
@@ -462,6 +490,11 @@ impl Job {
             .output_mut(g.call, g.out)
             .expect("a put landed in an output whose call had returned");
         out.as_bytes_mut()[range].copy_from_slice(bytes);
+        let len = bytes.len();
+        self.workers[w]
+            .calls
+            .on_answer_put(s, imm, |g| *g == grant, 0, len);
+        self.actions(w);
     }
 
     /// Kills server `s`: it answers nothing more, and each worker sees its link end after

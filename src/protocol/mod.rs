@@ -116,8 +116,10 @@ pub mod flags {
     pub const ALL: u16 = SLOT;
 }
 
-/// The bit of a slot put's immediate that says a message follows (a pushpull's, with its
-/// destination); the other 31 bits are the request id.
+/// The bit of a put's immediate that says a message follows; the other 31 bits are the
+/// request id. A worker's slot put: the message is a pushpull's, with its destination. A
+/// server's answer put: the reply follows (it gives a receive slot, or an error); without the
+/// bit the put is the whole answer.
 pub const IMM_FOLLOWS: u32 = 1 << 31;
 
 /// Request ids stay below this, so that a slot put's immediate carries them whole.

@@ -14,7 +14,7 @@ use kvstore_transport::{
 
 use crate::config::secret_matches;
 use crate::net::{region_of, Addr, Medium, Net};
-use crate::protocol::{flags, role, status, Msg, Op};
+use crate::protocol::{flags, role, slot_imm, status, Msg, Op};
 use crate::server::slots::{PutAction, Slots};
 use crate::server::state::{Input, Out, Payload, PeerData, ServerState};
 use crate::{DType, NDArray};
@@ -414,6 +414,9 @@ fn send(
     p: &mut Pending,
     body: &mut Vec<u8>,
 ) -> Result<bool, TransportError> {
+    // A value answer is its put alone, unless the reply has a receive slot to give: then the
+    // put's immediate says that a message follows.
+    let follows = p.slot.is_some() || p.out.msg.status != status::OK;
     if let (Payload::Array(a), Some(g), false) = (&p.out.payload, &p.grant, p.put) {
         let region = region_of(b, a)?;
         // SAFETY: the stored value is never written through this storage while the put reads
@@ -426,12 +429,13 @@ fn send(
                 0..a.nbytes(),
                 g,
                 0,
-                p.out.msg.req_id as u32,
+                slot_imm(p.out.msg.req_id, follows),
                 Token(0),
             )
         };
         match sent {
             Ok(Sent::WouldBlock) => return Ok(false),
+            Ok(Sent::Posted) if !follows => return Ok(true),
             Ok(Sent::Posted) => p.put = true,
             // The destination is gone (the worker revoked it after giving up on the call) or
             // was never valid: the answer says so instead.

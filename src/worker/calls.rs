@@ -27,7 +27,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::protocol::{status, Msg, Op, MAX_REQ_ID};
+use crate::protocol::{status, Msg, Op, IMM_FOLLOWS, MAX_REQ_ID};
 use crate::{Key, KvError, NDArray, Result};
 
 /// One request of a call.
@@ -314,6 +314,48 @@ impl<G: Clone> Calls<G> {
         self.finish_if_complete(id);
     }
 
+    /// `server` put `len` bytes at `offset` into a grant of this worker (`is_grant` tells
+    /// whether a request's grant is the one written), with immediate `imm`. Unless a message
+    /// follows ([`IMM_FOLLOWS`]), the put is the whole answer, as a reply with no text: then
+    /// it must have filled its request's destination exactly, or the server broke the
+    /// protocol and every call fails.
+    pub(crate) fn on_answer_put(
+        &mut self,
+        server: usize,
+        imm: u32,
+        is_grant: impl Fn(&G) -> bool,
+        offset: usize,
+        len: usize,
+    ) {
+        if imm & IMM_FOLLOWS != 0 {
+            return;
+        }
+        let req_id = imm as u64;
+        let Some(&(id, i)) = self.by_req.get(&req_id) else {
+            return;
+        };
+        let Some(c) = self.live.get(&id) else {
+            return;
+        };
+        let whole = c.reqs[i].dest.as_ref().map(|(_, r)| r.len());
+        let fits = c.reqs[i].server == server
+            && c.grants[i].as_ref().is_some_and(is_grant)
+            && offset == 0
+            && whole == Some(len);
+        if !fits {
+            self.on_fatal(KvError::Protocol(format!(
+                "server {server} answered request {req_id} with a put of {len} bytes at \
+                 {offset} that does not fill its destination"
+            )));
+            return;
+        }
+        let m = Msg {
+            req_id,
+            ..Msg::new(Op::Reply)
+        };
+        self.on_reply(server, &m, &[], None);
+    }
+
     /// A data send completed (`Ok`) or failed.
     pub(crate) fn on_send_done(&mut self, token: u64, result: std::result::Result<(), String>) {
         let Some((id, _value)) = self.sends.remove(&token) else {
@@ -468,6 +510,66 @@ impl<G: Clone> Calls<G> {
                 .take()
                 .unwrap_or_else(|| KvError::Aborted(format!("an earlier call failed: {why}")));
             self.end(id, c, Err(err));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::slot_imm;
+
+    /// A call with one pull of 16 bytes from server 0, posted with its destination granted
+    /// as grant 7; returns the call and its request id.
+    fn one_pull(calls: &mut Calls<u64>) -> (CallId, u64) {
+        let req = Request {
+            server: 0,
+            msg: Msg::new(Op::Pull),
+            data: None,
+            text: Vec::new(),
+            dest: Some((0, 0..16)),
+        };
+        let call = calls.start(Instant::now(), vec![req], vec![NDArray::zeros(&[4])]);
+        let Some(Action::Send { req, token, .. }) = calls.poll_action() else {
+            panic!("the pull is not sent");
+        };
+        calls.on_sent(call, req, Some(7), token);
+        let id = calls.request(call, req).expect("the request").0.msg.req_id;
+        (call, id)
+    }
+
+    #[test]
+    fn an_answer_put_without_the_follows_bit_is_the_whole_answer() {
+        let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+        let (call, id) = one_pull(&mut calls);
+        // A put whose reply follows does not answer yet; one from another server, or into
+        // another grant, is not this request's.
+        calls.on_answer_put(0, slot_imm(id, true), |g| *g == 7, 0, 16);
+        assert!(!calls.is_done(call));
+        calls.on_answer_put(0, slot_imm(id, false), |g| *g == 7, 0, 16);
+        assert!(calls.is_done(call));
+        assert!(calls.take(call).expect("finished").result.is_ok());
+        assert_eq!(
+            calls.poll_action(),
+            Some(Action::Release {
+                server: 0,
+                grant: 7,
+                revoke: false
+            })
+        );
+    }
+
+    #[test]
+    fn an_answer_put_that_does_not_fill_its_destination_fails_every_call() {
+        for (server, grant, offset, len) in
+            [(1, 7, 0, 16), (0, 8, 0, 16), (0, 7, 4, 12), (0, 7, 0, 8)]
+        {
+            let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+            let (call, id) = one_pull(&mut calls);
+            calls.on_answer_put(server, slot_imm(id, false), |g| *g == grant, offset, len);
+            let r = calls.take(call).expect("the call is over").result;
+            assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
+            assert!(calls.check().is_err());
         }
     }
 }

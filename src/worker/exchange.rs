@@ -187,7 +187,18 @@ impl Links {
                         calls.on_lost(s, &error.to_string());
                     }
                 }
-                Completion::Put { .. } | Completion::Connected { .. } => {}
+                Completion::Put {
+                    peer,
+                    grant,
+                    offset,
+                    len,
+                    imm,
+                } => {
+                    if let Some(s) = server(peer) {
+                        calls.on_answer_put(s, imm, |g| g.id() == grant, offset, len);
+                    }
+                }
+                Completion::Connected { .. } => {}
             }
         })
     }

@@ -8,7 +8,8 @@
 //! completes at once, and a frame that was already on its way into a revoked grant is read into
 //! scratch instead.
 
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -43,7 +44,7 @@ pub struct TcpBackend {
     listener: Option<TcpListener>,
     peers: PeerTable<Peer>,
     next_peer: u32,
-    grants: HashMap<u64, Grant>,
+    grants: FxHashMap<u64, Grant>,
     next_grant: u64,
     done: VecDeque<(Token, Option<TransportError>)>,
     lost: VecDeque<(PeerId, TransportError)>,
@@ -73,7 +74,7 @@ impl TcpBackend {
             listener: None,
             peers: PeerTable::new(),
             next_peer: 0,
-            grants: HashMap::new(),
+            grants: FxHashMap::default(),
             next_grant: 1,
             done: VecDeque::new(),
             lost: VecDeque::new(),

@@ -2,7 +2,8 @@
 //! caller's memory) and the sink that takes its frames apart (a message into one buffer, a put
 //! straight into the granted memory).
 
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
 use std::io;
 use std::ops::Range;
 
@@ -104,7 +105,7 @@ pub(super) fn write_out(
 pub(super) struct Sink<'a> {
     pub(super) peer: PeerId,
     pub(super) rx: &'a mut Rx,
-    pub(super) grants: &'a HashMap<u64, Grant>,
+    pub(super) grants: &'a FxHashMap<u64, Grant>,
     pub(super) next_grant: u64,
     pub(super) on: &'a mut dyn FnMut(Completion<'_>),
     pub(super) n: &'a mut usize,

@@ -6,7 +6,7 @@ use std::io::{self, IoSlice, Write};
 use crate::frame::HEADER_LEN;
 
 /// Most slices handed to one `writev`.
-const MAX_IOV: usize = 64;
+const MAX_IOV: usize = 1024;
 
 /// What follows a queued frame's header: up to two parts (a body and data), resolved to bytes
 /// only when written, so the queue can hold handles to memory it does not own. The parts must
