@@ -276,12 +276,21 @@ pub(crate) fn group_values<'a>(
         Values::Nested(vss) => pair(keys, Form::Nested(vss))?,
     };
     let mut grouped: Vec<(Key, Vec<&'a NDArray>)> = Vec::with_capacity(pairs.len());
+    // A scan for a few keys; a map (no quadratic scan) for many.
     let mut at: rustc_hash::FxHashMap<Key, usize> = Default::default();
+    let many = pairs.len() > 16;
     for (k, vs) in pairs {
-        match at.get(&k) {
-            Some(&i) => grouped[i].1.extend(vs),
+        let found = if many {
+            at.get(&k).copied()
+        } else {
+            grouped.iter().position(|(g, _)| *g == k)
+        };
+        match found {
+            Some(i) => grouped[i].1.extend(vs),
             None => {
-                at.insert(k.clone(), grouped.len());
+                if many {
+                    at.insert(k.clone(), grouped.len());
+                }
                 grouped.push((k, vs));
             }
         }
