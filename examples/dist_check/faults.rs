@@ -123,6 +123,8 @@ pub(crate) fn zerocopy(kv: &mut KVStore) {
     let w = kv.num_workers() as f64;
     let n = 1 << 16;
     ok("init", kv.init(0, &NDArray::zeros(&[n])));
+    // A small value (4 KiB): its pull goes through pool pages even with cross-memory writes.
+    ok("init small", kv.init(1, &NDArray::full(&[1024], 2.0)));
     let mut a = ok("alloc", kv.alloc(&[n], DType::F32));
     if shm != a.is_shared_memory() {
         fail(format!(
@@ -164,6 +166,17 @@ pub(crate) fn zerocopy(kv: &mut KVStore) {
     if counts != want {
         fail(format!(
             "copies (count, bytes) per step {counts:?}, want {want:?}"
+        ));
+    }
+    let before_small = kv.transport_copies();
+    let mut small = NDArray::zeros(&[1024]);
+    ok("pull small", kv.pull(1, &mut small));
+    expect_vals("pull small", &small, &[2.0; 1024]);
+    let want_small = if shm { (1, 4096) } else { (0, 0) };
+    if d(before_small, kv.transport_copies()) != want_small {
+        fail(format!(
+            "a 4 KiB pull into a heap array made {:?} copies here, want {want_small:?}",
+            d(before_small, kv.transport_copies())
         ));
     }
     println!("cross-memory attach: {}", kv.cross_memory());
