@@ -430,9 +430,7 @@ impl Job {
             let w = o.to;
             let slot = self.servers[s].slots.on_reply(w, &mut o.msg).copied();
             let grant = self.servers[s].grants.remove(&(w, o.msg.req_id));
-            // As the server does: a value answer is its put alone unless the reply gives a
-            // slot or an error.
-            let follows = slot.is_some() || o.msg.status != crate::protocol::status::OK;
+            let follows = o.msg.follows_put();
             if let (Payload::Array(a), Some(grant)) = (&o.payload, grant) {
                 let bytes = a.as_bytes().to_vec();
                 let imm = slot_imm(o.msg.req_id, follows);

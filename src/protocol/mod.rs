@@ -275,6 +275,13 @@ impl Msg {
             .collect()
     }
 
+    /// Whether this reply to a value request comes as a message after the value's put: when
+    /// it gives a receive slot ([`flags::SLOT`]) or reports an error. Otherwise the put, its
+    /// immediate without [`IMM_FOLLOWS`], is the whole answer.
+    pub fn follows_put(&self) -> bool {
+        self.flags & flags::SLOT != 0 || self.status != status::OK
+    }
+
     /// The payload length a data frame of this message must have.
     pub fn data_bytes(&self) -> Option<u64> {
         self.len.checked_mul(self.dtype.size() as u64)

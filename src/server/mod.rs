@@ -95,6 +95,8 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         cur: None,
         buf: Vec::new(),
     };
+    // The job's processes on this host (the scheduler counts them) share its cores.
+    net.set_local_processes(roster.local_processes);
     let mut state = ServerState::new(roster.num_workers, sync);
     let mut workers = Workers::new(&cfg.secret, roster.num_workers, cfg.slot_bytes);
     let mut outcome: Option<Result<()>> = None;
@@ -106,9 +108,6 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     loop {
         net.progress(&mut |m, c| workers.on(&mut state, m, c))?;
         workers.close_refused(&mut state, &mut net);
-        // This server and the workers attached over shared memory share this host's cores.
-        let here = 1 + workers.local() + net.tcp.local_peers();
-        net.set_local_processes(here.max(roster.local_processes));
         // The scheduler speaks rarely (shutdown, abort): a busy loop reads its socket once a
         // millisecond, not on every turn (each read is a system call).
         turns = turns.wrapping_add(1);

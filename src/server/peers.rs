@@ -376,14 +376,6 @@ impl Workers {
         }
     }
 
-    /// How many workers are attached over shared memory.
-    pub(super) fn local(&self) -> usize {
-        self.peers
-            .keys()
-            .filter(|a| a.medium == Medium::Shm)
-            .count()
-    }
-
     /// Whether answers are still waiting to go out.
     pub(super) fn pending(&self) -> bool {
         self.peers.values().any(|w| !w.backlog.is_empty())
@@ -414,9 +406,7 @@ fn send(
     p: &mut Pending,
     body: &mut Vec<u8>,
 ) -> Result<bool, TransportError> {
-    // A value answer is its put alone, unless the reply has a receive slot to give: then the
-    // put's immediate says that a message follows.
-    let follows = p.slot.is_some() || p.out.msg.status != status::OK;
+    let follows = p.out.msg.follows_put();
     if let (Payload::Array(a), Some(g), false) = (&p.out.payload, &p.grant, p.put) {
         let region = region_of(b, a)?;
         // SAFETY: the stored value is never written through this storage while the put reads

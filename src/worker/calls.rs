@@ -291,7 +291,12 @@ impl<G: Clone> Calls<G> {
     /// A reply from `server`, with the text after its header, and the receive slot it carries
     /// (the credit for the next push of its request's key slice).
     pub(crate) fn on_reply(&mut self, server: usize, m: &Msg, text: &[u8], slot: Option<G>) {
-        let Some(&(id, i)) = self.by_req.get(&m.req_id) else {
+        self.answer(server, m.req_id, m.status, text, slot);
+    }
+
+    /// Request `req_id`, sent to `server`, is answered with `status`.
+    fn answer(&mut self, server: usize, req_id: u64, st: u16, text: &[u8], slot: Option<G>) {
+        let Some(&(id, i)) = self.by_req.get(&req_id) else {
             return;
         };
         let Some(c) = self.live.get_mut(&id) else {
@@ -302,14 +307,14 @@ impl<G: Clone> Calls<G> {
         }
         c.answered[i] = true;
         c.remaining -= 1;
-        self.by_req.remove(&m.req_id);
+        self.by_req.remove(&req_id);
         let r = &c.reqs[i].msg;
         if let (Some(g), Op::Push | Op::PushPull) = (slot, r.op) {
             self.slots.insert((server, r.key, r.start), g);
         }
-        if m.status != status::OK && c.first_err.is_none() {
+        if st != status::OK && c.first_err.is_none() {
             let text = String::from_utf8_lossy(text).into_owned();
-            c.first_err = Some(remote_error(m.status, c.reqs[i].msg.key, server, text));
+            c.first_err = Some(remote_error(st, c.reqs[i].msg.key, server, text));
         }
         self.finish_if_complete(id);
     }
@@ -349,11 +354,7 @@ impl<G: Clone> Calls<G> {
             )));
             return;
         }
-        let m = Msg {
-            req_id,
-            ..Msg::new(Op::Reply)
-        };
-        self.on_reply(server, &m, &[], None);
+        self.answer(server, req_id, status::OK, &[], None);
     }
 
     /// A data send completed (`Ok`) or failed.
@@ -542,8 +543,7 @@ mod tests {
     fn an_answer_put_without_the_follows_bit_is_the_whole_answer() {
         let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
         let (call, id) = one_pull(&mut calls);
-        // A put whose reply follows does not answer yet; one from another server, or into
-        // another grant, is not this request's.
+        // A put whose reply follows does not answer yet.
         calls.on_answer_put(0, slot_imm(id, true), |g| *g == 7, 0, 16);
         assert!(!calls.is_done(call));
         calls.on_answer_put(0, slot_imm(id, false), |g| *g == 7, 0, 16);

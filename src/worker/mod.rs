@@ -102,9 +102,8 @@ fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, 
     if shm_links == 0 {
         net.shm = None;
     }
-    // Every server and worker on this host, whatever the link, shares its cores.
-    let here = 1 + local.iter().filter(|l| **l).count();
-    net.set_local_processes(here.max(roster.local_processes));
+    // The job's processes on this host (the scheduler counts them) share its cores.
+    net.set_local_processes(roster.local_processes);
     Ok((net, links))
 }
 

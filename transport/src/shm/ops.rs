@@ -576,28 +576,3 @@ impl Drop for ShmBackend {
         std::mem::forget(live);
     }
 }
-
-impl ShmBackend {
-    /// Pool pages of `len` bytes, zeroed if `zero`.
-    fn alloc_pages(&mut self, len: usize, zero: bool) -> Result<Region, TransportError> {
-        let region = self.pool.alloc(len)?;
-        let pages = PoolPages {
-            seg: self.pool_seg.clone(),
-            pool: self.pool.clone(),
-            region,
-            len,
-        };
-        // Pages come back dirty from earlier use: zero them, unless only a peer's put will be
-        // read from them.
-        static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
-        for at in (0..if zero { len } else { 0 }).step_by(ZEROS.len()) {
-            let n = ZEROS.len().min(len - at);
-            self.pool_seg.write(region.offset + at, &ZEROS[..n])?;
-        }
-        Ok(Region::new(
-            self.id,
-            Arc::new(pages),
-            Place::Pool(region.offset),
-        ))
-    }
-}

@@ -108,10 +108,6 @@ impl TcpBackend {
     fn add(&mut self, mut stream: TcpStream) -> Result<PeerId, TransportError> {
         stream.set_nodelay(true)?;
         liveness(&stream)?;
-        let local = match (stream.peer_addr(), stream.local_addr()) {
-            (Ok(p), Ok(l)) => p.ip() == l.ip() || p.ip().is_loopback(),
-            _ => false,
-        };
         let id = self.next_peer;
         self.next_peer += 1;
         self.poll.registry().register(
@@ -127,7 +123,6 @@ impl TcpBackend {
                 rx: Rx::default(),
                 out: OutQueue::new(),
                 paused: false,
-                local,
             },
         );
         Ok(PeerId(id))
@@ -137,11 +132,6 @@ impl TcpBackend {
     /// any) can bring work, and a busy loop may look at it less often.
     pub fn is_idle(&self) -> bool {
         self.peers.is_empty() && self.done.is_empty() && self.lost.is_empty()
-    }
-
-    /// Connected peers that are processes on this host.
-    pub fn local_peers(&self) -> usize {
-        self.peers.values().filter(|p| p.local).count()
     }
 
     /// Whether any peer is connected.

@@ -63,8 +63,6 @@ pub(super) struct Peer {
     pub(super) out: OutQueue<Out>,
     /// Not read while set (backpressure).
     pub(super) paused: bool,
-    /// The peer is a process on this host (its address is the local end's, or loopback).
-    pub(super) local: bool,
 }
 
 pub(super) struct Grant {
