@@ -311,9 +311,14 @@ impl NDArray {
         self.buf = Arc::new(Storage::Heap(AlignedBuf::zeroed(self.nbytes())));
     }
 
-    /// Whether no clone shares the storage (a write goes in place, with no copy).
+    /// Whether no clone shares the storage, and no transport holds its pages (a send by
+    /// reference still being read): a write goes in place, with no copy, and no reader sees it.
     pub(crate) fn is_unique(&mut self) -> bool {
-        Arc::get_mut(&mut self.buf).is_some()
+        match Arc::get_mut(&mut self.buf) {
+            None => false,
+            Some(Storage::Heap(_)) => true,
+            Some(Storage::Region(r)) => Arc::strong_count(r.storage()) == 1,
+        }
     }
 
     /// Whether the bytes live in memory a transport allocated (an array from `KVStore::alloc`

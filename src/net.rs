@@ -127,17 +127,27 @@ fn transport(e: kvstore_transport::TransportError) -> KvError {
 }
 
 impl Net {
-    /// TCP, refusing frames over `max_message` bytes; and shared memory with a pool of
-    /// `pool_bytes` when `shm` is set.
-    pub(crate) fn new(max_message: u64, shm: bool, pool_bytes: usize) -> Result<Net> {
+    /// TCP, refusing frames over `max_message` bytes; and, when `shm` is set, shared memory
+    /// with a send pool of `send_bytes` and a landing pool of `landing_bytes` (address space,
+    /// backed only where touched).
+    pub(crate) fn new(
+        max_message: u64,
+        shm: bool,
+        send_bytes: usize,
+        landing_bytes: usize,
+    ) -> Result<Net> {
         let tcp = TcpBackend::new(max_message).map_err(transport)?;
         let shm = if shm {
             let cfg = ShmConfig::default();
-            let pages = pool_bytes.div_ceil(cfg.page_size).max(16);
+            let pages = |bytes: usize| bytes.div_ceil(cfg.page_size).max(16);
             Some(
                 ShmBackend::new(
                     &format!("kvstore-{}", std::process::id()),
-                    ShmConfig { pages, ..cfg },
+                    ShmConfig {
+                        pages: pages(send_bytes),
+                        landing_pages: pages(landing_bytes),
+                        ..cfg
+                    },
                 )
                 .map_err(transport)?,
             )

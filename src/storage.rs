@@ -6,10 +6,12 @@
 pub(crate) enum Storage {
     /// Process memory.
     Heap(AlignedBuf),
-    /// Memory a transport allocated (`KVStore::alloc`): over shared memory, pool pages that a
-    /// peer reads in place. A peer writes them only to answer a pull into them, while the call
-    /// holds the array mutably; a call that fails with the answer outstanding takes them out of
-    /// the caller's array.
+    /// Memory a transport allocated (`KVStore::alloc`, a server's stored values): over shared
+    /// memory, send-pool pages that peers read in place and can never write (they map them
+    /// read-only; the kernel refuses more). Only a cross-memory write by the kernel, into a
+    /// range granted for a pull while the call holds the array mutably, writes them from
+    /// outside; a call that fails with the answer outstanding takes them out of the caller's
+    /// array.
     Region(kvstore_transport::Region),
 }
 
@@ -32,10 +34,11 @@ impl Storage {
         match self {
             Storage::Heap(b) => b.bytes(),
             // SAFETY: the region's storage is valid for its length while the region lives (it
-            // holds it). A peer writes it only to answer a pull into this array, which happens
-            // while a call holds the array's `&mut`, and a call that fails with the answer
-            // outstanding takes the storage out of the caller's array, so no `&` to it is live
-            // then.
+            // holds it). No peer can write it (its mapping there is read-only); the kernel
+            // writes it for a peer only into a range granted for a pull into this array, which
+            // happens while a call holds the array's `&mut`, and a call that fails with the
+            // answer outstanding takes the storage out of the caller's array, so no `&` to it
+            // is live then.
             Storage::Region(r) => unsafe {
                 std::slice::from_raw_parts(kvstore_transport::Storage::ptr(&**r.storage()), r.len())
             },

@@ -6,8 +6,8 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use kvstore_transport::{
-    Backend, Completion, PeerId, Region, RemoteRegion, Sent, ShmBackend, ShmConfig, TcpBackend,
-    Token,
+    Access, Backend, Completion, PeerId, Region, RemoteRegion, Sent, ShmBackend, ShmConfig,
+    TcpBackend, Token,
 };
 
 /// What arrived from the peer.
@@ -94,9 +94,9 @@ impl Conn {
         self.b.name()
     }
 
-    /// Memory this backend moves best, of `len` bytes.
-    pub fn alloc(&mut self, len: usize) -> Result<Region, String> {
-        self.b.alloc(len).map_err(err)
+    /// Memory this backend moves best, of `len` bytes, for `access` (sent from, or put into).
+    pub fn alloc(&mut self, len: usize, access: Access) -> Result<Region, String> {
+        self.b.alloc(len, access).map_err(err)
     }
 
     /// Grants the peer `r`, whole.
@@ -294,7 +294,9 @@ pub fn tcp_client(addr: std::net::SocketAddr, timeout: Duration) -> Result<Conn,
 
 fn shm_config() -> ShmConfig {
     ShmConfig {
-        pages: 16 * 1024, // 1 GiB of address space: two 256 MiB regions and staging
+        // 1 GiB of address space each: two 256 MiB regions and staging; landing regions.
+        pages: 16 * 1024,
+        landing_pages: 16 * 1024,
         ..ShmConfig::default()
     }
 }

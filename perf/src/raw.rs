@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kvstore_transport::{Region, RemoteRegion};
+use kvstore_transport::{Access, Region, RemoteRegion};
 
 use crate::conn::{Conn, Event};
 
@@ -131,7 +131,7 @@ fn setup(
     salt: u8,
     timeout: Duration,
 ) -> Result<Bufs, String> {
-    let src = c.alloc(size)?;
+    let src = c.alloc(size, Access::Send)?;
     let bytes: Vec<u8> = (0..size).map(|i| i as u8 ^ salt).collect();
     // SAFETY: fresh memory, not yet sent or granted.
     unsafe { src.write(0, &bytes) }.map_err(|e| e.to_string())?;
@@ -143,7 +143,7 @@ fn setup(
             remote: None,
         });
     }
-    let landing = c.alloc(size.max(1) * region_slots(plan, size))?;
+    let landing = c.alloc(size.max(1) * region_slots(plan, size), Access::Land)?;
     let mine = c.grant(&landing)?;
     c.send(HANDLE, &mine.to_bytes(), None, Instant::now() + timeout)?;
     match c.recv(Instant::now() + timeout)? {

@@ -27,6 +27,9 @@ pub enum ShmError {
     /// A wait ran out of time.
     #[error("timed out")]
     Timeout,
+    /// A write into a segment this process maps read-only (a peer's pool).
+    #[error("segment is mapped read-only here")]
+    ReadOnly,
 }
 
 impl From<rustix::io::Errno> for ShmError {

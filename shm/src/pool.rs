@@ -77,8 +77,13 @@ impl Pool {
         self.seg.atomic_u64(self.bitmap + i * 8)
     }
 
+    /// The bitmap word `i`, read (a peer's pool is mapped read-only).
+    fn load(&self, i: usize) -> Result<u64, ShmError> {
+        self.seg.load_u64(self.bitmap + i * 8, Ordering::Acquire)
+    }
+
     fn is_set(&self, p: usize) -> Result<bool, ShmError> {
-        Ok(self.word(p / 64)?.load(Ordering::Acquire) & (1 << (p % 64)) != 0)
+        Ok(self.load(p / 64)? & (1 << (p % 64)) != 0)
     }
 
     /// Allocates a contiguous region of `len` bytes (at least one page), first fit from the
@@ -92,7 +97,7 @@ impl Pool {
         // Scan a word (64 pages) at a time; `run` counts free pages ending just before `p`.
         let (mut p, mut run) = (0usize, 0usize);
         while p < self.npages {
-            let word = self.word(p / 64)?.load(Ordering::Acquire);
+            let word = self.load(p / 64)?;
             if p % 64 == 0 && p + 64 <= self.npages && (word == 0 || word == u64::MAX) {
                 if word == u64::MAX {
                     run = 0;

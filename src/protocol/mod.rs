@@ -112,8 +112,12 @@ pub mod flags {
     /// On a push or pushpull: its data was put into the worker's receive slot. On a reply: a
     /// receive slot for the next push of this key slice follows the header.
     pub const SLOT: u16 = 1;
+    /// On a reply: the value rides with it, by reference to pages of the server that the
+    /// worker maps read-only (shared memory); the worker copies it into the destination it
+    /// granted, which the server then never writes.
+    pub const DATA: u16 = 2;
     /// Every bit a message may carry.
-    pub const ALL: u16 = SLOT;
+    pub const ALL: u16 = SLOT | DATA;
 }
 
 /// The bit of a put's immediate that says a message follows; the other 31 bits are the
@@ -328,7 +332,7 @@ mod tests {
             m.status = (rng(&mut st) % 6) as u16;
             m.dtype = DType::ALL[(rng(&mut st) % 7) as usize];
             m.ndim = (rng(&mut st) % 8) as u8;
-            m.flags = (rng(&mut st) % 2) as u16;
+            m.flags = (rng(&mut st) % 4) as u16;
             m.sender = rng(&mut st) as u32;
             m.req_id = rng(&mut st);
             m.key = rng(&mut st);
@@ -365,7 +369,7 @@ mod tests {
         b[5] = 8;
         assert!(Msg::decode(&b).is_err());
         let mut b = m.encode();
-        b[6] = 2;
+        b[6] = 4;
         assert!(Msg::decode(&b).is_err());
         let mut bad = Msg::new(Op::Push);
         bad.total = 10;

@@ -21,6 +21,13 @@ use crate::server::peers::{Workers, MAX_CONTROL};
 use crate::server::state::ServerState;
 use crate::{KvError, Result};
 
+/// Address space of a server's send pool, where its stored values live while there is room
+/// (beyond it they are ordinary memory, and answers are put into the worker's memory).
+const STORE_POOL_BYTES: usize = 64 << 30;
+
+/// Stored values of at least this many bytes live in the send pool.
+const STORE_IN_POOL_FROM: usize = 32 * 1024;
+
 /// How often a busy server reads the scheduler's socket.
 const SCHED_EVERY: Duration = Duration::from_millis(1);
 
@@ -77,8 +84,15 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             .map_err(|_| KvError::Config(format!("DMLC_NODE_HOST={h:?} is not an IP address")))?,
         None => sched.local_addr()?.ip(),
     };
-    // Receive slots for workers on this host are pool pages, which a put fills with a plain copy.
-    let mut net = Net::new(cfg.max_message, true, (1 << 20) + cfg.slot_bytes)?;
+    // Stored values live in the send pool, which workers on this host read answers from in
+    // place (and can never write); receive slots in the landing pool, which a worker's put
+    // fills with a plain copy.
+    let mut net = Net::new(
+        cfg.max_message,
+        true,
+        STORE_POOL_BYTES,
+        (1 << 20) + cfg.slot_bytes,
+    )?;
     let addr = net.tcp.listen(SocketAddr::new(ip, 0))?;
     // Workers on this host attach over shared memory.
     if let Some(shm) = &mut net.shm {
@@ -98,6 +112,19 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     // The job's processes on this host (the scheduler counts them) share its cores.
     net.set_local_processes(roster.local_processes);
     let mut state = ServerState::new(roster.num_workers, sync);
+    if let Some(shm) = &net.shm {
+        // Values of at least half a pool page live in the send pool, so that answers to the
+        // workers on this host go by reference; smaller ones would waste most of a page.
+        let pages = shm.send_pages();
+        state.set_alloc(Box::new(move |shape, dtype| {
+            let bytes = shape.iter().product::<usize>().checked_mul(dtype.size())?;
+            if bytes < STORE_IN_POOL_FROM {
+                return None;
+            }
+            let r = pages.alloc(bytes, true).ok()?;
+            Some(crate::NDArray::from_region(shape, dtype, r))
+        }));
+    }
     let mut workers = Workers::new(&cfg.secret, roster.num_workers, cfg.slot_bytes);
     let mut outcome: Option<Result<()>> = None;
     let mut sched_open = true;

@@ -389,7 +389,7 @@ fn make_slot(
     peer: PeerId,
     bytes: usize,
 ) -> Result<SlotMem, TransportError> {
-    let region = match b.alloc(bytes) {
+    let region = match b.alloc(bytes, kvstore_transport::Access::Land) {
         Ok(r) => r,
         Err(_) => b.register(Mem::zeroed(bytes))?,
     };
@@ -409,6 +409,25 @@ fn send(
     let follows = p.out.msg.follows_put();
     if let (Payload::Array(a), Some(g), false) = (&p.out.payload, &p.grant, p.put) {
         let region = region_of(b, a)?;
+        if b.sends_in_place(&region) {
+            // The value lies in pages the worker maps (read-only): the reply names them and
+            // the worker copies the value into its destination itself, at memory speed, as an
+            // RDMA read would. The region holds the value until the worker lets go of it, and
+            // the store writes its values copy-on-write, so nothing changes under the reader.
+            let mut m = p.out.msg;
+            m.flags |= flags::DATA;
+            body.clear();
+            body.extend_from_slice(&m.encode());
+            if let Some(slot) = &p.slot {
+                body.extend_from_slice(&slot.to_bytes());
+            }
+            let data = Some((&region, 0..a.nbytes(), Token(0)));
+            // SAFETY: the value is read only (above) until the token completes.
+            return match unsafe { b.send(addr.peer, body, data) }? {
+                Sent::Posted => Ok(true),
+                Sent::WouldBlock => Ok(false),
+            };
+        }
         // SAFETY: the stored value is never written through this storage while the put reads
         // it: the region holds a clone of the array's storage, and the store writes its values
         // copy-on-write, so an update after this point writes other memory.

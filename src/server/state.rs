@@ -12,7 +12,7 @@ use crate::optimizer::{Optimizer, OptimizerUpdater};
 use crate::protocol::{status, Msg, Op};
 use crate::registry::{self, SharedUpdater};
 pub use crate::server::peer_data::PeerData;
-use crate::{Key, KvError, NDArray};
+use crate::{DType, Key, KvError, NDArray};
 
 /// A connection, as the I/O layer numbers them.
 pub type PeerId = usize;
@@ -116,12 +116,29 @@ struct Slot {
     spare: Option<NDArray>,
 }
 
+/// Makes the server's arrays (stored values, merge and spare buffers), zeroed: the loop puts
+/// them where its answers can be sent from by reference, while there is room (`None`: no room,
+/// an ordinary array instead).
+pub type Alloc = Box<dyn FnMut(&[usize], DType) -> Option<NDArray>>;
+
+fn new_array(alloc: &mut Option<Alloc>, shape: &[usize], dtype: DType) -> NDArray {
+    alloc
+        .as_mut()
+        .and_then(|f| f(shape, dtype))
+        .unwrap_or_else(|| NDArray::zeros_dtype(shape, dtype))
+}
+
 /// Makes `a` writable in place without disturbing an answer whose put still reads it: if a
 /// clone pins its storage, `a` moves to the spare buffer (with its values copied over if `keep`)
 /// and the pinned buffer becomes the spare, to be written again once the put let go of it.
 /// With no pin, nothing happens; so a stored value is never copied just because a reply holds
 /// it, and the update never allocates.
-fn unpin(a: &mut NDArray, spare: &mut Option<NDArray>, keep: bool) -> crate::Result<()> {
+fn unpin(
+    a: &mut NDArray,
+    spare: &mut Option<NDArray>,
+    keep: bool,
+    alloc: &mut Option<Alloc>,
+) -> crate::Result<()> {
     if a.is_unique() {
         return Ok(());
     }
@@ -131,7 +148,7 @@ fn unpin(a: &mut NDArray, spare: &mut Option<NDArray>, keep: bool) -> crate::Res
             let fits = s.nbytes() == a.nbytes() && s.dtype() == a.dtype() && s.is_unique();
             fits.then_some(s)
         })
-        .unwrap_or_else(|| NDArray::zeros_dtype(a.shape(), a.dtype()));
+        .unwrap_or_else(|| new_array(alloc, a.shape(), a.dtype()));
     if keep {
         other.copy_from(a)?;
     }
@@ -146,6 +163,7 @@ pub struct ServerState {
     slots: FxHashMap<u64, Slot>,
     updater: Updater,
     failed: Option<String>,
+    alloc: Option<Alloc>,
     /// Frames to send, in order.
     pub outbox: Vec<Out>,
 }
@@ -167,8 +185,14 @@ impl ServerState {
             slots: FxHashMap::default(),
             updater: Updater::Assign,
             failed: None,
+            alloc: None,
             outbox: Vec::new(),
         }
+    }
+
+    /// Makes the server's arrays with `alloc` from now on.
+    pub fn set_alloc(&mut self, alloc: Alloc) {
+        self.alloc = Some(alloc);
     }
 
     /// Why the server stopped serving, if it did.
@@ -270,7 +294,7 @@ impl ServerState {
             );
         }
         // A fresh array: the connection's receive buffer is reused for the next frame.
-        let mut stored = NDArray::zeros_dtype(&[m.len as usize], m.dtype);
+        let mut stored = new_array(&mut self.alloc, &[m.len as usize], m.dtype);
         if let Err(e) = payload.copy_into(&mut stored) {
             return self.err(peer, m, status::MISMATCH, e.to_string());
         }
@@ -361,7 +385,7 @@ impl ServerState {
                     Err(e) => return self.err(peer, m, status::FAILED, e.to_string()),
                 },
             };
-            let res = unpin(&mut slot.stored, &mut slot.spare, true)
+            let res = unpin(&mut slot.stored, &mut slot.spare, true, &mut self.alloc)
                 .and_then(|()| apply(&mut self.updater, false, key, input, &mut slot.stored));
             let value = slot.stored.clone();
             return match res {
@@ -386,9 +410,8 @@ impl ServerState {
         // Shapes and dtypes were checked against the slot, so these cannot fail but for a
         // payload region the pool refused, which fails the request.
         let res = match &mut slot.merge {
-            Some(merge) if slot.count > 1 => {
-                unpin(merge, &mut slot.spare, true).and_then(|()| payload.add_into(merge))
-            }
+            Some(merge) if slot.count > 1 => unpin(merge, &mut slot.spare, true, &mut self.alloc)
+                .and_then(|()| payload.add_into(merge)),
             // The round's first push: a received buffer becomes the merge buffer (no copy), and
             // the connection receives into the old merge buffer next time; a peer's pages are
             // read where they lie into the merge buffer (the worker reuses them).
@@ -397,11 +420,18 @@ impl ServerState {
                     std::mem::swap(merge, a);
                     Ok(())
                 }
+                Input::Peer(p) => unpin(merge, &mut slot.spare, false, &mut self.alloc)
+                    .and_then(|()| p.copy_into(merge)),
+            },
+            // The first round: a received buffer becomes the merge buffer; a peer's pages are
+            // copied into a new one.
+            None => match payload {
+                Input::Owned(_) => payload.take().map(|a| slot.merge = Some(a)),
                 Input::Peer(p) => {
-                    unpin(merge, &mut slot.spare, false).and_then(|()| p.copy_into(merge))
+                    let mut a = new_array(&mut self.alloc, &[m.len as usize], m.dtype);
+                    p.copy_into(&mut a).map(|()| slot.merge = Some(a))
                 }
             },
-            None => payload.take().map(|a| slot.merge = Some(a)),
         };
         if let Err(e) = res {
             slot.pushed[worker] = false;
@@ -425,7 +455,7 @@ impl ServerState {
                 std::mem::swap(&mut slot.stored, merge);
                 Ok(())
             }
-            (up, Some(merge)) => unpin(&mut slot.stored, &mut slot.spare, true)
+            (up, Some(merge)) => unpin(&mut slot.stored, &mut slot.spare, true, &mut self.alloc)
                 .and_then(|()| apply(up, true, key, merge, &mut slot.stored)),
             (_, None) => Ok(()),
         };

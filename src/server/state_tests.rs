@@ -185,3 +185,64 @@ fn an_update_never_touches_a_value_a_reply_still_holds_and_reuses_the_spare_buff
     assert_ne!(bufs[0], bufs[1]);
     assert_eq!(held[0].to_vec::<f32>().unwrap(), vec![6.0; 8]);
 }
+
+/// With its arrays in a shared-memory send pool, the server answers by reference: the
+/// transport then holds the value's pages (not the array), and an update must still leave them
+/// alone until it lets go.
+#[test]
+fn an_update_never_touches_pool_pages_a_send_by_reference_still_holds() {
+    let shm = kvstore_transport::ShmBackend::new("state-test", Default::default()).unwrap();
+    let pages = shm.send_pages();
+    let mut s = ServerState::new(1, true);
+    s.set_alloc(Box::new(move |shape, dtype| {
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        Some(NDArray::from_region(
+            shape,
+            dtype,
+            pages.alloc(bytes, true).ok()?,
+        ))
+    }));
+    s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut {
+        let w: Vec<u8> = Optimizer::sgd(1.0)
+            .encode()
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        NDArray::from_bytes(&[w.len()], DType::U8, &w).unwrap()
+    });
+    s.handle(0, 0, &req(Op::Init, 4, 8, 2), &mut data(10.0, 8));
+    replies(&mut s);
+    let mut held_pages = Vec::new();
+    let mut bufs = Vec::new();
+    for (i, (grad, want)) in [(1.0f32, 9.0f32), (2.0, 7.0), (3.0, 4.0)]
+        .into_iter()
+        .enumerate()
+    {
+        s.handle(
+            0,
+            0,
+            &req(Op::PushPull, 4, 8, 3 + i as u64),
+            &mut data(grad, 8),
+        );
+        let out = s.outbox.pop().expect("an answer");
+        let Payload::Array(a) = out.payload else {
+            panic!("a value")
+        };
+        assert!(a.is_shared_memory());
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![want; 8]);
+        bufs.push(addr(&a));
+        // What a send by reference keeps: the pages, not the array.
+        held_pages.push((a.region().unwrap().clone(), want));
+        drop(a);
+        if held_pages.len() > 1 {
+            held_pages.remove(0);
+        }
+    }
+    assert_ne!(bufs[0], bufs[1], "the held pages were written");
+    assert_eq!(bufs[0], bufs[2], "the spare came back once let go");
+    let (r, want) = &held_pages[0];
+    let mut got = vec![0u8; 32];
+    // SAFETY: nothing writes these pages while they are held (what this test checks).
+    unsafe { r.read(0, &mut got) }.unwrap();
+    assert_eq!(got, data(*want, 8).as_bytes());
+}

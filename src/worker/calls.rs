@@ -294,6 +294,52 @@ impl<G: Clone> Calls<G> {
         self.answer(server, m.req_id, m.status, text, slot);
     }
 
+    /// A reply from `server` that carries its value ([`crate::protocol::flags::DATA`]): `fill`
+    /// copies the value into the request's destination, a slice it must fill exactly (`false`:
+    /// the value has another length). The server answered so instead of writing the grant, and
+    /// never writes it afterwards. A value for a request with no destination, or of the wrong
+    /// length, breaks the protocol: every call fails.
+    pub(crate) fn on_reply_value(
+        &mut self,
+        server: usize,
+        m: &Msg,
+        text: &[u8],
+        slot: Option<G>,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+    ) {
+        let Some(&(id, i)) = self.by_req.get(&m.req_id) else {
+            return;
+        };
+        let Some(c) = self.live.get_mut(&id) else {
+            return;
+        };
+        if c.answered[i] || c.reqs[i].server != server {
+            return;
+        }
+        let filled = match &c.reqs[i].dest {
+            Some((o, range)) => {
+                let out = &c.outputs[*o];
+                let base = kvstore_transport::Storage::ptr(&*out.storage());
+                // SAFETY: the call owns the output (no other reference to it in this process
+                // while the call lives), and `start` checked that the range lies inside it;
+                // its only other holder is the grant, which the server no longer writes.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(base.add(range.start), range.len()) };
+                fill(dst)
+            }
+            None => false,
+        };
+        if !filled {
+            self.on_fatal(KvError::Protocol(format!(
+                "server {server} answered request {} with a value that does not fill its \
+                 destination",
+                m.req_id
+            )));
+            return;
+        }
+        self.answer(server, m.req_id, m.status, text, slot);
+    }
+
     /// Request `req_id`, sent to `server`, is answered with `status`.
     fn answer(&mut self, server: usize, req_id: u64, st: u16, text: &[u8], slot: Option<G>) {
         let Some(&(id, i)) = self.by_req.get(&req_id) else {

@@ -32,6 +32,8 @@ pub(crate) struct Links {
     turns: u32,
     /// Pushes put into receive slots.
     pub(crate) slot_puts: u64,
+    /// Answers copied here out of a server's pages: count, bytes.
+    pub(crate) answer_copies: (u64, u64),
 }
 
 /// What putting a request's data into its receive slot did.
@@ -65,6 +67,7 @@ impl Links {
             body: Vec::new(),
             turns: 0,
             slot_puts: 0,
+            answer_copies: (0, 0),
         }
     }
 
@@ -159,15 +162,28 @@ impl Links {
     fn pump(&mut self) -> Result<usize> {
         let servers = &self.servers;
         let calls = &mut self.calls;
+        let copies = &mut self.answer_copies;
         self.net.progress(&mut |medium, c| {
             let server = |peer| servers.iter().position(|a| *a == Addr { medium, peer });
             match c {
-                Completion::Recv { peer, body, .. } => {
+                Completion::Recv { peer, body, data } => {
                     let Some(s) = server(peer) else {
                         return;
                     };
                     match Msg::from_body(body) {
                         Ok((m, rest)) if m.op == Op::Reply => match reply_slot(&m, rest) {
+                            Some((slot, text)) if m.flags & flags::DATA != 0 => {
+                                let fill = |dst: &mut [u8]| {
+                                    let Some(d) = &data else { return false };
+                                    let ok = d.len() == dst.len() && d.read(0, dst).is_ok();
+                                    if ok {
+                                        copies.0 += 1;
+                                        copies.1 += dst.len() as u64;
+                                    }
+                                    ok
+                                };
+                                calls.on_reply_value(s, &m, text, slot, fill)
+                            }
                             Some((slot, text)) => calls.on_reply(s, &m, text, slot),
                             None => calls.on_fatal(KvError::Protocol(format!(
                                 "server {s} sent a receive slot too short to read"

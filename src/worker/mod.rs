@@ -73,7 +73,14 @@ fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, 
         }
     }
     let want_shm = choice != TransportChoice::Tcp && local.iter().any(|l| *l);
-    let mut net = Net::new(cfg.max_message, want_shm, cfg.shm_pool_bytes)?;
+    // The send pool holds kv.alloc arrays and staged sends; the landing pool what servers
+    // are granted to write (small answers, and any where cross-memory writes are refused).
+    let mut net = Net::new(
+        cfg.max_message,
+        want_shm,
+        cfg.shm_pool_bytes,
+        cfg.shm_pool_bytes,
+    )?;
     let mut links = Vec::with_capacity(roster.servers.len());
     for (i, addr) in roster.servers.iter().enumerate() {
         let mut link = None;
@@ -153,9 +160,12 @@ impl DistWorker {
             .collect()
     }
 
-    /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made here.
+    /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made here (with
+    /// the answers it copied out of a server's pages).
     pub(crate) fn transport_copies(&self) -> (u64, u64) {
-        self.net.net.shm.as_ref().map_or((0, 0), |s| s.copies())
+        let (n, bytes) = self.net.net.shm.as_ref().map_or((0, 0), |s| s.copies());
+        let (an, abytes) = self.net.answer_copies;
+        (n + an, bytes + abytes)
     }
 
     /// Pushes this store put into receive slots.
@@ -184,7 +194,8 @@ impl DistWorker {
         let bytes = shape.iter().product::<usize>() * dtype.size();
         match &mut self.net.net.shm {
             Some(s) if bytes > 0 => {
-                let r = kvstore_transport::Backend::alloc(s, bytes)?;
+                let r =
+                    kvstore_transport::Backend::alloc(s, bytes, kvstore_transport::Access::Send)?;
                 Ok(NDArray::from_region(shape, dtype, r))
             }
             _ => Ok(NDArray::zeros_dtype(shape, dtype)),

@@ -53,8 +53,24 @@ pub(crate) fn fresh_id() -> u64 {
 pub(crate) enum Place {
     /// Private memory of this process.
     Local,
-    /// Pages of the backend's shared pool, at this offset of its segment.
+    /// Pages of the backend's shared pool, at this offset of its segment (peers read them,
+    /// and can never write them).
     Pool(usize),
+    /// Landing pages, at this offset of the backend's landing segment: peers it granted a
+    /// range write there.
+    Landing(usize),
+}
+
+/// What peers may do with memory a backend allocates, as the access flags of a verbs memory
+/// region say it: memory that peers write is kept apart from memory they only read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Peers may read it (a send by reference) but can never write it: over shared memory,
+    /// pages of a pool that peers can map only read-only. A grant of it is written by the
+    /// kernel on the peer's behalf (a cross-memory write) or lands in landing pages first.
+    Send,
+    /// Peers may put into ranges of it that are granted to them: receive slots.
+    Land,
 }
 
 /// Memory registered with one backend. Clones share the registration; the storage lives as long
@@ -398,9 +414,10 @@ pub trait Backend: Send {
     /// Registers memory for sends, puts and grants.
     fn register(&mut self, mem: Arc<dyn Storage>) -> Result<Region, TransportError>;
 
-    /// New zeroed memory that this medium moves best: over shared memory, pool pages a peer
-    /// reads in place.
-    fn alloc(&mut self, len: usize) -> Result<Region, TransportError>;
+    /// New zeroed memory that this medium moves best, for `access`: over shared memory, pool
+    /// pages a peer reads in place ([`Access::Send`]), or landing pages a peer puts into
+    /// ([`Access::Land`]).
+    fn alloc(&mut self, len: usize, access: Access) -> Result<Region, TransportError>;
 
     /// Whether a send of `r`'s data goes by reference (the receiver reads it where it lies),
     /// which no put into a peer's memory can beat.

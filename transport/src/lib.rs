@@ -22,10 +22,10 @@ mod table;
 pub mod tcp;
 
 pub use backend::{
-    wait, Backend, Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Storage, Token,
-    REMOTE_LEN,
+    wait, Access, Backend, Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Storage,
+    Token, REMOTE_LEN,
 };
 pub use error::TransportError;
 pub use frame::{FrameHeader, HEADER_LEN, META_LEN};
-pub use shm::{PeerProcess, ShmBackend, ShmConfig};
+pub use shm::{PeerProcess, SendPages, ShmBackend, ShmConfig};
 pub use tcp::TcpBackend;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvstore_transport::{
-    Backend, Completion, Mem, PeerId, Region, RemoteRegion, Sent, ShmBackend, ShmConfig,
+    Access, Backend, Completion, Mem, PeerId, Region, RemoteRegion, Sent, ShmBackend, ShmConfig,
     TcpBackend, Token,
 };
 
@@ -78,6 +78,7 @@ fn small_shm(cross_memory: bool) -> ShmConfig {
         ring_slots: 64,
         page_size: 4096,
         pages: 1024,
+        landing_pages: 1024,
         handshake_timeout: Duration::from_millis(300),
         cross_memory,
     }
@@ -176,7 +177,11 @@ fn heap(b: &mut Side, data: &[u8]) -> Region {
 }
 
 fn pool(b: &mut Side, data: &[u8]) -> Region {
-    let r = b.b.alloc(data.len()).unwrap();
+    alloc(b, data, Access::Send)
+}
+
+fn alloc(b: &mut Side, data: &[u8], access: Access) -> Region {
+    let r = b.b.alloc(data.len(), access).unwrap();
     // SAFETY: fresh, not granted, not sent.
     unsafe { r.write(0, data) }.unwrap();
     r
@@ -265,11 +270,16 @@ fn grant_to(s: &mut Side, peer: PeerId, r: &Region, range: std::ops::Range<usize
 
 fn puts_land_in_granted_ranges(kind: Kind) {
     let (mut a, to_b, mut b, to_a) = pair(kind);
-    for from_pool in [false, true] {
-        let target = if from_pool {
-            pool(&mut b, &[0u8; 64 * 1024])
-        } else {
-            heap(&mut b, &[0u8; 64 * 1024])
+    // Into private memory, send-pool pages (which peers cannot write themselves) and landing
+    // pages; from private memory and send-pool pages.
+    for (from_pool, into) in [
+        (false, None),
+        (true, Some(Access::Send)),
+        (true, Some(Access::Land)),
+    ] {
+        let target = match into {
+            Some(access) => alloc(&mut b, &[0u8; 64 * 1024], access),
+            None => heap(&mut b, &[0u8; 64 * 1024]),
         };
         let g = grant_to(&mut b, to_a, &target, 1000..9000);
         // The handle crosses as bytes, as it would in a request.
@@ -562,3 +572,58 @@ suite!(
     a_handle_of_another_kind_or_size_is_refused,
     a_paused_peer_is_not_read_until_resumed
 );
+
+/// The perms of this process's mappings of the memfd named `name` (`/proc/self/maps`).
+fn mapping_perms(name: &str) -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let tag = format!("/memfd:{name} ");
+    let mut perms: Vec<String> = maps
+        .lines()
+        .filter(|l| l.contains(&tag))
+        .map(|l| l.split_whitespace().nth(1).unwrap().to_string())
+        .collect();
+    perms.sort();
+    perms
+}
+
+/// Over shared memory a peer maps the other side's send pool (its `kv.alloc` arrays, its data
+/// sent by reference) read-only, and the kernel refuses it more; only the landing pool, where
+/// grants to the peer lie, is mapped writable by both.
+#[test]
+fn shm_peers_map_each_others_send_pool_read_only() {
+    let id = format!(
+        "ro{}x{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let (owner, peer) = (format!("{id}o"), format!("{id}p"));
+    let mut a = ShmBackend::new(&owner, small_shm(true)).unwrap();
+    a.listen(&id).unwrap();
+    let (id2, peer2) = (id.clone(), peer.clone());
+    let t = std::thread::spawn(move || {
+        let mut b = ShmBackend::new(&peer2, small_shm(true)).unwrap();
+        b.connect(&id2, Duration::from_secs(5)).unwrap();
+        b
+    });
+    let mut connected = false;
+    let start = Instant::now();
+    while !connected {
+        a.progress(&mut |c| connected |= matches!(c, Completion::Connected { .. }))
+            .unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10), "no connection");
+    }
+    let b = t.join().unwrap();
+    for side in [&owner, &peer] {
+        assert_eq!(
+            mapping_perms(&format!("{side}-pool")),
+            ["r--s", "rw-s"],
+            "{side}"
+        );
+        assert_eq!(
+            mapping_perms(&format!("{side}-landing")),
+            ["rw-s", "rw-s"],
+            "{side}"
+        );
+    }
+    drop((a, b));
+}

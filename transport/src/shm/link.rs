@@ -1,11 +1,14 @@
 //! What a shared-memory link is made of: the process's page pool, the descriptors on the
 //! rings, and the handshake that joins two processes over a Unix socket.
 //!
-//! Each process has one pool segment, which every peer maps: data sent by reference and
-//! granted pool pages lie there. Each link has a channel segment (two descriptor rings and
-//! their wake words) made by the connecting side. The handshake passes both pools, the channel
-//! and two eventfd doorbells, and each side tries one cross-memory write into the other (a
-//! canary) to learn whether the host lets it write there.
+//! Each process has two page pools, which every peer maps. Its send pool holds data sent by
+//! reference (and `kv.alloc` arrays): it is sealed against writable mappings by anyone else
+//! (`F_SEAL_FUTURE_WRITE`), so peers map it read-only and the kernel keeps them from ever
+//! writing it. Its landing pool holds what peers are granted to write (receive slots, bounce
+//! pages), mapped read-write. Each link has a channel segment (two descriptor rings and their
+//! wake words) made by the connecting side. The handshake passes the pools, the channel and
+//! two eventfd doorbells, and each side tries one cross-memory write into the other (a canary)
+//! to learn whether the host lets it write there.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
@@ -18,7 +21,7 @@ use super::PeerProcess;
 use crate::{Storage, TransportError};
 
 /// The handshake's first word.
-pub(super) const HELLO: &str = "kvstore-shm-link-1";
+pub(super) const HELLO: &str = "kvstore-shm-link-2";
 const POOL_MAGIC: u64 = u64::from_le_bytes(*b"KVSHPOOL");
 /// Where the pool starts in its segment (after a header page).
 pub(super) const POOL_BASE: usize = 4096;
@@ -90,16 +93,20 @@ impl Desc {
     }
 }
 
-/// A process's page pool, in a segment with a header that peers check when they map it.
+/// A process's page pool, in a segment with a header that peers check when they map it:
+/// `landing` pages peers may write, or else pages only this process can write.
 pub(super) fn create_pool(
     name: &str,
     pages: usize,
     page: usize,
+    landing: bool,
 ) -> Result<(Arc<Segment>, Arc<Pool>), TransportError> {
-    let seg = Arc::new(Segment::create(
-        &format!("{name}-pool"),
-        POOL_BASE + Pool::bytes_needed(pages, page),
-    )?);
+    let len = POOL_BASE + Pool::bytes_needed(pages, page);
+    let seg = Arc::new(if landing {
+        Segment::create(&format!("{name}-landing"), len)?
+    } else {
+        Segment::create_read_only_for_peers(&format!("{name}-pool"), len)?
+    });
     for (i, w) in [POOL_MAGIC, pages as u64, page as u64].iter().enumerate() {
         seg.write(i * 8, &w.to_le_bytes())?;
     }
@@ -108,9 +115,17 @@ pub(super) fn create_pool(
 }
 
 /// A peer's pool, from its descriptor: its header is checked, and its size bounded by the
-/// mapping.
-pub(super) fn attach_pool(fd: OwnedFd) -> Result<(Arc<Segment>, Pool), TransportError> {
-    let seg = Arc::new(Segment::from_fd(fd)?);
+/// mapping. Its send pool is mapped read-only (the kernel refuses more); its landing pool
+/// read-write.
+pub(super) fn attach_pool(
+    fd: OwnedFd,
+    landing: bool,
+) -> Result<(Arc<Segment>, Pool), TransportError> {
+    let seg = Arc::new(if landing {
+        Segment::from_fd(fd)?
+    } else {
+        Segment::from_fd_read_only(fd)?
+    });
     let mut w = [0u8; 24];
     seg.read(0, &mut w)?;
     let word = |i: usize| u64::from_le_bytes(w[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
@@ -214,6 +229,8 @@ pub(super) struct Parts {
     pub proc: PeerProcess,
     pub their_seg: Arc<Segment>,
     pub their_pool: Pool,
+    pub their_landing_seg: Arc<Segment>,
+    pub their_landing: Pool,
     pub bell: OwnedFd,
     /// Whether the peer can write this process's memory by cross-memory writes.
     pub peer_writes_me: bool,
@@ -253,16 +270,18 @@ pub(super) fn accept_parts(
     proc: PeerProcess,
     hello: Hello,
     mut fds: Vec<OwnedFd>,
-    my_pool: &Segment,
+    my_pools: [&Segment; 2],
     my_canary: u64,
     cross_memory: bool,
 ) -> Result<Parts, TransportError> {
     let their_bell = take_fd(&mut fds, "doorbell")?;
+    let landing_fd = take_fd(&mut fds, "landing pool")?;
     let pool_fd = take_fd(&mut fds, "pool")?;
     let chan_fd = take_fd(&mut fds, "channel")?;
     let mut chan = Channel::attach(Segment::from_fd(chan_fd)?)?;
     chan.set_tx_doorbell(their_bell);
-    let (their_seg, their_pool) = attach_pool(pool_fd)?;
+    let (their_seg, their_pool) = attach_pool(pool_fd, false)?;
+    let (their_landing_seg, their_landing) = attach_pool(landing_fd, true)?;
     let i_write_peer = cross_memory && try_canary(&proc, hello.canary);
     let bell = eventfd()?;
     send_hello(
@@ -271,7 +290,7 @@ pub(super) fn accept_parts(
             canary: my_canary,
             wrote: i_write_peer,
         },
-        &[my_pool.fd().as_fd(), bell.as_fd()],
+        &[my_pools[0].fd(), my_pools[1].fd(), bell.as_fd()],
     )?;
     Ok(Parts {
         chan,
@@ -279,6 +298,8 @@ pub(super) fn accept_parts(
         proc,
         their_seg,
         their_pool,
+        their_landing_seg,
+        their_landing,
         bell,
         // Learned from the peer's first descriptor (CAPS).
         peer_writes_me: false,

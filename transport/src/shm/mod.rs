@@ -34,7 +34,8 @@ use mio::{Events, Interest, Poll};
 use crate::backend::{fresh_id, Place};
 use crate::table::PeerTable;
 use crate::{
-    Backend, Completion, Lent, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
+    Access, Backend, Completion, Lent, PeerId, Region, RemoteRegion, Sent, Storage, Token,
+    TransportError,
 };
 use link::*;
 
@@ -58,8 +59,11 @@ pub struct ShmConfig {
     pub ring_slots: u64,
     /// Pool page size (a power of two, at least 4096).
     pub page_size: usize,
-    /// Pages in this process's pool (reserved, not touched until used).
+    /// Pages in this process's send pool (reserved, not touched until used).
     pub pages: usize,
+    /// Pages in its landing pool (what peers are granted to write: receive slots, bounce
+    /// pages); reserved likewise.
+    pub landing_pages: usize,
     /// How long a connecting peer has to finish the handshake.
     pub handshake_timeout: Duration,
     /// Whether to write peers' private memory directly where the host allows it
@@ -72,7 +76,8 @@ impl Default for ShmConfig {
         ShmConfig {
             ring_slots: 1024,
             page_size: 64 * 1024,
-            pages: 16 * 1024, // 1 GiB of address space
+            pages: 16 * 1024,         // 1 GiB of address space
+            landing_pages: 16 * 1024, // 1 GiB
             handshake_timeout: Duration::from_secs(5),
             cross_memory: true,
         }
@@ -89,8 +94,12 @@ struct Peer {
     chan: Channel,
     sock: UnixStream,
     proc: PeerProcess,
+    /// The peer's send pool, mapped read-only: data it sends by reference.
     their_seg: Arc<Segment>,
     their_pool: Pool,
+    /// The peer's landing pool, mapped read-write: where it grants this process to put.
+    their_landing_seg: Arc<Segment>,
+    their_landing: Pool,
     bell: OwnedFd,
     peer_writes_me: bool,
     i_write_peer: bool,
@@ -115,6 +124,48 @@ struct Grant {
     revoking: Option<Token>,
 }
 
+/// Allocates send-pool pages of one [`ShmBackend`]: memory peers read by reference (a send of
+/// it is a descriptor) and can never write. Only the backend's own thread may allocate.
+#[derive(Clone)]
+pub struct SendPages {
+    id: u64,
+    seg: Arc<Segment>,
+    pool: Arc<Pool>,
+}
+
+impl SendPages {
+    /// Pages of `len` bytes, zeroed if `zero`; an error when the pool has no room.
+    pub fn alloc(&self, len: usize, zero: bool) -> Result<Region, TransportError> {
+        pages_of(self.id, &self.seg, &self.pool, len, zero, Place::Pool)
+    }
+}
+
+/// Pages of `len` bytes from `pool` (in `seg`), zeroed if `zero`, as a region of backend `id`.
+fn pages_of(
+    id: u64,
+    seg: &Arc<Segment>,
+    pool: &Arc<Pool>,
+    len: usize,
+    zero: bool,
+    place: fn(usize) -> Place,
+) -> Result<Region, TransportError> {
+    let region = pool.alloc(len)?;
+    let pages = PoolPages {
+        seg: seg.clone(),
+        pool: pool.clone(),
+        region,
+        len,
+    };
+    // Pages come back dirty from earlier use: zero them, unless only a peer's put will be read
+    // from them.
+    static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+    for at in (0..if zero { len } else { 0 }).step_by(ZEROS.len()) {
+        let n = ZEROS.len().min(len - at);
+        seg.write(region.offset + at, &ZEROS[..n])?;
+    }
+    Ok(Region::new(id, Arc::new(pages), place(region.offset)))
+}
+
 struct Pending {
     sock: UnixStream,
     proc: PeerProcess,
@@ -131,8 +182,12 @@ pub struct ShmBackend {
     listener: Option<UnixListener>,
     pending: FxHashMap<usize, Pending>,
     next_pending: usize,
+    /// Pages peers read and never write (sends by reference, `alloc(_, Access::Send)`).
     pool_seg: Arc<Segment>,
     pool: Arc<Pool>,
+    /// Pages peers write when granted (receive slots, bounce pages).
+    landing_seg: Arc<Segment>,
+    landing: Arc<Pool>,
     canary: Box<[u8; 8]>,
     peers: PeerTable<Peer>,
     next_peer: u32,
@@ -165,7 +220,8 @@ fn shm_full(e: &kvstore_shm::ShmError) -> bool {
 impl ShmBackend {
     /// A backend with no peers; `name` labels its segments (`/proc/PID/fd`).
     pub fn new(name: &str, cfg: ShmConfig) -> Result<ShmBackend, TransportError> {
-        let (pool_seg, pool) = create_pool(name, cfg.pages, cfg.page_size)?;
+        let (pool_seg, pool) = create_pool(name, cfg.pages, cfg.page_size, false)?;
+        let (landing_seg, landing) = create_pool(name, cfg.landing_pages, cfg.page_size, true)?;
         Ok(ShmBackend {
             id: fresh_id(),
             name: name.into(),
@@ -177,6 +233,8 @@ impl ShmBackend {
             next_pending: 0,
             pool_seg,
             pool,
+            landing_seg,
+            landing,
             canary: Box::new([0u8; 8]),
             peers: PeerTable::new(),
             next_peer: 0,
@@ -238,16 +296,23 @@ impl ShmBackend {
         send_hello(
             &sock,
             &me,
-            &[chan.segment().fd(), self.pool_seg.fd(), bell.as_fd()],
+            &[
+                chan.segment().fd(),
+                self.pool_seg.fd(),
+                self.landing_seg.fd(),
+                bell.as_fd(),
+            ],
         )?;
-        let (reply, mut fds) = recv_hello(&sock, 2).map_err(|e| match e {
+        let (reply, mut fds) = recv_hello(&sock, 3).map_err(|e| match e {
             TransportError::Io(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 TransportError::Timeout(format!("the shared-memory handshake with {name}"))
             }
             e => e,
         })?;
         let their_bell = take_fd(&mut fds, "doorbell")?;
-        let (their_seg, their_pool) = attach_pool(take_fd(&mut fds, "pool")?)?;
+        let (their_landing_seg, their_landing) =
+            attach_pool(take_fd(&mut fds, "landing pool")?, true)?;
+        let (their_seg, their_pool) = attach_pool(take_fd(&mut fds, "pool")?, false)?;
         let mut chan = chan;
         chan.set_tx_doorbell(their_bell);
         let i_write_peer = self.cfg.cross_memory && try_canary(&proc, reply.canary);
@@ -257,6 +322,8 @@ impl ShmBackend {
             proc,
             their_seg,
             their_pool,
+            their_landing_seg,
+            their_landing,
             bell,
             peer_writes_me: reply.wrote,
             i_write_peer,
@@ -294,6 +361,8 @@ impl ShmBackend {
                 proc: p.proc,
                 their_seg: p.their_seg,
                 their_pool: p.their_pool,
+                their_landing_seg: p.their_landing_seg,
+                their_landing: p.their_landing,
                 bell: p.bell,
                 peer_writes_me: p.peer_writes_me,
                 i_write_peer: p.i_write_peer,
@@ -343,27 +412,34 @@ impl ShmBackend {
         self.peers.get(&peer.0).is_some_and(|p| p.peer_writes_me)
     }
 
-    /// Pool pages of `len` bytes, zeroed if `zero`.
-    fn alloc_pages(&mut self, len: usize, zero: bool) -> Result<Region, TransportError> {
-        let region = self.pool.alloc(len)?;
-        let pages = PoolPages {
+    /// Pages of `len` bytes for `access` (send or landing pool), zeroed if `zero`.
+    fn alloc_pages(
+        &mut self,
+        len: usize,
+        zero: bool,
+        access: Access,
+    ) -> Result<Region, TransportError> {
+        match access {
+            Access::Send => self.send_pages().alloc(len, zero),
+            Access::Land => pages_of(
+                self.id,
+                &self.landing_seg,
+                &self.landing,
+                len,
+                zero,
+                Place::Landing,
+            ),
+        }
+    }
+
+    /// A handle that allocates this backend's send-pool pages from anywhere in this thread
+    /// (a server's stored values, which its answers send by reference).
+    pub fn send_pages(&self) -> SendPages {
+        SendPages {
+            id: self.id,
             seg: self.pool_seg.clone(),
             pool: self.pool.clone(),
-            region,
-            len,
-        };
-        // Pages come back dirty from earlier use: zero them, unless only a peer's put will be
-        // read from them.
-        static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
-        for at in (0..if zero { len } else { 0 }).step_by(ZEROS.len()) {
-            let n = ZEROS.len().min(len - at);
-            self.pool_seg.write(region.offset + at, &ZEROS[..n])?;
         }
-        Ok(Region::new(
-            self.id,
-            Arc::new(pages),
-            Place::Pool(region.offset),
-        ))
     }
 
     fn stage(&mut self, src: *const u8, len: usize) -> Result<Option<Region>, TransportError> {
@@ -467,7 +543,7 @@ impl ShmBackend {
         let Some(p) = self.pending.get(&k) else {
             return;
         };
-        let res = recv_hello(&p.sock, 3);
+        let res = recv_hello(&p.sock, 4);
         if matches!(&res, Err(TransportError::Shm(kvstore_shm::ShmError::Io(e))) if e.kind() == std::io::ErrorKind::WouldBlock)
         {
             return;
@@ -485,7 +561,7 @@ impl ShmBackend {
             p.proc,
             hello,
             fds,
-            &self.pool_seg,
+            [&self.pool_seg, &self.landing_seg],
             self.canary.as_ptr() as u64,
             self.cfg.cross_memory,
         );

@@ -198,8 +198,8 @@ impl Backend for ShmBackend {
         r.backend == self.id && matches!(r.place, Place::Pool(_))
     }
 
-    fn alloc(&mut self, len: usize) -> Result<Region, TransportError> {
-        self.alloc_pages(len, true)
+    fn alloc(&mut self, len: usize, access: Access) -> Result<Region, TransportError> {
+        self.alloc_pages(len, true, access)
     }
 
     unsafe fn grant(
@@ -217,12 +217,15 @@ impl Backend for ShmBackend {
         // A small range goes through pool pages even where cross-memory writes work: the
         // second copy costs less than the writer's two system calls (measured: README).
         let small = (1..=BOUNCE_BELOW).contains(&len);
+        // Only landing pages are written by the peer itself; send-pool pages (mapped read-only
+        // by peers) and private memory are written by the kernel on its behalf, or through
+        // landing pages copied into place here.
         let (kind, addr, bounce) = match r.place {
-            Place::Pool(off) => (KIND_SEG, (off + range.start) as u64, None),
-            Place::Local if cma && !small => (KIND_CMA, cma_addr, None),
-            Place::Local => match self.alloc_pages(range.len(), false) {
+            Place::Landing(off) => (KIND_SEG, (off + range.start) as u64, None),
+            Place::Local | Place::Pool(_) if cma && !small => (KIND_CMA, cma_addr, None),
+            Place::Local | Place::Pool(_) => match self.alloc_pages(len, false, Access::Land) {
                 Ok(b) => {
-                    let Place::Pool(off) = b.place else {
+                    let Place::Landing(off) = b.place else {
                         return Err(TransportError::Refused("bounce pages".into()));
                     };
                     (KIND_SEG, off as u64, Some(b))
@@ -335,8 +338,8 @@ impl Backend for ShmBackend {
                         hold.push(r.clone());
                         token = Some(t);
                     }
-                    Place::Local if range.is_empty() => done_now = Some(t),
-                    Place::Local => {
+                    Place::Local | Place::Landing(_) if range.is_empty() => done_now = Some(t),
+                    Place::Local | Place::Landing(_) => {
                         // SAFETY: the range was checked; the caller does not write it meanwhile.
                         let src = unsafe { r.mem.ptr().add(range.start) };
                         let Some(s) = self.stage(src, range.len())? else {
@@ -403,13 +406,13 @@ impl Backend for ShmBackend {
                     offset: dst.addr as usize,
                     len: dst.len as usize,
                 };
-                // Only pages the peer allocated, inside its pool.
-                p.their_pool.check_span(whole.offset, whole.len)?;
+                // Only pages the peer allocated, inside its landing pool.
+                p.their_landing.check_span(whole.offset, whole.len)?;
                 if n > 0 {
-                    let to = p.their_seg.ptr(whole.offset + offset, n)? as *mut u8;
-                    // SAFETY: `to` is inside the peer's mapped pool (checked), which cannot
-                    // overlap `from` (this process's memory, or its own pool); `from` is valid
-                    // for `n` bytes (the region's contract and the range check).
+                    let to = p.their_landing_seg.ptr_mut(whole.offset + offset, n)?;
+                    // SAFETY: `to` is inside the peer's mapped landing pool (checked), which
+                    // cannot overlap `from` (this process's memory, or its own pools); `from`
+                    // is valid for `n` bytes (the region's contract and the range check).
                     unsafe { std::ptr::copy_nonoverlapping(from, to, n) };
                 }
             }
@@ -552,7 +555,7 @@ impl ShmBackend {
 fn pool_offset(r: &Region) -> u64 {
     match r.place {
         Place::Pool(off) => off as u64,
-        Place::Local => 0,
+        Place::Local | Place::Landing(_) => 0,
     }
 }
 

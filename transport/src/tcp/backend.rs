@@ -26,7 +26,7 @@ use crate::backend::{fresh_id, Place};
 use crate::frame::FrameHeader;
 use crate::table::PeerTable;
 use crate::{
-    Backend, Completion, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
+    Access, Backend, Completion, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
 };
 
 const KIND_TCP: u32 = 1;
@@ -227,7 +227,7 @@ impl Backend for TcpBackend {
         Ok(Region::new(self.id, mem, Place::Local))
     }
 
-    fn alloc(&mut self, len: usize) -> Result<Region, TransportError> {
+    fn alloc(&mut self, len: usize, _access: Access) -> Result<Region, TransportError> {
         self.register(crate::Mem::zeroed(len))
     }
 
