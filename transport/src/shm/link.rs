@@ -150,10 +150,11 @@ pub(super) struct PoolPages {
 // raw pointers and copies.
 unsafe impl Storage for PoolPages {
     fn ptr(&self) -> *mut u8 {
-        // In bounds by construction (the pool handed the region out).
+        // In bounds by construction (the pool handed the region out), in this process's own
+        // writable mapping.
         self.seg
-            .ptr(self.region.offset, self.region.len)
-            .map_or(std::ptr::null_mut(), |p| p as *mut u8)
+            .ptr_mut(self.region.offset, self.region.len)
+            .unwrap_or(std::ptr::null_mut())
     }
     fn len(&self) -> usize {
         self.len

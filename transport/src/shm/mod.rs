@@ -1,13 +1,15 @@
 //! [`Backend`] over shared memory, for peers on the same host.
 //!
-//! Descriptors travel on a pair of rings per link; each process has one page pool that all its
-//! peers map. A message's data from pool pages ([`Backend::alloc`]) is named by the descriptor
-//! and read by the receiver where it lies; the receiver's release is the sender's completion.
-//! Data from any other memory is copied once into pool pages (its token completes at once). A
-//! put is a copy straight into the granted range: pool pages of the grantor, or its private
-//! memory by a cross-memory write (`process_vm_writev`, to the process the kernel named for the
-//! socket, checked by pidfd before each write). Where the host forbids those, private memory is
-//! granted through pool pages and copied into place on arrival.
+//! Descriptors travel on a pair of rings per link; each process has two page pools that all its
+//! peers map: a send pool, sealed so that peers can map it only read-only, and a landing pool
+//! they map read-write. A message's data from send-pool pages ([`Backend::alloc`] with
+//! [`Access::Send`]) is named by the descriptor and read by the receiver where it lies; the
+//! receiver's release is the sender's completion. Data from any other memory is copied once
+//! into send-pool pages (its token completes at once). A put is a copy straight into the
+//! granted range: landing pages of the grantor ([`Access::Land`]), or any other memory of it
+//! by a cross-memory write (`process_vm_writev`, to the process the kernel named for the
+//! socket, checked by pidfd before each write). Where the host forbids those, or the range is
+//! small, such memory is granted through landing pages and copied into place on arrival.
 //!
 //! A grant cannot be fenced locally (the peer writes it directly), so a revoke asks the peer and
 //! completes on its answer, or when its process has exited. Memory a peer may still write is
