@@ -18,7 +18,8 @@ use std::sync::Arc;
 use kvstore_shm::{recv_fds, send_fds, Channel, Pool, Segment, SLOT};
 
 use super::PeerProcess;
-use crate::{Storage, TransportError};
+use crate::backend::Place;
+use crate::{Region, Storage, TransportError};
 
 /// The handshake's first word.
 pub(super) const HELLO: &str = "kvstore-shm-link-2";
@@ -214,6 +215,48 @@ impl Hello {
             wrote: w[2] == "1",
         })
     }
+}
+
+/// Allocates send-pool pages of one [`super::ShmBackend`]: memory peers read by reference (a send of
+/// it is a descriptor) and can never write. Only the backend's own thread may allocate.
+#[derive(Clone)]
+pub struct SendPages {
+    pub(super) id: u64,
+    pub(super) seg: Arc<Segment>,
+    pub(super) pool: Arc<Pool>,
+}
+
+impl SendPages {
+    /// Pages of `len` bytes, zeroed if `zero`; an error when the pool has no room.
+    pub fn alloc(&self, len: usize, zero: bool) -> Result<Region, TransportError> {
+        pages_of(self.id, &self.seg, &self.pool, len, zero, Place::Pool)
+    }
+}
+
+/// Pages of `len` bytes from `pool` (in `seg`), zeroed if `zero`, as a region of backend `id`.
+pub(super) fn pages_of(
+    id: u64,
+    seg: &Arc<Segment>,
+    pool: &Arc<Pool>,
+    len: usize,
+    zero: bool,
+    place: fn(usize) -> Place,
+) -> Result<Region, TransportError> {
+    let region = pool.alloc(len)?;
+    let pages = PoolPages {
+        seg: seg.clone(),
+        pool: pool.clone(),
+        region,
+        len,
+    };
+    // Pages come back dirty from earlier use: zero them, unless only a peer's put will be read
+    // from them.
+    static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+    for at in (0..if zero { len } else { 0 }).step_by(ZEROS.len()) {
+        let n = ZEROS.len().min(len - at);
+        seg.write(region.offset + at, &ZEROS[..n])?;
+    }
+    Ok(Region::new(id, Arc::new(pages), place(region.offset)))
 }
 
 /// Tries a cross-memory write of 8 bytes into the peer's canary.

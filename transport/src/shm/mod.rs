@@ -18,6 +18,7 @@
 mod link;
 mod peer;
 
+pub use link::SendPages;
 pub use peer::PeerProcess;
 
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -124,48 +125,6 @@ struct Grant {
     /// Pool pages the peer writes instead, copied into place on arrival.
     bounce: Option<Region>,
     revoking: Option<Token>,
-}
-
-/// Allocates send-pool pages of one [`ShmBackend`]: memory peers read by reference (a send of
-/// it is a descriptor) and can never write. Only the backend's own thread may allocate.
-#[derive(Clone)]
-pub struct SendPages {
-    id: u64,
-    seg: Arc<Segment>,
-    pool: Arc<Pool>,
-}
-
-impl SendPages {
-    /// Pages of `len` bytes, zeroed if `zero`; an error when the pool has no room.
-    pub fn alloc(&self, len: usize, zero: bool) -> Result<Region, TransportError> {
-        pages_of(self.id, &self.seg, &self.pool, len, zero, Place::Pool)
-    }
-}
-
-/// Pages of `len` bytes from `pool` (in `seg`), zeroed if `zero`, as a region of backend `id`.
-fn pages_of(
-    id: u64,
-    seg: &Arc<Segment>,
-    pool: &Arc<Pool>,
-    len: usize,
-    zero: bool,
-    place: fn(usize) -> Place,
-) -> Result<Region, TransportError> {
-    let region = pool.alloc(len)?;
-    let pages = PoolPages {
-        seg: seg.clone(),
-        pool: pool.clone(),
-        region,
-        len,
-    };
-    // Pages come back dirty from earlier use: zero them, unless only a peer's put will be read
-    // from them.
-    static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
-    for at in (0..if zero { len } else { 0 }).step_by(ZEROS.len()) {
-        let n = ZEROS.len().min(len - at);
-        seg.write(region.offset + at, &ZEROS[..n])?;
-    }
-    Ok(Region::new(id, Arc::new(pages), place(region.offset)))
 }
 
 struct Pending {

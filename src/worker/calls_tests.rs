@@ -1,0 +1,93 @@
+use super::*;
+use crate::protocol::slot_imm;
+
+/// A call with one pull of 16 bytes from server 0, posted with its destination granted
+/// as grant 7; returns the call and its request id.
+fn one_pull(calls: &mut Calls<u64>) -> (CallId, u64) {
+    let req = Request {
+        server: 0,
+        msg: Msg::new(Op::Pull),
+        data: None,
+        text: Vec::new(),
+        dest: Some((0, 0..16)),
+    };
+    let call = calls.start(Instant::now(), vec![req], vec![NDArray::zeros(&[4])]);
+    let Some(Action::Send { req, token, .. }) = calls.poll_action() else {
+        panic!("the pull is not sent");
+    };
+    calls.on_sent(call, req, Some(7), token);
+    let id = calls.request(call, req).expect("the request").0.msg.req_id;
+    (call, id)
+}
+
+#[test]
+fn an_answer_put_without_the_follows_bit_is_the_whole_answer() {
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    let (call, id) = one_pull(&mut calls);
+    // A put whose reply follows does not answer yet.
+    calls.on_answer_put(0, slot_imm(id, true), |g| *g == 7, 0, 16);
+    assert!(!calls.is_done(call));
+    calls.on_answer_put(0, slot_imm(id, false), |g| *g == 7, 0, 16);
+    assert!(calls.is_done(call));
+    assert!(calls.take(call).expect("finished").result.is_ok());
+    assert_eq!(
+        calls.poll_action(),
+        Some(Action::Release {
+            server: 0,
+            grant: 7,
+            revoke: false
+        })
+    );
+}
+
+#[test]
+fn an_answer_put_that_does_not_fill_its_destination_fails_every_call() {
+    for (server, grant, offset, len) in [(1, 7, 0, 16), (0, 8, 0, 16), (0, 7, 4, 12), (0, 7, 0, 8)]
+    {
+        let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+        let (call, id) = one_pull(&mut calls);
+        calls.on_answer_put(server, slot_imm(id, false), |g| *g == grant, offset, len);
+        let r = calls.take(call).expect("the call is over").result;
+        assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
+        assert!(calls.check().is_err());
+    }
+}
+
+#[test]
+fn a_reply_carrying_its_value_fills_the_destination_or_fails_every_call() {
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    let (call, id) = one_pull(&mut calls);
+    let mut m = Msg::new(Op::Reply);
+    m.req_id = id;
+    m.flags = crate::protocol::flags::DATA;
+    calls.on_reply_value(0, &m, &[], None, |dst| {
+        dst.copy_from_slice(&[7u8; 16]);
+        true
+    });
+    let f = calls.take(call).expect("finished");
+    assert!(f.result.is_ok());
+    assert_eq!(f.outputs[0].as_bytes(), &[7u8; 16]);
+    // The grant is only forgotten: the server did not write it.
+    assert_eq!(
+        calls.poll_action(),
+        Some(Action::Release {
+            server: 0,
+            grant: 7,
+            revoke: false
+        })
+    );
+    // A value of another length (the filler says so), or from another server.
+    for server in [0, 1] {
+        let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+        let (call, id) = one_pull(&mut calls);
+        m.req_id = id;
+        calls.on_reply_value(server, &m, &[], None, |_| server == 1);
+        if server == 1 {
+            // Not the request's server: ignored, the call waits on.
+            assert!(!calls.is_done(call));
+            continue;
+        }
+        let r = calls.take(call).expect("the call is over").result;
+        assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
+    }
+}
