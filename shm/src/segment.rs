@@ -61,26 +61,28 @@ impl Segment {
     /// Maps a segment received from another process. It must be sealed against shrinking, so
     /// the peer cannot make this process's accesses fault.
     pub fn from_fd(fd: OwnedFd) -> Result<Segment, ShmError> {
-        let file = Self::sealed_file(fd)?;
-        let len = file.metadata()?.len() as usize;
-        let map = MmapOptions::new().len(len).map_raw(&file)?;
-        Ok(Segment {
-            map,
-            file,
-            writable: true,
-        })
+        Self::map(fd, true)
     }
 
     /// Maps a segment received from another process for reading only (one it sealed against
     /// writable mappings, or any other). Every write through it is refused.
     pub fn from_fd_read_only(fd: OwnedFd) -> Result<Segment, ShmError> {
+        Self::map(fd, false)
+    }
+
+    fn map(fd: OwnedFd, writable: bool) -> Result<Segment, ShmError> {
         let file = Self::sealed_file(fd)?;
-        let len = file.metadata()?.len() as usize;
-        let map = MmapOptions::new().len(len).map_raw_read_only(&file)?;
+        let mut opts = MmapOptions::new();
+        opts.len(file.metadata()?.len() as usize);
+        let map = if writable {
+            opts.map_raw(&file)?
+        } else {
+            opts.map_raw_read_only(&file)?
+        };
         Ok(Segment {
             map,
             file,
-            writable: false,
+            writable,
         })
     }
 

@@ -138,6 +138,17 @@ fn a_lost_worker_fails_held_and_later_requests() {
     assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 2]);
 }
 
+/// Sets SGD with learning rate `lr` as the server's updater (as request 1).
+fn set_sgd(s: &mut ServerState, lr: f64) {
+    let w: Vec<u8> = Optimizer::sgd(lr)
+        .encode()
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let mut params = NDArray::from_bytes(&[w.len()], DType::U8, &w).unwrap();
+    s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut params);
+}
+
 /// The address of an array's bytes, to tell buffers apart.
 fn addr(a: &NDArray) -> usize {
     a.as_bytes().as_ptr() as usize
@@ -146,14 +157,7 @@ fn addr(a: &NDArray) -> usize {
 #[test]
 fn an_update_never_touches_a_value_a_reply_still_holds_and_reuses_the_spare_buffer() {
     let mut s = ServerState::new(1, true);
-    s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut {
-        let w: Vec<u8> = Optimizer::sgd(1.0)
-            .encode()
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        NDArray::from_bytes(&[w.len()], DType::U8, &w).unwrap()
-    });
+    set_sgd(&mut s, 1.0);
     s.handle(0, 0, &req(Op::Init, 4, 8, 2), &mut data(10.0, 8));
     replies(&mut s);
     // A pushpull's answer holds the stored value (as a put in flight does).
@@ -202,14 +206,7 @@ fn an_update_never_touches_pool_pages_a_send_by_reference_still_holds() {
             pages.alloc(bytes, true).ok()?,
         ))
     }));
-    s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut {
-        let w: Vec<u8> = Optimizer::sgd(1.0)
-            .encode()
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        NDArray::from_bytes(&[w.len()], DType::U8, &w).unwrap()
-    });
+    set_sgd(&mut s, 1.0);
     s.handle(0, 0, &req(Op::Init, 4, 8, 2), &mut data(10.0, 8));
     replies(&mut s);
     let mut held_pages = Vec::new();

@@ -20,6 +20,18 @@ fn one_pull(calls: &mut Calls<u64>) -> (CallId, u64) {
     (call, id)
 }
 
+/// The next action releases grant 7 without revoking it: the answer is in.
+fn assert_forgets_grant_7(calls: &mut Calls<u64>) {
+    assert_eq!(
+        calls.poll_action(),
+        Some(Action::Release {
+            server: 0,
+            grant: 7,
+            revoke: false
+        })
+    );
+}
+
 #[test]
 fn an_answer_put_without_the_follows_bit_is_the_whole_answer() {
     let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
@@ -30,14 +42,7 @@ fn an_answer_put_without_the_follows_bit_is_the_whole_answer() {
     calls.on_answer_put(0, slot_imm(id, false), |g| *g == 7, 0, 16);
     assert!(calls.is_done(call));
     assert!(calls.take(call).expect("finished").result.is_ok());
-    assert_eq!(
-        calls.poll_action(),
-        Some(Action::Release {
-            server: 0,
-            grant: 7,
-            revoke: false
-        })
-    );
+    assert_forgets_grant_7(&mut calls);
 }
 
 #[test]
@@ -68,14 +73,7 @@ fn a_reply_carrying_its_value_fills_the_destination_or_fails_every_call() {
     assert!(f.result.is_ok());
     assert_eq!(f.outputs[0].as_bytes(), &[7u8; 16]);
     // The grant is only forgotten: the server did not write it.
-    assert_eq!(
-        calls.poll_action(),
-        Some(Action::Release {
-            server: 0,
-            grant: 7,
-            revoke: false
-        })
-    );
+    assert_forgets_grant_7(&mut calls);
     // A value of another length (the filler says so), or from another server.
     for server in [0, 1] {
         let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
