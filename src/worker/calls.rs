@@ -307,15 +307,12 @@ impl<G: Clone> Calls<G> {
         slot: Option<G>,
         fill: impl FnOnce(&mut [u8]) -> bool,
     ) {
-        let Some(&(id, i)) = self.by_req.get(&m.req_id) else {
+        let Some((id, i)) = self.unanswered(server, m.req_id) else {
             return;
         };
-        let Some(c) = self.live.get_mut(&id) else {
+        let Some(c) = self.live.get(&id) else {
             return;
         };
-        if c.answered[i] || c.reqs[i].server != server {
-            return;
-        }
         let filled = match &c.reqs[i].dest {
             Some((o, range)) => {
                 let out = &c.outputs[*o];
@@ -337,23 +334,40 @@ impl<G: Clone> Calls<G> {
             )));
             return;
         }
-        self.answer(server, m.req_id, m.status, text, slot);
+        self.answer_at(id, i, server, m.status, text, slot);
+    }
+
+    /// The call and index of request `req_id` if it is live, was sent to `server`, and is not
+    /// answered yet.
+    fn unanswered(&self, server: usize, req_id: u64) -> Option<(CallId, usize)> {
+        let &(id, i) = self.by_req.get(&req_id)?;
+        let c = self.live.get(&id)?;
+        (!c.answered[i] && c.reqs[i].server == server).then_some((id, i))
     }
 
     /// Request `req_id`, sent to `server`, is answered with `status`.
     fn answer(&mut self, server: usize, req_id: u64, st: u16, text: &[u8], slot: Option<G>) {
-        let Some(&(id, i)) = self.by_req.get(&req_id) else {
-            return;
-        };
+        if let Some((id, i)) = self.unanswered(server, req_id) {
+            self.answer_at(id, i, server, st, text, slot);
+        }
+    }
+
+    /// Request `i` of call `id` (found by [`Calls::unanswered`]) is answered with `st`.
+    fn answer_at(
+        &mut self,
+        id: CallId,
+        i: usize,
+        server: usize,
+        st: u16,
+        text: &[u8],
+        slot: Option<G>,
+    ) {
         let Some(c) = self.live.get_mut(&id) else {
             return;
         };
-        if c.answered[i] || c.reqs[i].server != server {
-            return;
-        }
         c.answered[i] = true;
         c.remaining -= 1;
-        self.by_req.remove(&req_id);
+        self.by_req.remove(&c.reqs[i].msg.req_id);
         let r = &c.reqs[i].msg;
         if let (Some(g), Op::Push | Op::PushPull) = (slot, r.op) {
             self.slots.insert((server, r.key, r.start), g);

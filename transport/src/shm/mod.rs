@@ -44,8 +44,8 @@ use link::*;
 
 const KIND_SEG: u32 = 2;
 const KIND_CMA: u32 = 3;
-/// Grants of private memory up to this size go through pool pages even where cross-memory
-/// writes work.
+/// Grants of memory that peers cannot write themselves, up to this size, go through landing
+/// pages even where cross-memory writes work.
 const BOUNCE_BELOW: usize = 32 * 1024;
 /// The largest message body.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -380,17 +380,11 @@ impl ShmBackend {
         zero: bool,
         access: Access,
     ) -> Result<Region, TransportError> {
-        match access {
-            Access::Send => self.send_pages().alloc(len, zero),
-            Access::Land => pages_of(
-                self.id,
-                &self.landing_seg,
-                &self.landing,
-                len,
-                zero,
-                Place::Landing,
-            ),
-        }
+        let (seg, pool, place): (_, _, fn(usize) -> Place) = match access {
+            Access::Send => (&self.pool_seg, &self.pool, Place::Pool),
+            Access::Land => (&self.landing_seg, &self.landing, Place::Landing),
+        };
+        pages_of(self.id, seg, pool, len, zero, place)
     }
 
     /// A handle that allocates this backend's send-pool pages from anywhere in this thread

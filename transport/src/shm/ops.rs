@@ -214,7 +214,7 @@ impl Backend for ShmBackend {
         let id = self.next_grant;
         let len = range.len();
         let cma_addr = r.mem.ptr() as u64 + range.start as u64;
-        // A small range goes through pool pages even where cross-memory writes work: the
+        // A small range goes through landing pages even where cross-memory writes work: the
         // second copy costs less than the writer's two system calls (measured: README).
         let small = (1..=BOUNCE_BELOW).contains(&len);
         // Only landing pages are written by the peer itself; send-pool pages (mapped read-only
