@@ -121,10 +121,12 @@ impl KVStore {
         }
     }
 
-    /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made in this
-    /// process. Pushing an array from [`KVStore::alloc`] makes none and pushing another array
-    /// one (into the pool); a pull is the server's one copy (into the output), plus one here
-    /// where the host forbids cross-memory writes. Zero for local stores and over TCP.
+    /// `(copies, bytes)` of tensor bytes this store's transports made in this process.
+    /// Over shared memory, pushing an array from [`KVStore::alloc`] makes none and pushing
+    /// another array one; a pull is one copy (the server's into the output, or this process's
+    /// out of the server's pages). Small values batched with others (many keys in one call)
+    /// are copied into the batch and out of its answer, over either transport. Zero for local
+    /// stores; over TCP, only the batches' copies.
     pub fn transport_copies(&self) -> (u64, u64) {
         match &self.inner {
             Inner::Local(_) => (0, 0),
@@ -141,6 +143,16 @@ impl KVStore {
         match &self.inner {
             Inner::Local(_) => 0,
             Inner::Dist(d) => d.slot_puts(),
+        }
+    }
+
+    /// How many requests (of key slices) this store sent in batches: the small pushes, pulls
+    /// and pushpulls of one call to one server go as one message (values of at most 16 KiB,
+    /// two or more to a server). Zero for local stores.
+    pub fn batched_requests(&self) -> u64 {
+        match &self.inner {
+            Inner::Local(_) => 0,
+            Inner::Dist(d) => d.batched(),
         }
     }
 

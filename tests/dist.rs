@@ -521,3 +521,111 @@ fn pushes_after_the_first_are_put_into_receive_slots_within_the_budget() {
         assert_eq!(total, want, "over {t}\n{}", runs.all());
     }
 }
+
+#[test]
+fn many_small_keys_go_in_batches_and_every_value_is_exact() {
+    for (w, s) in [(1, 1), (2, 2), (3, 2)] {
+        // Keys over 1000 elements are sliced: batches mix whole keys and slices.
+        let env = [("KVSTORE_BIGARRAY_BOUND", "1000")];
+        let runs = kvrun_check(w, s, "batches", "dist_sync", &env);
+        assert_jobs_ok(&runs, w, "batches");
+    }
+}
+
+/// A batch as a worker writes it: a header (entries, data bytes), then each entry's length
+/// and header.
+fn batch_body(entries: &[kvstore::protocol::Msg], data_len: u64, count: u64) -> Vec<u8> {
+    let mut h = kvstore::protocol::Msg::new(kvstore::protocol::Op::Batch);
+    h.key = count;
+    h.total = data_len;
+    h.len = data_len;
+    let mut body = h.encode().to_vec();
+    for m in entries {
+        body.extend_from_slice(&(kvstore_transport::META_LEN as u32).to_le_bytes());
+        body.extend_from_slice(&m.encode());
+    }
+    body
+}
+
+/// Reads answer batches until `n` answers came: (request id, status, value bytes if any).
+fn read_answers(s: &mut std::net::TcpStream, n: usize) -> Vec<(u64, u16, Option<Vec<u8>>)> {
+    use kvstore::protocol::{flags, Msg, Op};
+    use kvstore_transport::{tcp::blocking::read_frame, META_LEN};
+    let mut out = Vec::new();
+    while out.len() < n {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let (_, payload) = read_frame(s, 1 << 20, Some(deadline)).unwrap();
+        let h = Msg::decode(payload[..META_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(h.op, Op::Batch);
+        let body_len = payload.len() - h.len as usize;
+        let (mut at, mut data) = (META_LEN, body_len);
+        for _ in 0..h.key {
+            let len = u32::from_le_bytes(payload[at..at + 4].try_into().unwrap()) as usize;
+            let m = Msg::decode(payload[at + 4..at + 4 + META_LEN].try_into().unwrap()).unwrap();
+            at += 4 + len;
+            let value = (m.flags & flags::DATA != 0).then(|| {
+                let n = m.data_bytes().unwrap() as usize;
+                data += n;
+                payload[data - n..data].to_vec()
+            });
+            out.push((m.req_id, m.status, value));
+        }
+        assert_eq!((at, data), (body_len, payload.len()));
+    }
+    out
+}
+
+#[test]
+fn a_batch_is_answered_entry_by_entry_and_a_malformed_one_closes_its_link() {
+    use kvstore::protocol::{status, Msg, Op};
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let mut s = raw_worker(job.port);
+    let msg = |op: Op, key: u64, id: u64| {
+        let mut m = Msg::new(op);
+        m.key = key;
+        m.dtype = kvstore::DType::F32;
+        m.ndim = 1;
+        m.shape[0] = 4;
+        m.total = 4;
+        m.len = 4;
+        m.req_id = id;
+        m
+    };
+    let floats = |v: [f32; 4]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+    send_msg(
+        &mut s,
+        &msg(Op::Init, 1, 1).encode(),
+        Some(&floats([1.0, 2.0, 3.0, 4.0])),
+    )
+    .unwrap();
+    assert_eq!(read_msg(&mut s).status, status::OK);
+    // A pull, a pull of an unknown key, then a push: answered in order, the pull before the
+    // push, the unknown key with its error and nothing else refused.
+    let entries = [
+        msg(Op::Pull, 1, 2),
+        msg(Op::Pull, 99, 3),
+        msg(Op::Push, 1, 4),
+    ];
+    let push = floats([10.0, 20.0, 30.0, 40.0]);
+    send_msg(&mut s, &batch_body(&entries, 16, 3), Some(&push)).unwrap();
+    let answers = read_answers(&mut s, 3);
+    assert_eq!(
+        answers,
+        vec![
+            (2, status::OK, Some(floats([1.0, 2.0, 3.0, 4.0]))),
+            (3, status::UNKNOWN_KEY, None),
+            (4, status::OK, None),
+        ]
+    );
+    let entries = [msg(Op::Pull, 1, 5), msg(Op::PushPull, 1, 6)];
+    send_msg(&mut s, &batch_body(&entries, 16, 2), Some(&push)).unwrap();
+    let answers = read_answers(&mut s, 2);
+    assert_eq!(answers[0], (5, status::OK, Some(push.clone())));
+    assert_eq!(answers[1].2, Some(push.clone()));
+    // A batch claiming three entries that holds two: the server closes the link.
+    send_msg(&mut s, &batch_body(&entries[..2], 16, 3), Some(&push)).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let r = kvstore_transport::tcp::blocking::read_frame(&mut s, 1 << 20, Some(deadline));
+    assert!(r.is_err(), "the link stayed open");
+    job.kill_all();
+}

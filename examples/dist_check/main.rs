@@ -5,6 +5,7 @@
 
 use kvstore::{cpu, create, DType, KVStore, KvError, NDArray, Optimizer};
 
+mod batches;
 mod faults;
 
 use faults::{die, errors, garbage, late, slots, stall, until_error, zerocopy};
@@ -322,6 +323,7 @@ fn main() {
         "late" => late(&mut kv),
         "zerocopy" => zerocopy(&mut kv),
         "slots" => slots(&mut kv),
+        "batches" => batches::batches(&mut kv),
         other => fail(format!("unknown scenario {other}")),
     }
     println!("{scenario} ok rank {} of {}", kv.rank(), kv.num_workers());

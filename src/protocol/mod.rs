@@ -14,6 +14,7 @@
 //! push is then one put whose immediate is the request id ([`slot_imm`]), and for a pushpull
 //! also a message with [`flags::SLOT`] set, carrying the pull's destination and no data.
 
+pub(crate) mod batch;
 pub mod shard;
 
 use kvstore_transport::META_LEN;
@@ -59,6 +60,8 @@ pub enum Op {
     SetUpdater = 15,
     /// Worker to server: leaving cleanly.
     Bye = 16,
+    /// Many requests to one server, or many answers to one worker ([`batch`]).
+    Batch = 17,
 }
 
 impl Op {
@@ -81,6 +84,7 @@ impl Op {
             14 => SetOptimizer,
             15 => SetUpdater,
             16 => Bye,
+            17 => Batch,
             _ => return None,
         })
     }

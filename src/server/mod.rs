@@ -1,6 +1,7 @@
 //! The server process: a thin loop that moves messages between the backends and
 //! [`ServerState`], and hears the scheduler.
 
+mod batch;
 mod peer_data;
 mod peers;
 pub(crate) mod slots;

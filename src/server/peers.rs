@@ -5,7 +5,7 @@
 //! drain: backpressure, with nothing growing without bound. Pushes put into receive slots
 //! ([`Slots`]) arrive as puts, and are handled where they landed.
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::VecDeque;
 
 use kvstore_transport::{
@@ -14,7 +14,8 @@ use kvstore_transport::{
 
 use crate::config::secret_matches;
 use crate::net::{region_of, Addr, Medium, Net};
-use crate::protocol::{flags, role, slot_imm, status, Msg, Op};
+use crate::protocol::{batch, flags, role, slot_imm, status, Msg, Op};
+use crate::server::batch::send_batch;
 use crate::server::slots::{PutAction, Slots};
 use crate::server::state::{Input, Out, Payload, PeerData, ServerState};
 use crate::{DType, NDArray};
@@ -35,13 +36,15 @@ struct Worker {
     paused: bool,
 }
 
-struct Pending {
-    out: Out,
+pub(super) struct Pending {
+    pub(super) out: Out,
     /// Where a value goes, and whether it was put there already.
-    grant: Option<RemoteRegion>,
-    put: bool,
+    pub(super) grant: Option<RemoteRegion>,
+    pub(super) put: bool,
     /// The receive slot whose credit the reply carries.
-    slot: Option<RemoteRegion>,
+    pub(super) slot: Option<RemoteRegion>,
+    /// Its request came in a batch: it goes back in one, carrying its value.
+    pub(super) batched: bool,
 }
 
 /// A receive slot's memory and its grant to the worker.
@@ -70,6 +73,10 @@ pub(super) struct Workers {
     peers: FxHashMap<Addr, Worker>,
     /// Destinations that pull requests granted, until their answer goes out.
     grants: FxHashMap<(usize, u64), RemoteRegion>,
+    /// Requests that came in batches, until their answer goes out.
+    batched: FxHashSet<(usize, u64)>,
+    /// Batches of answers are assembled here, reused.
+    batch: batch::Writer,
     /// Links to close once the backends are free.
     close: Vec<Addr>,
     /// Control payloads are made arrays of bytes here, reused.
@@ -103,6 +110,8 @@ impl Workers {
             taken: vec![false; num_workers],
             peers: FxHashMap::default(),
             grants: FxHashMap::default(),
+            batched: FxHashSet::default(),
+            batch: batch::Writer::new(0),
             close: Vec::new(),
             scratch: NDArray::zeros_dtype(&[0], DType::U8),
             body: Vec::new(),
@@ -204,19 +213,20 @@ impl Workers {
             });
             return Ok(());
         };
-        let refuse = |state: &mut ServerState, why: &str| {
-            let mut o = refusal(&m, why);
-            o.to = addr.id();
-            state.outbox.push(o);
-        };
         match m.op {
             Op::Bye => {
                 w.bye = true;
                 return Ok(());
             }
             Op::Hello => return Err("a second hello".into()),
+            Op::Batch => return self.recv_batch(state, addr, rank, &m, rest, data),
             _ => {}
         }
+        let refuse = |state: &mut ServerState, why: &str| {
+            let mut o = refusal(&m, why);
+            o.to = addr.id();
+            state.outbox.push(o);
+        };
         if matches!(m.op, Op::Pull | Op::PushPull) {
             match RemoteRegion::from_bytes(rest) {
                 Some(g) if Some(g.len() as u64) == m.data_bytes() => {
@@ -249,17 +259,73 @@ impl Workers {
             let p = unsafe { PeerData::new(d.as_ptr(), m.len as usize, m.dtype) };
             state.handle(addr.id(), rank, &m, Input::Peer(&p));
         } else {
-            let bytes = if matches!(m.op, Op::SetOptimizer | Op::SetUpdater) {
-                rest
-            } else {
-                &[]
-            };
-            if bytes.len() > MAX_CONTROL {
-                return Err("an oversized control payload".into());
+            self.control(state, addr, rank, &m, rest)?;
+        }
+        Ok(())
+    }
+
+    /// A request with no data (a pull, or a control request with its text).
+    fn control(
+        &mut self,
+        state: &mut ServerState,
+        addr: Addr,
+        rank: usize,
+        m: &Msg,
+        rest: &[u8],
+    ) -> Result<(), String> {
+        let bytes = if matches!(m.op, Op::SetOptimizer | Op::SetUpdater) {
+            rest
+        } else {
+            &[]
+        };
+        if bytes.len() > MAX_CONTROL {
+            return Err("an oversized control payload".into());
+        }
+        self.scratch.reset_as(&[bytes.len()], DType::U8);
+        self.scratch.as_bytes_mut().copy_from_slice(bytes);
+        state.handle(addr.id(), rank, m, Input::Owned(&mut self.scratch));
+        Ok(())
+    }
+
+    /// A batch of pushes, pulls and pushpulls: each is handled as if it had come alone, its
+    /// data read where the batch's data lies; their answers go back as a batch.
+    fn recv_batch(
+        &mut self,
+        state: &mut ServerState,
+        addr: Addr,
+        rank: usize,
+        h: &Msg,
+        rest: &[u8],
+        data: Option<Lent<'_>>,
+    ) -> Result<(), String> {
+        let len = data.as_ref().map_or(0, |d| d.len());
+        let entries = batch::read(h, rest, len, |op| {
+            matches!(op, Op::Push | Op::Pull | Op::PushPull)
+        })?;
+        for e in entries {
+            if e.msg.flags != 0 || !e.text.is_empty() {
+                return Err("a batched request with flags or text".into());
             }
-            self.scratch.reset_as(&[bytes.len()], DType::U8);
-            self.scratch.as_bytes_mut().copy_from_slice(bytes);
-            state.handle(addr.id(), rank, &m, Input::Owned(&mut self.scratch));
+            if e.msg
+                .data_bytes()
+                .is_none_or(|n| n > batch::ITEM_MAX as u64)
+            {
+                return Err(format!("a batched request for {} elements", e.msg.len));
+            }
+            self.batched.insert((addr.id(), e.msg.req_id));
+            match (e.data, &data) {
+                (Some(r), Some(d)) => {
+                    // SAFETY: `batch::read` checked that the range lies within the `d.len()`
+                    // bytes the backend lends at `d.as_ptr()` for this callback, which the
+                    // state machine's call does not outlive; the range is the entry's
+                    // `len * dtype.size()` bytes.
+                    let p = unsafe {
+                        PeerData::new(d.as_ptr().add(r.start), e.msg.len as usize, e.msg.dtype)
+                    };
+                    state.handle(addr.id(), rank, &e.msg, Input::Peer(&p));
+                }
+                _ => self.control(state, addr, rank, &e.msg, &[])?,
+            }
         }
         Ok(())
     }
@@ -285,6 +351,7 @@ impl Workers {
         }
         let id = addr.id();
         self.grants.retain(|(p, _), _| *p != id);
+        self.batched.retain(|(p, _)| *p != id);
         self.make.retain(|(a, _, _)| *a != addr);
         for mem in self.slots.drop_peer(id) {
             self.fence.push((addr, mem));
@@ -334,6 +401,7 @@ impl Workers {
     pub(super) fn route(&mut self, state: &mut ServerState, net: &mut Net) {
         self.slots(net);
         for mut out in state.outbox.drain(..) {
+            let batched = self.batched.remove(&(out.to, out.msg.req_id));
             let grant = self.grants.remove(&(out.to, out.msg.req_id));
             let slot = self.slots.on_reply(out.to, &mut out.msg).map(|s| s.grant);
             if let Some(w) = self.peers.get_mut(&Addr::from_id(out.to)) {
@@ -342,6 +410,7 @@ impl Workers {
                     grant,
                     put: false,
                     slot,
+                    batched,
                 });
             }
         }
@@ -351,11 +420,16 @@ impl Workers {
                 continue;
             };
             while let Some(p) = w.backlog.front_mut() {
-                match send(b, addr, p, &mut self.body) {
-                    Ok(true) => {
-                        w.backlog.pop_front();
+                let sent = if p.batched {
+                    send_batch(b, addr, &w.backlog, &mut self.batch)
+                } else {
+                    send(b, addr, p, &mut self.body).map(usize::from)
+                };
+                match sent {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        w.backlog.drain(..n);
                     }
-                    Ok(false) => break,
                     Err(e) => {
                         broken.push((*addr, e));
                         break;

@@ -17,6 +17,9 @@ use crate::protocol::{flags, slot_imm, Msg, Op};
 use crate::worker::calls::{Action, CallId, Calls, Finished, Request, SlotUse};
 use crate::{KvError, NDArray, Result};
 
+#[path = "batch.rs"]
+mod batch;
+
 /// A worker's links to its servers, and the calls in flight on them.
 pub(crate) struct Links {
     pub(crate) net: Net,
@@ -25,15 +28,21 @@ pub(crate) struct Links {
     pub(crate) rank: u32,
     pub(crate) timeout: Duration,
     pub(crate) calls: Calls<RemoteRegion>,
-    /// Sends that found their link full, in order; nothing is posted past them.
-    stalled: VecDeque<Action<RemoteRegion>>,
+    /// Requests to post, in order: those that found their link full wait here with every
+    /// request after them.
+    queue: VecDeque<Action<RemoteRegion>>,
+    /// Batches are assembled here, reused.
+    batch: crate::protocol::batch::Writer,
     /// A request's body is assembled here, reused.
     body: Vec<u8>,
     turns: u32,
     /// Pushes put into receive slots.
     pub(crate) slot_puts: u64,
-    /// Answers copied here out of a server's pages: count, bytes.
-    pub(crate) answer_copies: (u64, u64),
+    /// Requests sent in batches.
+    pub(crate) batched: u64,
+    /// Copies this loop made itself (answers out of a server's pages or a batch, values into
+    /// a batch): count, bytes.
+    pub(crate) copies: (u64, u64),
 }
 
 /// What putting a request's data into its receive slot did.
@@ -63,11 +72,13 @@ impl Links {
             rank,
             timeout,
             calls: Calls::new(rank, timeout),
-            stalled: VecDeque::new(),
+            queue: VecDeque::new(),
+            batch: crate::protocol::batch::Writer::new(rank),
             body: Vec::new(),
             turns: 0,
             slot_puts: 0,
-            answer_copies: (0, 0),
+            batched: 0,
+            copies: (0, 0),
         }
     }
 
@@ -162,7 +173,7 @@ impl Links {
     fn pump(&mut self) -> Result<usize> {
         let servers = &self.servers;
         let calls = &mut self.calls;
-        let copies = &mut self.answer_copies;
+        let copies = &mut self.copies;
         self.net.progress(&mut |medium, c| {
             let server = |peer| servers.iter().position(|a| *a == Addr { medium, peer });
             match c {
@@ -189,6 +200,9 @@ impl Links {
                                 "server {s} sent a receive slot too short to read"
                             ))),
                         },
+                        Ok((m, rest)) if m.op == Op::Batch => {
+                            batch::on_answers(calls, copies, s, &m, rest, data)
+                        }
                         Ok((m, _)) => calls.on_fatal(KvError::Protocol(format!(
                             "server {s} sent {:?}, not a reply",
                             m.op
@@ -219,25 +233,12 @@ impl Links {
         })
     }
 
-    /// Carries out the machine's actions: grants are released at once; requests are posted
-    /// in order, and those that find a link full wait (with every request after them).
+    /// Carries out the machine's actions: grants are released at once; requests queue in
+    /// order and are posted as far as the links take them ([`Links::post_queue`]).
     fn post_actions(&mut self) -> Result<()> {
-        while let Some(Action::Send { call, req, token }) = self.stalled.front() {
-            let (call, req, token) = (*call, *req, *token);
-            match self.post(call, req, token)? {
-                Posted::Yes => self.stalled.pop_front(),
-                Posted::Full => break,
-            };
-        }
         while let Some(a) = self.calls.poll_action() {
             match a {
-                Action::Send { call, req, token } => {
-                    if !self.stalled.is_empty() {
-                        self.stalled.push_back(a);
-                    } else if let Posted::Full = self.post(call, req, token)? {
-                        self.stalled.push_back(a);
-                    }
-                }
+                Action::Send { .. } => self.queue.push_back(a),
                 Action::Release {
                     server,
                     grant,
@@ -253,8 +254,11 @@ impl Links {
                 }
             }
         }
-        if !self.stalled.is_empty() {
-            self.net.flush()?;
+        if !self.queue.is_empty() {
+            self.post_queue()?;
+            if !self.queue.is_empty() {
+                self.net.flush()?;
+            }
         }
         Ok(())
     }

@@ -160,17 +160,23 @@ impl DistWorker {
             .collect()
     }
 
-    /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made here (with
-    /// the answers it copied out of a server's pages).
+    /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made here, with
+    /// those its loop made (answers copied out of a server's pages, values into and out of
+    /// batches).
     pub(crate) fn transport_copies(&self) -> (u64, u64) {
         let (n, bytes) = self.net.net.shm.as_ref().map_or((0, 0), |s| s.copies());
-        let (an, abytes) = self.net.answer_copies;
+        let (an, abytes) = self.net.copies;
         (n + an, bytes + abytes)
     }
 
     /// Pushes this store put into receive slots.
     pub(crate) fn slot_puts(&self) -> u64 {
         self.net.slot_puts
+    }
+
+    /// Requests this store sent in batches.
+    pub(crate) fn batched(&self) -> u64 {
+        self.net.batched
     }
 
     /// Whether every shared-memory server writes pull answers straight into this process's
