@@ -499,9 +499,10 @@ fn pushes_after_the_first_are_put_into_receive_slots_within_the_budget() {
         let runs = kvrun_check(w, s, "slots", "dist_sync", &env);
         assert_jobs_ok(&runs, w, "slots");
     }
-    // Room for one slot: the small key's (400 bytes) for the worker whose first push reached
-    // its server first; the big key's slices (10000 bytes) never fit. So the job puts 3
-    // pushes in all (and, over TCP, the kv.alloc push too).
+    // Room for one buffer: the small key's (400 bytes), which the servers' pool credits to
+    // one worker a round (whichever worker's answer takes it first); the big key's slices
+    // (10000 bytes) never fit. So the job puts 3 pushes in all (and, over TCP, the kv.alloc
+    // push too), however many workers there are.
     let env = [
         ("KVSTORE_BIGARRAY_BOUND", "1000"),
         ("KVSTORE_SLOT_BYTES", "400"),

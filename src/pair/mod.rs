@@ -18,7 +18,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::protocol::{flags, slot_imm, Msg, Op};
-use crate::server::slots::{PutAction, Slots};
+use crate::server::slots::{Credit, PutAction, Slots};
 use crate::server::state::{Input, Payload, ServerState};
 use crate::worker::calls::{Action, CallId, Calls, Request, SlotUse};
 use crate::{DType, NDArray};
@@ -102,8 +102,9 @@ pub(crate) struct SimServer {
     pub(crate) stall: Duration,
     /// Grants that pull requests carried, until the answer goes out.
     grants: HashMap<(usize, u64), u64>,
-    /// Receive slots (named by their grant), and their bytes.
-    slots: Slots<u64>,
+    /// Receive slots: buffers (memory numbered as grants are) and their grants, and their
+    /// bytes.
+    slots: Slots<u64, u64>,
     slot_mem: HashMap<u64, Vec<u8>>,
 }
 
@@ -125,6 +126,8 @@ pub(crate) struct Job {
     pub(crate) late_refused: u64,
     /// Pushes put into receive slots.
     pub(crate) slot_puts: u64,
+    /// Credits for a buffer made for another worker (the pool shared).
+    pub(crate) shared_credits: u64,
 }
 
 impl Job {
@@ -165,6 +168,7 @@ impl Job {
             delay: 1..200,
             late_refused: 0,
             slot_puts: 0,
+            shared_credits: 0,
         }
     }
 
@@ -344,8 +348,8 @@ impl Job {
                     let st = &mut self.servers[s].state;
                     st.worker_lost(&format!("worker {w} disconnected"));
                     st.forget_peer(w);
-                    for g in self.servers[s].slots.drop_peer(w) {
-                        self.servers[s].slot_mem.remove(&g);
+                    for mem in self.servers[s].slots.drop_peer(w).mems {
+                        self.servers[s].slot_mem.remove(&mem);
                     }
                     self.route(s);
                 }
@@ -372,19 +376,14 @@ impl Job {
         let srv = &mut self.servers[s];
         let slot_data;
         let data = if msg.flags & flags::SLOT != 0 {
-            let g = *srv
+            let mem = *srv
                 .slots
                 .on_slot_msg(w, &msg)
                 .unwrap_or_else(|e| panic!("a worker broke the slot protocol: {e}"));
-            slot_data = srv.slot_mem[&g].clone();
+            slot_data = srv.slot_mem[&mem].clone();
             Some(&slot_data)
         } else {
-            if let Some(bytes) = srv.slots.on_push(w, &msg) {
-                let id = self.next_grant;
-                self.next_grant += 1;
-                srv.slot_mem.insert(id, vec![0; bytes]);
-                srv.slots.add(w, &msg, id, id);
-            }
+            srv.slots.on_push(w, &msg);
             data.as_ref()
         };
         let mut input = match data {
@@ -408,15 +407,16 @@ impl Job {
             return;
         }
         let srv = &mut self.servers[s];
-        let (action, _) = srv
+        let (action, mem) = srv
             .slots
             .on_put(w, grant, 0, bytes.len(), imm)
             .unwrap_or_else(|e| panic!("a worker broke the slot protocol: {e}"));
-        srv.slot_mem.insert(grant, bytes);
+        let mem = *mem;
+        srv.slot_mem.insert(mem, bytes);
         self.send(w, s, false, Packet::SendDone { w, token });
         if let PutAction::Push(m) = action {
             let srv = &mut self.servers[s];
-            let mut input = NDArray::from_bytes(&[m.len as usize], m.dtype, &srv.slot_mem[&grant])
+            let mut input = NDArray::from_bytes(&[m.len as usize], m.dtype, &srv.slot_mem[&mem])
                 .expect("a slot's bytes match its header");
             srv.state.handle(w, w, &m, Input::Owned(&mut input));
             self.route(s);
@@ -428,7 +428,7 @@ impl Job {
         let outs: Vec<_> = self.servers[s].state.outbox.drain(..).collect();
         for mut o in outs {
             let w = o.to;
-            let slot = self.servers[s].slots.on_reply(w, &mut o.msg).copied();
+            let slot = self.credit(s, w, &mut o.msg);
             let grant = self.servers[s].grants.remove(&(w, o.msg.req_id));
             let follows = o.msg.follows_put();
             if let (Payload::Array(a), Some(grant)) = (&o.payload, grant) {
@@ -468,6 +468,34 @@ impl Job {
                 },
             );
         }
+    }
+
+    /// The receive slot credit that server `s`'s reply `m` to worker `w` carries, if any:
+    /// buffers made and granted as the real loop does (fresh numbers for memory and grants).
+    fn credit(&mut self, s: usize, w: usize, m: &mut Msg) -> Option<u64> {
+        let srv = &mut self.servers[s];
+        let id = match srv.slots.credit(w, 0, m) {
+            Credit::None => return None,
+            Credit::Granted(g) => {
+                m.flags |= flags::SLOT;
+                return Some(g);
+            }
+            Credit::Grant(id, _) => {
+                self.shared_credits += 1;
+                id
+            }
+            Credit::Make(bytes) => {
+                let mem = self.next_grant;
+                self.next_grant += 1;
+                srv.slot_mem.insert(mem, vec![0; bytes]);
+                srv.slots.made(mem, 0, bytes)
+            }
+        };
+        let g = self.next_grant;
+        self.next_grant += 1;
+        srv.slots.granted(w, id, g, g);
+        m.flags |= flags::SLOT;
+        Some(g)
     }
 
     /// A put arrives at worker `w`: it lands only in a live grant, in an output of a call

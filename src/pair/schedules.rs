@@ -373,6 +373,7 @@ impl Run<'_> {
 struct Outcome {
     late_refused: u64,
     slot_puts: u64,
+    shared_credits: u64,
     errors: Vec<String>,
     fault: Fault,
 }
@@ -455,6 +456,7 @@ fn run(c: &Config, seed: u64) -> Outcome {
     Outcome {
         late_refused: run.job.late_refused,
         slot_puts: run.job.slot_puts,
+        shared_credits: run.job.shared_credits,
         errors: run.errors,
         fault: run.p.fault,
     }
@@ -465,16 +467,26 @@ fn many(c: Config) {
     let mut lost = 0;
     let mut timeouts = 0;
     let mut slot_puts = 0;
+    let mut shared = 0;
     for seed in 0..1000u64 {
         let o = run(&c, seed * 7919 + c.w as u64 * 31 + c.s as u64);
         late += o.late_refused;
         slot_puts += o.slot_puts;
+        shared += o.shared_credits;
         if matches!(o.fault, Fault::KillServer(_)) {
             lost += o.errors.iter().any(|e| e.contains("server")) as u32;
         }
         timeouts += o.errors.iter().any(|e| e.contains("timed out")) as u32;
     }
     assert!(slot_puts > 0, "no push was put into a receive slot");
+    // In dist_sync a round's answers credit the buffers its puts freed, whoever made them (in
+    // dist_async a worker's answer follows its put at once, so its buffer comes back to it).
+    if c.w > 1 && c.sync {
+        assert!(
+            shared > 0,
+            "no worker was credited a buffer made for another"
+        );
+    }
     // The faults really happened: servers were lost mid-call, and stalled servers' answers
     // came after their calls had timed out.
     assert!(lost > 0, "no schedule lost a server mid-call");

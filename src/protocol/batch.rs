@@ -25,7 +25,7 @@ pub(crate) const ENTRY_LEN: usize = 4 + META_LEN;
 /// reference, moves them without the batch's copy).
 pub(crate) const ITEM_MAX: usize = 16 * 1024;
 /// The most data one batch carries.
-pub(crate) const DATA_MAX: usize = 1 << 20;
+pub(crate) const DATA_MAX: usize = 256 * 1024;
 /// The most text an answer in a batch carries (an error message, cut there).
 pub(crate) const TEXT_MAX: usize = 1024;
 

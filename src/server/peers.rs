@@ -8,15 +8,13 @@
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::VecDeque;
 
-use kvstore_transport::{
-    Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Token, TransportError,
-};
+use kvstore_transport::{Completion, Lent, Mem, Region, RemoteRegion, Sent, Token, TransportError};
 
 use crate::config::secret_matches;
 use crate::net::{region_of, Addr, Medium, Net};
 use crate::protocol::{batch, flags, role, slot_imm, status, Msg, Op};
 use crate::server::batch::send_batch;
-use crate::server::slots::{PutAction, Slots};
+use crate::server::slots::{Credit, Domain, PutAction, Slots};
 use crate::server::state::{Input, Out, Payload, PeerData, ServerState};
 use crate::{DType, NDArray};
 
@@ -47,23 +45,15 @@ pub(super) struct Pending {
     pub(super) batched: bool,
 }
 
-/// A receive slot's memory and its grant to the worker.
-struct SlotMem {
-    region: Region,
-    grant: RemoteRegion,
-}
-
-impl SlotMem {
-    /// The slot's bytes as a request's data.
-    fn data(&self, m: &Msg) -> Result<PeerData<'_>, String> {
-        if m.data_bytes() != Some(self.region.len() as u64) {
-            return Err("a slot of another size".into());
-        }
-        // SAFETY: the region is `len * dtype.size()` bytes (checked) of live storage, held by
-        // the slot for the borrow; the worker writes it only with a credit, which it does not
-        // hold while the server reads (and reads are copies or in-place sums, never slices).
-        Ok(unsafe { PeerData::new(self.region.storage().ptr(), m.len as usize, m.dtype) })
+/// A receive slot's bytes as the data of request `m`.
+fn slot_data<'a>(region: &'a Region, m: &Msg) -> Result<PeerData<'a>, String> {
+    if m.data_bytes() != Some(region.len() as u64) {
+        return Err("a slot of another size".into());
     }
+    // SAFETY: the region is `len * dtype.size()` bytes (checked) of live storage, held by the
+    // slot for the borrow; a worker writes it only with its credit, which no worker holds
+    // while the server reads (and reads are copies or in-place sums, never slices).
+    Ok(unsafe { PeerData::new(region.storage().ptr(), m.len as usize, m.dtype) })
 }
 
 /// The workers of a server and what is addressed to them.
@@ -85,11 +75,9 @@ pub(super) struct Workers {
     body: Vec<u8>,
     /// Workers attached over shared memory.
     local: usize,
-    slots: Slots<SlotMem>,
-    /// Slots to make (the budget said yes) before the next answers go out.
-    make: Vec<(Addr, Msg, usize)>,
-    /// Slots of lost workers, to fence.
-    fence: Vec<(Addr, SlotMem)>,
+    slots: Slots<Region, RemoteRegion>,
+    /// Grants of receive slots to revoke (a lost worker's), by peer.
+    fence: Vec<(usize, RemoteRegion)>,
 }
 
 fn refusal(m: &Msg, why: impl Into<String>) -> Out {
@@ -117,7 +105,6 @@ impl Workers {
             body: Vec::new(),
             local: 0,
             slots: Slots::new(slot_bytes),
-            make: Vec::new(),
             fence: Vec::new(),
         }
     }
@@ -175,7 +162,7 @@ impl Workers {
         };
         let (action, mem) = self.slots.on_put(addr.id(), grant, offset, len, imm)?;
         if let PutAction::Push(m) = action {
-            let p = mem.data(&m)?;
+            let p = slot_data(mem, &m)?;
             state.handle(addr.id(), rank, &m, Input::Peer(&p));
         }
         Ok(())
@@ -243,12 +230,10 @@ impl Workers {
                 return Err("a slot push with data of its own".into());
             }
             let mem = self.slots.on_slot_msg(addr.id(), &m)?;
-            let p = mem.data(&m)?;
+            let p = slot_data(mem, &m)?;
             state.handle(addr.id(), rank, &m, Input::Peer(&p));
         } else if m.op.carries_data() {
-            if let Some(bytes) = self.slots.on_push(addr.id(), &m) {
-                self.make.push((addr, m, bytes));
-            }
+            self.slots.on_push(addr.id(), &m);
             let Some(d) = data.filter(|d| Some(d.len() as u64) == m.data_bytes()) else {
                 self.grants.remove(&(addr.id(), m.req_id));
                 refuse(state, "payload length does not match the message");
@@ -352,35 +337,65 @@ impl Workers {
         let id = addr.id();
         self.grants.retain(|(p, _), _| *p != id);
         self.batched.retain(|(p, _)| *p != id);
-        self.make.retain(|(a, _, _)| *a != addr);
-        for mem in self.slots.drop_peer(id) {
-            self.fence.push((addr, mem));
-        }
+        // Its buffers' memory is dropped here; each backend keeps what a grant names alive
+        // until the revoke completes.
+        self.fence.extend(self.slots.drop_peer(id).grants);
         state.forget_peer(id);
     }
 
-    /// Makes the slots the budget allowed, and fences those of lost workers.
-    fn slots(&mut self, net: &mut Net) {
-        for (addr, mem) in self.fence.drain(..) {
+    /// Revokes the slot grants of lost workers.
+    fn fence(&mut self, net: &mut Net) {
+        for (id, g) in self.fence.drain(..) {
+            let addr = Addr::from_id(id);
             if let Ok(b) = net.backend(addr.medium) {
                 // The backend keeps the memory alive if it cannot tell that the peer is done.
-                let _ = b.revoke(addr.peer, &mem.grant, Token(0));
+                let _ = b.revoke(addr.peer, &g, Token(0));
             }
         }
-        for (addr, m, bytes) in std::mem::take(&mut self.make) {
-            match net
-                .backend(addr.medium)
-                .map_err(|e| TransportError::Refused(e.to_string()))
-                .and_then(|b| make_slot(b, addr.peer, bytes))
-            {
-                Ok(mem) => {
-                    let id = mem.grant.id();
-                    self.slots.add(addr.id(), &m, id, mem);
-                }
-                Err(e) => {
-                    eprintln!("kvstore server: no receive slot of {bytes} bytes: {e}");
+    }
+
+    /// The receive slot credit a reply carries, if any: a buffer of the pool, made and granted
+    /// to the worker as needed; the reply is flagged.
+    fn credit(&mut self, net: &mut Net, out: &mut Out) -> Option<RemoteRegion> {
+        let addr = Addr::from_id(out.to);
+        let domain = addr.medium as Domain;
+        let (id, region) = match self.slots.credit(out.to, domain, &out.msg) {
+            Credit::None => return None,
+            Credit::Granted(g) => {
+                out.msg.flags |= flags::SLOT;
+                return Some(g);
+            }
+            Credit::Grant(id, region) => (id, region),
+            Credit::Make(bytes) => match net.backend(addr.medium) {
+                Ok(b) => match make_slot(b, bytes) {
+                    Ok(r) => (self.slots.made(r.clone(), domain, bytes), r),
+                    Err(e) => {
+                        eprintln!("kvstore server: no receive slot of {bytes} bytes: {e}");
+                        self.slots.not_made(bytes);
+                        return None;
+                    }
+                },
+                Err(_) => {
                     self.slots.not_made(bytes);
+                    return None;
                 }
+            },
+        };
+        // SAFETY: the server reads the slot only after a put into it arrived and before its
+        // buffer is credited again, and never writes it.
+        let grant = net
+            .backend(addr.medium)
+            .ok()
+            .and_then(|b| unsafe { b.grant(addr.peer, &region, 0..region.len()) }.ok());
+        match grant {
+            Some(g) => {
+                self.slots.granted(out.to, id, g.id(), g);
+                out.msg.flags |= flags::SLOT;
+                Some(g)
+            }
+            None => {
+                self.slots.not_granted(id);
+                None
             }
         }
     }
@@ -399,11 +414,11 @@ impl Workers {
     /// it; pauses the workers whose answers back up, and resumes the ones whose answers
     /// drained.
     pub(super) fn route(&mut self, state: &mut ServerState, net: &mut Net) {
-        self.slots(net);
-        for mut out in state.outbox.drain(..) {
+        self.fence(net);
+        for mut out in std::mem::take(&mut state.outbox) {
             let batched = self.batched.remove(&(out.to, out.msg.req_id));
             let grant = self.grants.remove(&(out.to, out.msg.req_id));
-            let slot = self.slots.on_reply(out.to, &mut out.msg).map(|s| s.grant);
+            let slot = self.credit(net, &mut out);
             if let Some(w) = self.peers.get_mut(&Addr::from_id(out.to)) {
                 w.backlog.push_back(Pending {
                     out,
@@ -456,21 +471,16 @@ impl Workers {
     }
 }
 
-/// A receive slot of `bytes` for `peer`: pool pages where the medium has room (a put is then a
-/// plain copy), else private memory; granted to the peer.
+/// Memory for a receive slot of `bytes`: landing pages where the medium has them (a put is
+/// then a plain copy), else private memory.
 fn make_slot(
     b: &mut dyn kvstore_transport::Backend,
-    peer: PeerId,
     bytes: usize,
-) -> Result<SlotMem, TransportError> {
-    let region = match b.alloc(bytes, kvstore_transport::Access::Land) {
-        Ok(r) => r,
-        Err(_) => b.register(Mem::zeroed(bytes))?,
-    };
-    // SAFETY: the server reads the slot only after a put into it arrived and before the reply
-    // that hands the worker its credit again, and never writes it.
-    let grant = unsafe { b.grant(peer, &region, 0..bytes) }?;
-    Ok(SlotMem { region, grant })
+) -> Result<Region, TransportError> {
+    match b.alloc(bytes, kvstore_transport::Access::Land) {
+        Ok(r) => Ok(r),
+        Err(_) => b.register(Mem::zeroed(bytes)),
+    }
 }
 
 /// Posts one answer: the value's put (once), then the reply. `false`: the link is full.
