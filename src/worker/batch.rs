@@ -42,6 +42,14 @@ impl Links {
     /// Posts the queued requests in order, as far as the links take them; the first that
     /// finds its link full stops it, and it waits in the queue with every request after it.
     pub(super) fn post_queue(&mut self) -> Result<()> {
+        // One request (a call of one key slice): posted as it is, with nothing to gather.
+        if let [Action::Send { call, req, token }] = self.queue.make_contiguous() {
+            let (call, req, token) = (*call, *req, *token);
+            if let Posted::Yes = self.post(call, req, token)? {
+                self.queue.clear();
+            }
+            return Ok(());
+        }
         let q: Vec<Action<RemoteRegion>> = self.queue.drain(..).collect();
         let mut posted = vec![false; q.len()];
         let mut open: Vec<Open> = (0..self.servers.len()).map(|_| Open::default()).collect();
