@@ -116,6 +116,19 @@ pub(crate) fn region_of(
     }
 }
 
+/// `len` bytes of memory registered with `b` for `access`: the medium's own (pool or landing
+/// pages) where it has room, else zeroed private memory registered with it.
+pub(crate) fn alloc(
+    b: &mut dyn Backend,
+    len: usize,
+    access: kvstore_transport::Access,
+) -> std::result::Result<Region, TransportError> {
+    match b.alloc(len, access) {
+        Ok(r) => Ok(r),
+        Err(_) => b.register(kvstore_transport::Mem::zeroed(len)),
+    }
+}
+
 /// The cores this process may run on (read once: the query reads cgroup files).
 pub(crate) fn cores() -> usize {
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();

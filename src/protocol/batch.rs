@@ -39,6 +39,8 @@ fn carries(m: &Msg) -> bool {
 
 /// A batch being assembled.
 pub(crate) struct Writer {
+    sender: u32,
+    /// The header's place, then the entries.
     body: Vec<u8>,
     count: u64,
     data: u64,
@@ -48,6 +50,7 @@ impl Writer {
     /// An empty batch from `sender`.
     pub(crate) fn new(sender: u32) -> Writer {
         let mut w = Writer {
+            sender,
             body: Vec::new(),
             count: 0,
             data: 0,
@@ -58,10 +61,9 @@ impl Writer {
 
     /// Empties the batch, keeping its buffer.
     pub(crate) fn clear(&mut self, sender: u32) {
-        let mut h = Msg::new(Op::Batch);
-        h.sender = sender;
+        self.sender = sender;
         self.body.clear();
-        self.body.extend_from_slice(&h.encode());
+        self.body.resize(META_LEN, 0);
         self.count = 0;
         self.data = 0;
     }
@@ -97,10 +99,10 @@ impl Writer {
         self.data as usize
     }
 
-    /// The body, its header completed.
+    /// The body, its header written.
     pub(crate) fn finish(&mut self) -> &[u8] {
-        let mut h = Msg::decode(self.body[..META_LEN].try_into().expect("a header"))
-            .expect("the header this writer made");
+        let mut h = Msg::new(Op::Batch);
+        h.sender = self.sender;
         h.key = self.count;
         h.dtype = DType::U8;
         h.total = self.data;
@@ -147,10 +149,10 @@ pub(crate) fn read<'a>(
     let mut out = Vec::with_capacity(h.key as usize);
     let (mut at, mut data) = (0usize, 0usize);
     while at < rest.len() {
-        let Some(len) = rest.get(at..at + 4) else {
+        let Some(&[a, b, c, d]) = rest.get(at..at + 4) else {
             return Err("a batch entry cut short".into());
         };
-        let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+        let len = u32::from_le_bytes([a, b, c, d]) as usize;
         let Some(entry) = rest.get(at + 4..at + 4 + len) else {
             return Err(format!("a batch entry of {len} bytes past the body's end"));
         };

@@ -4,9 +4,9 @@
 
 use std::collections::VecDeque;
 
-use kvstore_transport::{Access, Backend, Mem, Sent, Token, TransportError};
+use kvstore_transport::{Access, Backend, Sent, Token, TransportError};
 
-use crate::net::Addr;
+use crate::net::{alloc, Addr};
 use crate::protocol::batch::{Writer, TEXT_MAX};
 use crate::protocol::{flags, status};
 use crate::server::peers::Pending;
@@ -54,10 +54,7 @@ pub(super) fn send_batch(
     let n = w.count();
     let region = match w.data_len() {
         0 => None,
-        len => Some(match b.alloc(len, Access::Send) {
-            Ok(r) => r,
-            Err(_) => b.register(Mem::zeroed(len))?,
-        }),
+        len => Some(alloc(b, len, Access::Send)?),
     };
     if let Some(r) = &region {
         for (at, a) in values {

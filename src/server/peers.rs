@@ -8,10 +8,10 @@
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::VecDeque;
 
-use kvstore_transport::{Completion, Lent, Mem, Region, RemoteRegion, Sent, Token, TransportError};
+use kvstore_transport::{Completion, Lent, Region, RemoteRegion, Sent, Token, TransportError};
 
 use crate::config::secret_matches;
-use crate::net::{region_of, Addr, Medium, Net};
+use crate::net::{alloc, region_of, Addr, Medium, Net};
 use crate::protocol::{batch, flags, role, slot_imm, status, Msg, Op};
 use crate::server::batch::send_batch;
 use crate::server::slots::{Credit, Domain, PutAction, Slots};
@@ -73,8 +73,6 @@ pub(super) struct Workers {
     scratch: NDArray,
     /// A reply's body is assembled here, reused.
     body: Vec<u8>,
-    /// Workers attached over shared memory.
-    local: usize,
     slots: Slots<Region, RemoteRegion>,
     /// Grants of receive slots to revoke (a lost worker's), by peer.
     fence: Vec<(usize, RemoteRegion)>,
@@ -103,7 +101,6 @@ impl Workers {
             close: Vec::new(),
             scratch: NDArray::zeros_dtype(&[0], DType::U8),
             body: Vec::new(),
-            local: 0,
             slots: Slots::new(slot_bytes),
             fence: Vec::new(),
         }
@@ -113,7 +110,6 @@ impl Workers {
     pub(super) fn on(&mut self, state: &mut ServerState, medium: Medium, c: Completion<'_>) {
         match c {
             Completion::Connected { peer } => {
-                self.local += (medium == Medium::Shm) as usize;
                 self.peers.insert(Addr { medium, peer }, Worker::default());
             }
             Completion::Recv { peer, body, data } => {
@@ -319,9 +315,6 @@ impl Workers {
         let Some(w) = self.peers.remove(&addr) else {
             return;
         };
-        self.local = self
-            .local
-            .saturating_sub((addr.medium == Medium::Shm) as usize);
         if let Some(r) = w.rank {
             self.taken[r] = false;
             if !w.bye {
@@ -367,7 +360,8 @@ impl Workers {
             }
             Credit::Grant(id, region) => (id, region),
             Credit::Make(bytes) => match net.backend(addr.medium) {
-                Ok(b) => match make_slot(b, bytes) {
+                // Landing pages where the medium has them: a put is then a plain copy.
+                Ok(b) => match alloc(b, bytes, kvstore_transport::Access::Land) {
                     Ok(r) => (self.slots.made(r.clone(), domain, bytes), r),
                     Err(e) => {
                         eprintln!("kvstore server: no receive slot of {bytes} bytes: {e}");
@@ -468,18 +462,6 @@ impl Workers {
     /// Whether answers are still waiting to go out.
     pub(super) fn pending(&self) -> bool {
         self.peers.values().any(|w| !w.backlog.is_empty())
-    }
-}
-
-/// Memory for a receive slot of `bytes`: landing pages where the medium has them (a put is
-/// then a plain copy), else private memory.
-fn make_slot(
-    b: &mut dyn kvstore_transport::Backend,
-    bytes: usize,
-) -> Result<Region, TransportError> {
-    match b.alloc(bytes, kvstore_transport::Access::Land) {
-        Ok(r) => Ok(r),
-        Err(_) => b.register(Mem::zeroed(bytes)),
     }
 }
 

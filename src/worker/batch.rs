@@ -5,7 +5,7 @@
 //! instead of one message (and a grant) per key. A request on its own, a big value, or a
 //! control request goes alone, as before; per server, requests still go out in order.
 
-use kvstore_transport::{Access, Lent, Mem, RemoteRegion, Sent, Token};
+use kvstore_transport::{Access, Lent, RemoteRegion, Sent, Token};
 
 use super::{Links, Posted};
 use crate::protocol::batch::{self, DATA_MAX, ENTRY_LEN, ITEM_MAX};
@@ -53,6 +53,11 @@ impl Links {
         let q: Vec<Action<RemoteRegion>> = self.queue.drain(..).collect();
         let mut posted = vec![false; q.len()];
         let mut open: Vec<Open> = (0..self.servers.len()).map(|_| Open::default()).collect();
+        let mut max = Vec::with_capacity(self.servers.len());
+        for i in 0..self.servers.len() {
+            let b = self.net.backend(self.servers[i].medium)?;
+            max.push(b.max_body().saturating_sub(META_LEN) / ENTRY_LEN);
+        }
         let mut full = false;
         for (i, a) in q.iter().enumerate() {
             let &Action::Send { call, req, token } = a else {
@@ -66,8 +71,7 @@ impl Links {
             };
             let o = &mut open[server];
             if let Some(data) = batch {
-                let max = self.max_entries(server)?;
-                if (o.idx.len() >= max || o.data + data > DATA_MAX)
+                if (o.idx.len() >= max[server] || o.data + data > DATA_MAX)
                     && !self.flush(server, &q, o, &mut posted)?
                 {
                     full = true;
@@ -103,12 +107,6 @@ impl Links {
             .filter_map(|(a, p)| (!p).then_some(a))
             .collect();
         Ok(())
-    }
-
-    /// Entries a batch to `server` may hold.
-    fn max_entries(&mut self, server: usize) -> Result<usize> {
-        let b = self.net.backend(self.servers[server].medium)?;
-        Ok(b.max_body().saturating_sub(META_LEN) / ENTRY_LEN)
     }
 
     /// Posts what was gathered for `server`: one request alone, several as a batch. `false`:
@@ -147,10 +145,7 @@ impl Links {
         let b = self.net.backend(addr.medium)?;
         let region = match o.data {
             0 => None,
-            n => Some(match b.alloc(n, Access::Send) {
-                Ok(r) => r,
-                Err(_) => b.register(Mem::zeroed(n))?,
-            }),
+            n => Some(crate::net::alloc(b, n, Access::Send)?),
         };
         self.batch.clear(self.rank);
         for &i in &o.idx {
@@ -184,6 +179,21 @@ impl Links {
     }
 }
 
+/// Copies lent data from `off` into `dst` (all of it, or `false`), counting the copy.
+pub(super) fn copy_out(
+    copies: &mut (u64, u64),
+    data: &Option<Lent<'_>>,
+    off: usize,
+    dst: &mut [u8],
+) -> bool {
+    let ok = data.as_ref().is_some_and(|d| d.read(off, dst).is_ok());
+    if ok {
+        copies.0 += 1;
+        copies.1 += dst.len() as u64;
+    }
+    ok
+}
+
 /// A batch of answers from server `s`: each is taken as if it had come alone, a value copied
 /// from the batch's data into its request's destination. A malformed batch fails every call.
 pub(super) fn on_answers(
@@ -207,15 +217,7 @@ pub(super) fn on_answers(
             calls.on_reply(s, &e.msg, e.text, None);
             continue;
         };
-        let fill = |dst: &mut [u8]| {
-            let Some(d) = &data else { return false };
-            let ok = dst.len() == r.len() && d.read(r.start, dst).is_ok();
-            if ok {
-                copies.0 += 1;
-                copies.1 += dst.len() as u64;
-            }
-            ok
-        };
+        let fill = |dst: &mut [u8]| dst.len() == r.len() && copy_out(copies, &data, r.start, dst);
         calls.on_reply_value(s, &e.msg, e.text, None, fill);
     }
 }

@@ -184,14 +184,9 @@ impl Links {
                     match Msg::from_body(body) {
                         Ok((m, rest)) if m.op == Op::Reply => match reply_slot(&m, rest) {
                             Some((slot, text)) if m.flags & flags::DATA != 0 => {
+                                let len = data.as_ref().map_or(0, |d| d.len());
                                 let fill = |dst: &mut [u8]| {
-                                    let Some(d) = &data else { return false };
-                                    let ok = d.len() == dst.len() && d.read(0, dst).is_ok();
-                                    if ok {
-                                        copies.0 += 1;
-                                        copies.1 += dst.len() as u64;
-                                    }
-                                    ok
+                                    len == dst.len() && batch::copy_out(copies, &data, 0, dst)
                                 };
                                 calls.on_reply_value(s, &m, text, slot, fill)
                             }
