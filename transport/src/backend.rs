@@ -180,10 +180,12 @@ impl Region {
 pub const REMOTE_LEN: usize = 32;
 
 /// A range of a peer's memory granted to this process: what it needs to put there (a grant
-/// number, an address or offset, a length), in [`REMOTE_LEN`] bytes to send in a message.
+/// number, an address or offset, a key, a length), in [`REMOTE_LEN`] bytes to send in a message.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct RemoteRegion {
     pub(crate) kind: u32,
+    /// The medium's key for the range (RDMA's rkey; 0 elsewhere).
+    pub(crate) key: u32,
     pub(crate) id: u64,
     pub(crate) addr: u64,
     pub(crate) len: u64,
@@ -215,6 +217,7 @@ impl RemoteRegion {
     pub fn to_bytes(&self) -> [u8; REMOTE_LEN] {
         let mut b = [0u8; REMOTE_LEN];
         b[0..4].copy_from_slice(&self.kind.to_le_bytes());
+        b[4..8].copy_from_slice(&self.key.to_le_bytes());
         b[8..16].copy_from_slice(&self.id.to_le_bytes());
         b[16..24].copy_from_slice(&self.addr.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
@@ -227,6 +230,7 @@ impl RemoteRegion {
         let u = |r: Range<usize>| Some(u64::from_le_bytes(b.get(r)?.try_into().ok()?));
         Some(RemoteRegion {
             kind: u32::from_le_bytes(b.get(0..4)?.try_into().ok()?),
+            key: u32::from_le_bytes(b.get(4..8)?.try_into().ok()?),
             id: u(8..16)?,
             addr: u(16..24)?,
             len: u(24..32)?,
@@ -387,6 +391,9 @@ pub(crate) fn deliver(
     on: &mut dyn FnMut(Completion<'_>),
 ) -> usize {
     let n = done.len() + lost.len();
+    if n == 0 {
+        return 0;
+    }
     for (t, err) in done.drain(..) {
         match err {
             None => on(Completion::Done(t)),

@@ -46,6 +46,10 @@ pub enum TransportError {
     /// A shared-memory failure (bad descriptor, exhausted pool, corrupt segment).
     #[error("shared memory: {0}")]
     Shm(#[from] kvstore_shm::ShmError),
+    /// An RDMA verbs failure (no device, a refused registration, a failed queue pair), with
+    /// its cause and, where there is one, the fix.
+    #[error("rdma: {0}")]
+    Rdma(String),
     /// The peer process is gone.
     #[error("peer lost: {0}")]
     PeerLost(String),

@@ -18,6 +18,8 @@ mod error;
 pub mod frame;
 mod memory;
 pub mod shm;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 mod table;
 pub mod tcp;
 
@@ -29,3 +31,5 @@ pub use error::TransportError;
 pub use frame::{FrameHeader, HEADER_LEN, META_LEN};
 pub use shm::{PeerProcess, SendPages, ShmBackend, ShmConfig};
 pub use tcp::TcpBackend;
+#[cfg(feature = "rdma")]
+pub use rdma::{RdmaBackend, RdmaConfig};

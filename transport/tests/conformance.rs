@@ -265,6 +265,21 @@ fn garbage_closes_only_its_own_link(kind: Kind) {
     let (mut s, at) = server(kind);
     let (mut good, to_s, _) = connect(kind, &mut s, &at);
     match kind {
+        #[cfg(feature = "rdma")]
+        Kind::Rdma => {
+            // One that sends junk, one that sends nothing: neither becomes a peer.
+            use std::io::Write;
+            let addr = at.parse::<SocketAddr>().unwrap();
+            let mut junk = std::net::TcpStream::connect(addr).unwrap();
+            let _silent = std::net::TcpStream::connect(addr).unwrap();
+            let _ = junk.write_all(&[0x5a; 300]);
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_millis(600) {
+                s.pump();
+            }
+            let n = s.log.iter().filter(|e| matches!(e, Ev::Connected(_))).count();
+            assert_eq!(n, 0, "{:?}", s.log);
+        }
         Kind::Tcp => {
             use std::io::Write;
             let mut raw = std::net::TcpStream::connect(at.parse::<SocketAddr>().unwrap()).unwrap();
@@ -377,6 +392,8 @@ macro_rules! suite {
         mod tcp { $( #[test] fn $name() { super::$name(super::Kind::Tcp); } )* }
         mod shm { $( #[test] fn $name() { super::$name(super::Kind::Shm); } )* }
         mod shm_bounce { $( #[test] fn $name() { super::$name(super::Kind::ShmBounce); } )* }
+        #[cfg(feature = "rdma")]
+        mod rdma { $( #[test] fn $name() { super::$name(super::Kind::Rdma); } )* }
     };
 }
 

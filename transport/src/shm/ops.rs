@@ -246,6 +246,7 @@ impl Backend for ShmBackend {
             },
         );
         Ok(RemoteRegion {
+            key: 0,
             kind,
             id,
             addr,

@@ -252,6 +252,7 @@ impl Backend for TcpBackend {
             },
         );
         Ok(RemoteRegion {
+            key: 0,
             kind: KIND_TCP,
             id,
             addr: 0,

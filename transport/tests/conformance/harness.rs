@@ -88,6 +88,21 @@ pub(crate) enum Kind {
     Tcp,
     Shm,
     ShmBounce,
+    #[cfg(feature = "rdma")]
+    Rdma,
+}
+
+/// A small verbs backend for the tests (few buffers, so that "would block" comes soon).
+#[cfg(feature = "rdma")]
+pub(crate) fn small_rdma() -> kvstore_transport::RdmaConfig {
+    kvstore_transport::RdmaConfig {
+        device: std::env::var("KVSTORE_RDMA_DEVICE").ok(),
+        receives: 16,
+        sends: 32,
+        buffer: 8192,
+        handshake_timeout: Duration::from_millis(300),
+        ..Default::default()
+    }
 }
 
 /// A listening server and where to reach it.
@@ -96,6 +111,19 @@ pub(crate) fn server(kind: Kind) -> (Side, String) {
         Kind::Tcp => {
             let mut b = TcpBackend::new(1 << 30).unwrap();
             let at = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+            (
+                Side {
+                    b: Box::new(b),
+                    log: vec![],
+                },
+                at.to_string(),
+            )
+        }
+        #[cfg(feature = "rdma")]
+        Kind::Rdma => {
+            let mut b = kvstore_transport::RdmaBackend::new(small_rdma()).unwrap();
+            let ip = *b.addresses().first().expect("an RDMA device with a RoCE v2 address");
+            let at = b.listen(SocketAddr::new(ip, 0)).unwrap();
             (
                 Side {
                     b: Box::new(b),
@@ -128,6 +156,12 @@ pub(crate) fn client(kind: Kind, at: &str) -> (Side, PeerId) {
     let (b, p): (Box<dyn Backend>, PeerId) = match kind {
         Kind::Tcp => {
             let mut b = TcpBackend::new(1 << 30).unwrap();
+            let p = b.connect(at.parse::<SocketAddr>().unwrap(), t).unwrap();
+            (Box::new(b), p)
+        }
+        #[cfg(feature = "rdma")]
+        Kind::Rdma => {
+            let mut b = kvstore_transport::RdmaBackend::new(small_rdma()).unwrap();
             let p = b.connect(at.parse::<SocketAddr>().unwrap(), t).unwrap();
             (Box::new(b), p)
         }
