@@ -17,9 +17,9 @@ pub mod backend;
 mod error;
 pub mod frame;
 mod memory;
-pub mod shm;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod shm;
 mod table;
 pub mod tcp;
 
@@ -29,7 +29,7 @@ pub use backend::{
 };
 pub use error::TransportError;
 pub use frame::{FrameHeader, HEADER_LEN, META_LEN};
-pub use shm::{PeerProcess, SendPages, ShmBackend, ShmConfig};
-pub use tcp::TcpBackend;
 #[cfg(feature = "rdma")]
 pub use rdma::{RdmaBackend, RdmaConfig};
+pub use shm::{PeerProcess, SendPages, ShmBackend, ShmConfig};
+pub use tcp::TcpBackend;

@@ -277,7 +277,11 @@ fn garbage_closes_only_its_own_link(kind: Kind) {
             while start.elapsed() < Duration::from_millis(600) {
                 s.pump();
             }
-            let n = s.log.iter().filter(|e| matches!(e, Ev::Connected(_))).count();
+            let n = s
+                .log
+                .iter()
+                .filter(|e| matches!(e, Ev::Connected(_)))
+                .count();
             assert_eq!(n, 0, "{:?}", s.log);
         }
         Kind::Tcp => {

@@ -106,6 +106,8 @@ enum Inbound {
 }
 
 pub(crate) struct Peer {
+    /// Its number (in the work request ids of its receives).
+    id: u32,
     // Dropped first: the queue pair goes before the memory its requests named.
     qp: Qp,
     recv_mr: Mr,
@@ -184,8 +186,10 @@ pub struct RdmaBackend {
     registrations: u64,
     /// Progress calls: the event descriptors are looked at on some of them.
     calls: u32,
-    /// Work completions found by the look after arming.
+    /// Work completions found by the look after arming, or of peers still starting.
     early: Vec<ops::OwnedWc>,
+    /// Peers whose queue pair is up but whose handshake has not ended.
+    starting: FxHashSet<u32>,
 }
 
 fn set_nonblocking(fd: i32) -> Result<(), TransportError> {
@@ -271,6 +275,7 @@ impl RdmaBackend {
             registrations: 0,
             calls: 0,
             early: Vec::new(),
+            starting: FxHashSet::default(),
         };
         b.cq.arm()?;
         Ok(b)
@@ -306,7 +311,11 @@ impl RdmaBackend {
 
     /// Connects to a listening backend at `addr`, retrying until `timeout`; the queue pair is
     /// ready to use when this returns.
-    pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> Result<PeerId, TransportError> {
+    pub fn connect(
+        &mut self,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> Result<PeerId, TransportError> {
         let mut s = crate::tcp::connect_retry(addr, timeout)?;
         s.set_nodelay(true)?;
         let mut peer = self.new_peer()?;
@@ -342,7 +351,11 @@ impl RdmaBackend {
         let credit_s: Arc<dyn Storage> = credit.clone();
         let credit_mr = Mr::new(&self.pd, &credit_s, 0, 8, LOCAL | REMOTE_WRITE)?;
         let max_inline = qp.cap.max_inline_data as usize;
+        let id = self.next_peer;
+        self.next_peer += 1;
+        self.starting.insert(id);
         Ok(Peer {
+            id,
             qp,
             recv_mr,
             credit_mr,
@@ -396,7 +409,12 @@ impl RdmaBackend {
     }
 
     /// Moves the queue pair to RTS towards `theirs` and posts every receive buffer.
-    fn start_peer(&mut self, p: &mut Peer, ours: &Hello, theirs: &Hello) -> Result<(), TransportError> {
+    fn start_peer(
+        &mut self,
+        p: &mut Peer,
+        ours: &Hello,
+        theirs: &Hello,
+    ) -> Result<(), TransportError> {
         let global = self.lim.link_layer != verbs::LINK_LAYER_IB;
         let gid_index = p.gid_index;
         p.qp.connect(&verbs::Path {
@@ -425,8 +443,8 @@ impl RdmaBackend {
     }
 
     fn add_peer(&mut self, mut p: Peer) -> Result<PeerId, TransportError> {
-        let id = self.next_peer;
-        self.next_peer += 1;
+        let id = p.id;
+        self.starting.remove(&id);
         if let Some(s) = &mut p.sock {
             self.poll
                 .registry()
@@ -443,7 +461,9 @@ impl RdmaBackend {
         r.check_owner(self.id)?;
         let key = (r.mem.ptr() as usize, r.len());
         if let Some((w, mr)) = self.cache.get(&key) {
-            if w.upgrade().is_some_and(|m| Arc::as_ptr(&m).cast::<u8>() == Arc::as_ptr(&r.mem).cast::<u8>()) {
+            if w.upgrade()
+                .is_some_and(|m| Arc::as_ptr(&m).cast::<u8>() == Arc::as_ptr(&r.mem).cast::<u8>())
+            {
                 return Ok(mr.clone());
             }
         }
@@ -452,7 +472,13 @@ impl RdmaBackend {
             // Registrations of storage that is gone are dropped now and then.
             self.cache.retain(|_, (w, _)| w.strong_count() > 0);
         }
-        let mr = Arc::new(Mr::new_unheld(&self.pd, &r.mem, 0, r.len(), LOCAL | REMOTE_READ)?);
+        let mr = Arc::new(Mr::new_unheld(
+            &self.pd,
+            &r.mem,
+            0,
+            r.len(),
+            LOCAL | REMOTE_READ,
+        )?);
         self.cache.insert(key, (Arc::downgrade(&r.mem), mr.clone()));
         Ok(mr)
     }
@@ -484,14 +510,21 @@ impl RdmaBackend {
                 self.free_sends.push(s);
             }
             if let Some(t) = w.token {
-                self.done.push_back((t, Some(TransportError::PeerLost(error.to_string()))));
+                self.done
+                    .push_back((t, Some(TransportError::PeerLost(error.to_string()))));
             }
         }
         for (_, (t, _)) in p.lent {
-            self.done.push_back((t, Some(TransportError::PeerLost(error.to_string()))));
+            self.done
+                .push_back((t, Some(TransportError::PeerLost(error.to_string()))));
         }
         // The queue pair is in error: the peer can write none of its grants any more.
-        let gone: Vec<u64> = self.grants.iter().filter(|(_, g)| g.peer == peer).map(|(k, _)| *k).collect();
+        let gone: Vec<u64> = self
+            .grants
+            .iter()
+            .filter(|(_, g)| g.peer == peer)
+            .map(|(k, _)| *k)
+            .collect();
         for k in gone {
             if let Some(g) = self.grants.remove(&k) {
                 if let Some(t) = g.revoking {
@@ -512,7 +545,9 @@ impl RdmaBackend {
                     let t = HANDSHAKE + self.next_handshake;
                     self.next_handshake += 1;
                     sock.set_nodelay(true)?;
-                    self.poll.registry().register(&mut sock, mio::Token(t), Interest::READABLE)?;
+                    self.poll
+                        .registry()
+                        .register(&mut sock, mio::Token(t), Interest::READABLE)?;
                     self.handshakes.insert(
                         t,
                         Handshake {
@@ -549,6 +584,9 @@ impl RdmaBackend {
             }
             // Failed or too slow: the connection is dropped, and costs nothing more.
             _ => {
+                if let Some(p) = &h.made {
+                    self.starting.remove(&p.id);
+                }
                 let _ = self.poll.registry().deregister(&mut h.sock);
                 None
             }
@@ -559,7 +597,10 @@ impl RdmaBackend {
         // Our hello, then the peer's one "ready" byte: no more is ever read here.
         let mut buf = [0u8; HELLO_LEN + 1];
         loop {
-            match h.sock.read(&mut buf[..HELLO_LEN + 1 - h.got.len().min(HELLO_LEN)]) {
+            match h
+                .sock
+                .read(&mut buf[..HELLO_LEN + 1 - h.got.len().min(HELLO_LEN)])
+            {
                 Ok(0) => return Err(TransportError::Closed),
                 Ok(n) => h.got.extend_from_slice(&buf[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -583,7 +624,12 @@ impl RdmaBackend {
 
     fn expire_handshakes(&mut self) {
         let now = Instant::now();
-        let old: Vec<usize> = self.handshakes.iter().filter(|(_, h)| h.deadline <= now).map(|(t, _)| *t).collect();
+        let old: Vec<usize> = self
+            .handshakes
+            .iter()
+            .filter(|(_, h)| h.deadline <= now)
+            .map(|(t, _)| *t)
+            .collect();
         for t in old {
             if let Some(mut h) = self.handshakes.remove(&t) {
                 let _ = self.poll.registry().deregister(&mut h.sock);
@@ -631,7 +677,13 @@ impl RdmaBackend {
         r.check_owner(self.id)?;
         r.check_range(&range)?;
         self.peer(peer)?;
-        let mr = Mr::new(&self.pd, &r.mem, range.start, range.len(), LOCAL | REMOTE_WRITE)?;
+        let mr = Mr::new(
+            &self.pd,
+            &r.mem,
+            range.start,
+            range.len(),
+            LOCAL | REMOTE_WRITE,
+        )?;
         let id = self.next_grant;
         self.next_grant += 1;
         let rr = RemoteRegion {

@@ -80,7 +80,10 @@ impl Head {
 fn credit_word(p: &Peer) -> u64 {
     // SAFETY: the word is 8 bytes of 64-byte aligned memory that the peer holds alive; the peer
     // writes it only whole (one 8-byte RDMA write), and an atomic load reads it whole.
-    unsafe { (*(p._credit.ptr() as *const std::sync::atomic::AtomicU64)).load(std::sync::atomic::Ordering::Acquire) }
+    unsafe {
+        (*(p._credit.ptr() as *const std::sync::atomic::AtomicU64))
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 /// Posts receive buffer `i` of a peer.
@@ -91,7 +94,7 @@ pub(super) fn post_receive(p: &Peer, i: u32, size: usize) -> Result<(), Transpor
         lkey: p.recv_mr.lkey,
     };
     let mut wr = ffi::ibv_recv_wr {
-        wr_id: WR_RECV | i as u64,
+        wr_id: ((p.id as u64) << 32) | WR_RECV | i as u64,
         next: std::ptr::null_mut(),
         sg_list: &mut sge,
         num_sge: 1,
@@ -163,14 +166,19 @@ impl RdmaBackend {
     ) -> Result<(), TransportError> {
         let free_low = self.free_sends.len() < 8;
         let Some(p) = self.peers.get_mut(&peer) else {
-            return Err(TransportError::PeerLost(format!("peer {peer} is not connected")));
+            return Err(TransportError::PeerLost(format!(
+                "peer {peer} is not connected"
+            )));
         };
         let n = chain.len();
         for (i, (w, _, read)) in chain.iter_mut().enumerate() {
             let seq = p.next_seq + i as u64;
             w.wr.wr_id = ((peer as u64) << 32) | WR_SEND | (seq & INDEX);
             let last = i + 1 == n;
-            let due = token.is_some() || seq % 16 == 0 || free_low || p.posted.len() + n * 2 >= self.cfg.send_depth;
+            let due = token.is_some()
+                || seq % 16 == 0
+                || free_low
+                || p.posted.len() + n * 2 >= self.cfg.send_depth;
             if read.is_some() || (last && due) {
                 w.wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
             }
@@ -199,13 +207,21 @@ impl RdmaBackend {
 
     /// A SEND of `head` (+ `body` and `data` copied after it): inline when it fits, else from
     /// a send buffer. `None`: no send buffer is free.
-    fn send_wr(&mut self, peer: u32, mut head: Head, parts: &[&[u8]]) -> Option<(Box<Wr>, Option<u32>)> {
+    fn send_wr(
+        &mut self,
+        peer: u32,
+        mut head: Head,
+        parts: &[&[u8]],
+    ) -> Option<(Box<Wr>, Option<u32>)> {
         let p = self.peers.get_mut(&peer)?;
         head.credits = p.reposted;
         p.told = p.reposted;
         let len = HEAD + parts.iter().map(|x| x.len()).sum::<usize>();
         if len <= p.max_inline && parts.iter().all(|x| x.is_empty()) {
-            return Some((wr_inline(ffi::ibv_wr_opcode::IBV_WR_SEND, &head.encode()), None));
+            return Some((
+                wr_inline(ffi::ibv_wr_opcode::IBV_WR_SEND, &head.encode()),
+                None,
+            ));
         }
         let slot = self.free_sends.pop()?;
         let at = slot as usize * self.cfg.buffer;
@@ -249,8 +265,12 @@ impl RdmaBackend {
         let ids: Vec<u32> = self.peers.keys().copied().collect();
         for id in ids {
             loop {
-                let Some(p) = self.peers.get_mut(&id) else { break };
-                let Some(b) = p.unsent.front().copied() else { break };
+                let Some(p) = self.peers.get_mut(&id) else {
+                    break;
+                };
+                let Some(b) = p.unsent.front().copied() else {
+                    break;
+                };
                 p.returned = p.returned.max(credit_word(p));
                 let ok = (p.their_receives as u64 + p.returned).saturating_sub(p.sent) >= 1
                     && p.posted.len() < self.cfg.send_depth;
@@ -268,12 +288,19 @@ impl RdmaBackend {
     /// Writes the count of reposted buffers into the peer's credit word when a quarter of
     /// them is owed (no buffer of the peer is used: a plain RDMA WRITE).
     fn tell_credits(&mut self, id: u32) {
-        let Some(p) = self.peers.get_mut(&id) else { return };
-        if p.reposted - p.told < (self.cfg.receives as u64 / 4).max(1) || p.posted.len() >= self.cfg.send_depth {
+        let Some(p) = self.peers.get_mut(&id) else {
+            return;
+        };
+        if p.reposted - p.told < (self.cfg.receives as u64 / 4).max(1)
+            || p.posted.len() >= self.cfg.send_depth
+        {
             return;
         }
         p.told = p.reposted;
-        let mut w = wr_inline(ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, &p.reposted.to_le_bytes());
+        let mut w = wr_inline(
+            ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            &p.reposted.to_le_bytes(),
+        );
         w.wr.wr.rdma.remote_addr = p.their_credit.0;
         w.wr.wr.rdma.rkey = p.their_credit.1;
         let r = self.post(id, vec![(w, None, None)], None, 0);
@@ -297,7 +324,11 @@ fn wc_error(wc: &ffi::ibv_wc) -> TransportError {
 
 impl RdmaBackend {
     /// Takes what the completion queue has and acts on it.
-    fn poll_cq(&mut self, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) -> Result<(), TransportError> {
+    fn poll_cq(
+        &mut self,
+        on: &mut dyn FnMut(Completion<'_>),
+        n: &mut usize,
+    ) -> Result<(), TransportError> {
         // SAFETY: plain C structs, all zeroes valid.
         let mut wc: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
         loop {
@@ -313,6 +344,12 @@ impl RdmaBackend {
 
     fn on_wc(&mut self, wc: &ffi::ibv_wc, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) {
         let peer = (wc.wr_id >> 32) as u32;
+        if self.starting.contains(&peer) {
+            // A peer whose queue pair is up but whose "ready" is not yet read: kept for it.
+            // SAFETY: a plain C struct of numbers (no pointers, no drop): a bitwise copy.
+            self.early.push(OwnedWc(unsafe { std::ptr::read(wc) }));
+            return;
+        }
         if !self.peers.contains_key(&peer) {
             // A lost peer's flushed requests: already failed.
             return;
@@ -323,7 +360,11 @@ impl RdmaBackend {
         }
         let idx = wc.wr_id & INDEX;
         if wc.wr_id & WR_RECV != 0 {
-            if let Some(p) = self.peers.get_mut(&peer).filter(|p| p.paused || !p.held.is_empty()) {
+            if let Some(p) = self
+                .peers
+                .get_mut(&peer)
+                .filter(|p| p.paused || !p.held.is_empty())
+            {
                 p.held.push_back((idx as u32, wc.byte_len as usize));
                 return;
             }
@@ -332,7 +373,9 @@ impl RdmaBackend {
             }
             return;
         }
-        let Some(p) = self.peers.get_mut(&peer) else { return };
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
         while let Some(w) = p.posted.pop_front() {
             if let Some(s) = w.slot {
                 self.free_sends.push(s);
@@ -382,8 +425,16 @@ impl RdmaBackend {
         match h.kind {
             MSG => {
                 let blen = h.word as usize;
-                let eager = if h.flags & EAGER != 0 { h.len as usize } else { 0 };
-                if HEAD.checked_add(blen).and_then(|x| x.checked_add(eager)).is_none_or(|e| e > got) {
+                let eager = if h.flags & EAGER != 0 {
+                    h.len as usize
+                } else {
+                    0
+                };
+                if HEAD
+                    .checked_add(blen)
+                    .and_then(|x| x.checked_add(eager))
+                    .is_none_or(|e| e > got)
+                {
                     return Err(TransportError::Refused(format!(
                         "a message of {got} bytes claiming a body of {blen} and {eager} of data"
                     )));
@@ -391,9 +442,15 @@ impl RdmaBackend {
                 if direct && h.flags & RNDV == 0 {
                     // SAFETY: the range was checked inside the received bytes of the buffer,
                     // which is not posted again before the callback returns.
-                    let body = unsafe { std::slice::from_raw_parts((base + HEAD) as *const u8, blen) };
-                    let data = (h.flags & EAGER != 0).then(|| Lent::new((base + HEAD + blen) as *const u8, eager));
-                    on(Completion::Recv { peer: PeerId(peer), body, data });
+                    let body =
+                        unsafe { std::slice::from_raw_parts((base + HEAD) as *const u8, blen) };
+                    let data = (h.flags & EAGER != 0)
+                        .then(|| Lent::new((base + HEAD + blen) as *const u8, eager));
+                    on(Completion::Recv {
+                        peer: PeerId(peer),
+                        body,
+                        data,
+                    });
                     *n += 1;
                     return self.repost(peer, buf);
                 }
@@ -410,7 +467,14 @@ impl RdmaBackend {
                 };
                 let tag = p.next_tag;
                 p.next_tag += 1;
-                p.inbox.push_back(Inbound::Msg { body, data, reads: 0, tag, release: None, mr: None });
+                p.inbox.push_back(Inbound::Msg {
+                    body,
+                    data,
+                    reads: 0,
+                    tag,
+                    release: None,
+                    mr: None,
+                });
                 if h.flags & RNDV != 0 {
                     self.read_data(peer, tag, &h)?;
                 }
@@ -425,10 +489,21 @@ impl RdmaBackend {
                                 g.len
                             )));
                         }
-                        let item = Inbound::Put { grant: h.id, offset: off, len, imm: h.word };
+                        let item = Inbound::Put {
+                            grant: h.id,
+                            offset: off,
+                            len,
+                            imm: h.word,
+                        };
                         let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
                         if direct {
-                            on(Completion::Put { peer: PeerId(peer), grant: h.id, offset: off, len, imm: h.word });
+                            on(Completion::Put {
+                                peer: PeerId(peer),
+                                grant: h.id,
+                                offset: off,
+                                len,
+                                imm: h.word,
+                            });
                             *n += 1;
                         } else {
                             p.inbox.push_back(item);
@@ -436,7 +511,12 @@ impl RdmaBackend {
                     }
                     // Revoked or forgotten: the bytes are not wanted.
                     None if h.id < self.next_grant => {}
-                    _ => return Err(TransportError::Refused(format!("a put into grant {} it was never given", h.id))),
+                    _ => {
+                        return Err(TransportError::Refused(format!(
+                            "a put into grant {} it was never given",
+                            h.id
+                        )))
+                    }
                 }
             }
             RELEASE => {
@@ -446,10 +526,21 @@ impl RdmaBackend {
             }
             REVOKE => {
                 p.revoked.insert(h.id);
-                self.control(peer, Head { kind: REVOKED, id: h.id, ..Head::default() });
+                self.control(
+                    peer,
+                    Head {
+                        kind: REVOKED,
+                        id: h.id,
+                        ..Head::default()
+                    },
+                );
             }
             REVOKED => {
-                if self.grants.get(&h.id).is_some_and(|g| g.peer == PeerId(peer) && g.revoking.is_some()) {
+                if self
+                    .grants
+                    .get(&h.id)
+                    .is_some_and(|g| g.peer == PeerId(peer) && g.revoking.is_some())
+                {
                     if let Some(t) = self.grants.remove(&h.id).and_then(|g| g.revoking) {
                         self.done.push_back((t, None));
                     }
@@ -479,7 +570,11 @@ impl RdmaBackend {
         let step = self.lim.max_msg;
         for at in (0..len).step_by(step) {
             let k = step.min(len - at);
-            let sge = ffi::ibv_sge { addr: mr.addr + at as u64, length: k as u32, lkey: mr.lkey };
+            let sge = ffi::ibv_sge {
+                addr: mr.addr + at as u64,
+                length: k as u32,
+                lkey: mr.lkey,
+            };
             let mut w = wr(ffi::ibv_wr_opcode::IBV_WR_RDMA_READ, sge, 0);
             w.wr.wr.rdma.remote_addr = h.off + at as u64;
             w.wr.wr.rdma.rkey = h.key;
@@ -487,7 +582,14 @@ impl RdmaBackend {
         }
         let reads = chain.len();
         let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
-        if let Some(Inbound::Msg { data, reads: r, release, mr: m, .. }) = p.inbox.back_mut() {
+        if let Some(Inbound::Msg {
+            data,
+            reads: r,
+            release,
+            mr: m,
+            ..
+        }) = p.inbox.back_mut()
+        {
             *data = Some(mem);
             *r = reads;
             *release = Some(h.id);
@@ -501,10 +603,17 @@ impl RdmaBackend {
 
     /// Hands over what waited in the peers' inboxes, in order, as far as it is ready.
     fn deliver(&mut self, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) {
-        let ids: Vec<u32> = self.peers.iter().filter(|(_, p)| !p.paused && !p.inbox.is_empty()).map(|(k, _)| *k).collect();
+        let ids: Vec<u32> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.paused && !p.inbox.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
         for id in ids {
             loop {
-                let Some(p) = self.peers.get_mut(&id) else { break };
+                let Some(p) = self.peers.get_mut(&id) else {
+                    break;
+                };
                 if p.paused {
                     break;
                 }
@@ -513,17 +622,46 @@ impl RdmaBackend {
                     None => break,
                     _ => {}
                 }
-                let Some(item) = p.inbox.pop_front() else { break };
+                let Some(item) = p.inbox.pop_front() else {
+                    break;
+                };
                 match item {
-                    Inbound::Msg { body, data, release, .. } => {
+                    Inbound::Msg {
+                        body,
+                        data,
+                        release,
+                        ..
+                    } => {
                         let lent = data.as_ref().map(|m| Lent::new(m.ptr(), m.len()));
-                        on(Completion::Recv { peer: PeerId(id), body: &body, data: lent });
+                        on(Completion::Recv {
+                            peer: PeerId(id),
+                            body: &body,
+                            data: lent,
+                        });
                         if let Some(r) = release {
-                            self.control(id, Head { kind: RELEASE, id: r, ..Head::default() });
+                            self.control(
+                                id,
+                                Head {
+                                    kind: RELEASE,
+                                    id: r,
+                                    ..Head::default()
+                                },
+                            );
                         }
                     }
-                    Inbound::Put { grant, offset, len, imm } => {
-                        on(Completion::Put { peer: PeerId(id), grant, offset, len, imm });
+                    Inbound::Put {
+                        grant,
+                        offset,
+                        len,
+                        imm,
+                    } => {
+                        on(Completion::Put {
+                            peer: PeerId(id),
+                            grant,
+                            offset,
+                            len,
+                            imm,
+                        });
                     }
                 }
                 *n += 1;
@@ -564,11 +702,23 @@ impl Backend for RdmaBackend {
         self.grant_range(peer, r, range)
     }
 
-    fn revoke(&mut self, peer: PeerId, grant: &RemoteRegion, token: Token) -> Result<(), TransportError> {
+    fn revoke(
+        &mut self,
+        peer: PeerId,
+        grant: &RemoteRegion,
+        token: Token,
+    ) -> Result<(), TransportError> {
         match self.grants.get_mut(&grant.id) {
             Some(g) if g.peer == peer && g.revoking.is_none() => {
                 g.revoking = Some(token);
-                self.control(peer.0, Head { kind: REVOKE, id: grant.id, ..Head::default() });
+                self.control(
+                    peer.0,
+                    Head {
+                        kind: REVOKE,
+                        id: grant.id,
+                        ..Head::default()
+                    },
+                );
                 Ok(())
             }
             Some(_) => Err(TransportError::Refused(format!(
@@ -600,10 +750,21 @@ impl Backend for RdmaBackend {
         }
         let p = self.peer(peer)?;
         let their = p.their_buffer;
-        if !p.unsent.is_empty() || !self.room(self.peers.get(&peer.0).ok_or(TransportError::Closed)?, 2, true, false) {
+        if !p.unsent.is_empty()
+            || !self.room(
+                self.peers.get(&peer.0).ok_or(TransportError::Closed)?,
+                2,
+                true,
+                false,
+            )
+        {
             return Ok(Sent::WouldBlock);
         }
-        let mut head = Head { kind: MSG, word: body.len() as u32, ..Head::default() };
+        let mut head = Head {
+            kind: MSG,
+            word: body.len() as u32,
+            ..Head::default()
+        };
         let (chain_slot, token, done_now) = match data {
             None => (self.send_wr(peer.0, head, &[body]), None, None),
             Some((r, range, t)) if HEAD + body.len() + range.len() <= their => {
@@ -669,7 +830,14 @@ impl Backend for RdmaBackend {
         if p.revoked.contains(&dst.id) {
             return Err(TransportError::Refused(format!("{dst:?} was revoked")));
         }
-        if !p.unsent.is_empty() || !self.room(self.peers.get(&peer.0).ok_or(TransportError::Closed)?, writes + 2, true, false) {
+        if !p.unsent.is_empty()
+            || !self.room(
+                self.peers.get(&peer.0).ok_or(TransportError::Closed)?,
+                writes + 2,
+                true,
+                false,
+            )
+        {
             return Ok(Sent::WouldBlock);
         }
         let mr = self.mr_of(src)?;
@@ -686,14 +854,22 @@ impl Backend for RdmaBackend {
             w.wr.wr.rdma.rkey = dst.key;
             chain.push((w, None, None));
         }
-        let head = Head { kind: PUT, word: imm, id: dst.id, off: offset as u64, len: len as u64, ..Head::default() };
+        let head = Head {
+            kind: PUT,
+            word: imm,
+            id: dst.id,
+            off: offset as u64,
+            len: len as u64,
+            ..Head::default()
+        };
         let Some((w, slot)) = self.send_wr(peer.0, head, &[]) else {
             return Ok(Sent::WouldBlock);
         };
         chain.push((w, slot, None));
         // The source stays registered and alive until the notice completes.
         if let Some(p) = self.peers.get_mut(&peer.0) {
-            p.holds.push_back((p.next_seq + chain.len() as u64 - 1, src.clone(), mr));
+            p.holds
+                .push_back((p.next_seq + chain.len() as u64 - 1, src.clone(), mr));
         }
         self.post(peer.0, chain, Some(token), 1)?;
         Ok(Sent::Posted)
@@ -708,7 +884,11 @@ impl Backend for RdmaBackend {
         if !self.done.is_empty() || !self.lost.is_empty() {
             return Ok(false);
         }
-        if self.peers.values().any(|p| !p.paused && (!p.held.is_empty() || p.inbox.front().is_some_and(ready))) {
+        if self
+            .peers
+            .values()
+            .any(|p| !p.paused && (!p.held.is_empty() || p.inbox.front().is_some_and(ready)))
+        {
             return Ok(false);
         }
         self.cq.arm()?;
@@ -766,8 +946,15 @@ pub(super) struct OwnedWc(ffi::ibv_wc);
 impl RdmaBackend {
     /// Readiness of the listener, handshakes, the completion channel, device events and the
     /// peers' TCP links (whose end is the peer's end).
-    fn poll_events(&mut self, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) -> Result<(), TransportError> {
-        match self.poll.poll(&mut self.events, Some(std::time::Duration::ZERO)) {
+    fn poll_events(
+        &mut self,
+        on: &mut dyn FnMut(Completion<'_>),
+        n: &mut usize,
+    ) -> Result<(), TransportError> {
+        match self
+            .poll
+            .poll(&mut self.events, Some(std::time::Duration::ZERO))
+        {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e.into()),
@@ -782,6 +969,10 @@ impl RdmaBackend {
                     if let Some(peer) = self.handshake(t) {
                         on(Completion::Connected { peer });
                         *n += 1;
+                        // What it sent while the handshake ended.
+                        for w in std::mem::take(&mut self.early) {
+                            self.on_wc(&w.0, on, n);
+                        }
                     }
                 }
                 _ => self.check_link(t as u32),
@@ -796,13 +987,20 @@ impl RdmaBackend {
     /// should.
     fn check_link(&mut self, id: u32) {
         use std::io::Read;
-        let Some(p) = self.peers.get_mut(&id) else { return };
+        let Some(p) = self.peers.get_mut(&id) else {
+            return;
+        };
         let Some(s) = &mut p.sock else { return };
         let mut b = [0u8; 16];
         match s.read(&mut b) {
             Ok(0) => self.lose(PeerId(id), TransportError::Closed),
-            Ok(_) => self.lose(PeerId(id), TransportError::Refused("bytes on the RDMA link's TCP side".into())),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(_) => self.lose(
+                PeerId(id),
+                TransportError::Refused("bytes on the RDMA link's TCP side".into()),
+            ),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => self.lose(PeerId(id), e.into()),
         }
     }
@@ -813,15 +1011,27 @@ impl RdmaBackend {
         use ffi::ibv_event_type as t;
         while let Some((kind, qpn)) = self.ctx.next_async_event() {
             match (kind, qpn) {
-                (t::IBV_EVENT_QP_FATAL | t::IBV_EVENT_QP_REQ_ERR | t::IBV_EVENT_QP_ACCESS_ERR, Some(q)) => {
+                (
+                    t::IBV_EVENT_QP_FATAL | t::IBV_EVENT_QP_REQ_ERR | t::IBV_EVENT_QP_ACCESS_ERR,
+                    Some(q),
+                ) => {
                     if let Some(&id) = self.by_qpn.get(&q) {
-                        self.lose(PeerId(id), TransportError::Rdma(format!("queue pair {q} failed ({kind:?})")));
+                        self.lose(
+                            PeerId(id),
+                            TransportError::Rdma(format!("queue pair {q} failed ({kind:?})")),
+                        );
                     }
                 }
                 (t::IBV_EVENT_PORT_ERR | t::IBV_EVENT_DEVICE_FATAL, _) => {
                     let ids: Vec<u32> = self.peers.keys().copied().collect();
                     for id in ids {
-                        self.lose(PeerId(id), TransportError::Rdma(format!("{} port {} went down ({kind:?})", self.ctx.name, self.cfg.port)));
+                        self.lose(
+                            PeerId(id),
+                            TransportError::Rdma(format!(
+                                "{} port {} went down ({kind:?})",
+                                self.ctx.name, self.cfg.port
+                            )),
+                        );
                     }
                 }
                 _ => {}
@@ -831,9 +1041,19 @@ impl RdmaBackend {
 
     /// Receives held while their peer was paused, taken in order once it is resumed.
     fn resume_held(&mut self, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) {
-        let ids: Vec<u32> = self.peers.iter().filter(|(_, p)| !p.paused && !p.held.is_empty()).map(|(k, _)| *k).collect();
+        let ids: Vec<u32> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.paused && !p.held.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
         for id in ids {
-            while let Some((buf, got)) = self.peers.get_mut(&id).filter(|p| !p.paused).and_then(|p| p.held.pop_front()) {
+            while let Some((buf, got)) = self
+                .peers
+                .get_mut(&id)
+                .filter(|p| !p.paused)
+                .and_then(|p| p.held.pop_front())
+            {
                 if let Err(e) = self.on_recv(id, buf, got, on, n) {
                     self.lose(PeerId(id), e);
                     break;

@@ -160,18 +160,27 @@ pub(crate) fn choose_gid(
         if gid == [0; 16] {
             continue;
         }
-        let kind = std::fs::read_to_string(format!("{dir}/gid_attrs/types/{i}")).unwrap_or_default();
+        let kind =
+            std::fs::read_to_string(format!("{dir}/gid_attrs/types/{i}")).unwrap_or_default();
         let v2 = kind.trim().eq_ignore_ascii_case("RoCE v2");
         if v2 && gid == want {
             return Ok((i, gid));
         }
-        seen.push(format!("{i}: {} {}", std::net::Ipv6Addr::from(gid), kind.trim()));
+        seen.push(format!(
+            "{i}: {} {}",
+            std::net::Ipv6Addr::from(gid),
+            kind.trim()
+        ));
     }
     Err(TransportError::Rdma(format!(
         "no RoCE v2 GID on {} port {port} for the address {local} (the GID table: {}); \
          choose one with KVSTORE_RDMA_GID_INDEX",
         ctx.name,
-        if seen.is_empty() { "empty".into() } else { seen.join(", ") }
+        if seen.is_empty() {
+            "empty".into()
+        } else {
+            seen.join(", ")
+        }
     )))
 }
 
@@ -183,7 +192,8 @@ pub(crate) fn addresses(ctx: &Context, port: u8) -> Vec<IpAddr> {
         let Ok(gid) = ctx.query_gid(port, i) else {
             break;
         };
-        let kind = std::fs::read_to_string(format!("{dir}/gid_attrs/types/{i}")).unwrap_or_default();
+        let kind =
+            std::fs::read_to_string(format!("{dir}/gid_attrs/types/{i}")).unwrap_or_default();
         if gid == [0; 16] || !kind.trim().eq_ignore_ascii_case("RoCE v2") {
             continue;
         }
@@ -243,7 +253,8 @@ impl Hello {
         if &b[..8] != MAGIC {
             return Err(TransportError::Refused("not a kvstore RDMA peer".into()));
         }
-        let w = |i: usize| u32::from_le_bytes(b[8 + 4 * i..12 + 4 * i].try_into().unwrap_or_default());
+        let w =
+            |i: usize| u32::from_le_bytes(b[8 + 4 * i..12 + 4 * i].try_into().unwrap_or_default());
         let h = Hello {
             qpn: w(0) & 0x00ff_ffff,
             psn: w(1) & 0x00ff_ffff,
@@ -255,8 +266,11 @@ impl Hello {
             credit_addr: u64::from_le_bytes(b[48..56].try_into().unwrap_or_default()),
             credit_key: w(12),
         };
-        if !(1..=5).contains(&h.mtu) || !(1..=4096).contains(&h.receives) || h.buffer < HEAD as u32 {
-            return Err(TransportError::Refused(format!("a malformed RDMA hello {h:?}")));
+        if !(1..=5).contains(&h.mtu) || !(1..=4096).contains(&h.receives) || h.buffer < HEAD as u32
+        {
+            return Err(TransportError::Refused(format!(
+                "a malformed RDMA hello {h:?}"
+            )));
         }
         Ok(h)
     }

@@ -344,10 +344,13 @@ pub(crate) struct Cq {
 unsafe impl Send for Cq {}
 
 impl Cq {
-    pub(crate) fn new(ctx: &Arc<Context>, chan: &Arc<Channel>, cqe: i32) -> Result<Cq, TransportError> {
+    pub(crate) fn new(
+        ctx: &Arc<Context>,
+        chan: &Arc<Channel>,
+        cqe: i32,
+    ) -> Result<Cq, TransportError> {
         // SAFETY: a live context and channel.
-        let ptr =
-            unsafe { ffi::ibv_create_cq(ctx.ptr, cqe, std::ptr::null_mut(), chan.ptr, 0) };
+        let ptr = unsafe { ffi::ibv_create_cq(ctx.ptr, cqe, std::ptr::null_mut(), chan.ptr, 0) };
         if ptr.is_null() {
             return Err(os_err(&format!("ibv_create_cq of {cqe} entries")));
         }
@@ -461,7 +464,12 @@ impl Qp {
         })
     }
 
-    fn modify(&self, a: &mut ffi::ibv_qp_attr, mask: u32, what: &str) -> Result<(), TransportError> {
+    fn modify(
+        &self,
+        a: &mut ffi::ibv_qp_attr,
+        mask: u32,
+        what: &str,
+    ) -> Result<(), TransportError> {
         // SAFETY: a live QP; `a` is valid for the attributes `mask` names.
         let rc = unsafe { ffi::ibv_modify_qp(self.ptr, a, mask as i32) };
         if rc != 0 {

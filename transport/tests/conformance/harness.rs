@@ -99,7 +99,6 @@ pub(crate) fn small_rdma() -> kvstore_transport::RdmaConfig {
         device: std::env::var("KVSTORE_RDMA_DEVICE").ok(),
         receives: 16,
         sends: 32,
-        buffer: 8192,
         handshake_timeout: Duration::from_millis(300),
         ..Default::default()
     }
@@ -122,7 +121,10 @@ pub(crate) fn server(kind: Kind) -> (Side, String) {
         #[cfg(feature = "rdma")]
         Kind::Rdma => {
             let mut b = kvstore_transport::RdmaBackend::new(small_rdma()).unwrap();
-            let ip = *b.addresses().first().expect("an RDMA device with a RoCE v2 address");
+            let ip = *b
+                .addresses()
+                .first()
+                .expect("an RDMA device with a RoCE v2 address");
             let at = b.listen(SocketAddr::new(ip, 0)).unwrap();
             (
                 Side {
