@@ -148,6 +148,9 @@ pub(crate) struct Peer {
     gid_index: u32,
 }
 
+/// A registration in the cache: the storage it was made for (alive or not), and it.
+type Cached = (Weak<dyn Storage>, Arc<Mr>);
+
 struct Grant {
     peer: PeerId,
     len: usize,
@@ -167,7 +170,7 @@ pub struct RdmaBackend {
     handshakes: FxHashMap<usize, Handshake>,
     by_qpn: FxHashMap<u32, u32>,
     grants: FxHashMap<u64, Grant>,
-    cache: FxHashMap<(usize, usize), (Weak<dyn Storage>, Arc<Mr>)>,
+    cache: FxHashMap<(usize, usize), Cached>,
     send_mr: Mr,
     send_mem: Arc<Mem>,
     free_sends: Vec<u32>,

@@ -264,10 +264,7 @@ impl RdmaBackend {
     fn push_unsent(&mut self) {
         let ids: Vec<u32> = self.peers.keys().copied().collect();
         for id in ids {
-            loop {
-                let Some(p) = self.peers.get_mut(&id) else {
-                    break;
-                };
+            while let Some(p) = self.peers.get_mut(&id) {
                 let Some(b) = p.unsent.front().copied() else {
                     break;
                 };
@@ -277,9 +274,18 @@ impl RdmaBackend {
                 if !ok {
                     break;
                 }
-                p.unsent.pop_front();
                 let Some(h) = Head::decode(&b) else { break };
-                self.control(id, h);
+                match self.send_wr(id, h, &[]) {
+                    Some((w, slot)) => {
+                        if let Some(p) = self.peers.get_mut(&id) {
+                            p.unsent.pop_front();
+                        }
+                        if let Err(e) = self.post(id, vec![(w, slot, None)], None, 1) {
+                            self.lose(PeerId(id), e);
+                        }
+                    }
+                    None => break,
+                }
             }
             self.tell_credits(id);
         }
@@ -610,10 +616,7 @@ impl RdmaBackend {
             .map(|(k, _)| *k)
             .collect();
         for id in ids {
-            loop {
-                let Some(p) = self.peers.get_mut(&id) else {
-                    break;
-                };
+            while let Some(p) = self.peers.get_mut(&id) {
                 if p.paused {
                     break;
                 }
