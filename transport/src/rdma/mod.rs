@@ -22,6 +22,7 @@
 //! - **Completions**: one completion queue on a channel whose descriptor, with the listener's
 //!   and the peers' sockets and the device's asynchronous events, is what a loop sleeps on.
 
+mod complete;
 mod ops;
 mod setup;
 mod verbs;

@@ -8,47 +8,45 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use super::setup::HEAD;
-use super::verbs::Mr;
 use super::{Inbound, Peer, Posted, RdmaBackend, ASYNC, CHANNEL, HANDSHAKE, KIND_RDMA, LISTENER};
 use crate::backend::Place;
 use crate::{
-    Access, Backend, Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Storage, Token,
-    TransportError,
+    Access, Backend, Completion, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
 };
 
 // Header kinds and flags.
-const MSG: u8 = 1;
-const PUT: u8 = 2;
-const RELEASE: u8 = 3;
-const REVOKE: u8 = 4;
-const REVOKED: u8 = 5;
+pub(super) const MSG: u8 = 1;
+pub(super) const PUT: u8 = 2;
+pub(super) const RELEASE: u8 = 3;
+pub(super) const REVOKE: u8 = 4;
+pub(super) const REVOKED: u8 = 5;
 /// The data follows the body in the buffer.
-const EAGER: u8 = 1;
+pub(super) const EAGER: u8 = 1;
 /// The data is to be read from the sender (address, key and length in the header).
-const RNDV: u8 = 2;
+pub(super) const RNDV: u8 = 2;
 
 /// Work request ids: the peer in the high half, the kind and an index in the low half.
-const WR_RECV: u64 = 1 << 30;
+pub(super) const WR_RECV: u64 = 1 << 30;
 const WR_SEND: u64 = 2 << 30;
-const INDEX: u64 = (1 << 30) - 1;
+pub(super) const INDEX: u64 = (1 << 30) - 1;
 
 /// Credits kept back from messages and puts, for control messages (releases, revokes).
 const RESERVE: u64 = 2;
 
 #[derive(Clone, Copy, Default, Debug)]
-struct Head {
-    kind: u8,
-    flags: u8,
-    word: u32,
-    id: u64,
-    off: u64,
-    len: u64,
-    key: u32,
-    credits: u64,
+pub(super) struct Head {
+    pub(super) kind: u8,
+    pub(super) flags: u8,
+    pub(super) word: u32,
+    pub(super) id: u64,
+    pub(super) off: u64,
+    pub(super) len: u64,
+    pub(super) key: u32,
+    pub(super) credits: u64,
 }
 
 impl Head {
-    fn encode(&self) -> [u8; HEAD] {
+    pub(super) fn encode(&self) -> [u8; HEAD] {
         let mut b = [0u8; HEAD];
         b[0] = self.kind;
         b[1] = self.flags;
@@ -61,7 +59,7 @@ impl Head {
         b
     }
 
-    fn decode(b: &[u8]) -> Option<Head> {
+    pub(super) fn decode(b: &[u8]) -> Option<Head> {
         let u = |r: Range<usize>| Some(u64::from_le_bytes(b.get(r)?.try_into().ok()?));
         Some(Head {
             kind: *b.first()?,
@@ -106,8 +104,8 @@ pub(super) fn post_receive(p: &Peer, i: u32, size: usize) -> Result<(), Transpor
 
 /// One work request being built: its gather entry, and an inline payload, live beside it
 /// (boxed, so the pointers to them stay valid until the post).
-struct Wr {
-    wr: ffi::ibv_send_wr,
+pub(super) struct Wr {
+    pub(super) wr: ffi::ibv_send_wr,
     sge: ffi::ibv_sge,
     inline: [u8; HEAD],
 }
@@ -129,7 +127,7 @@ fn wr_inline(opcode: u32, payload: &[u8]) -> Box<Wr> {
     b
 }
 
-fn wr(opcode: u32, sge: ffi::ibv_sge, flags: u32) -> Box<Wr> {
+pub(super) fn wr(opcode: u32, sge: ffi::ibv_sge, flags: u32) -> Box<Wr> {
     // SAFETY: a plain C struct, all zeroes valid.
     let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
     w.opcode = opcode;
@@ -157,7 +155,7 @@ impl RdmaBackend {
 
     /// Posts `chain` on `peer`'s queue pair; the last request is signalled (with `token`) if
     /// asked or when due, and every request is remembered in order.
-    fn post(
+    pub(super) fn post(
         &mut self,
         peer: u32,
         mut chain: Vec<(Box<Wr>, Option<u32>, Option<u64>)>,
@@ -241,7 +239,7 @@ impl RdmaBackend {
     }
 
     /// Sends a header-only control message now, or queues it until there is a credit.
-    fn control(&mut self, peer: u32, head: Head) {
+    pub(super) fn control(&mut self, peer: u32, head: Head) {
         let Some(p) = self.peers.get(&peer) else {
             return;
         };
@@ -312,363 +310,6 @@ impl RdmaBackend {
         let r = self.post(id, vec![(w, None, None)], None, 0);
         if let Err(e) = r {
             self.lose(PeerId(id), e);
-        }
-    }
-}
-
-/// Why a work completion failed, in words.
-fn wc_error(wc: &ffi::ibv_wc) -> TransportError {
-    // SAFETY: returns a static string for any status value.
-    let s = unsafe { std::ffi::CStr::from_ptr(ffi::ibv_wc_status_str(wc.status)) };
-    TransportError::PeerLost(format!(
-        "a work request failed: {} (status {}, vendor error {:#x})",
-        s.to_string_lossy(),
-        wc.status,
-        wc.vendor_err
-    ))
-}
-
-impl RdmaBackend {
-    /// Takes what the completion queue has and acts on it.
-    fn poll_cq(
-        &mut self,
-        on: &mut dyn FnMut(Completion<'_>),
-        n: &mut usize,
-    ) -> Result<(), TransportError> {
-        // SAFETY: plain C structs, all zeroes valid.
-        let mut wc: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
-        loop {
-            let k = self.cq.poll(&mut wc)?;
-            for w in &wc[..k] {
-                self.on_wc(w, on, n);
-            }
-            if k < wc.len() {
-                return Ok(());
-            }
-        }
-    }
-
-    fn on_wc(&mut self, wc: &ffi::ibv_wc, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) {
-        let peer = (wc.wr_id >> 32) as u32;
-        if self.starting.contains(&peer) {
-            // A peer whose queue pair is up but whose "ready" is not yet read: kept for it.
-            // SAFETY: a plain C struct of numbers (no pointers, no drop): a bitwise copy.
-            self.early.push(OwnedWc(unsafe { std::ptr::read(wc) }));
-            return;
-        }
-        if !self.peers.contains_key(&peer) {
-            // A lost peer's flushed requests: already failed.
-            return;
-        }
-        if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
-            self.lose(PeerId(peer), wc_error(wc));
-            return;
-        }
-        let idx = wc.wr_id & INDEX;
-        if wc.wr_id & WR_RECV != 0 {
-            if let Some(p) = self
-                .peers
-                .get_mut(&peer)
-                .filter(|p| p.paused || !p.held.is_empty())
-            {
-                p.held.push_back((idx as u32, wc.byte_len as usize));
-                return;
-            }
-            if let Err(e) = self.on_recv(peer, idx as u32, wc.byte_len as usize, on, n) {
-                self.lose(PeerId(peer), e);
-            }
-            return;
-        }
-        let Some(p) = self.peers.get_mut(&peer) else {
-            return;
-        };
-        while let Some(w) = p.posted.pop_front() {
-            if let Some(s) = w.slot {
-                self.free_sends.push(s);
-            }
-            if let Some(t) = w.token {
-                self.done.push_back((t, None));
-            }
-            if let Some(tag) = w.read {
-                for i in p.inbox.iter_mut() {
-                    if let Inbound::Msg { tag: t, reads, .. } = i {
-                        if *t == tag {
-                            *reads = reads.saturating_sub(1);
-                        }
-                    }
-                }
-            }
-            let seq = w.seq;
-            while p.holds.front().is_some_and(|h| h.0 <= seq) {
-                p.holds.pop_front();
-            }
-            if seq & INDEX == idx {
-                break;
-            }
-        }
-    }
-
-    /// A SEND arrived in buffer `buf` of `peer`.
-    fn on_recv(
-        &mut self,
-        peer: u32,
-        buf: u32,
-        got: usize,
-        on: &mut dyn FnMut(Completion<'_>),
-        n: &mut usize,
-    ) -> Result<(), TransportError> {
-        let size = self.cfg.buffer;
-        let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
-        let base = p._recv.ptr() as usize + buf as usize * size;
-        if got < HEAD || got > size {
-            return Err(TransportError::Refused(format!("a message of {got} bytes")));
-        }
-        let mut hb = [0u8; HEAD];
-        p._recv.read(buf as usize * size, &mut hb);
-        let h = Head::decode(&hb).ok_or(TransportError::Refused("a short header".into()))?;
-        p.returned = p.returned.max(h.credits);
-        let direct = !p.paused && p.inbox.is_empty();
-        match h.kind {
-            MSG => {
-                let blen = h.word as usize;
-                let eager = if h.flags & EAGER != 0 {
-                    h.len as usize
-                } else {
-                    0
-                };
-                if HEAD
-                    .checked_add(blen)
-                    .and_then(|x| x.checked_add(eager))
-                    .is_none_or(|e| e > got)
-                {
-                    return Err(TransportError::Refused(format!(
-                        "a message of {got} bytes claiming a body of {blen} and {eager} of data"
-                    )));
-                }
-                if direct && h.flags & RNDV == 0 {
-                    // SAFETY: the range was checked inside the received bytes of the buffer,
-                    // which is not posted again before the callback returns.
-                    let body =
-                        unsafe { std::slice::from_raw_parts((base + HEAD) as *const u8, blen) };
-                    let data = (h.flags & EAGER != 0)
-                        .then(|| Lent::new((base + HEAD + blen) as *const u8, eager));
-                    on(Completion::Recv {
-                        peer: PeerId(peer),
-                        body,
-                        data,
-                    });
-                    *n += 1;
-                    return self.repost(peer, buf);
-                }
-                let mut body = vec![0u8; blen];
-                p._recv.read(buf as usize * size + HEAD, &mut body);
-                let data = if h.flags & EAGER != 0 {
-                    let m = Mem::zeroed(eager);
-                    let mut v = vec![0u8; eager];
-                    p._recv.read(buf as usize * size + HEAD + blen, &mut v);
-                    m.write(0, &v);
-                    Some(m)
-                } else {
-                    None
-                };
-                let tag = p.next_tag;
-                p.next_tag += 1;
-                p.inbox.push_back(Inbound::Msg {
-                    body,
-                    data,
-                    reads: 0,
-                    tag,
-                    release: None,
-                    mr: None,
-                });
-                if h.flags & RNDV != 0 {
-                    self.read_data(peer, tag, &h)?;
-                }
-            }
-            PUT => {
-                let (off, len) = (h.off as usize, h.len as usize);
-                match self.grants.get(&h.id) {
-                    Some(g) if g.peer == PeerId(peer) => {
-                        if off.checked_add(len).is_none_or(|e| e > g.len) {
-                            return Err(TransportError::Refused(format!(
-                                "a put of {len} bytes at {off} into a grant of {}",
-                                g.len
-                            )));
-                        }
-                        let item = Inbound::Put {
-                            grant: h.id,
-                            offset: off,
-                            len,
-                            imm: h.word,
-                        };
-                        let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
-                        if direct {
-                            on(Completion::Put {
-                                peer: PeerId(peer),
-                                grant: h.id,
-                                offset: off,
-                                len,
-                                imm: h.word,
-                            });
-                            *n += 1;
-                        } else {
-                            p.inbox.push_back(item);
-                        }
-                    }
-                    // Revoked or forgotten: the bytes are not wanted.
-                    None if h.id < self.next_grant => {}
-                    _ => {
-                        return Err(TransportError::Refused(format!(
-                            "a put into grant {} it was never given",
-                            h.id
-                        )))
-                    }
-                }
-            }
-            RELEASE => {
-                if let Some((t, _)) = p.lent.remove(&h.id) {
-                    self.done.push_back((t, None));
-                }
-            }
-            REVOKE => {
-                p.revoked.insert(h.id);
-                self.control(
-                    peer,
-                    Head {
-                        kind: REVOKED,
-                        id: h.id,
-                        ..Head::default()
-                    },
-                );
-            }
-            REVOKED => {
-                if self
-                    .grants
-                    .get(&h.id)
-                    .is_some_and(|g| g.peer == PeerId(peer) && g.revoking.is_some())
-                {
-                    if let Some(t) = self.grants.remove(&h.id).and_then(|g| g.revoking) {
-                        self.done.push_back((t, None));
-                    }
-                }
-            }
-            k => return Err(TransportError::Refused(format!("a message of kind {k}"))),
-        }
-        self.repost(peer, buf)
-    }
-
-    fn repost(&mut self, peer: u32, buf: u32) -> Result<(), TransportError> {
-        let size = self.cfg.buffer;
-        let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
-        post_receive(p, buf, size)?;
-        p.reposted += 1;
-        Ok(())
-    }
-
-    /// Reads a message's data from the sender's memory into new registered memory, in pieces
-    /// of at most the device's largest message.
-    fn read_data(&mut self, peer: u32, tag: u64, h: &Head) -> Result<(), TransportError> {
-        let len = h.len as usize;
-        let mem = Mem::zeroed(len);
-        let s: Arc<dyn Storage> = mem.clone();
-        let mr = Mr::new(&self.pd, &s, 0, len, super::verbs::LOCAL)?;
-        let mut chain = Vec::new();
-        let step = self.lim.max_msg;
-        for at in (0..len).step_by(step) {
-            let k = step.min(len - at);
-            let sge = ffi::ibv_sge {
-                addr: mr.addr + at as u64,
-                length: k as u32,
-                lkey: mr.lkey,
-            };
-            let mut w = wr(ffi::ibv_wr_opcode::IBV_WR_RDMA_READ, sge, 0);
-            w.wr.wr.rdma.remote_addr = h.off + at as u64;
-            w.wr.wr.rdma.rkey = h.key;
-            chain.push((w, None, Some(tag)));
-        }
-        let reads = chain.len();
-        let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
-        if let Some(Inbound::Msg {
-            data,
-            reads: r,
-            release,
-            mr: m,
-            ..
-        }) = p.inbox.back_mut()
-        {
-            *data = Some(mem);
-            *r = reads;
-            *release = Some(h.id);
-            *m = Some(mr);
-        }
-        if reads > 0 {
-            self.post(peer, chain, None, 0)?;
-        }
-        Ok(())
-    }
-
-    /// Hands over what waited in the peers' inboxes, in order, as far as it is ready.
-    fn deliver(&mut self, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) {
-        let ids: Vec<u32> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| !p.paused && !p.inbox.is_empty())
-            .map(|(k, _)| *k)
-            .collect();
-        for id in ids {
-            while let Some(p) = self.peers.get_mut(&id) {
-                if p.paused {
-                    break;
-                }
-                match p.inbox.front() {
-                    Some(Inbound::Msg { reads, .. }) if *reads > 0 => break,
-                    None => break,
-                    _ => {}
-                }
-                let Some(item) = p.inbox.pop_front() else {
-                    break;
-                };
-                match item {
-                    Inbound::Msg {
-                        body,
-                        data,
-                        release,
-                        ..
-                    } => {
-                        let lent = data.as_ref().map(|m| Lent::new(m.ptr(), m.len()));
-                        on(Completion::Recv {
-                            peer: PeerId(id),
-                            body: &body,
-                            data: lent,
-                        });
-                        if let Some(r) = release {
-                            self.control(
-                                id,
-                                Head {
-                                    kind: RELEASE,
-                                    id: r,
-                                    ..Head::default()
-                                },
-                            );
-                        }
-                    }
-                    Inbound::Put {
-                        grant,
-                        offset,
-                        len,
-                        imm,
-                    } => {
-                        on(Completion::Put {
-                            peer: PeerId(id),
-                            grant,
-                            offset,
-                            len,
-                            imm,
-                        });
-                    }
-                }
-                *n += 1;
-            }
         }
     }
 }
@@ -944,7 +585,7 @@ fn ready(i: &Inbound) -> bool {
 }
 
 /// A work completion kept aside (found by the look after arming).
-pub(super) struct OwnedWc(ffi::ibv_wc);
+pub(super) struct OwnedWc(pub(super) ffi::ibv_wc);
 
 impl RdmaBackend {
     /// Readiness of the listener, handshakes, the completion channel, device events and the
