@@ -23,17 +23,16 @@
 //!   and the peers' sockets and the device's asynchronous events, is what a loop sleeps on.
 
 mod complete;
+mod conn;
 mod ops;
 mod setup;
 mod verbs;
+mod wire;
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
-use std::net::SocketAddr;
-use std::ops::Range;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use mio::net::TcpListener;
 use mio::unix::SourceFd;
@@ -41,11 +40,11 @@ use mio::{Events, Interest, Poll};
 use rdma_sys as ffi;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::backend::{fresh_id, Place};
-use crate::{Access, Mem, PeerId, Region, RemoteRegion, Storage, Token, TransportError};
+use crate::backend::fresh_id;
+use crate::{Mem, PeerId, Region, Storage, Token, TransportError};
 pub use setup::RdmaConfig;
-use setup::{Hello, HEAD, HELLO_LEN};
-use verbs::{Channel, Context, Cq, Mr, Pd, Qp, LOCAL, REMOTE_READ, REMOTE_WRITE};
+use setup::HEAD;
+use verbs::{Channel, Context, Cq, Mr, Pd, Qp, LOCAL, REMOTE_READ};
 
 /// The [`RemoteRegion`] kind of a grant of this backend.
 const KIND_RDMA: u32 = 3;
@@ -301,164 +300,6 @@ impl RdmaBackend {
         self.lim.max_msg
     }
 
-    /// Listens on `addr` (TCP, for the queue-pair exchange); peers that connect are reported
-    /// as [`crate::Completion::Connected`].
-    pub fn listen(&mut self, addr: SocketAddr) -> Result<SocketAddr, TransportError> {
-        let mut l = TcpListener::bind(addr)?;
-        self.poll
-            .registry()
-            .register(&mut l, LISTENER, Interest::READABLE)?;
-        let at = l.local_addr()?;
-        self.listener = Some(l);
-        Ok(at)
-    }
-
-    /// Connects to a listening backend at `addr`, retrying until `timeout`; the queue pair is
-    /// ready to use when this returns.
-    pub fn connect(
-        &mut self,
-        addr: SocketAddr,
-        timeout: Duration,
-    ) -> Result<PeerId, TransportError> {
-        let mut s = crate::tcp::connect_retry(addr, timeout)?;
-        s.set_nodelay(true)?;
-        let mut peer = self.new_peer()?;
-        let ours = self.hello(&mut peer, s.local_addr()?.ip())?;
-        let theirs = setup::exchange(&mut s, &ours, timeout)?;
-        self.start_peer(&mut peer, &ours, &theirs)?;
-        s.write_all(&[1])?;
-        s.set_nonblocking(true)?;
-        peer.sock = Some(mio::net::TcpStream::from_std(s));
-        self.add_peer(peer)
-    }
-
-    /// A queue pair and buffers for a new peer (not yet connected).
-    fn new_peer(&mut self) -> Result<Peer, TransportError> {
-        if self.peers.len() + self.handshakes.len() >= self.cfg.max_peers {
-            return Err(TransportError::Refused(format!(
-                "more than {} RDMA peers (the completion queue is sized for them)",
-                self.cfg.max_peers
-            )));
-        }
-        let cap = ffi::ibv_qp_cap {
-            max_send_wr: self.cfg.send_depth as u32,
-            max_recv_wr: self.cfg.receives as u32,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: HEAD as u32,
-        };
-        let qp = Qp::new(&self.pd, &self.cq, cap)?;
-        let recv = Mem::zeroed(self.cfg.receives * self.cfg.buffer);
-        let recv_s: Arc<dyn Storage> = recv.clone();
-        let recv_mr = Mr::new(&self.pd, &recv_s, 0, recv.len(), LOCAL)?;
-        let credit = Mem::zeroed(8);
-        let credit_s: Arc<dyn Storage> = credit.clone();
-        let credit_mr = Mr::new(&self.pd, &credit_s, 0, 8, LOCAL | REMOTE_WRITE)?;
-        let max_inline = qp.cap.max_inline_data as usize;
-        let id = self.next_peer;
-        self.next_peer += 1;
-        self.starting.insert(id);
-        Ok(Peer {
-            id,
-            qp,
-            recv_mr,
-            credit_mr,
-            _recv: recv,
-            _credit: credit,
-            sock: None,
-            their_receives: 0,
-            their_buffer: 0,
-            their_credit: (0, 0),
-            sent: 0,
-            returned: 0,
-            reposted: 0,
-            told: 0,
-            posted: VecDeque::new(),
-            next_seq: 1,
-            inbox: VecDeque::new(),
-            held: VecDeque::new(),
-            holds: VecDeque::new(),
-            next_tag: 1,
-            paused: false,
-            revoked: FxHashSet::default(),
-            unsent: VecDeque::new(),
-            lent: FxHashMap::default(),
-            next_lent: 1,
-            max_inline,
-            gid_index: 0,
-        })
-    }
-
-    /// Our address for `peer`, on the GID of the address the TCP link uses.
-    fn hello(&self, peer: &mut Peer, local: std::net::IpAddr) -> Result<Hello, TransportError> {
-        let (index, gid) = setup::choose_gid(
-            &self.ctx,
-            self.cfg.port,
-            self.lim.link_layer,
-            self.cfg.gid_index,
-            local,
-        )?;
-        peer.gid_index = index;
-        Ok(Hello {
-            qpn: peer.qp.num,
-            psn: setup::random_psn(),
-            lid: self.lim.lid,
-            mtu: self.lim.mtu,
-            gid,
-            receives: self.cfg.receives as u32,
-            buffer: self.cfg.buffer as u32,
-            credit_addr: peer.credit_mr.addr,
-            credit_key: peer.credit_mr.rkey,
-        })
-    }
-
-    /// Moves the queue pair to RTS towards `theirs` and posts every receive buffer.
-    fn start_peer(
-        &mut self,
-        p: &mut Peer,
-        ours: &Hello,
-        theirs: &Hello,
-    ) -> Result<(), TransportError> {
-        let global = self.lim.link_layer != verbs::LINK_LAYER_IB;
-        let gid_index = p.gid_index;
-        p.qp.connect(&verbs::Path {
-            port: self.cfg.port,
-            remote_qpn: theirs.qpn,
-            remote_psn: theirs.psn,
-            local_psn: ours.psn,
-            mtu: ours.mtu.min(theirs.mtu),
-            remote_gid: theirs.gid,
-            remote_lid: theirs.lid,
-            gid_index,
-            global,
-            sl: self.cfg.service_level,
-            traffic_class: self.cfg.traffic_class,
-            timeout: self.cfg.timeout,
-            retry: self.cfg.retry_count.min(7),
-            rnr_retry: self.cfg.rnr_retry.min(6),
-        })?;
-        p.their_receives = theirs.receives;
-        p.their_buffer = theirs.buffer as usize;
-        p.their_credit = (theirs.credit_addr, theirs.credit_key);
-        for i in 0..self.cfg.receives {
-            ops::post_receive(p, i as u32, self.cfg.buffer)?;
-        }
-        Ok(())
-    }
-
-    fn add_peer(&mut self, mut p: Peer) -> Result<PeerId, TransportError> {
-        let id = p.id;
-        self.starting.remove(&id);
-        if let Some(s) = &mut p.sock {
-            self.poll
-                .registry()
-                .register(s, mio::Token(id as usize), Interest::READABLE)?;
-        }
-        self.by_qpn.insert(p.qp.num, id);
-        self.peers.insert(id, p);
-        Ok(PeerId(id))
-    }
-
     /// The registration of `r`'s storage: cached by the storage's identity (a live `Arc`
     /// with the same address and length), registered anew when the cached one is stale.
     fn mr_of(&mut self, r: &Region) -> Result<Arc<Mr>, TransportError> {
@@ -539,108 +380,6 @@ impl RdmaBackend {
         self.lost.push_back((peer, error));
     }
 
-    fn accept_all(&mut self) -> Result<(), TransportError> {
-        let Some(l) = &self.listener else {
-            return Ok(());
-        };
-        loop {
-            match l.accept() {
-                Ok((mut sock, _)) => {
-                    let t = HANDSHAKE + self.next_handshake;
-                    self.next_handshake += 1;
-                    sock.set_nodelay(true)?;
-                    self.poll
-                        .registry()
-                        .register(&mut sock, mio::Token(t), Interest::READABLE)?;
-                    self.handshakes.insert(
-                        t,
-                        Handshake {
-                            sock,
-                            got: Vec::new(),
-                            deadline: Instant::now() + self.cfg.handshake_timeout,
-                            made: None,
-                        },
-                    );
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                // A refused accept (out of descriptors) is tried again at the next readiness.
-                Err(_) => return Ok(()),
-            }
-        }
-    }
-
-    /// Advances the handshake `t`: reads the peer's hello, answers with ours once our queue
-    /// pair is ready, then waits for the peer's "ready". Returns a connected peer.
-    fn handshake(&mut self, t: usize) -> Option<PeerId> {
-        let mut h = self.handshakes.remove(&t)?;
-        let r = self.advance(&mut h);
-        match r {
-            Ok(true) => {
-                let _ = self.poll.registry().deregister(&mut h.sock);
-                let mut p = *h.made.take()?;
-                p.sock = Some(h.sock);
-                self.add_peer(p).ok()
-            }
-            Ok(false) if Instant::now() < h.deadline => {
-                self.handshakes.insert(t, h);
-                None
-            }
-            // Failed or too slow: the connection is dropped, and costs nothing more.
-            _ => {
-                if let Some(p) = &h.made {
-                    self.starting.remove(&p.id);
-                }
-                let _ = self.poll.registry().deregister(&mut h.sock);
-                None
-            }
-        }
-    }
-
-    fn advance(&mut self, h: &mut Handshake) -> Result<bool, TransportError> {
-        // Our hello, then the peer's one "ready" byte: no more is ever read here.
-        let mut buf = [0u8; HELLO_LEN + 1];
-        loop {
-            match h
-                .sock
-                .read(&mut buf[..HELLO_LEN + 1 - h.got.len().min(HELLO_LEN)])
-            {
-                Ok(0) => return Err(TransportError::Closed),
-                Ok(n) => h.got.extend_from_slice(&buf[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        if h.made.is_none() && h.got.len() >= HELLO_LEN {
-            let theirs = Hello::decode(h.got[..HELLO_LEN].try_into().unwrap_or(&[0; HELLO_LEN]))?;
-            // Our queue pair is ready before our address goes out.
-            let mut p = self.new_peer()?;
-            let ours = self.hello(&mut p, h.sock.local_addr()?.ip())?;
-            self.start_peer(&mut p, &ours, &theirs)?;
-            // A new connection's buffer takes these few bytes at once.
-            h.sock.write_all(&ours.encode())?;
-            h.made = Some(Box::new(p));
-            h.got.drain(..HELLO_LEN);
-        }
-        Ok(h.made.is_some() && !h.got.is_empty())
-    }
-
-    fn expire_handshakes(&mut self) {
-        let now = Instant::now();
-        let old: Vec<usize> = self
-            .handshakes
-            .iter()
-            .filter(|(_, h)| h.deadline <= now)
-            .map(|(t, _)| *t)
-            .collect();
-        for t in old {
-            if let Some(mut h) = self.handshakes.remove(&t) {
-                let _ = self.poll.registry().deregister(&mut h.sock);
-            }
-        }
-    }
-
     fn fd(&self) -> BorrowedFd<'_> {
         // SAFETY: the epoll descriptor lives as long as `self.poll`, which outlives the borrow.
         unsafe { BorrowedFd::borrow_raw(self.poll.as_raw_fd()) }
@@ -656,57 +395,5 @@ impl Drop for RdmaBackend {
         }
         self.peers.clear();
         self.grants.clear();
-    }
-}
-
-impl RdmaBackend {
-    fn place(&self) -> Place {
-        Place::Local
-    }
-
-    /// New memory registered with this backend.
-    fn alloc_mem(&mut self, len: usize, _access: Access) -> Result<Region, TransportError> {
-        let r = Region::new(self.id, Mem::zeroed(len), self.place());
-        self.mr_of(&r)?;
-        Ok(r)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn grant_range(
-        &mut self,
-        peer: PeerId,
-        r: &Region,
-        range: Range<usize>,
-    ) -> Result<RemoteRegion, TransportError> {
-        r.check_owner(self.id)?;
-        r.check_range(&range)?;
-        self.peer(peer)?;
-        let mr = Mr::new(
-            &self.pd,
-            &r.mem,
-            range.start,
-            range.len(),
-            LOCAL | REMOTE_WRITE,
-        )?;
-        let id = self.next_grant;
-        self.next_grant += 1;
-        let rr = RemoteRegion {
-            kind: KIND_RDMA,
-            key: mr.rkey,
-            id,
-            addr: mr.addr,
-            len: range.len() as u64,
-        };
-        self.grants.insert(
-            id,
-            Grant {
-                peer,
-                len: range.len(),
-                _mr: mr,
-                _region: r.clone(),
-                revoking: None,
-            },
-        );
-        Ok(rr)
     }
 }

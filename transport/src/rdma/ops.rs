@@ -1,5 +1,5 @@
-//! The verbs backend's operations: posting sends, puts, reads and receives, and turning work
-//! completions into the interface's completions, in order per peer.
+//! The verbs backend's operations: the interface's calls, and posting sends, puts and the
+//! credit count (with the credits and send-queue room they need).
 
 use std::ops::Range;
 use std::os::fd::BorrowedFd;
@@ -8,139 +8,16 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use super::setup::HEAD;
-use super::{Inbound, Peer, Posted, RdmaBackend, ASYNC, CHANNEL, HANDSHAKE, KIND_RDMA, LISTENER};
+use super::verbs::{Mr, LOCAL, REMOTE_WRITE};
+use super::wire::{
+    credit_word, wr, wr_inline, Head, Wr, EAGER, INDEX, MSG, PUT, RESERVE, REVOKE, RNDV, WR_SEND,
+};
+use super::{Grant, Inbound, Peer, Posted, RdmaBackend, KIND_RDMA};
 use crate::backend::Place;
 use crate::{
-    Access, Backend, Completion, PeerId, Region, RemoteRegion, Sent, Storage, Token, TransportError,
+    Access, Backend, Completion, Mem, PeerId, Region, RemoteRegion, Sent, Storage, Token,
+    TransportError,
 };
-
-// Header kinds and flags.
-pub(super) const MSG: u8 = 1;
-pub(super) const PUT: u8 = 2;
-pub(super) const RELEASE: u8 = 3;
-pub(super) const REVOKE: u8 = 4;
-pub(super) const REVOKED: u8 = 5;
-/// The data follows the body in the buffer.
-pub(super) const EAGER: u8 = 1;
-/// The data is to be read from the sender (address, key and length in the header).
-pub(super) const RNDV: u8 = 2;
-
-/// Work request ids: the peer in the high half, the kind and an index in the low half.
-pub(super) const WR_RECV: u64 = 1 << 30;
-const WR_SEND: u64 = 2 << 30;
-pub(super) const INDEX: u64 = (1 << 30) - 1;
-
-/// Credits kept back from messages and puts, for control messages (releases, revokes).
-const RESERVE: u64 = 2;
-
-#[derive(Clone, Copy, Default, Debug)]
-pub(super) struct Head {
-    pub(super) kind: u8,
-    pub(super) flags: u8,
-    pub(super) word: u32,
-    pub(super) id: u64,
-    pub(super) off: u64,
-    pub(super) len: u64,
-    pub(super) key: u32,
-    pub(super) credits: u64,
-}
-
-impl Head {
-    pub(super) fn encode(&self) -> [u8; HEAD] {
-        let mut b = [0u8; HEAD];
-        b[0] = self.kind;
-        b[1] = self.flags;
-        b[4..8].copy_from_slice(&self.word.to_le_bytes());
-        b[8..16].copy_from_slice(&self.id.to_le_bytes());
-        b[16..24].copy_from_slice(&self.off.to_le_bytes());
-        b[24..32].copy_from_slice(&self.len.to_le_bytes());
-        b[32..36].copy_from_slice(&self.key.to_le_bytes());
-        b[40..48].copy_from_slice(&self.credits.to_le_bytes());
-        b
-    }
-
-    pub(super) fn decode(b: &[u8]) -> Option<Head> {
-        let u = |r: Range<usize>| Some(u64::from_le_bytes(b.get(r)?.try_into().ok()?));
-        Some(Head {
-            kind: *b.first()?,
-            flags: *b.get(1)?,
-            word: u32::from_le_bytes(b.get(4..8)?.try_into().ok()?),
-            id: u(8..16)?,
-            off: u(16..24)?,
-            len: u(24..32)?,
-            key: u32::from_le_bytes(b.get(32..36)?.try_into().ok()?),
-            credits: u(40..48)?,
-        })
-    }
-}
-
-/// The count of buffers the peer posted again, as it last wrote it into our credit word.
-fn credit_word(p: &Peer) -> u64 {
-    // SAFETY: the word is 8 bytes of 64-byte aligned memory that the peer holds alive; the peer
-    // writes it only whole (one 8-byte RDMA write), and an atomic load reads it whole.
-    unsafe {
-        (*(p._credit.ptr() as *const std::sync::atomic::AtomicU64))
-            .load(std::sync::atomic::Ordering::Acquire)
-    }
-}
-
-/// Posts receive buffer `i` of a peer.
-pub(super) fn post_receive(p: &Peer, i: u32, size: usize) -> Result<(), TransportError> {
-    let mut sge = ffi::ibv_sge {
-        addr: p.recv_mr.addr + (i as usize * size) as u64,
-        length: size as u32,
-        lkey: p.recv_mr.lkey,
-    };
-    let mut wr = ffi::ibv_recv_wr {
-        wr_id: ((p.id as u64) << 32) | WR_RECV | i as u64,
-        next: std::ptr::null_mut(),
-        sg_list: &mut sge,
-        num_sge: 1,
-    };
-    // SAFETY: the buffer lies in the peer's receive registration, which the peer holds (and
-    // drops after its queue pair); nothing reads it until this request completes.
-    unsafe { p.qp.post_recv(&mut wr) }
-}
-
-/// One work request being built: its gather entry, and an inline payload, live beside it
-/// (boxed, so the pointers to them stay valid until the post).
-pub(super) struct Wr {
-    pub(super) wr: ffi::ibv_send_wr,
-    sge: ffi::ibv_sge,
-    inline: [u8; HEAD],
-}
-
-/// A request whose payload (at most [`HEAD`] bytes) is copied into the queue by the post.
-fn wr_inline(opcode: u32, payload: &[u8]) -> Box<Wr> {
-    let n = payload.len().min(HEAD);
-    let mut b = wr(
-        opcode,
-        ffi::ibv_sge {
-            addr: 0,
-            length: n as u32,
-            lkey: 0,
-        },
-        ffi::ibv_send_flags::IBV_SEND_INLINE.0,
-    );
-    b.inline[..n].copy_from_slice(&payload[..n]);
-    b.sge.addr = b.inline.as_ptr() as u64;
-    b
-}
-
-pub(super) fn wr(opcode: u32, sge: ffi::ibv_sge, flags: u32) -> Box<Wr> {
-    // SAFETY: a plain C struct, all zeroes valid.
-    let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
-    w.opcode = opcode;
-    w.send_flags = flags;
-    w.num_sge = if sge.length == 0 { 0 } else { 1 };
-    let mut b = Box::new(Wr {
-        wr: w,
-        sge,
-        inline: [0; HEAD],
-    });
-    b.wr.sg_list = &mut b.sge;
-    b
-}
 
 impl RdmaBackend {
     /// Whether `n` more work requests and (if `credit`) one of the peer's buffers can be used
@@ -209,13 +86,15 @@ impl RdmaBackend {
         &mut self,
         peer: u32,
         mut head: Head,
-        parts: &[&[u8]],
+        body: &[u8],
+        data: Option<(&Region, Range<usize>)>,
     ) -> Option<(Box<Wr>, Option<u32>)> {
         let p = self.peers.get_mut(&peer)?;
         head.credits = p.reposted;
         p.told = p.reposted;
-        let len = HEAD + parts.iter().map(|x| x.len()).sum::<usize>();
-        if len <= p.max_inline && parts.iter().all(|x| x.is_empty()) {
+        let dlen = data.as_ref().map_or(0, |(_, r)| r.len());
+        let len = HEAD + body.len() + dlen;
+        if len <= p.max_inline && body.is_empty() && dlen == 0 {
             return Some((
                 wr_inline(ffi::ibv_wr_opcode::IBV_WR_SEND, &head.encode()),
                 None,
@@ -223,12 +102,19 @@ impl RdmaBackend {
         }
         let slot = self.free_sends.pop()?;
         let at = slot as usize * self.cfg.buffer;
-        let mut off = at;
-        self.send_mem.write(off, &head.encode());
-        off += HEAD;
-        for x in parts {
-            self.send_mem.write(off, x);
-            off += x.len();
+        self.send_mem.write(at, &head.encode());
+        self.send_mem.write(at + HEAD, body);
+        if let Some((r, range)) = data {
+            // SAFETY: the range was checked against the region, and the send buffer holds
+            // `len` bytes (the caller keeps `len` within a buffer); the caller does not write
+            // the range during the call; distinct allocations do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    r.mem.ptr().add(range.start),
+                    self.send_mem.ptr().add(at + HEAD + body.len()),
+                    dlen,
+                )
+            };
         }
         let sge = ffi::ibv_sge {
             addr: self.send_mr.addr + at as u64,
@@ -249,7 +135,7 @@ impl RdmaBackend {
             }
             return;
         }
-        if let Some((w, slot)) = self.send_wr(peer, head, &[]) {
+        if let Some((w, slot)) = self.send_wr(peer, head, &[], None) {
             if let Err(e) = self.post(peer, vec![(w, slot, None)], None, 1) {
                 self.lose(PeerId(peer), e);
             }
@@ -260,7 +146,14 @@ impl RdmaBackend {
 
     /// Control messages that waited for a credit; the credit count when enough are owed.
     fn push_unsent(&mut self) {
-        let ids: Vec<u32> = self.peers.keys().copied().collect();
+        // Only peers with something to do (most turns: none, and nothing is allocated).
+        let owed = (self.cfg.receives as u64 / 4).max(1);
+        let ids: Vec<u32> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.unsent.is_empty() || p.reposted - p.told >= owed)
+            .map(|(k, _)| *k)
+            .collect();
         for id in ids {
             while let Some(p) = self.peers.get_mut(&id) {
                 let Some(b) = p.unsent.front().copied() else {
@@ -273,7 +166,7 @@ impl RdmaBackend {
                     break;
                 }
                 let Some(h) = Head::decode(&b) else { break };
-                match self.send_wr(id, h, &[]) {
+                match self.send_wr(id, h, &[], None) {
                     Some((w, slot)) => {
                         if let Some(p) = self.peers.get_mut(&id) {
                             p.unsent.pop_front();
@@ -333,8 +226,10 @@ impl Backend for RdmaBackend {
         Ok(r)
     }
 
-    fn alloc(&mut self, len: usize, access: Access) -> Result<Region, TransportError> {
-        self.alloc_mem(len, access)
+    /// New memory registered for sends and puts; what peers may write is granted range by
+    /// range, whatever the access asked for.
+    fn alloc(&mut self, len: usize, _access: Access) -> Result<Region, TransportError> {
+        self.register(Mem::zeroed(len))
     }
 
     unsafe fn grant(
@@ -343,7 +238,36 @@ impl Backend for RdmaBackend {
         r: &Region,
         range: Range<usize>,
     ) -> Result<RemoteRegion, TransportError> {
-        self.grant_range(peer, r, range)
+        r.check_owner(self.id)?;
+        r.check_range(&range)?;
+        self.peer(peer)?;
+        let mr = Mr::new(
+            &self.pd,
+            &r.mem,
+            range.start,
+            range.len(),
+            LOCAL | REMOTE_WRITE,
+        )?;
+        let id = self.next_grant;
+        self.next_grant += 1;
+        let rr = RemoteRegion {
+            kind: KIND_RDMA,
+            key: mr.rkey,
+            id,
+            addr: mr.addr,
+            len: range.len() as u64,
+        };
+        self.grants.insert(
+            id,
+            Grant {
+                peer,
+                len: range.len(),
+                _mr: mr,
+                _region: r.clone(),
+                revoking: None,
+            },
+        );
+        Ok(rr)
     }
 
     fn revoke(
@@ -392,8 +316,17 @@ impl Backend for RdmaBackend {
             r.check_owner(self.id)?;
             r.check_range(range)?;
         }
+        let ours = self.cfg.buffer;
         let p = self.peer(peer)?;
-        let their = p.their_buffer;
+        // A message fits our send buffer and the peer's receive buffer.
+        let fits = p.their_buffer.min(ours);
+        if HEAD + body.len() > fits {
+            return Err(TransportError::Refused(format!(
+                "a body of {} bytes (the peer's buffers take {})",
+                body.len(),
+                fits - HEAD
+            )));
+        }
         if !p.unsent.is_empty()
             || !self.room(
                 self.peers.get(&peer.0).ok_or(TransportError::Closed)?,
@@ -410,15 +343,16 @@ impl Backend for RdmaBackend {
             ..Head::default()
         };
         let (chain_slot, token, done_now) = match data {
-            None => (self.send_wr(peer.0, head, &[body]), None, None),
-            Some((r, range, t)) if HEAD + body.len() + range.len() <= their => {
+            None => (self.send_wr(peer.0, head, body, None), None, None),
+            Some((r, range, t)) if HEAD + body.len() + range.len() <= fits => {
                 // Small data is copied after the body: the caller's memory is free at once.
                 head.flags = EAGER;
                 head.len = range.len() as u64;
-                let mut v = vec![0u8; range.len()];
-                // SAFETY: in range (checked); the caller does not write it during the call.
-                unsafe { r.read(range.start, &mut v) }?;
-                (self.send_wr(peer.0, head, &[body, &v]), None, Some(t))
+                (
+                    self.send_wr(peer.0, head, body, Some((r, range))),
+                    None,
+                    Some(t),
+                )
             }
             Some((r, range, t)) => {
                 let mr = self.mr_of(r)?;
@@ -431,7 +365,7 @@ impl Backend for RdmaBackend {
                 head.len = range.len() as u64;
                 head.key = mr.rkey;
                 p.lent.insert(id, (t, r.clone()));
-                (self.send_wr(peer.0, head, &[body]), None, None)
+                (self.send_wr(peer.0, head, body, None), None, None)
             }
         };
         let Some((w, slot)) = chain_slot else {
@@ -506,7 +440,7 @@ impl Backend for RdmaBackend {
             len: len as u64,
             ..Head::default()
         };
-        let Some((w, slot)) = self.send_wr(peer.0, head, &[]) else {
+        let Some((w, slot)) = self.send_wr(peer.0, head, &[], None) else {
             return Ok(Sent::WouldBlock);
         };
         chain.push((w, slot, None));
@@ -586,123 +520,3 @@ fn ready(i: &Inbound) -> bool {
 
 /// A work completion kept aside (found by the look after arming).
 pub(super) struct OwnedWc(pub(super) ffi::ibv_wc);
-
-impl RdmaBackend {
-    /// Readiness of the listener, handshakes, the completion channel, device events and the
-    /// peers' TCP links (whose end is the peer's end).
-    fn poll_events(
-        &mut self,
-        on: &mut dyn FnMut(Completion<'_>),
-        n: &mut usize,
-    ) -> Result<(), TransportError> {
-        match self
-            .poll
-            .poll(&mut self.events, Some(std::time::Duration::ZERO))
-        {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.into()),
-        }
-        let ready: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
-        for t in ready {
-            match mio::Token(t) {
-                LISTENER => self.accept_all()?,
-                CHANNEL => self.cq.drain_events(),
-                ASYNC => self.async_events(),
-                _ if t >= HANDSHAKE => {
-                    if let Some(peer) = self.handshake(t) {
-                        on(Completion::Connected { peer });
-                        *n += 1;
-                        // What it sent while the handshake ended.
-                        for w in std::mem::take(&mut self.early) {
-                            self.on_wc(&w.0, on, n);
-                        }
-                    }
-                }
-                _ => self.check_link(t as u32),
-            }
-        }
-        self.expire_handshakes();
-        // Events are asked for again before each sleep; a wake-up may also have been spent.
-        Ok(())
-    }
-
-    /// The peer's TCP link is readable: it closed (the peer is gone), or sent what it never
-    /// should.
-    fn check_link(&mut self, id: u32) {
-        use std::io::Read;
-        let Some(p) = self.peers.get_mut(&id) else {
-            return;
-        };
-        let Some(s) = &mut p.sock else { return };
-        let mut b = [0u8; 16];
-        match s.read(&mut b) {
-            Ok(0) => self.lose(PeerId(id), TransportError::Closed),
-            Ok(_) => self.lose(
-                PeerId(id),
-                TransportError::Refused("bytes on the RDMA link's TCP side".into()),
-            ),
-            Err(e)
-                if e.kind() == std::io::ErrorKind::WouldBlock
-                    || e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => self.lose(PeerId(id), e.into()),
-        }
-    }
-
-    /// Device events: a fatal error of a queue pair loses its peer; a port that goes down
-    /// loses every peer.
-    fn async_events(&mut self) {
-        use ffi::ibv_event_type as t;
-        while let Some((kind, qpn)) = self.ctx.next_async_event() {
-            match (kind, qpn) {
-                (
-                    t::IBV_EVENT_QP_FATAL | t::IBV_EVENT_QP_REQ_ERR | t::IBV_EVENT_QP_ACCESS_ERR,
-                    Some(q),
-                ) => {
-                    if let Some(&id) = self.by_qpn.get(&q) {
-                        self.lose(
-                            PeerId(id),
-                            TransportError::Rdma(format!("queue pair {q} failed ({kind:?})")),
-                        );
-                    }
-                }
-                (t::IBV_EVENT_PORT_ERR | t::IBV_EVENT_DEVICE_FATAL, _) => {
-                    let ids: Vec<u32> = self.peers.keys().copied().collect();
-                    for id in ids {
-                        self.lose(
-                            PeerId(id),
-                            TransportError::Rdma(format!(
-                                "{} port {} went down ({kind:?})",
-                                self.ctx.name, self.cfg.port
-                            )),
-                        );
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// Receives held while their peer was paused, taken in order once it is resumed.
-    fn resume_held(&mut self, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) {
-        let ids: Vec<u32> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| !p.paused && !p.held.is_empty())
-            .map(|(k, _)| *k)
-            .collect();
-        for id in ids {
-            while let Some((buf, got)) = self
-                .peers
-                .get_mut(&id)
-                .filter(|p| !p.paused)
-                .and_then(|p| p.held.pop_front())
-            {
-                if let Err(e) = self.on_recv(id, buf, got, on, n) {
-                    self.lose(PeerId(id), e);
-                    break;
-                }
-            }
-        }
-    }
-}

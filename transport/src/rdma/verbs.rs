@@ -41,64 +41,62 @@ unsafe impl Send for Context {}
 // SAFETY: as above; calls on a context are thread-safe in libibverbs.
 unsafe impl Sync for Context {}
 
-/// The names of the RDMA devices of this host; an error says why there are none.
-pub(crate) fn device_names() -> Result<Vec<String>, TransportError> {
+/// Runs `f` over this host's devices (each with its name) while the device list is held; an
+/// error says why there are none.
+fn with_devices<R>(
+    f: impl FnOnce(&[(*mut ffi::ibv_device, String)]) -> R,
+) -> Result<R, TransportError> {
     let mut n = 0;
     // SAFETY: `n` is a valid out-pointer; the list is freed below.
     let list = unsafe { ffi::ibv_get_device_list(&mut n) };
     if list.is_null() {
         return Err(os_err("no RDMA devices (ibv_get_device_list)"));
     }
-    let mut names = Vec::new();
-    for i in 0..n.max(0) as usize {
-        // SAFETY: `list` holds `n` valid device pointers until it is freed.
-        let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(*list.add(i))) };
-        names.push(name.to_string_lossy().into_owned());
-    }
-    // SAFETY: freed once, after its last use.
+    let devs: Vec<_> = (0..n.max(0) as usize)
+        .map(|i| {
+            // SAFETY: `list` holds `n` valid device pointers until it is freed.
+            let dev = unsafe { *list.add(i) };
+            // SAFETY: a valid device of the list.
+            let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) };
+            (dev, name.to_string_lossy().into_owned())
+        })
+        .collect();
+    let r = f(&devs);
+    // SAFETY: freed once, after its last use; opened contexts do not depend on it.
     unsafe { ffi::ibv_free_device_list(list) };
-    Ok(names)
+    Ok(r)
+}
+
+/// The names of the RDMA devices of this host; an error says why there are none.
+pub(crate) fn device_names() -> Result<Vec<String>, TransportError> {
+    with_devices(|d| d.iter().map(|(_, n)| n.clone()).collect())
 }
 
 impl Context {
     /// Opens the device called `name`, or the first one.
     pub(crate) fn open(name: Option<&str>) -> Result<Arc<Context>, TransportError> {
-        let mut n = 0;
-        // SAFETY: `n` is a valid out-pointer; the list is freed below.
-        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
-        if list.is_null() {
-            return Err(os_err("no RDMA devices (ibv_get_device_list)"));
-        }
-        let mut found = None;
-        let mut names = Vec::new();
-        for i in 0..n.max(0) as usize {
-            // SAFETY: `list` holds `n` valid device pointers until it is freed.
-            let dev = unsafe { *list.add(i) };
-            // SAFETY: a valid device of the list.
-            let dn = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) }
-                .to_string_lossy()
-                .into_owned();
-            if found.is_none() && name.is_none_or(|w| w == dn) {
-                found = Some((dev, dn.clone()));
+        with_devices(|devs| {
+            let found = devs.iter().find(|(_, dn)| name.is_none_or(|w| w == dn));
+            match found {
+                // SAFETY: a valid device of the list, opened while the list is held.
+                Some((dev, dn)) => match unsafe { ffi::ibv_open_device(*dev) } {
+                    p if p.is_null() => Err(os_err(&format!("cannot open RDMA device {dn}"))),
+                    p => Ok(Arc::new(Context {
+                        ptr: p,
+                        name: dn.clone(),
+                    })),
+                },
+                None if devs.is_empty() => Err(TransportError::Rdma("no RDMA device".into())),
+                None => Err(TransportError::Rdma(format!(
+                    "no RDMA device {:?} (this host has {})",
+                    name.unwrap_or_default(),
+                    devs.iter()
+                        .map(|(_, n)| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))),
             }
-            names.push(dn);
-        }
-        let r = match found {
-            // SAFETY: a valid device of the list, opened before the list is freed.
-            Some((dev, dn)) => match unsafe { ffi::ibv_open_device(dev) } {
-                p if p.is_null() => Err(os_err(&format!("cannot open RDMA device {dn}"))),
-                p => Ok(Arc::new(Context { ptr: p, name: dn })),
-            },
-            None if names.is_empty() => Err(TransportError::Rdma("no RDMA device".into())),
-            None => Err(TransportError::Rdma(format!(
-                "no RDMA device {:?} (this host has {})",
-                name.unwrap_or_default(),
-                names.join(", ")
-            ))),
-        };
-        // SAFETY: freed once; opened contexts do not depend on the list.
-        unsafe { ffi::ibv_free_device_list(list) };
-        r
+        })?
     }
 
     pub(crate) fn query_device(&self) -> Result<ffi::ibv_device_attr, TransportError> {

@@ -1,0 +1,138 @@
+//! What the verbs backend puts on the wire and in work requests: the 48-byte header every
+//! SEND begins with, work request ids, and building requests and receives.
+
+use std::ops::Range;
+
+use rdma_sys as ffi;
+
+use super::setup::HEAD;
+use super::Peer;
+use crate::{Storage, TransportError};
+
+// Header kinds and flags.
+pub(super) const MSG: u8 = 1;
+pub(super) const PUT: u8 = 2;
+pub(super) const RELEASE: u8 = 3;
+pub(super) const REVOKE: u8 = 4;
+pub(super) const REVOKED: u8 = 5;
+/// The data follows the body in the buffer.
+pub(super) const EAGER: u8 = 1;
+/// The data is to be read from the sender (address, key and length in the header).
+pub(super) const RNDV: u8 = 2;
+
+/// Work request ids: the peer in the high half, the kind and an index in the low half.
+pub(super) const WR_RECV: u64 = 1 << 30;
+pub(super) const WR_SEND: u64 = 2 << 30;
+pub(super) const INDEX: u64 = (1 << 30) - 1;
+
+/// Credits kept back from messages and puts, for control messages (releases, revokes).
+pub(super) const RESERVE: u64 = 2;
+
+#[derive(Clone, Copy, Default, Debug)]
+pub(super) struct Head {
+    pub(super) kind: u8,
+    pub(super) flags: u8,
+    pub(super) word: u32,
+    pub(super) id: u64,
+    pub(super) off: u64,
+    pub(super) len: u64,
+    pub(super) key: u32,
+    pub(super) credits: u64,
+}
+
+impl Head {
+    pub(super) fn encode(&self) -> [u8; HEAD] {
+        let mut b = [0u8; HEAD];
+        b[0] = self.kind;
+        b[1] = self.flags;
+        b[4..8].copy_from_slice(&self.word.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.off.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..36].copy_from_slice(&self.key.to_le_bytes());
+        b[40..48].copy_from_slice(&self.credits.to_le_bytes());
+        b
+    }
+
+    pub(super) fn decode(b: &[u8]) -> Option<Head> {
+        let u = |r: Range<usize>| Some(u64::from_le_bytes(b.get(r)?.try_into().ok()?));
+        Some(Head {
+            kind: *b.first()?,
+            flags: *b.get(1)?,
+            word: u32::from_le_bytes(b.get(4..8)?.try_into().ok()?),
+            id: u(8..16)?,
+            off: u(16..24)?,
+            len: u(24..32)?,
+            key: u32::from_le_bytes(b.get(32..36)?.try_into().ok()?),
+            credits: u(40..48)?,
+        })
+    }
+}
+
+/// The count of buffers the peer posted again, as it last wrote it into our credit word.
+pub(super) fn credit_word(p: &Peer) -> u64 {
+    // SAFETY: the word is 8 bytes of 64-byte aligned memory that the peer holds alive; the peer
+    // writes it only whole (one 8-byte RDMA write), and an atomic load reads it whole.
+    unsafe {
+        (*(p._credit.ptr() as *const std::sync::atomic::AtomicU64))
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// Posts receive buffer `i` of a peer.
+pub(super) fn post_receive(p: &Peer, i: u32, size: usize) -> Result<(), TransportError> {
+    let mut sge = ffi::ibv_sge {
+        addr: p.recv_mr.addr + (i as usize * size) as u64,
+        length: size as u32,
+        lkey: p.recv_mr.lkey,
+    };
+    let mut wr = ffi::ibv_recv_wr {
+        wr_id: ((p.id as u64) << 32) | WR_RECV | i as u64,
+        next: std::ptr::null_mut(),
+        sg_list: &mut sge,
+        num_sge: 1,
+    };
+    // SAFETY: the buffer lies in the peer's receive registration, which the peer holds (and
+    // drops after its queue pair); nothing reads it until this request completes.
+    unsafe { p.qp.post_recv(&mut wr) }
+}
+
+/// One work request being built: its gather entry, and an inline payload, live beside it
+/// (boxed, so the pointers to them stay valid until the post).
+pub(super) struct Wr {
+    pub(super) wr: ffi::ibv_send_wr,
+    sge: ffi::ibv_sge,
+    inline: [u8; HEAD],
+}
+
+/// A request whose payload (at most [`HEAD`] bytes) is copied into the queue by the post.
+pub(super) fn wr_inline(opcode: u32, payload: &[u8]) -> Box<Wr> {
+    let n = payload.len().min(HEAD);
+    let mut b = wr(
+        opcode,
+        ffi::ibv_sge {
+            addr: 0,
+            length: n as u32,
+            lkey: 0,
+        },
+        ffi::ibv_send_flags::IBV_SEND_INLINE.0,
+    );
+    b.inline[..n].copy_from_slice(&payload[..n]);
+    b.sge.addr = b.inline.as_ptr() as u64;
+    b
+}
+
+pub(super) fn wr(opcode: u32, sge: ffi::ibv_sge, flags: u32) -> Box<Wr> {
+    // SAFETY: a plain C struct, all zeroes valid.
+    let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+    w.opcode = opcode;
+    w.send_flags = flags;
+    w.num_sge = if sge.length == 0 { 0 } else { 1 };
+    let mut b = Box::new(Wr {
+        wr: w,
+        sge,
+        inline: [0; HEAD],
+    });
+    b.wr.sg_list = &mut b.sge;
+    b
+}
