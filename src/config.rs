@@ -11,6 +11,10 @@
 //! | `KVSTORE_TIMEOUT` | seconds any blocking wait may take | 120 |
 //! | `KVSTORE_BIGARRAY_BOUND` (or `MXNET_KVSTORE_BIGARRAY_BOUND`) | elements above which a tensor is sliced over all servers | 1000000 |
 //! | `KVSTORE_MAX_MESSAGE` | largest payload accepted, bytes | 8 GiB |
+//! | `KVSTORE_TRANSPORT` | `auto`, `tcp`, `shm` or `rdma` | `auto` |
+//! | `KVSTORE_RDMA_DEVICE`, `KVSTORE_RDMA_PORT` | the RDMA device (`mlx5_0`, `rxe0`) and its port | the first, 1 |
+//! | `KVSTORE_RDMA_GID_INDEX` | a fixed GID index | the RoCE v2 GID of the address that reaches the peer |
+//! | `KVSTORE_RDMA_SL`, `KVSTORE_RDMA_TC` | service level, traffic class | 0, 0 |
 //!
 //! # Under mpirun or srun
 //! Without `DMLC_ROLE`, a process started by Open MPI's or MPICH's `mpirun` or by Slurm's
@@ -69,6 +73,24 @@ pub struct Config {
     /// Bytes a server may hold in receive slots, which workers put their pushes into
     /// (`KVSTORE_SLOT_BYTES`); pushes beyond it go as messages.
     pub slot_bytes: usize,
+    /// Which RDMA device, port and paths (`KVSTORE_RDMA_*`), where RDMA is built.
+    pub rdma: RdmaSettings,
+}
+
+/// The RDMA variables (`KVSTORE_RDMA_DEVICE`, `_PORT`, `_GID_INDEX`, `_SL`, `_TC`), as NCCL's
+/// `NCCL_IB_HCA` or UCX's `UCX_NET_DEVICES` choose a NIC.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RdmaSettings {
+    /// The device; the first one if unset.
+    pub device: Option<String>,
+    /// The device's port; 1 if unset.
+    pub port: Option<u8>,
+    /// A fixed GID index; unset: the RoCE v2 GID of the address that reaches the peer.
+    pub gid_index: Option<u32>,
+    /// Service level.
+    pub service_level: u8,
+    /// Traffic class (RoCE: DSCP and ECN).
+    pub traffic_class: u8,
 }
 
 /// Which transport a worker uses for servers on its host (`KVSTORE_TRANSPORT`).
@@ -80,6 +102,9 @@ pub enum TransportChoice {
     Tcp,
     /// Shared memory, and an error if a server is not on this host.
     Shm,
+    /// RDMA to every server (on this host too, through the device's loopback), and an error
+    /// naming the reason for a pair that cannot use it. Needs the `rdma` cargo feature.
+    Rdma,
 }
 
 /// Where variables come from: the process environment, or a table in tests.
@@ -96,6 +121,11 @@ fn need(env: Lookup, name: &str) -> Result<String> {
              DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER, DMLC_NUM_WORKER)"
         ))
     })
+}
+
+/// A variable's value parsed, if it is set.
+fn opt<T: std::str::FromStr>(env: Lookup, name: &str) -> Result<Option<T>> {
+    get(env, name).map(|v| parse(name, &v)).transpose()
 }
 
 fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
@@ -335,11 +365,26 @@ impl Config {
             None | Some("") | Some("auto") => TransportChoice::Auto,
             Some("tcp") => TransportChoice::Tcp,
             Some("shm") => TransportChoice::Shm,
+            Some("rdma") if cfg!(feature = "rdma") => TransportChoice::Rdma,
+            Some("rdma") => {
+                return Err(KvError::Config(
+                    "KVSTORE_TRANSPORT=rdma, but this build has no RDMA: build with \
+                     `--features rdma` (it needs libibverbs-dev libclang-dev pkg-config)"
+                        .into(),
+                ))
+            }
             Some(other) => {
                 return Err(KvError::Config(format!(
-                    "KVSTORE_TRANSPORT={other:?}; expected auto, tcp or shm"
+                    "KVSTORE_TRANSPORT={other:?}; expected auto, tcp, shm or rdma"
                 )))
             }
+        };
+        let rdma = RdmaSettings {
+            device: get(env, "KVSTORE_RDMA_DEVICE"),
+            port: opt(env, "KVSTORE_RDMA_PORT")?,
+            gid_index: opt(env, "KVSTORE_RDMA_GID_INDEX")?,
+            service_level: opt(env, "KVSTORE_RDMA_SL")?.unwrap_or(0),
+            traffic_class: opt(env, "KVSTORE_RDMA_TC")?.unwrap_or(0),
         };
         let shm_pool_bytes = match get(env, "KVSTORE_SHM_POOL") {
             Some(v) => parse("KVSTORE_SHM_POOL", &v)?,
@@ -351,6 +396,7 @@ impl Config {
         };
         Ok(Config {
             transport,
+            rdma,
             shm_pool_bytes,
             slot_bytes,
             role: p.role,

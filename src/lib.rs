@@ -40,6 +40,8 @@ mod protocol;
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod protocol;
+#[cfg(feature = "rdma")]
+mod rdma;
 mod registry;
 mod roles;
 pub mod scheduler;
@@ -49,7 +51,7 @@ mod store;
 mod worker;
 
 pub use args::{Key, Keys, Outputs, Values};
-pub use config::{Config, Role, TransportChoice};
+pub use config::{Config, RdmaSettings, Role, TransportChoice};
 pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};
 pub use ndarray::NDArray;

@@ -1,7 +1,8 @@
 //! The transports of one process of a job, as the worker's and the server's loops use them:
-//! TCP always, shared memory with the processes on this host. This is the only module of the
-//! store that names a backend type; the loops above drive [`Backend`]s through it, and the
-//! state machines below them see neither.
+//! TCP always, shared memory with the processes on this host, RDMA verbs with those on other
+//! hosts where both ends have a device (feature `rdma`, opened in `crate::rdma`). This module
+//! and that one are the only ones of the store that name a backend type; the loops above drive
+//! [`Backend`]s through them, and the state machines below them see neither.
 //!
 //! A message of the store is a body (the 112 bytes of [`crate::protocol::Msg`], then a grant or
 //! short text) with, for tensor data, a range of registered memory. A pull's answer is a put of
@@ -21,6 +22,18 @@ use crate::{KvError, NDArray, Result};
 pub(crate) enum Medium {
     Tcp,
     Shm,
+    Rdma,
+}
+
+impl Medium {
+    /// The transport's name, as `KVStore::transports` gives it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Medium::Tcp => "tcp",
+            Medium::Shm => "shm",
+            Medium::Rdma => "rdma",
+        }
+    }
 }
 
 /// A peer: the backend that reaches it, and its number there.
@@ -30,27 +43,32 @@ pub(crate) struct Addr {
     pub(crate) peer: PeerId,
 }
 
-/// The bit of [`Addr::id`] that says shared memory.
+/// The bits of [`Addr::id`] that say shared memory and RDMA.
 const SHM_BIT: usize = 1 << 32;
+const RDMA_BIT: usize = 1 << 33;
 
 impl Addr {
-    /// A number for the state machines, unique across both backends.
+    /// A number for the state machines, unique across the backends.
     pub(crate) fn id(self) -> usize {
         let m = match self.medium {
             Medium::Tcp => 0,
             Medium::Shm => SHM_BIT,
+            Medium::Rdma => RDMA_BIT,
         };
         m | self.peer.0 as usize
     }
 
     /// The peer that [`Addr::id`] numbered.
     pub(crate) fn from_id(id: usize) -> Addr {
+        let medium = if id & SHM_BIT != 0 {
+            Medium::Shm
+        } else if id & RDMA_BIT != 0 {
+            Medium::Rdma
+        } else {
+            Medium::Tcp
+        };
         Addr {
-            medium: if id & SHM_BIT != 0 {
-                Medium::Shm
-            } else {
-                Medium::Tcp
-            },
+            medium,
             peer: PeerId(id as u32),
         }
     }
@@ -64,6 +82,8 @@ const SPIN: Duration = Duration::from_micros(200);
 pub(crate) struct Net {
     pub(crate) tcp: TcpBackend,
     pub(crate) shm: Option<ShmBackend>,
+    /// RDMA verbs, where the `rdma` feature is built and a device is active (`crate::rdma`).
+    pub(crate) rdma: Option<Box<dyn Backend>>,
     /// When the last completion came, for the spin before sleeping.
     last_active: Instant,
     /// More of the job's processes on this host than cores: a spin yields the core.
@@ -74,9 +94,9 @@ pub(crate) struct Net {
     last_tcp: Instant,
     /// Turns of a spin since the last completion: the clock is read on few of them.
     spins: u32,
-    /// After a sleep: which backends' descriptors were readable (TCP, shared memory). Having
-    /// armed, the others have no work, and the next progress does not look at them.
-    woke: Option<[bool; 2]>,
+    /// After a sleep: which backends' descriptors were readable (TCP, shared memory, RDMA).
+    /// Having armed, the others have no work, and the next progress does not look at them.
+    woke: Option<[bool; 3]>,
 }
 
 /// How often a busy loop with no TCP peer polls the TCP backend.
@@ -170,6 +190,7 @@ impl Net {
         Ok(Net {
             tcp,
             shm,
+            rdma: None,
             last_active: Instant::now(),
             crowded: false,
             calls: 0,
@@ -193,6 +214,10 @@ impl Net {
                 Some(s) => Ok(s),
                 None => Err(KvError::Protocol("no shared-memory backend".into())),
             },
+            Medium::Rdma => match &mut self.rdma {
+                Some(r) => Ok(r.as_mut()),
+                None => Err(KvError::Protocol("no RDMA backend".into())),
+            },
         }
     }
 
@@ -202,14 +227,15 @@ impl Net {
         self.calls = self.calls.wrapping_add(1);
         let woke = self.woke.take();
         let poll_tcp = match woke {
-            Some([tcp, _]) => tcp,
+            Some([tcp, _, _]) => tcp,
             None => {
                 !self.tcp.is_idle()
                     || self.shm.is_none()
                     || (self.calls % 32 == 0 && self.last_tcp.elapsed() >= TCP_IDLE_POLL)
             }
         };
-        let poll_shm = woke.is_none_or(|[_, shm]| shm);
+        let poll_shm = woke.is_none_or(|[_, shm, _]| shm);
+        let poll_rdma = woke.is_none_or(|[_, _, rdma]| rdma);
         let mut n = 0;
         if poll_tcp {
             self.last_tcp = Instant::now();
@@ -220,6 +246,11 @@ impl Net {
         }
         if let (Some(s), true) = (&mut self.shm, poll_shm) {
             n += s.progress(&mut |c| on(Medium::Shm, c)).map_err(transport)?;
+        }
+        if let (Some(r), true) = (&mut self.rdma, poll_rdma) {
+            n += r
+                .progress(&mut |c| on(Medium::Rdma, c))
+                .map_err(transport)?;
         }
         if n > 0 {
             self.spins = 0;
@@ -233,6 +264,9 @@ impl Net {
         self.tcp.flush().map_err(transport)?;
         if let Some(s) = &mut self.shm {
             s.flush().map_err(transport)?;
+        }
+        if let Some(r) = &mut self.rdma {
+            r.flush().map_err(transport)?;
         }
         Ok(())
     }
@@ -251,7 +285,9 @@ impl Net {
         self.spins = self.spins.wrapping_add(1);
         // Rings are read without a system call; a TCP peer is polled (one `epoll_wait` a
         // turn), which still answers sooner than a sleep and a wake-up.
-        let peers = self.shm.as_ref().is_some_and(|s| s.has_peers()) || self.tcp.has_peers();
+        let peers = self.shm.as_ref().is_some_and(|s| s.has_peers())
+            || self.tcp.has_peers()
+            || self.rdma.is_some();
         if peers && (self.spins % 64 != 0 || self.last_active.elapsed() < SPIN) {
             if self.crowded {
                 std::thread::yield_now();
@@ -260,7 +296,7 @@ impl Net {
             }
             return Ok(false);
         }
-        if self.shm.is_none() && extra.is_none() {
+        if self.shm.is_none() && self.rdma.is_none() && extra.is_none() {
             self.tcp.sleep(timeout).map_err(transport)?;
             return Ok(false);
         }
@@ -272,10 +308,18 @@ impl Net {
                 return Ok(false);
             }
         }
+        if let Some(r) = &mut self.rdma {
+            if !r.arm().map_err(transport)? {
+                return Ok(false);
+            }
+        }
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
         let mut fds = vec![PollFd::from_borrowed_fd(self.tcp.as_fd(), PollFlags::IN)];
         if let Some(s) = &self.shm {
             fds.push(PollFd::from_borrowed_fd(s.as_fd(), PollFlags::IN));
+        }
+        if let Some(r) = &self.rdma {
+            fds.push(PollFd::from_borrowed_fd(r.fd(), PollFlags::IN));
         }
         if let Some(e) = extra {
             fds.push(PollFd::from_borrowed_fd(e, PollFlags::IN));
@@ -288,8 +332,13 @@ impl Net {
             Ok(_) => {
                 let ready = |i: usize| fds.get(i).is_some_and(|f| !f.revents().is_empty());
                 let has_shm = self.shm.is_some() as usize;
-                self.woke = Some([ready(0), has_shm == 1 && ready(1)]);
-                Ok(extra.is_some() && ready(1 + has_shm))
+                let has_rdma = self.rdma.is_some() as usize;
+                self.woke = Some([
+                    ready(0),
+                    has_shm == 1 && ready(1),
+                    has_rdma == 1 && ready(1 + has_shm),
+                ]);
+                Ok(extra.is_some() && ready(1 + has_shm + has_rdma))
             }
             Err(e) if e == rustix::io::Errno::INTR => Ok(extra.is_some()),
             Err(e) => Err(std::io::Error::from(e).into()),

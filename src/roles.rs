@@ -20,6 +20,9 @@ pub(crate) struct Roster {
     pub servers: Vec<SocketAddr>,
     /// Each server's host identity ([`net::host_id`]), to find the ones on this host.
     pub server_hosts: Vec<String>,
+    /// Each server's RDMA listener, if it has an active RDMA device.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub server_rdma: Vec<Option<SocketAddr>>,
     /// The job's servers and workers on this node's host, itself included (at least 1), so
     /// that waits know when the job's processes outnumber the cores.
     pub local_processes: usize,
@@ -41,10 +44,15 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
     };
     let mut servers = Vec::new();
     let mut server_hosts = Vec::new();
+    let mut server_rdma = Vec::new();
     for l in lines {
         let mut w = l.split_whitespace();
         servers.push(w.next().ok_or_else(bad)?.parse().map_err(|_| bad())?);
         server_hosts.push(w.next().unwrap_or("-").to_string());
+        server_rdma.push(match w.next() {
+            None | Some("-") => None,
+            Some(a) => Some(a.parse().map_err(|_| bad())?),
+        });
     }
     if servers.len() != num_servers {
         return Err(bad());
@@ -55,6 +63,7 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
         num_servers,
         servers,
         server_hosts,
+        server_rdma,
         local_processes,
     })
 }
@@ -65,16 +74,20 @@ pub(crate) fn join(
     sched: &mut TcpStream,
     role: u64,
     addr: Option<SocketAddr>,
+    rdma: Option<SocketAddr>,
 ) -> crate::Result<Roster> {
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
     hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);
-    // The secret, this node's address (a worker has none) and its host.
-    let mut payload = cfg.secret.clone();
-    payload.push('\n');
-    payload.push_str(&addr.map_or_else(|| "-".to_string(), |a| a.to_string()));
-    payload.push('\n');
-    payload.push_str(&net::host_id());
+    // The secret, this node's address (a worker has none), its host, and its RDMA listener.
+    let dash = |a: Option<SocketAddr>| a.map_or_else(|| "-".to_string(), |a| a.to_string());
+    let payload = format!(
+        "{}\n{}\n{}\n{}",
+        cfg.secret,
+        dash(addr),
+        net::host_id(),
+        dash(rdma)
+    );
     write_frame(
         sched,
         &FrameHeader::new(hello.encode(), payload.len() as u64),
@@ -155,14 +168,20 @@ mod tests {
 
     #[test]
     fn roster_parses_and_rejects_garbage() {
-        let r = parse_roster("1 4 2\n127.0.0.1:5000 boot/net1\n127.0.0.1:5001").unwrap();
+        let r =
+            parse_roster("1 4 2\n127.0.0.1:5000 boot/net1 10.0.0.1:7000\n127.0.0.1:5001").unwrap();
         assert_eq!((r.rank, r.num_workers, r.num_servers), (1, 4, 2));
         assert_eq!(r.servers.len(), 2);
         assert_eq!(
             r.server_hosts,
             vec!["boot/net1".to_string(), "-".to_string()]
         );
+        assert_eq!(
+            r.server_rdma,
+            vec![Some("10.0.0.1:7000".parse().unwrap()), None]
+        );
         assert_eq!(r.local_processes, 1);
+        assert!(parse_roster("0 1 1\n127.0.0.1:5000 boot/net1 rdma?").is_err());
         let r = parse_roster("0 1 1 5\n127.0.0.1:5000 boot/net1").unwrap();
         assert_eq!(r.local_processes, 5);
         assert!(parse_roster("1 4 2\n127.0.0.1:5000").is_err());

@@ -35,6 +35,7 @@ enum Event {
         msg: Msg,
         addr: Option<SocketAddr>,
         host: String,
+        rdma: Option<SocketAddr>,
         writer: TcpStream,
     },
     Frame {
@@ -52,6 +53,8 @@ struct Node {
     hint: Option<u32>,
     addr: Option<SocketAddr>,
     host: String,
+    /// A server's RDMA listener, when it has an active device.
+    rdma: Option<SocketAddr>,
     writer: TcpStream,
     rank: usize,
     done: bool,
@@ -105,6 +108,10 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) 
         .filter(|h| !h.is_empty() && !h.contains(char::is_whitespace))
         .unwrap_or("-")
         .to_string();
+    let rdma = lines
+        .next()
+        .and_then(|a| std::str::from_utf8(a).ok())
+        .and_then(|a| a.parse().ok());
     let Ok(writer) = s.try_clone() else { return };
     let _ = writer.set_write_timeout(Some(Duration::from_secs(10)));
     if tx
@@ -113,6 +120,7 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) 
             msg,
             addr,
             host,
+            rdma,
             writer,
         })
         .is_err()
@@ -226,6 +234,7 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
                 msg,
                 addr,
                 host,
+                rdma,
                 writer,
             } => {
                 let list = match msg.key {
@@ -244,6 +253,7 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
                         hint,
                         addr,
                         host,
+                        rdma,
                         writer,
                         rank: 0,
                         done: false,
@@ -274,7 +284,8 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
     for id in &servers {
         let n = &nodes[id];
         let addr = n.addr.map(|a| a.to_string()).unwrap_or_default();
-        addrs[n.rank] = format!("{addr} {}", n.host);
+        let rdma = n.rdma.map_or_else(|| "-".to_string(), |a| a.to_string());
+        addrs[n.rank] = format!("{addr} {} {rdma}", n.host);
     }
     let hosts: Vec<String> = nodes.values().map(|n| n.host.clone()).collect();
     for n in nodes.values_mut() {

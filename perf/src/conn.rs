@@ -317,3 +317,39 @@ pub fn shm_client(name: &str, timeout: Duration) -> Result<Conn, String> {
         .map_err(|e| format!("shm name {name}: {e}"))?;
     Ok(Conn::new(Box::new(b), Some(p)))
 }
+
+/// A verbs backend on the first device with an active port, listening on `port` of the
+/// device's first address (the queue pairs take the path of the TCP link they are set up on).
+#[cfg(feature = "rdma")]
+pub fn rdma_server(port: u16) -> Result<Box<dyn Backend>, String> {
+    let mut b = kvstore_transport::RdmaBackend::new(Default::default()).map_err(err)?;
+    let ip = rdma_address(&b)?;
+    b.listen(std::net::SocketAddr::new(ip, port))
+        .map_err(|e| format!("{ip} port {port}: {e}"))?;
+    Ok(Box::new(b))
+}
+
+/// A verbs backend connected to the one listening at `host` (default: this device's first
+/// address) and `port`.
+#[cfg(feature = "rdma")]
+pub fn rdma_client(host: Option<&str>, port: u16, timeout: Duration) -> Result<Conn, String> {
+    let mut b = kvstore_transport::RdmaBackend::new(Default::default()).map_err(err)?;
+    let ip = match host {
+        Some(h) => h.parse().map_err(|_| format!("{h} is not an IP address"))?,
+        None => rdma_address(&b)?,
+    };
+    let addr = std::net::SocketAddr::new(ip, port);
+    let p = b
+        .connect(addr, timeout)
+        .map_err(|e| format!("connecting to {addr}: {e}"))?;
+    Ok(Conn::new(Box::new(b), Some(p)))
+}
+
+/// The device's first address (IPv4 first).
+#[cfg(feature = "rdma")]
+fn rdma_address(b: &kvstore_transport::RdmaBackend) -> Result<std::net::IpAddr, String> {
+    b.addresses()
+        .first()
+        .copied()
+        .ok_or_else(|| format!("{} has no RoCE address", b.device()))
+}

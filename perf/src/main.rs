@@ -141,6 +141,11 @@ fn connect(a: &RawArgs, server: bool) -> Result<Conn, String> {
     let timeout = Duration::from_secs_f64(a.timeout);
     let name = a.port.to_string();
     match (a.transport, server) {
+        #[cfg(feature = "rdma")]
+        (TransportKind::Rdma, true) => Conn::accept(conn::rdma_server(a.port)?, timeout),
+        #[cfg(feature = "rdma")]
+        (TransportKind::Rdma, false) => conn::rdma_client(a.host.as_deref(), a.port, timeout),
+        #[cfg(not(feature = "rdma"))]
         (TransportKind::Rdma, _) => Err(NO_RDMA.into()),
         (TransportKind::Tcp, true) => Conn::accept(conn::tcp_server(a.port)?, timeout),
         (TransportKind::Tcp, false) => {
@@ -163,7 +168,9 @@ fn connect(a: &RawArgs, server: bool) -> Result<Conn, String> {
     }
 }
 
-const NO_RDMA: &str = "the RDMA transport is not built yet (no verbs support in this build)";
+#[cfg(not(feature = "rdma"))]
+const NO_RDMA: &str =
+    "this kvperf has no RDMA: build it with `--features rdma` (needs libibverbs-dev libclang-dev)";
 
 fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
     let sizes = match &a.size {
@@ -176,6 +183,7 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
     if a.duration.is_some_and(|d| d.is_nan() || d <= 0.0) {
         return Err("--duration must be positive".into());
     }
+    #[cfg(not(feature = "rdma"))]
     if a.transport == TransportKind::Rdma {
         return Err(NO_RDMA.into());
     }
@@ -189,7 +197,7 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
     if a.local {
         // A free port (tcp) or a fresh name (shm) for this run's server process.
         a.port = match a.transport {
-            TransportKind::Tcp => std::net::TcpListener::bind("127.0.0.1:0")
+            TransportKind::Tcp | TransportKind::Rdma => std::net::TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.local_addr())
                 .map(|s| s.port())
                 .map_err(|e| e.to_string())?,

@@ -40,9 +40,9 @@ pub(crate) struct PushPull {
     /// One JSON object per size instead of a table.
     #[arg(long)]
     json: bool,
-    /// The transport between workers and servers on one host: auto, tcp or shm
-    /// (KVSTORE_TRANSPORT).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm"])]
+    /// The transport between workers and servers: auto, tcp, shm or rdma
+    /// (KVSTORE_TRANSPORT; rdma needs a kvperf built with `--features rdma`).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "shm", "rdma"])]
     transport: String,
     /// What each iteration does: push then pull (two calls), push, pull, or pushpull (one
     /// call). The latency columns time the first call of the iteration.

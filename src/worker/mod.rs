@@ -56,9 +56,15 @@ pub struct DistWorker {
     claims: Vec<(calls::CallId, std::sync::Weak<()>)>,
 }
 
-/// Connects to every server: over shared memory to those on this host (unless
-/// `KVSTORE_TRANSPORT` says otherwise), over TCP to the others.
-fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, Vec<Addr>)> {
+/// Connects to every server: over shared memory to those on this host, over RDMA to those on
+/// other hosts where both ends have an active device (feature `rdma`), over TCP to the others;
+/// `KVSTORE_TRANSPORT` forces one, and a pair that cannot use it is an error naming the
+/// reason. Prints the choice, one line.
+fn connect_servers(
+    cfg: &Config,
+    rank: usize,
+    roster: &crate::roles::Roster,
+) -> Result<(Net, Vec<Addr>)> {
     let choice = cfg.transport;
     let me = net::host_id();
     let local: Vec<bool> = (0..roster.servers.len())
@@ -72,7 +78,8 @@ fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, 
             )));
         }
     }
-    let want_shm = choice != TransportChoice::Tcp && local.iter().any(|l| *l);
+    let want_shm =
+        matches!(choice, TransportChoice::Auto | TransportChoice::Shm) && local.iter().any(|l| *l);
     // The send pool holds kv.alloc arrays and staged sends; the landing pool what servers
     // are granted to write (small answers, and any where cross-memory writes are refused).
     let mut net = Net::new(
@@ -81,7 +88,9 @@ fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, 
         cfg.shm_pool_bytes,
         cfg.shm_pool_bytes,
     )?;
+    let mut rdma = Rdma::open(cfg, roster, &local);
     let mut links = Vec::with_capacity(roster.servers.len());
+    let mut notes = Vec::new();
     for (i, addr) in roster.servers.iter().enumerate() {
         let mut link = None;
         if let (true, Some(shm)) = (local[i], &mut net.shm) {
@@ -94,6 +103,24 @@ fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, 
                 }
                 Err(e) if choice == TransportChoice::Shm => return Err(e.into()),
                 Err(_) => {}
+            }
+        }
+        if link.is_none() && (choice == TransportChoice::Rdma || !local[i]) {
+            match rdma.connect(cfg, roster, i) {
+                Ok(Some(peer)) => {
+                    link = Some(Addr {
+                        medium: Medium::Rdma,
+                        peer,
+                    })
+                }
+                Ok(None) => {}
+                Err(why) if choice == TransportChoice::Rdma => {
+                    return Err(KvError::Config(format!(
+                        "KVSTORE_TRANSPORT=rdma, but server {i} ({addr}) cannot be reached over \
+                         RDMA: {why}"
+                    )))
+                }
+                Err(why) => notes.push(format!("server {i} over TCP: {why}")),
             }
         }
         let link = match link {
@@ -109,17 +136,103 @@ fn connect_servers(cfg: &Config, roster: &crate::roles::Roster) -> Result<(Net, 
     if shm_links == 0 {
         net.shm = None;
     }
+    let device = rdma.finish(&mut net, &links);
     // The job's processes on this host (the scheduler counts them) share its cores.
     net.set_local_processes(roster.local_processes);
+    let pairs: Vec<String> = links
+        .iter()
+        .enumerate()
+        .map(|(i, a)| match (a.medium, &device) {
+            (Medium::Rdma, Some(d)) => format!("server {i} rdma ({d})"),
+            (m, _) => format!("server {i} {}", m.name()),
+        })
+        .collect();
+    eprintln!("kvstore worker {rank}: {}", pairs.join(", "));
+    for n in notes {
+        eprintln!("kvstore worker {rank}: {n}");
+    }
     Ok((net, links))
+}
+
+/// A worker's RDMA device while it connects, where the `rdma` feature is built.
+#[cfg(feature = "rdma")]
+struct Rdma(Option<std::result::Result<kvstore_transport::RdmaBackend, String>>);
+
+#[cfg(feature = "rdma")]
+impl Rdma {
+    /// Opens the device if some server may be reached over RDMA (a server on another host
+    /// that listens for RDMA, or every server when RDMA is forced).
+    fn open(cfg: &Config, roster: &crate::roles::Roster, local: &[bool]) -> Rdma {
+        let forced = cfg.transport == TransportChoice::Rdma;
+        let wanted = forced
+            || (cfg.transport == TransportChoice::Auto
+                && (0..local.len()).any(|i| !local[i] && roster.server_rdma[i].is_some()));
+        Rdma(wanted.then(|| crate::rdma::open(cfg)))
+    }
+
+    /// Connects to server `i` over RDMA: `Ok(None)` where RDMA is not wanted, an error with
+    /// the reason where it was and cannot be had.
+    fn connect(
+        &mut self,
+        cfg: &Config,
+        roster: &crate::roles::Roster,
+        i: usize,
+    ) -> std::result::Result<Option<kvstore_transport::PeerId>, String> {
+        let Some(dev) = &mut self.0 else {
+            return Ok(None);
+        };
+        let b = dev
+            .as_mut()
+            .map_err(|e| format!("this worker has no RDMA device ({e})"))?;
+        let Some(at) = roster.server_rdma[i] else {
+            return Err("the server has no active RDMA device (its log says why)".into());
+        };
+        crate::rdma::connect(b, at, cfg.timeout).map(Some)
+    }
+
+    /// Gives the device to `net` if some link uses it; returns its name.
+    fn finish(self, net: &mut Net, links: &[Addr]) -> Option<String> {
+        let b = self.0?.ok()?;
+        if !links.iter().any(|a| a.medium == Medium::Rdma) {
+            return None;
+        }
+        let name = b.device().to_string();
+        net.rdma = Some(Box::new(b));
+        Some(name)
+    }
+}
+
+/// A build without RDMA: no server is reached over it (`KVSTORE_TRANSPORT=rdma` is refused
+/// when the configuration is read).
+#[cfg(not(feature = "rdma"))]
+struct Rdma;
+
+#[cfg(not(feature = "rdma"))]
+impl Rdma {
+    fn open(_: &Config, _: &crate::roles::Roster, _: &[bool]) -> Rdma {
+        Rdma
+    }
+
+    fn connect(
+        &mut self,
+        _: &Config,
+        _: &crate::roles::Roster,
+        _: usize,
+    ) -> std::result::Result<Option<kvstore_transport::PeerId>, String> {
+        Ok(None)
+    }
+
+    fn finish(self, _: &mut Net, _: &[Addr]) -> Option<String> {
+        None
+    }
 }
 
 impl DistWorker {
     /// Joins the job described by `cfg` as a worker and connects to every server.
     pub(crate) fn connect(cfg: Config) -> Result<DistWorker> {
         let mut sched = connect_retry(cfg.root, cfg.timeout)?;
-        let roster = join(&cfg, &mut sched, role::WORKER, None)?;
-        let (net, servers) = connect_servers(&cfg, &roster)?;
+        let roster = join(&cfg, &mut sched, role::WORKER, None, None)?;
+        let (net, servers) = connect_servers(&cfg, roster.rank, &roster)?;
         let mut links = Links::new(net, servers, roster.rank as u32, cfg.timeout);
         links.hello(&cfg.secret)?;
         Ok(DistWorker {
@@ -151,13 +264,7 @@ impl DistWorker {
 
     /// The transport used to reach each server.
     pub(crate) fn transports(&self) -> Vec<&'static str> {
-        self.net
-            .media()
-            .map(|m| match m {
-                Medium::Shm => "shm",
-                Medium::Tcp => "tcp",
-            })
-            .collect()
+        self.net.media().map(Medium::name).collect()
     }
 
     /// `(copies, bytes)` of tensor bytes this store's shared-memory transport made here, with

@@ -437,7 +437,8 @@ impl RdmaBackend {
         let Some(s) = &mut p.sock else { return };
         let mut b = [0u8; 16];
         match s.read(&mut b) {
-            Ok(0) => self.lose(PeerId(id), TransportError::Closed),
+            // Its last messages may be in the completion queue: they go first (`progress`).
+            Ok(0) => self.ended.push(id),
             Ok(_) => self.lose(
                 PeerId(id),
                 TransportError::Refused("bytes on the RDMA link's TCP side".into()),

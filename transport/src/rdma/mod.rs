@@ -193,6 +193,8 @@ pub struct RdmaBackend {
     early: Vec<ops::OwnedWc>,
     /// Peers whose queue pair is up but whose handshake has not ended.
     starting: FxHashSet<u32>,
+    /// Peers whose TCP link reached its end: lost once what they sent before it is delivered.
+    ended: Vec<u32>,
 }
 
 fn set_nonblocking(fd: i32) -> Result<(), TransportError> {
@@ -279,6 +281,7 @@ impl RdmaBackend {
             calls: 0,
             early: Vec::new(),
             starting: FxHashSet::default(),
+            ended: Vec::new(),
         };
         b.cq.arm()?;
         Ok(b)
@@ -386,8 +389,14 @@ impl RdmaBackend {
     }
 }
 
+/// How long a backend being dropped waits for its posted operations to be acknowledged.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Drop for RdmaBackend {
     fn drop(&mut self) {
+        // What was posted leaves first (a worker's goodbye must not go down with its queue
+        // pair), for a short while at most.
+        self.linger(LINGER);
         // Queue pairs go to the error state first, so no peer writes anything while the
         // registrations are dropped.
         for p in self.peers.values() {

@@ -193,6 +193,15 @@ impl RdmaBackend {
         {
             return;
         }
+        self.write_credits(id, false);
+    }
+
+    /// An RDMA WRITE of the count of buffers posted again into the peer's credit word;
+    /// `signaled`: its completion says that everything posted before it was acknowledged.
+    fn write_credits(&mut self, id: u32, signaled: bool) {
+        let Some(p) = self.peers.get_mut(&id) else {
+            return;
+        };
         p.told = p.reposted;
         let mut w = wr_inline(
             ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
@@ -200,9 +209,38 @@ impl RdmaBackend {
         );
         w.wr.wr.rdma.remote_addr = p.their_credit.0;
         w.wr.wr.rdma.rkey = p.their_credit.1;
+        if signaled {
+            w.wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
         let r = self.post(id, vec![(w, None, None)], None, 0);
         if let Err(e) = r {
             self.lose(PeerId(id), e);
+        }
+    }
+
+    /// Waits, at most `limit`, until every peer has acknowledged what was posted to it: the
+    /// last post to each is followed by a signaled credit write, whose completion (RC order)
+    /// covers everything before it. For a backend being dropped.
+    pub(super) fn linger(&mut self, limit: std::time::Duration) {
+        self.push_unsent();
+        let busy: Vec<u32> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.posted.is_empty() && p.posted.len() < self.cfg.send_depth)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in busy {
+            self.write_credits(id, true);
+        }
+        let deadline = std::time::Instant::now() + limit;
+        while self.peers.values().any(|p| !p.posted.is_empty())
+            && std::time::Instant::now() < deadline
+        {
+            let mut n = 0;
+            if self.poll_cq(&mut |_| {}, &mut n).is_err() {
+                return;
+            }
+            std::thread::yield_now();
         }
     }
 }
@@ -498,6 +536,10 @@ impl Backend for RdmaBackend {
         self.poll_cq(on, &mut n)?;
         self.resume_held(on, &mut n);
         self.deliver(on, &mut n);
+        // A peer whose link ended is lost after what it sent before the end was delivered.
+        for id in std::mem::take(&mut self.ended) {
+            self.lose(PeerId(id), TransportError::Closed);
+        }
         self.push_unsent();
         n += crate::backend::deliver(&mut self.done, &mut self.lost, on);
         Ok(n)
