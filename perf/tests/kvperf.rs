@@ -200,7 +200,7 @@ fn bad_arguments_get_a_clear_message() {
     for (args, needle) in [
         (vec!["lat", "--size", "0"], "out of range"),
         (vec!["lat", "--sizes", "64:8"], "larger than MAX"),
-        (vec!["bw", "--transport", "rdma", "--local"], "not built"),
+        (vec!["bw", "--transport", "rdma", "--local"], "no RDMA"),
         (
             vec!["lat", "--transport", "carrier-pigeon"],
             "invalid value",

@@ -1,28 +1,49 @@
 #!/usr/bin/env bash
-# The RDMA suite over soft-RoCE: builds the verbs backend's tests (feature `rdma`), runs the
-# host-side ones here (a host without a device must get a clean error), builds the VM image
-# once (setup-vm.sh, cached under $SOFTROCE_DIR), and runs the conformance suite over rdma in
-# the VM, where rxe0 is up. Exits with the suite's status.
+# The RDMA suite over soft-RoCE. Builds with the `rdma` feature (release, in target/rdma, apart
+# from the default build), runs the host-side tests here (a host without a device gets clean
+# errors), builds the VM image once (setup-vm.sh, cached under $SOFTROCE_DIR), and runs in the
+# VM, where rxe0 is up: the transport conformance suite over rdma, the store's distributed
+# tests over rdma (tests/rdma.rs), kvperf over rdma beside perftest on the same device
+# (perf-in-vm.sh), and then a job across two VMs (two-vm-job.sh). Exits non-zero on any failure.
 #   tests/softroce/rdma-suite.sh
 # Needs: libibverbs-dev libclang-dev pkg-config (to build), root with apt-get the first time
-# (the image is made from Debian packages).
+# (the image is made from Debian packages). SKIP_PERF=1 and SKIP_TWO_VM=1 leave those parts out.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=tests/softroce
+export CARGO_TARGET_DIR=$PWD/target/rdma
 
 exe() {
-    # The test executable cargo built for tests/$1.rs.
-    cargo test -p kvstore-transport --features rdma --test "$1" --no-run 2>&1 \
-        | sed -n "s|.*Executable tests/$1.rs (\(.*\))|\1|p" | tail -n 1
+    # The test executable cargo built for tests/$2.rs of package $1.
+    cargo test --release -p "$1" --features rdma --test "$2" --no-run 2>&1 \
+        | sed -n "s|.*Executable tests/$2.rs (\(.*\))|\1|p" | tail -n 1
 }
 
-cargo build -p kvstore-transport --features rdma --tests
-cargo test -p kvstore-transport --features rdma --lib
-T=$(exe conformance)
-[ -x "$T" ] || { echo "rdma-suite: no conformance executable" >&2; exit 1; }
-# On this host: no device is a clean error (or, on a host with one, the backend opens it).
-"$T" rdma_without_a_device_is_a_clean_error
+cargo build --release -p kvstore --features rdma --examples
+cargo build --release -p kvstore-launcher -p kvstore-perf --features kvstore-perf/rdma --bins
+cargo test --release -p kvstore-transport --features rdma --lib
+CONF=$(exe kvstore-transport conformance)
+DIST=$(exe kvstore rdma)
+for t in "$CONF" "$DIST"; do
+    [ -x "$t" ] || { echo "rdma-suite: a test executable is missing" >&2; exit 1; }
+done
+
+# On this host (no device): clean errors, and a job that runs over TCP and says why.
+"$CONF" rdma_without_a_device_is_a_clean_error
+"$DIST" rdma_forced_without_a_device_is_an_error_naming_the_reason
 
 "$HERE/setup-vm.sh"
-# In the VM: every conformance test over rdma, the registration cache, and the device found.
-VM_TIMEOUT=${VM_TIMEOUT:-600} "$HERE/run-in-vm.sh" -C "$PWD" "$T rdma --test-threads=1"
+# In the VM: the conformance suite over rdma; the store's tests over rdma, the port-down
+# fault last (it takes eth0 down and up again).
+VM_MEM=${VM_MEM:-2048} VM_TIMEOUT=${VM_TIMEOUT:-1200} "$HERE/run-in-vm.sh" -C "$PWD" \
+    "set -e; $CONF rdma --test-threads=1; \
+     $DIST --test-threads=1 --skip rdma_forced_without --skip rdma_the_port_going_down; \
+     $DIST --test-threads=1 rdma_the_port_going_down"
+
+if [ "${SKIP_PERF:-0}" != 1 ]; then
+    VM_TIMEOUT=${VM_TIMEOUT:-600} "$HERE/run-in-vm.sh" -C "$PWD" \
+        "sh $HERE/perf-in-vm.sh $CARGO_TARGET_DIR/release/kvperf"
+fi
+if [ "${SKIP_TWO_VM:-0}" != 1 ]; then
+    "$HERE/two-vm-job.sh" "$CARGO_TARGET_DIR/release"
+fi

@@ -1,0 +1,233 @@
+//! The distributed store over RDMA verbs (feature `rdma`), with real processes: values exact in
+//! both sync modes for several W and S, the faults (a killed worker, a killed server, the port
+//! going down), and what a host without a device does. `tests/softroce/rdma-suite.sh` runs
+//! the tests that need a device in a VM with soft-RoCE (rxe0), and
+//! `rdma_forced_without_a_device_is_an_error_naming_the_reason` on a host without one.
+#![cfg(feature = "rdma")]
+
+mod util;
+
+use std::time::{Duration, Instant};
+
+use util::{assert_job_ok, finish, ManualJob};
+
+/// RDMA forced for every pair (the VM is one host: rxe takes its loopback path).
+const RDMA: (&str, &str) = ("KVSTORE_TRANSPORT", "rdma");
+
+/// Fails unless this host has an RDMA device: these tests are meant for the soft-RoCE VM.
+fn need_device() {
+    match kvstore_transport::rdma::devices() {
+        Ok(d) if !d.is_empty() => {}
+        other => panic!("no RDMA device here ({other:?}): run tests/softroce/rdma-suite.sh"),
+    }
+}
+
+/// A `dist_check` job over RDMA; asserts it succeeded and every pair used RDMA.
+fn job(w: u32, s: u32, scenario: &str, kind: &str, env: &[(&str, &str)]) -> util::Run {
+    need_device();
+    let mut e = env.to_vec();
+    e.push(RDMA);
+    let r = util::kvrun_check_timeout(w, s, scenario, kind, &e, 60);
+    assert_job_ok(&r, w, scenario);
+    let pairs: Vec<&str> = r
+        .stdout
+        .lines()
+        .filter(|l| l.contains("reaches server"))
+        .collect();
+    assert_eq!(pairs.len() as u32, w * s, "{}", r.all());
+    assert!(
+        pairs.iter().all(|l| l.ends_with("via rdma")),
+        "every pair over rdma\n{}",
+        r.all()
+    );
+    r
+}
+
+#[test]
+fn rdma_tutorial_values_dist_sync() {
+    for (w, s) in [(1, 1), (2, 2), (3, 2)] {
+        job(w, s, "seed", "dist_sync", &[]);
+    }
+}
+
+#[test]
+fn rdma_dist_async_applies_every_push() {
+    for (w, s) in [(1, 2), (2, 2)] {
+        job(
+            w,
+            s,
+            "async",
+            "dist_async",
+            &[("KVSTORE_BIGARRAY_BOUND", "4")],
+        );
+    }
+}
+
+#[test]
+fn rdma_big_tensors_are_sliced_and_reassembled() {
+    // Slices of 100 elements over 3 servers; the tensors stay well under 1 MiB.
+    job(
+        2,
+        3,
+        "big",
+        "dist_sync",
+        &[("KVSTORE_BIGARRAY_BOUND", "100")],
+    );
+}
+
+#[test]
+fn rdma_calls_in_flight_slots_and_batches() {
+    let bound = [("KVSTORE_BIGARRAY_BOUND", "1000")];
+    job(2, 2, "inflight", "dist_sync", &bound);
+    job(2, 2, "slots", "dist_sync", &bound);
+    job(2, 2, "batches", "dist_sync", &bound);
+}
+
+#[test]
+fn rdma_optimizers_and_registered_updaters() {
+    job(
+        2,
+        2,
+        "optimizers",
+        "dist_sync",
+        &[("KVSTORE_BIGARRAY_BOUND", "100")],
+    );
+    job(2, 2, "custom", "dist_async", &[]);
+}
+
+#[test]
+fn rdma_bad_input_is_refused_and_changes_nothing() {
+    let r = job(2, 2, "errors", "dist_sync", &[]);
+    assert!(r.stdout.contains("refused unknown key"), "{}", r.all());
+}
+
+#[test]
+fn rdma_a_late_answer_never_lands_in_memory_a_failed_call_gave_back() {
+    need_device();
+    let r = util::kvrun_check_timeout(2, 1, "late", "dist_sync", &[RDMA], 3);
+    for want in [
+        "timed out as configured",
+        "late round done",
+        "no late write landed",
+    ] {
+        assert!(r.stdout.contains(want), "{want}\n{}", r.all());
+    }
+    assert_eq!(r.code, Some(0), "{}", r.all());
+}
+
+#[test]
+fn rdma_a_killed_worker_fails_the_others_and_the_servers() {
+    need_device();
+    let env = [("KVSTORE_TIMEOUT", "30"), RDMA];
+    let t0 = Instant::now();
+    let mut job = ManualJob::start(2, 2, &["die", "dist_sync"], &env);
+    let workers = std::mem::take(&mut job.workers);
+    let results: Vec<_> = workers
+        .into_iter()
+        .map(|w| finish(w, Duration::from_secs(60)))
+        .collect();
+    assert_eq!(results[0].0, Some(4), "{}", results[0].1);
+    assert!(results[0].1.contains("stopped"), "{}", results[0].1);
+    for s in std::mem::take(&mut job.servers) {
+        let (code, out) = finish(s, Duration::from_secs(60));
+        assert_eq!(code, Some(1), "a server stops with an error: {out}");
+        assert!(out.contains("worker 1") || out.contains("aborted"), "{out}");
+    }
+    let (code, _) = finish(job.scheduler, Duration::from_secs(60));
+    assert_eq!(code, Some(1));
+    // Detected through the TCP link and the queue pair, not by a timeout.
+    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+}
+
+/// Starts a job whose workers push and pull until an error, waits for worker 0 to be ready,
+/// does `fault`, and asserts that worker 0's pending call failed (peer lost or job aborted)
+/// within `bound`, and that the store then refused further calls.
+fn fault_fails_pending_calls(fault: impl FnOnce(&mut ManualJob), bound: Duration) {
+    need_device();
+    let env = [("KVSTORE_TIMEOUT", "60"), RDMA];
+    let mut job = ManualJob::start(2, 2, &["until_error", "dist_sync"], &env);
+    let mut w0 = job.workers.remove(0);
+    let lines = ManualJob::lines(&mut w0);
+    ManualJob::wait_for(&lines, "ready", Duration::from_secs(60));
+    let t0 = Instant::now();
+    fault(&mut job);
+    let (code, err) = finish(w0, bound);
+    let took = t0.elapsed();
+    let mut got = Vec::new();
+    while let Ok(l) = lines.recv_timeout(Duration::from_secs(5)) {
+        got.push(l);
+    }
+    let out = format!("{}\n{err}", got.join("\n"));
+    job.kill_all();
+    assert_eq!(code, Some(5), "{out}");
+    assert!(
+        out.contains("error kind PeerLost") || out.contains("error kind Aborted"),
+        "{out}"
+    );
+    assert!(out.contains("later call refused"), "{out}");
+    assert!(took < bound, "took {took:?}");
+}
+
+#[test]
+fn rdma_a_killed_server_makes_pending_calls_fail() {
+    fault_fails_pending_calls(
+        |job| {
+            job.servers[0].kill().unwrap();
+            let _ = job.servers[0].wait();
+        },
+        Duration::from_secs(30),
+    );
+}
+
+/// The network device under the first RDMA device (rxe0's eth0).
+fn netdev() -> String {
+    let dev = kvstore_transport::rdma::devices().unwrap().remove(0);
+    let p = format!("/sys/class/infiniband/{dev}/ports/1/gid_attrs/ndevs/0");
+    std::fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("{p}: {e}"))
+        .trim()
+        .to_string()
+}
+
+fn ip_link(dev: &str, state: &str) {
+    let ok = std::process::Command::new("ip")
+        .args(["link", "set", dev, state])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "ip link set {dev} {state}");
+}
+
+#[test]
+fn rdma_the_port_going_down_fails_pending_calls() {
+    need_device();
+    let dev = netdev();
+    fault_fails_pending_calls(|_| ip_link(&dev, "down"), Duration::from_secs(30));
+    ip_link(&dev, "up");
+    // The port comes back for whatever runs next.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while kvstore_transport::RdmaBackend::new(Default::default()).is_err() {
+        assert!(Instant::now() < deadline, "the port did not come back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn rdma_forced_without_a_device_is_an_error_naming_the_reason() {
+    assert!(
+        kvstore_transport::rdma::devices().is_err_and(|_| true)
+            || kvstore_transport::rdma::devices().is_ok_and(|d| d.is_empty()),
+        "this test is for a host without an RDMA device"
+    );
+    let r = util::kvrun_check_timeout(1, 1, "seed", "dist_sync", &[RDMA], 20);
+    assert_ne!(r.code, Some(0), "{}", r.all());
+    assert!(
+        r.stderr
+            .contains("KVSTORE_TRANSPORT=rdma, but this server has no RDMA"),
+        "{}",
+        r.all()
+    );
+    // Without the variable the same build runs, and says why it has no RDMA.
+    let r = util::kvrun_check(1, 1, "seed", "dist_sync", &[]);
+    assert_job_ok(&r, 1, "seed");
+    assert!(r.stderr.contains("no RDMA ("), "{}", r.all());
+}
