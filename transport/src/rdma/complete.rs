@@ -204,6 +204,23 @@ impl RdmaBackend {
                                 g.len
                             )));
                         }
+                        if h.flags & EAGER != 0 {
+                            // The data came in the message: it goes into the grant here.
+                            if HEAD + len > got {
+                                return Err(TransportError::Refused(format!(
+                                    "a put of {len} bytes in a message of {got}"
+                                )));
+                            }
+                            // SAFETY: the source lies in the received bytes of the buffer
+                            // (checked), not posted again before this copy; the destination
+                            // is the granted range (checked), which the owner gave this peer
+                            // to write and does not read until the put is reported.
+                            unsafe {
+                                let src =
+                                    std::slice::from_raw_parts((base + HEAD) as *const u8, len);
+                                g.region.write(g.start + off, src)?;
+                            }
+                        }
                         let item = Inbound::Put {
                             grant: h.id,
                             offset: off,

@@ -58,21 +58,25 @@ impl RdmaBackend {
                 self.cfg.max_peers
             )));
         }
-        let cap = ffi::ibv_qp_cap {
+        let cap = |inline: usize| ffi::ibv_qp_cap {
             max_send_wr: self.cfg.send_depth as u32,
             max_recv_wr: self.cfg.receives as u32,
             max_send_sge: 1,
             max_recv_sge: 1,
-            max_inline_data: HEAD as u32,
+            max_inline_data: inline as u32,
         };
-        let qp = Qp::new(&self.pd, &self.cq, cap)?;
+        // As much inline data as the device allows, up to INLINE; read back below.
+        let qp = match Qp::new(&self.pd, &self.cq, cap(wire::INLINE)) {
+            Ok(qp) => qp,
+            Err(_) => Qp::new(&self.pd, &self.cq, cap(HEAD))?,
+        };
         let recv = Mem::zeroed(self.cfg.receives * self.cfg.buffer);
         let recv_s: Arc<dyn Storage> = recv.clone();
         let recv_mr = Mr::new(&self.pd, &recv_s, 0, recv.len(), LOCAL)?;
         let credit = Mem::zeroed(8);
         let credit_s: Arc<dyn Storage> = credit.clone();
         let credit_mr = Mr::new(&self.pd, &credit_s, 0, 8, LOCAL | REMOTE_WRITE)?;
-        let max_inline = qp.cap.max_inline_data as usize;
+        let max_inline = (qp.cap.max_inline_data as usize).min(wire::INLINE);
         let id = self.next_peer;
         self.next_peer += 1;
         self.starting.insert(id);

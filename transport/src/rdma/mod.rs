@@ -153,10 +153,12 @@ type Cached = (Weak<dyn Storage>, Arc<Mr>);
 
 struct Grant {
     peer: PeerId,
+    /// Where the granted range begins in `region`, and its length.
+    start: usize,
     len: usize,
     _mr: Mr,
     /// The region granted, held alive with the registration.
-    _region: Region,
+    region: Region,
     revoking: Option<Token>,
 }
 
@@ -187,8 +189,11 @@ pub struct RdmaBackend {
     lost: VecDeque<(PeerId, TransportError)>,
     armed: bool,
     registrations: u64,
-    /// Progress calls: the event descriptors are looked at on some of them.
+    /// Progress calls, and when the event descriptors (listener, TCP links, device events)
+    /// were last looked at: a busy loop looks every [`EVENTS_EVERY`], not on every call (each
+    /// look is a system call, which the completion path does not need).
     calls: u32,
+    last_events: std::time::Instant,
     /// Work completions found by the look after arming, or of peers still starting.
     early: Vec<ops::OwnedWc>,
     /// Peers whose queue pair is up but whose handshake has not ended.
@@ -279,6 +284,7 @@ impl RdmaBackend {
             armed: false,
             registrations: 0,
             calls: 0,
+            last_events: std::time::Instant::now(),
             early: Vec::new(),
             starting: FxHashSet::default(),
             ended: Vec::new(),
@@ -388,6 +394,9 @@ impl RdmaBackend {
         unsafe { BorrowedFd::borrow_raw(self.poll.as_raw_fd()) }
     }
 }
+
+/// How often a busy loop looks at the event descriptors.
+const EVENTS_EVERY: std::time::Duration = std::time::Duration::from_micros(500);
 
 /// How long a backend being dropped waits for its posted operations to be acknowledged.
 const LINGER: std::time::Duration = std::time::Duration::from_secs(2);

@@ -10,7 +10,8 @@ use rdma_sys as ffi;
 use super::setup::HEAD;
 use super::verbs::{Mr, LOCAL, REMOTE_WRITE};
 use super::wire::{
-    credit_word, wr, wr_inline, Head, Wr, EAGER, INDEX, MSG, PUT, RESERVE, REVOKE, RNDV, WR_SEND,
+    credit_word, wr, wr_inline, Head, Wr, EAGER, INDEX, INLINE, MSG, PUT, RESERVE, REVOKE, RNDV,
+    WR_SEND,
 };
 use super::{Grant, Inbound, Peer, Posted, RdmaBackend, KIND_RDMA};
 use crate::backend::Place;
@@ -94,11 +95,22 @@ impl RdmaBackend {
         p.told = p.reposted;
         let dlen = data.as_ref().map_or(0, |(_, r)| r.len());
         let len = HEAD + body.len() + dlen;
-        if len <= p.max_inline && body.is_empty() && dlen == 0 {
-            return Some((
-                wr_inline(ffi::ibv_wr_opcode::IBV_WR_SEND, &head.encode()),
-                None,
-            ));
+        if len <= p.max_inline {
+            let mut b = [0u8; INLINE];
+            b[..HEAD].copy_from_slice(&head.encode());
+            b[HEAD..HEAD + body.len()].copy_from_slice(body);
+            if let Some((r, range)) = data {
+                // SAFETY: the range was checked against the region; the caller does not
+                // write it during the call; `b` is a distinct local buffer.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        r.mem.ptr().add(range.start),
+                        b.as_mut_ptr().add(HEAD + body.len()),
+                        dlen,
+                    )
+                };
+            }
+            return Some((wr_inline(ffi::ibv_wr_opcode::IBV_WR_SEND, &b[..len]), None));
         }
         let slot = self.free_sends.pop()?;
         let at = slot as usize * self.cfg.buffer;
@@ -299,9 +311,10 @@ impl Backend for RdmaBackend {
             id,
             Grant {
                 peer,
+                start: range.start,
                 len: range.len(),
                 _mr: mr,
-                _region: r.clone(),
+                region: r.clone(),
                 revoking: None,
             },
         );
@@ -456,6 +469,24 @@ impl Backend for RdmaBackend {
         {
             return Ok(Sent::WouldBlock);
         }
+        if len <= self.cfg.eager_put && HEAD + len <= self.cfg.buffer {
+            // Small: the data rides in the notice and the receiver copies it into the grant,
+            // one message where a write and a notice would be two (fewer packets, one post).
+            let head = Head {
+                kind: PUT,
+                flags: EAGER,
+                word: imm,
+                id: dst.id,
+                off: offset as u64,
+                len: len as u64,
+                ..Head::default()
+            };
+            let Some((w, slot)) = self.send_wr(peer.0, head, &[], Some((src, range))) else {
+                return Ok(Sent::WouldBlock);
+            };
+            self.post(peer.0, vec![(w, slot, None)], Some(token), 1)?;
+            return Ok(Sent::Posted);
+        }
         let mr = self.mr_of(src)?;
         let mut chain = Vec::with_capacity(writes + 1);
         for at in (0..len).step_by(step) {
@@ -527,7 +558,9 @@ impl Backend for RdmaBackend {
     fn progress(&mut self, on: &mut dyn FnMut(Completion<'_>)) -> Result<usize, TransportError> {
         let mut n = 0;
         self.calls = self.calls.wrapping_add(1);
-        if std::mem::take(&mut self.armed) || self.calls % 16 == 0 || !self.handshakes.is_empty() {
+        let due = self.calls % 16 == 0 && self.last_events.elapsed() >= super::EVENTS_EVERY;
+        if std::mem::take(&mut self.armed) || due || !self.handshakes.is_empty() {
+            self.last_events = std::time::Instant::now();
             self.poll_events(on, &mut n)?;
         }
         for w in std::mem::take(&mut self.early) {

@@ -42,6 +42,9 @@ pub struct RdmaConfig {
     pub max_peers: usize,
     /// How long the queue-pair exchange of a new connection may take.
     pub handshake_timeout: Duration,
+    /// Puts of at most this many bytes go as one SEND carrying the data, which the receiver
+    /// copies into the grant; larger ones are RDMA WRITEs and a notice (0: always writes).
+    pub eager_put: usize,
 }
 
 impl Default for RdmaConfig {
@@ -61,6 +64,7 @@ impl Default for RdmaConfig {
             send_depth: 256,
             max_peers: 64,
             handshake_timeout: Duration::from_secs(5),
+            eager_put: 8192,
         }
     }
 }

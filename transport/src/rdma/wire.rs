@@ -102,12 +102,17 @@ pub(super) fn post_receive(p: &Peer, i: u32, size: usize) -> Result<(), Transpor
 pub(super) struct Wr {
     pub(super) wr: ffi::ibv_send_wr,
     sge: ffi::ibv_sge,
-    inline: [u8; HEAD],
+    inline: [u8; INLINE],
 }
 
-/// A request whose payload (at most [`HEAD`] bytes) is copied into the queue by the post.
+/// The most inline bytes a queue pair is asked for (a header, a short body and small data):
+/// the post copies them into the queue, so the message needs no send buffer and the device no
+/// DMA read. The device may give less; a QP that cannot have this many gets [`HEAD`].
+pub(super) const INLINE: usize = 256;
+
+/// A request whose payload (at most [`INLINE`] bytes) is copied into the queue by the post.
 pub(super) fn wr_inline(opcode: u32, payload: &[u8]) -> Box<Wr> {
-    let n = payload.len().min(HEAD);
+    let n = payload.len().min(INLINE);
     let mut b = wr(
         opcode,
         ffi::ibv_sge {
@@ -131,7 +136,7 @@ pub(super) fn wr(opcode: u32, sge: ffi::ibv_sge, flags: u32) -> Box<Wr> {
     let mut b = Box::new(Wr {
         wr: w,
         sge,
-        inline: [0; HEAD],
+        inline: [0; INLINE],
     });
     b.wr.sg_list = &mut b.sge;
     b
