@@ -231,3 +231,29 @@ fn rdma_forced_without_a_device_is_an_error_naming_the_reason() {
     assert_job_ok(&r, 1, "seed");
     assert!(r.stderr.contains("no RDMA ("), "{}", r.all());
 }
+
+/// Run as a user without CAP_IPC_LOCK under a small `ulimit -l` (the suite does: root's
+/// capability ignores the limit): the backend refuses up front, naming the limit and the fix,
+/// never a bare ENOMEM from `ibv_reg_mr`.
+#[test]
+fn rdma_the_locked_memory_limit_is_reported_with_the_fix() {
+    need_device();
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap();
+    assert_ne!(
+        uid.split_whitespace().nth(1),
+        Some("0"),
+        "run this test as a user other than root"
+    );
+    let e = match kvstore_transport::RdmaBackend::new(Default::default()) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("the backend opened under a locked-memory limit too small for it"),
+    };
+    for want in ["RLIMIT_MEMLOCK", "ulimit -l", "limits.conf", "LimitMEMLOCK"] {
+        assert!(e.contains(want), "{want}: {e}");
+    }
+    // A job under the same limit fails with the same advice.
+    let r = util::kvrun_check_timeout(1, 1, "seed", "dist_sync", &[RDMA], 20);
+    assert_ne!(r.code, Some(0), "{}", r.all());
+    assert!(r.stderr.contains("ulimit -l"), "{}", r.all());
+}

@@ -37,8 +37,11 @@ done
 # fault last (it takes eth0 down and up again).
 VM_MEM=${VM_MEM:-2048} VM_TIMEOUT=${VM_TIMEOUT:-1200} "$HERE/run-in-vm.sh" -C "$PWD" \
     "set -e; $CONF rdma --test-threads=1; \
-     $DIST --test-threads=1 --skip rdma_forced_without --skip rdma_the_port_going_down; \
-     $DIST --test-threads=1 rdma_the_port_going_down"
+     $DIST --test-threads=1 --skip rdma_forced_without --skip rdma_the_port_going_down \
+       --skip rdma_the_locked_memory_limit; \
+     $DIST --test-threads=1 rdma_the_port_going_down; \
+     ulimit -l 64; setpriv --reuid=65534 --regid=65534 --clear-groups -- \
+       $DIST --test-threads=1 rdma_the_locked_memory_limit"
 
 if [ "${SKIP_PERF:-0}" != 1 ]; then
     VM_TIMEOUT=${VM_TIMEOUT:-600} "$HERE/run-in-vm.sh" -C "$PWD" \
