@@ -40,7 +40,6 @@ mod protocol;
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod protocol;
-#[cfg(feature = "rdma")]
 mod rdma;
 mod registry;
 mod roles;

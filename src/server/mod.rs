@@ -75,41 +75,6 @@ impl FrameSink for SchedSink {
     }
 }
 
-/// Opens the RDMA device and listens on it for workers on other hosts (or for all workers,
-/// when `KVSTORE_TRANSPORT=rdma`); returns the address the workers are told. A host without a
-/// device says so, once, and its workers use TCP; when RDMA is forced that is an error.
-#[cfg(feature = "rdma")]
-fn listen_rdma(cfg: &Config, net: &mut Net, ip: std::net::IpAddr) -> Result<Option<SocketAddr>> {
-    use crate::config::TransportChoice;
-    if !matches!(cfg.transport, TransportChoice::Auto | TransportChoice::Rdma) {
-        return Ok(None);
-    }
-    let opened = crate::rdma::open(cfg).and_then(|mut b| {
-        let at = crate::rdma::listen(&mut b, ip)?;
-        Ok((b, at))
-    });
-    match opened {
-        Ok((b, at)) => {
-            eprintln!("kvstore server: RDMA on {} at {at}", b.device());
-            net.rdma = Some(Box::new(b));
-            Ok(Some(at))
-        }
-        Err(why) if cfg.transport == TransportChoice::Rdma => Err(KvError::Config(format!(
-            "KVSTORE_TRANSPORT=rdma, but this server has no RDMA: {why}"
-        ))),
-        Err(why) => {
-            eprintln!("kvstore server: no RDMA ({why}); workers on other hosts use TCP");
-            Ok(None)
-        }
-    }
-}
-
-/// A build without RDMA listens for none.
-#[cfg(not(feature = "rdma"))]
-fn listen_rdma(_: &Config, _: &mut Net, _: std::net::IpAddr) -> Result<Option<SocketAddr>> {
-    Ok(None)
-}
-
 /// Runs a server until the scheduler ends the job. `Ok` on a normal shutdown; an error if the
 /// job was aborted or a peer was lost.
 pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
@@ -137,7 +102,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             net.shm = None;
         }
     }
-    let rdma = listen_rdma(cfg, &mut net, ip)?;
+    let rdma = crate::rdma::listen_for_workers(cfg, &mut net, ip)?;
     let roster = join(
         cfg,
         &mut sched,

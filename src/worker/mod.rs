@@ -88,7 +88,7 @@ fn connect_servers(
         cfg.shm_pool_bytes,
         cfg.shm_pool_bytes,
     )?;
-    let mut rdma = Rdma::open(cfg, roster, &local);
+    let mut rdma = crate::rdma::Connector::open(cfg, roster, &local);
     let mut links = Vec::with_capacity(roster.servers.len());
     let mut notes = Vec::new();
     for (i, addr) in roster.servers.iter().enumerate() {
@@ -152,79 +152,6 @@ fn connect_servers(
         eprintln!("kvstore worker {rank}: {n}");
     }
     Ok((net, links))
-}
-
-/// A worker's RDMA device while it connects, where the `rdma` feature is built.
-#[cfg(feature = "rdma")]
-struct Rdma(Option<std::result::Result<kvstore_transport::RdmaBackend, String>>);
-
-#[cfg(feature = "rdma")]
-impl Rdma {
-    /// Opens the device if some server may be reached over RDMA (a server on another host
-    /// that listens for RDMA, or every server when RDMA is forced).
-    fn open(cfg: &Config, roster: &crate::roles::Roster, local: &[bool]) -> Rdma {
-        let forced = cfg.transport == TransportChoice::Rdma;
-        let wanted = forced
-            || (cfg.transport == TransportChoice::Auto
-                && (0..local.len()).any(|i| !local[i] && roster.server_rdma[i].is_some()));
-        Rdma(wanted.then(|| crate::rdma::open(cfg)))
-    }
-
-    /// Connects to server `i` over RDMA: `Ok(None)` where RDMA is not wanted, an error with
-    /// the reason where it was and cannot be had.
-    fn connect(
-        &mut self,
-        cfg: &Config,
-        roster: &crate::roles::Roster,
-        i: usize,
-    ) -> std::result::Result<Option<kvstore_transport::PeerId>, String> {
-        let Some(dev) = &mut self.0 else {
-            return Ok(None);
-        };
-        let b = dev
-            .as_mut()
-            .map_err(|e| format!("this worker has no RDMA device ({e})"))?;
-        let Some(at) = roster.server_rdma[i] else {
-            return Err("the server has no active RDMA device (its log says why)".into());
-        };
-        crate::rdma::connect(b, at, cfg.timeout).map(Some)
-    }
-
-    /// Gives the device to `net` if some link uses it; returns its name.
-    fn finish(self, net: &mut Net, links: &[Addr]) -> Option<String> {
-        let b = self.0?.ok()?;
-        if !links.iter().any(|a| a.medium == Medium::Rdma) {
-            return None;
-        }
-        let name = b.device().to_string();
-        net.rdma = Some(Box::new(b));
-        Some(name)
-    }
-}
-
-/// A build without RDMA: no server is reached over it (`KVSTORE_TRANSPORT=rdma` is refused
-/// when the configuration is read).
-#[cfg(not(feature = "rdma"))]
-struct Rdma;
-
-#[cfg(not(feature = "rdma"))]
-impl Rdma {
-    fn open(_: &Config, _: &crate::roles::Roster, _: &[bool]) -> Rdma {
-        Rdma
-    }
-
-    fn connect(
-        &mut self,
-        _: &Config,
-        _: &crate::roles::Roster,
-        _: usize,
-    ) -> std::result::Result<Option<kvstore_transport::PeerId>, String> {
-        Ok(None)
-    }
-
-    fn finish(self, _: &mut Net, _: &[Addr]) -> Option<String> {
-        None
-    }
 }
 
 impl DistWorker {
