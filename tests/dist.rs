@@ -175,23 +175,7 @@ fn a_killed_worker_without_kvrun_fails_the_others_and_the_servers() {
 }
 
 fn killed_worker(t: &str) {
-    let env = [("KVSTORE_TIMEOUT", "30"), ("KVSTORE_TRANSPORT", t)];
-    let mut job = ManualJob::start(2, 2, &["die", "dist_sync"], &env);
-    let workers = std::mem::take(&mut job.workers);
-    let mut results = Vec::new();
-    for w in workers {
-        results.push(finish(w, Duration::from_secs(40)));
-    }
-    // Rank 1 aborted itself; rank 0 got an error instead of hanging.
-    assert_eq!(results[0].0, Some(4), "{}", results[0].1);
-    assert!(results[0].1.contains("stopped"), "{}", results[0].1);
-    for s in std::mem::take(&mut job.servers) {
-        let (code, out) = finish(s, Duration::from_secs(40));
-        assert_eq!(code, Some(1), "a server stops with an error: {out}");
-        assert!(out.contains("worker 1") || out.contains("aborted"), "{out}");
-    }
-    let (code, _) = finish(job.scheduler, Duration::from_secs(40));
-    assert_eq!(code, Some(1));
+    util::killed_worker(&[("KVSTORE_TIMEOUT", "30"), ("KVSTORE_TRANSPORT", t)]);
 }
 
 #[test]

@@ -118,23 +118,8 @@ fn rdma_a_late_answer_never_lands_in_memory_a_failed_call_gave_back() {
 #[test]
 fn rdma_a_killed_worker_fails_the_others_and_the_servers() {
     need_device();
-    let env = [("KVSTORE_TIMEOUT", "30"), RDMA];
     let t0 = Instant::now();
-    let mut job = ManualJob::start(2, 2, &["die", "dist_sync"], &env);
-    let workers = std::mem::take(&mut job.workers);
-    let results: Vec<_> = workers
-        .into_iter()
-        .map(|w| finish(w, Duration::from_secs(60)))
-        .collect();
-    assert_eq!(results[0].0, Some(4), "{}", results[0].1);
-    assert!(results[0].1.contains("stopped"), "{}", results[0].1);
-    for s in std::mem::take(&mut job.servers) {
-        let (code, out) = finish(s, Duration::from_secs(60));
-        assert_eq!(code, Some(1), "a server stops with an error: {out}");
-        assert!(out.contains("worker 1") || out.contains("aborted"), "{out}");
-    }
-    let (code, _) = finish(job.scheduler, Duration::from_secs(60));
-    assert_eq!(code, Some(1));
+    util::killed_worker(&[("KVSTORE_TIMEOUT", "30"), RDMA]);
     // Detected through the TCP link and the queue pair, not by a timeout.
     assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
 }

@@ -469,18 +469,19 @@ impl Backend for RdmaBackend {
         {
             return Ok(Sent::WouldBlock);
         }
+        // The notice: which grant, where, how much, and the caller's immediate.
+        let mut head = Head {
+            kind: PUT,
+            word: imm,
+            id: dst.id,
+            off: offset as u64,
+            len: len as u64,
+            ..Head::default()
+        };
         if len <= self.cfg.eager_put && HEAD + len <= self.cfg.buffer {
             // Small: the data rides in the notice and the receiver copies it into the grant,
             // one message where a write and a notice would be two (fewer packets, one post).
-            let head = Head {
-                kind: PUT,
-                flags: EAGER,
-                word: imm,
-                id: dst.id,
-                off: offset as u64,
-                len: len as u64,
-                ..Head::default()
-            };
+            head.flags = EAGER;
             let Some((w, slot)) = self.send_wr(peer.0, head, &[], Some((src, range))) else {
                 return Ok(Sent::WouldBlock);
             };
@@ -501,14 +502,6 @@ impl Backend for RdmaBackend {
             w.wr.wr.rdma.rkey = dst.key;
             chain.push((w, None, None));
         }
-        let head = Head {
-            kind: PUT,
-            word: imm,
-            id: dst.id,
-            off: offset as u64,
-            len: len as u64,
-            ..Head::default()
-        };
         let Some((w, slot)) = self.send_wr(peer.0, head, &[], None) else {
             return Ok(Sent::WouldBlock);
         };
