@@ -99,10 +99,10 @@ impl Conn {
         self.b.alloc(len, access).map_err(err)
     }
 
-    /// Grants the peer `r`, whole.
-    pub fn grant(&mut self, r: &Region) -> Result<RemoteRegion, String> {
+    /// Grants the peer `range` of `r`.
+    pub fn grant(&mut self, r: &Region, range: Range<usize>) -> Result<RemoteRegion, String> {
         // SAFETY: kvperf never reads or writes a granted region (it measures the movement).
-        unsafe { self.b.grant(self.peer()?, r, 0..r.len()) }.map_err(err)
+        unsafe { self.b.grant(self.peer()?, r, range) }.map_err(err)
     }
 
     /// Drops a grant once the measurement that used it is over.

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kvstore_transport::{Access, Region, RemoteRegion};
+use kvstore_transport::{Access, Region, RemoteRegion, REMOTE_LEN};
 
 use crate::conn::{Conn, Event};
 
@@ -112,16 +112,18 @@ fn region_slots(plan: &Plan, size: usize) -> usize {
     } else {
         1
     };
-    want.min((max_bytes / size.max(1)).max(1))
+    // Each slot is a grant, and their handles go in one message.
+    want.min((max_bytes / size.max(1)).max(1)).min(256)
 }
 
-/// Memory for one size: the source of sends and puts, and (in `write` mode) a region granted
-/// to the peer and the peer's grant.
+/// Memory for one size: the source of sends and puts, and (in `write` mode) a region whose
+/// slots are granted to the peer one by one (a put fills its grant, as the store's do), and
+/// the peer's grants.
 struct Bufs {
     src: Region,
-    mine: Option<RemoteRegion>,
+    mine: Vec<RemoteRegion>,
     _landing: Option<Region>,
-    remote: Option<RemoteRegion>,
+    remote: Vec<RemoteRegion>,
 }
 
 fn setup(
@@ -138,41 +140,48 @@ fn setup(
     if plan.mode != "write" {
         return Ok(Bufs {
             src,
-            mine: None,
+            mine: Vec::new(),
             _landing: None,
-            remote: None,
+            remote: Vec::new(),
         });
     }
-    let landing = c.alloc(size.max(1) * region_slots(plan, size), Access::Land)?;
-    let mine = c.grant(&landing)?;
-    c.send(HANDLE, &mine.to_bytes(), None, Instant::now() + timeout)?;
+    let slots = region_slots(plan, size);
+    let s = size.max(1);
+    let landing = c.alloc(s * slots, Access::Land)?;
+    let mine = (0..slots)
+        .map(|i| c.grant(&landing, i * s..(i + 1) * s))
+        .collect::<Result<Vec<_>, _>>()?;
+    let handles: Vec<u8> = mine.iter().flat_map(|g| g.to_bytes()).collect();
+    c.send(HANDLE, &handles, None, Instant::now() + timeout)?;
     match c.recv(Instant::now() + timeout)? {
         Event::Msg {
             tag: HANDLE, body, ..
         } => Ok(Bufs {
             src,
-            mine: Some(mine),
+            mine,
             _landing: Some(landing),
-            remote: Some(RemoteRegion::from_bytes(&body).ok_or("bad region handle")?),
+            remote: body
+                .chunks(REMOTE_LEN)
+                .map(|b| RemoteRegion::from_bytes(b).ok_or("bad region handle"))
+                .collect::<Result<Vec<_>, _>>()?,
         }),
-        other => Err(format!("expected a region handle, got {other:?}")),
+        other => Err(format!("expected region handles, got {other:?}")),
     }
 }
 
 impl Bufs {
     /// After the size's last exchange (both sides drained their operations before it).
     fn release(self, c: &mut Conn) {
-        if let Some(g) = &self.mine {
+        for g in &self.mine {
             c.forget(g);
         }
     }
 }
 
-/// Sends `size` bytes one way: a message with data, or a put into slot `slot` of the peer's
-/// region.
+/// Sends `size` bytes one way: a message with data, or a put into the peer's slot `slot`.
 fn one(c: &mut Conn, b: &Bufs, size: usize, slot: usize, deadline: Instant) -> Result<(), String> {
-    match &b.remote {
-        Some(r) => c.put(&b.src, 0..size, r, slot * size, DATA as u32, deadline),
+    match b.remote.get(slot) {
+        Some(r) => c.put(&b.src, 0..size, r, 0, DATA as u32, deadline),
         None => c.send(DATA, &[], Some((&b.src, 0..size)), deadline),
     }
 }

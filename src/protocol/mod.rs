@@ -124,19 +124,20 @@ pub mod flags {
     pub const ALL: u16 = SLOT | DATA;
 }
 
-/// The bit of a put's immediate that says a message follows; the other 31 bits are the
-/// request id. A worker's slot put: the message is a pushpull's, with its destination. A
-/// server's answer put: the reply follows (it gives a receive slot, or an error); without the
-/// bit the put is the whole answer.
-pub const IMM_FOLLOWS: u32 = 1 << 31;
+/// The bit of a put's immediate that says a message follows; the bits below it are the
+/// request id (a put's immediate has [`kvstore_transport::IMM_BITS`] bits). A worker's slot put:
+/// the message is a pushpull's, with its destination. A server's answer put: the reply follows
+/// (it gives a receive slot, or an error); without the bit the put is the whole answer.
+pub const IMM_FOLLOWS: u32 = 1 << (kvstore_transport::IMM_BITS - 1);
 
-/// Request ids stay below this, so that a slot put's immediate carries them whole.
+/// Request ids stay below this, so that a slot put's immediate carries them whole (a worker
+/// never reuses one still in flight).
 pub const MAX_REQ_ID: u64 = IMM_FOLLOWS as u64;
 
 /// The immediate of a slot put for request `req_id` (below [`MAX_REQ_ID`]); `follows`: a
 /// message comes after it.
 pub fn slot_imm(req_id: u64, follows: bool) -> u32 {
-    (req_id as u32 & !IMM_FOLLOWS) | if follows { IMM_FOLLOWS } else { 0 }
+    (req_id as u32 & (IMM_FOLLOWS - 1)) | if follows { IMM_FOLLOWS } else { 0 }
 }
 
 /// Node roles as carried in a hello.

@@ -270,7 +270,7 @@ impl<S: Clone, G: Clone> Slots<S, G> {
                 b.bytes
             ));
         }
-        let req_id = (imm & !IMM_FOLLOWS) as u64;
+        let req_id = (imm & (IMM_FOLLOWS - 1)) as u64;
         let push = if imm & IMM_FOLLOWS != 0 {
             h.filled = Some(req_id);
             None

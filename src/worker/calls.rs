@@ -185,6 +185,15 @@ impl<G: Clone> Calls<G> {
             Ok(()) if bad_dest => Some(KvError::Protocol(
                 "a request's destination is outside its output".into(),
             )),
+            // Request ids are reused only once answered: there are this many.
+            Ok(()) if self.by_req.len() + reqs.len() >= (MAX_REQ_ID - 1) as usize => {
+                Some(KvError::Unsupported(format!(
+                    "{} requests in flight and {} more: at most {} can be",
+                    self.by_req.len(),
+                    reqs.len(),
+                    MAX_REQ_ID - 2
+                )))
+            }
             Ok(()) => None,
         };
         if let Some(e) = refused {
@@ -199,8 +208,11 @@ impl<G: Clone> Calls<G> {
             r.msg.req_id = self.next_req;
             r.msg.sender = self.rank;
             self.by_req.insert(self.next_req, (id, i));
-            // Ids fit a slot put's immediate; far fewer than 2^31 are ever in flight.
+            // Ids fit a slot put's immediate, and one still in flight is never reused.
             self.next_req = self.next_req % (MAX_REQ_ID - 1) + 1;
+            while self.by_req.contains_key(&self.next_req) {
+                self.next_req = self.next_req % (MAX_REQ_ID - 1) + 1;
+            }
             let token = self.next_token;
             self.next_token += 1;
             self.actions.push_back(Action::Send {

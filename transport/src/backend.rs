@@ -13,8 +13,9 @@
 //!   receiver gets the body in place and the data lent ([`Lent`]); over shared memory, data from
 //!   a region of [`Backend::alloc`] is not copied at all, and the receiver's release is the
 //!   sender's completion. A full link answers [`Sent::WouldBlock`].
-//! - **One-sided puts** into a granted range, notified at the receiver with a 32-bit immediate
-//!   (RDMA's WRITE_WITH_IMM), posted in chains and pushed out by [`Backend::flush`].
+//! - **One-sided puts** into a granted range, notified at the receiver with an immediate of
+//!   [`IMM_BITS`] bits (RDMA's WRITE_WITH_IMM carries 32: the rest name the grant), posted in
+//!   chains and pushed out by [`Backend::flush`].
 
 use std::fmt;
 use std::ops::Range;
@@ -24,6 +25,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::TransportError;
+
+/// The width of a put's immediate: a WRITE_WITH_IMM carries 32 bits, and a backend may use
+/// the other `32 - IMM_BITS` to name the grant written, so that one work request is the whole
+/// put. A wider immediate is refused.
+pub const IMM_BITS: u32 = 20;
+
+/// Refuses an immediate wider than [`IMM_BITS`].
+pub(crate) fn check_imm(imm: u32) -> Result<(), TransportError> {
+    if imm >> IMM_BITS != 0 {
+        return Err(TransportError::Refused(format!(
+            "an immediate of {imm:#x}: a put's immediate has {IMM_BITS} bits"
+        )));
+    }
+    Ok(())
+}
 
 /// A peer of a backend, as that backend numbers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -471,7 +487,8 @@ pub trait Backend: Send {
         data: Option<(&Region, Range<usize>, Token)>,
     ) -> Result<Sent, TransportError>;
 
-    /// Puts `range` of `src` at `offset` of the peer's granted `dst`, notifying it with `imm`.
+    /// Puts `range` of `src` at `offset` of the peer's granted `dst`, notifying it with `imm`
+    /// (below `1 << IMM_BITS`).
     ///
     /// # Safety
     /// The caller does not write `src`'s range until `token` completes.

@@ -25,7 +25,7 @@ pub mod tcp;
 
 pub use backend::{
     wait, Access, Backend, Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Storage,
-    Token, REMOTE_LEN,
+    Token, IMM_BITS, REMOTE_LEN,
 };
 pub use error::TransportError;
 pub use frame::{FrameHeader, HEADER_LEN, META_LEN};

@@ -136,6 +136,74 @@ fn puts_land_in_granted_ranges(kind: Kind) {
     }
 }
 
+/// Puts that fill their grant exactly (how the store puts: a push into its receive slot, a
+/// pull's answer into its output), of every size, into many grants, with the widest
+/// immediate: each arrives whole, in order, naming its grant; a paused peer hears of them
+/// only once resumed. A wider immediate is refused where it is posted.
+fn puts_that_fill_their_grant_arrive_whole(kind: Kind) {
+    let (mut a, to_b, mut b, to_a) = pair(kind);
+    #[allow(unused_mut)]
+    let mut sizes = vec![1usize, 8, 200, 4096, 8192, 8193, 70_000];
+    #[cfg(feature = "rdma")]
+    if matches!(kind, Kind::Rdma) {
+        // Beyond rxe's largest message (8 MiB): split, the last piece carrying the immediate.
+        sizes.push(9 << 20);
+    }
+    let top = (1u32 << kvstore_transport::IMM_BITS) - 1;
+    for paused in [false, true] {
+        let targets: Vec<Region> = sizes.iter().map(|&n| heap(&mut b, &vec![0u8; n])).collect();
+        let grants: Vec<RemoteRegion> = targets
+            .iter()
+            .map(|t| grant_to(&mut b, to_a, t, 0..t.len()))
+            .collect();
+        b.b.pause(to_a, paused);
+        let mut want = Vec::new();
+        for (i, (g, &n)) in grants.iter().zip(&sizes).enumerate() {
+            let src = heap(&mut a, &pattern(n, i as u8 + paused as u8));
+            let imm = top - i as u32;
+            loop {
+                // SAFETY: `src` is not written again.
+                match unsafe { a.b.put(to_b, &src, 0..n, g, 0, imm, Token(i as u64)) }.unwrap() {
+                    Sent::Posted => break,
+                    Sent::WouldBlock => {
+                        a.pump();
+                        b.pump();
+                    }
+                }
+            }
+            want.push(Ev::Put(to_a, g.id(), 0, n, imm));
+        }
+        drive(&mut a, &mut b, |a, _| a.log.len() == sizes.len());
+        if paused {
+            let until = Instant::now() + Duration::from_millis(100);
+            while Instant::now() < until {
+                a.pump();
+                b.pump();
+            }
+            assert!(b.log.is_empty(), "a paused peer was told: {:?}", b.log);
+            b.b.pause(to_a, false);
+        }
+        drive(&mut a, &mut b, |_, b| b.log.len() == sizes.len());
+        assert_eq!(b.take(), want);
+        a.take();
+        for (i, (t, &n)) in targets.iter().zip(&sizes).enumerate() {
+            assert!(read(t) == pattern(n, i as u8 + paused as u8), "size {n}");
+        }
+        let wide = heap(&mut a, &[1u8; 8]);
+        let g = &grants[1];
+        // SAFETY: as above.
+        let r = unsafe { a.b.put(to_b, &wide, 0..8, g, 0, top + 1, Token(99)) };
+        assert!(
+            r.is_err(),
+            "an immediate of {} bits was taken",
+            kvstore_transport::IMM_BITS + 1
+        );
+        for g in &grants {
+            b.b.forget(to_a, g);
+        }
+    }
+}
+
 fn a_full_link_would_block_and_drains(kind: Kind) {
     let (mut a, to_b, mut b, _) = pair(kind);
     let src = heap(&mut a, &pattern(1 << 20, 1));
@@ -404,6 +472,7 @@ macro_rules! suite {
 suite!(
     messages_and_data_of_every_size_arrive_in_order,
     puts_land_in_granted_ranges,
+    puts_that_fill_their_grant_arrive_whole,
     a_full_link_would_block_and_drains,
     many_peers_one_loop_and_no_missed_wakeup,
     a_lost_peer_is_reported_and_fails_what_it_had,

@@ -8,10 +8,8 @@ use rdma_sys as ffi;
 use super::ops::OwnedWc;
 use super::setup::HEAD;
 use super::verbs::Mr;
-use super::wire::{
-    post_receive, wr, Head, EAGER, INDEX, MSG, PUT, RELEASE, REVOKE, REVOKED, RNDV, WR_RECV,
-};
-use super::{Inbound, RdmaBackend, ASYNC, CHANNEL, HANDSHAKE, LISTENER};
+use super::wire::{wr, Head, EAGER, INDEX, MSG, PUT, RELEASE, REVOKE, REVOKED, RNDV, WR_RECV};
+use super::{Arrival, Inbound, RdmaBackend, ASYNC, CHANNEL, HANDSHAKE, LISTENER};
 use crate::{Completion, Lent, Mem, PeerId, Storage, TransportError};
 
 /// Why a work completion failed, in words.
@@ -52,32 +50,53 @@ impl RdmaBackend {
         on: &mut dyn FnMut(Completion<'_>),
         n: &mut usize,
     ) {
-        let peer = (wc.wr_id >> 32) as u32;
-        if self.starting.contains(&peer) {
+        let idx = wc.wr_id & INDEX;
+        let recv = wc.wr_id & WR_RECV != 0;
+        // A receive names its buffer, and the queue pair it came on names the peer.
+        let peer = match recv {
+            true => self.by_qpn.get(&wc.qp_num).copied(),
+            false => Some((wc.wr_id >> 32) as u32),
+        };
+        if peer.is_some_and(|p| self.starting.contains(&p)) {
             // A peer whose queue pair is up but whose "ready" is not yet read: kept for it.
             // SAFETY: a plain C struct of numbers (no pointers, no drop): a bitwise copy.
             self.early.push(OwnedWc(unsafe { std::ptr::read(wc) }));
             return;
         }
-        if !self.peers.contains_key(&peer) {
-            // A lost peer's flushed requests: already failed.
+        let Some(peer) = peer.filter(|p| self.peers.contains_key(p)) else {
+            // A lost peer's: its sends already failed; a buffer it took goes back.
+            if recv {
+                let _ = self.rx.post(idx as u32);
+            }
             return;
-        }
+        };
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+            if recv {
+                let _ = self.rx.post(idx as u32);
+            }
             self.lose(PeerId(peer), wc_error(wc));
             return;
         }
-        let idx = wc.wr_id & INDEX;
-        if wc.wr_id & WR_RECV != 0 {
+        if recv {
+            let with_imm = wc.opcode == ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
+            let a = Arrival {
+                buf: idx as u32,
+                got: wc.byte_len as usize,
+                // SAFETY: the union's immediate is what a completion with one carries.
+                imm: with_imm
+                    .then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })),
+            };
             if let Some(p) = self
                 .peers
                 .get_mut(&peer)
                 .filter(|p| p.paused || !p.held.is_empty())
             {
-                p.held.push_back((idx as u32, wc.byte_len as usize));
+                p.held.push_back(a);
                 return;
             }
-            if let Err(e) = self.on_recv(peer, idx as u32, wc.byte_len as usize, on, n) {
+            if let Err(e) = self.on_recv(peer, a, on, n) {
+                // What it sent breaks the protocol: its buffer goes back, and it is lost.
+                let _ = self.rx.post(a.buf);
                 self.lose(PeerId(peer), e);
             }
             return;
@@ -111,23 +130,29 @@ impl RdmaBackend {
         }
     }
 
-    /// A SEND arrived in buffer `buf` of `peer`.
+    /// A SEND arrived in a receive buffer from `peer`, or a WRITE_WITH_IMM took one.
     pub(super) fn on_recv(
         &mut self,
         peer: u32,
-        buf: u32,
-        got: usize,
+        a: Arrival,
         on: &mut dyn FnMut(Completion<'_>),
         n: &mut usize,
     ) -> Result<(), TransportError> {
+        let (buf, got) = (a.buf, a.got);
+        if let Some(imm) = a.imm {
+            self.on_write_imm(peer, imm, got, on, n)?;
+            return self.repost(peer, buf);
+        }
         let size = self.cfg.buffer;
+        let base = self.rx.ptr(buf) as usize;
         let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
-        let base = p._recv.ptr() as usize + buf as usize * size;
         if got < HEAD || got > size {
             return Err(TransportError::Refused(format!("a message of {got} bytes")));
         }
         let mut hb = [0u8; HEAD];
-        p._recv.read(buf as usize * size, &mut hb);
+        // SAFETY: the buffer holds `got` >= HEAD received bytes, and is not posted again
+        // before this copy; `hb` is a distinct local.
+        unsafe { std::ptr::copy_nonoverlapping(base as *const u8, hb.as_mut_ptr(), HEAD) };
         let h = Head::decode(&hb).ok_or(TransportError::Refused("a short header".into()))?;
         p.returned = p.returned.max(h.credits);
         let direct = !p.paused && p.inbox.is_empty();
@@ -163,8 +188,10 @@ impl RdmaBackend {
                     *n += 1;
                     return self.repost(peer, buf);
                 }
-                let mut body = vec![0u8; blen];
-                p._recv.read(buf as usize * size + HEAD, &mut body);
+                // SAFETY: the range was checked inside the received bytes of the buffer, which is
+                // not posted again before this copy.
+                let body = unsafe { std::slice::from_raw_parts((base + HEAD) as *const u8, blen) }
+                    .to_vec();
                 let data = if h.flags & EAGER != 0 {
                     let m = Mem::zeroed(eager);
                     // SAFETY: the range lies in the received bytes of the buffer (checked
@@ -242,7 +269,7 @@ impl RdmaBackend {
                         }
                     }
                     // Revoked or forgotten: the bytes are not wanted.
-                    None if h.id < self.next_grant => {}
+                    None if h.id & ((1 << super::SLOT_SHIFT) - 1) < self.next_grant => {}
                     _ => {
                         return Err(TransportError::Refused(format!(
                             "a put into grant {} it was never given",
@@ -273,7 +300,7 @@ impl RdmaBackend {
                     .get(&h.id)
                     .is_some_and(|g| g.peer == PeerId(peer) && g.revoking.is_some())
                 {
-                    if let Some(t) = self.grants.remove(&h.id).and_then(|g| g.revoking) {
+                    if let Some(t) = self.drop_grant(h.id).and_then(|g| g.revoking) {
                         self.done.push_back((t, None));
                     }
                 }
@@ -283,11 +310,64 @@ impl RdmaBackend {
         self.repost(peer, buf)
     }
 
+    /// Buffer `buf`, taken by `peer`, goes back to the shared queue: a credit owed to it.
     pub(super) fn repost(&mut self, peer: u32, buf: u32) -> Result<(), TransportError> {
-        let size = self.cfg.buffer;
+        self.rx.post(buf)?;
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.reposted += 1;
+        }
+        Ok(())
+    }
+
+    /// A WRITE_WITH_IMM from `peer` filled one of the grants it was given, whose slot is in
+    /// the immediate's high bits (the caller's immediate below them); its `got` bytes (the
+    /// last piece of the put) are in place.
+    fn on_write_imm(
+        &mut self,
+        peer: u32,
+        imm: u32,
+        got: usize,
+        on: &mut dyn FnMut(Completion<'_>),
+        n: &mut usize,
+    ) -> Result<(), TransportError> {
+        let slot = imm >> crate::IMM_BITS;
+        let imm = imm & ((1 << crate::IMM_BITS) - 1);
         let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
-        post_receive(p, buf, size)?;
-        p.reposted += 1;
+        let Some(&id) = p.slots.get(&slot) else {
+            if slot == 0 || slot >= p.next_slot {
+                return Err(TransportError::Refused(format!(
+                    "a write into slot {slot}, never given"
+                )));
+            }
+            // Its grant was revoked or forgotten: the bytes are not wanted.
+            return Ok(());
+        };
+        let len = match self.grants.get(&id) {
+            Some(g) if g.peer == PeerId(peer) && got <= g.len => g.len,
+            _ => {
+                return Err(TransportError::Refused(format!(
+                    "a write of {got} bytes into slot {slot}"
+                )))
+            }
+        };
+        let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
+        if !p.paused && p.inbox.is_empty() {
+            on(Completion::Put {
+                peer: PeerId(peer),
+                grant: id,
+                offset: 0,
+                len,
+                imm,
+            });
+            *n += 1;
+        } else {
+            p.inbox.push_back(Inbound::Put {
+                grant: id,
+                offset: 0,
+                len,
+                imm,
+            });
+        }
         Ok(())
     }
 
@@ -510,13 +590,14 @@ impl RdmaBackend {
             .map(|(k, _)| *k)
             .collect();
         for id in ids {
-            while let Some((buf, got)) = self
+            while let Some(a) = self
                 .peers
                 .get_mut(&id)
                 .filter(|p| !p.paused)
                 .and_then(|p| p.held.pop_front())
             {
-                if let Err(e) = self.on_recv(id, buf, got, on, n) {
+                if let Err(e) = self.on_recv(id, a, on, n) {
+                    let _ = self.rx.post(a.buf);
                     self.lose(PeerId(id), e);
                     break;
                 }

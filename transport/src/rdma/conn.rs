@@ -41,13 +41,26 @@ impl RdmaBackend {
         let mut s = crate::tcp::connect_retry(addr, timeout)?;
         s.set_nodelay(true)?;
         let mut peer = self.new_peer()?;
-        let ours = self.hello(&mut peer, s.local_addr()?.ip())?;
-        let theirs = setup::exchange(&mut s, &ours, timeout)?;
-        self.start_peer(&mut peer, &ours, &theirs)?;
-        s.write_all(&[1])?;
-        s.set_nonblocking(true)?;
+        let mut setup = || -> Result<(), TransportError> {
+            let ours = self.hello(&mut peer, s.local_addr()?.ip())?;
+            let theirs = setup::exchange(&mut s, &ours, timeout)?;
+            self.start_peer(&mut peer, &ours, &theirs)?;
+            s.write_all(&[1])?;
+            s.set_nonblocking(true)?;
+            Ok(())
+        };
+        if let Err(e) = setup() {
+            self.abandon(&peer);
+            return Err(e);
+        }
         peer.sock = Some(mio::net::TcpStream::from_std(s));
         self.add_peer(peer)
+    }
+
+    /// Forgets a peer that never became one (its setup failed).
+    fn abandon(&mut self, p: &Peer) {
+        self.starting.remove(&p.id);
+        self.by_qpn.remove(&p.qp.num);
     }
 
     /// A queue pair and buffers for a new peer (not yet connected).
@@ -58,21 +71,29 @@ impl RdmaBackend {
                 self.cfg.max_peers
             )));
         }
+        // The shared queue gets this peer's share of buffers first.
+        let want = self.cfg.receives * (self.peers.len() + self.starting.len() + 1);
+        if want > self.rx.count() {
+            setup::check_memlock(
+                self.cfg.sends * self.cfg.buffer
+                    + self.rx.bytes()
+                    + self.cfg.receives * self.cfg.buffer,
+            )?;
+            self.rx.grow(&self.pd, want)?;
+        }
         let cap = |inline: usize| ffi::ibv_qp_cap {
             max_send_wr: self.cfg.send_depth as u32,
-            max_recv_wr: self.cfg.receives as u32,
+            max_recv_wr: 0,
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: inline as u32,
         };
         // As much inline data as the device allows, up to INLINE; read back below.
-        let qp = match Qp::new(&self.pd, &self.cq, cap(wire::INLINE)) {
+        let srq = &self.rx.srq;
+        let qp = match Qp::new(&self.pd, &self.cq, srq, cap(wire::INLINE)) {
             Ok(qp) => qp,
-            Err(_) => Qp::new(&self.pd, &self.cq, cap(HEAD))?,
+            Err(_) => Qp::new(&self.pd, &self.cq, srq, cap(HEAD))?,
         };
-        let recv = Mem::zeroed(self.cfg.receives * self.cfg.buffer);
-        let recv_s: Arc<dyn Storage> = recv.clone();
-        let recv_mr = Mr::new(&self.pd, &recv_s, 0, recv.len(), LOCAL)?;
         let credit = Mem::zeroed(8);
         let credit_s: Arc<dyn Storage> = credit.clone();
         let credit_mr = Mr::new(&self.pd, &credit_s, 0, 8, LOCAL | REMOTE_WRITE)?;
@@ -80,12 +101,12 @@ impl RdmaBackend {
         let id = self.next_peer;
         self.next_peer += 1;
         self.starting.insert(id);
+        // Its receives arrive on its queue pair's number (even before it is added).
+        self.by_qpn.insert(qp.num, id);
         Ok(Peer {
             id,
             qp,
-            recv_mr,
             credit_mr,
-            _recv: recv,
             _credit: credit,
             sock: None,
             their_receives: 0,
@@ -108,6 +129,9 @@ impl RdmaBackend {
             next_lent: 1,
             max_inline,
             gid_index: 0,
+            slots: FxHashMap::default(),
+            free_slots: Vec::new(),
+            next_slot: 1,
         })
     }
 
@@ -134,7 +158,8 @@ impl RdmaBackend {
         })
     }
 
-    /// Moves the queue pair to RTS towards `theirs` and posts every receive buffer.
+    /// Moves the queue pair to RTS towards `theirs` (its receive buffers are in the shared
+    /// queue already).
     fn start_peer(
         &mut self,
         p: &mut Peer,
@@ -162,9 +187,6 @@ impl RdmaBackend {
         p.their_receives = theirs.receives;
         p.their_buffer = theirs.buffer as usize;
         p.their_credit = (theirs.credit_addr, theirs.credit_key);
-        for i in 0..self.cfg.receives {
-            wire::post_receive(p, i as u32, self.cfg.buffer)?;
-        }
         Ok(())
     }
 
@@ -230,8 +252,8 @@ impl RdmaBackend {
             }
             // Failed or too slow: the connection is dropped, and costs nothing more.
             _ => {
-                if let Some(p) = &h.made {
-                    self.starting.remove(&p.id);
+                if let Some(p) = h.made.take() {
+                    self.abandon(&p);
                 }
                 let _ = self.poll.registry().deregister(&mut h.sock);
                 None
@@ -258,10 +280,17 @@ impl RdmaBackend {
             let theirs = Hello::decode(h.got[..HELLO_LEN].try_into().unwrap_or(&[0; HELLO_LEN]))?;
             // Our queue pair is ready before our address goes out.
             let mut p = self.new_peer()?;
-            let ours = self.hello(&mut p, h.sock.local_addr()?.ip())?;
-            self.start_peer(&mut p, &ours, &theirs)?;
-            // A new connection's buffer takes these few bytes at once.
-            h.sock.write_all(&ours.encode())?;
+            let mut setup = || -> Result<(), TransportError> {
+                let ours = self.hello(&mut p, h.sock.local_addr()?.ip())?;
+                self.start_peer(&mut p, &ours, &theirs)?;
+                // A new connection's buffer takes these few bytes at once.
+                h.sock.write_all(&ours.encode())?;
+                Ok(())
+            };
+            if let Err(e) = setup() {
+                self.abandon(&p);
+                return Err(e);
+            }
             h.made = Some(Box::new(p));
             h.got.drain(..HELLO_LEN);
         }
@@ -279,6 +308,9 @@ impl RdmaBackend {
         for t in old {
             if let Some(mut h) = self.handshakes.remove(&t) {
                 let _ = self.poll.registry().deregister(&mut h.sock);
+                if let Some(p) = h.made.take() {
+                    self.abandon(&p);
+                }
             }
         }
     }

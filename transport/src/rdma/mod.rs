@@ -44,7 +44,7 @@ use crate::backend::fresh_id;
 use crate::{Mem, PeerId, Region, Storage, Token, TransportError};
 pub use setup::RdmaConfig;
 use setup::HEAD;
-use verbs::{Channel, Context, Cq, Mr, Pd, Qp, LOCAL, REMOTE_READ};
+use verbs::{Channel, Context, Cq, Mr, Pd, Qp, Srq, LOCAL, REMOTE_READ};
 
 /// The [`RemoteRegion`] kind of a grant of this backend.
 const KIND_RDMA: u32 = 3;
@@ -53,6 +53,11 @@ const CHANNEL: mio::Token = mio::Token(usize::MAX - 1);
 const ASYNC: mio::Token = mio::Token(usize::MAX - 2);
 /// Tokens of connections still in their handshake start here.
 const HANDSHAKE: usize = 1 << 40;
+/// A grant's slot is in the bits of its id from here (and in a WRITE_WITH_IMM's immediate
+/// above the caller's [`crate::IMM_BITS`]).
+const SLOT_SHIFT: u32 = 48;
+/// Slots per peer: a grant beyond them is notified by a message.
+const SLOTS: u32 = (1 << (32 - crate::IMM_BITS)) - 1;
 
 /// What a device and port offer, read once.
 #[derive(Clone, Copy, Debug)]
@@ -60,6 +65,7 @@ struct Limits {
     max_msg: usize,
     max_qp_wr: usize,
     max_cqe: usize,
+    max_srq_wr: usize,
     link_layer: u8,
     lid: u16,
     mtu: u32,
@@ -110,9 +116,7 @@ pub(crate) struct Peer {
     id: u32,
     // Dropped first: the queue pair goes before the memory its requests named.
     qp: Qp,
-    recv_mr: Mr,
     credit_mr: Mr,
-    _recv: Arc<Mem>,
     _credit: Arc<Mem>,
     /// The TCP link of the setup, kept open: its end is the peer's end.
     sock: Option<mio::net::TcpStream>,
@@ -135,7 +139,7 @@ pub(crate) struct Peer {
     revoked: FxHashSet<u64>,
     /// Receives taken while paused: handled, in order, once resumed (their buffers are not
     /// posted again meanwhile, so the peer runs out of credits: backpressure).
-    held: VecDeque<(u32, usize)>,
+    held: VecDeque<Arrival>,
     /// Sources of puts, held alive and registered until the put's last request completes.
     holds: VecDeque<(u64, Region, Arc<Mr>)>,
     /// Control messages waiting for a credit or room.
@@ -146,6 +150,19 @@ pub(crate) struct Peer {
     max_inline: usize,
     /// The local GID's index, chosen for the address the TCP link uses.
     gid_index: u32,
+    /// This side's grants to the peer by their slot (the number a WRITE_WITH_IMM's immediate
+    /// names them by), free slots, and the next never used.
+    slots: FxHashMap<u32, u64>,
+    free_slots: Vec<u32>,
+    next_slot: u32,
+}
+
+/// A receive completion: the buffer it took, the bytes, and a WRITE_WITH_IMM's immediate.
+#[derive(Clone, Copy)]
+pub(crate) struct Arrival {
+    buf: u32,
+    got: usize,
+    imm: Option<u32>,
 }
 
 /// A registration in the cache: the storage it was made for (alive or not), and it.
@@ -153,6 +170,8 @@ type Cached = (Weak<dyn Storage>, Arc<Mr>);
 
 struct Grant {
     peer: PeerId,
+    /// Its slot with the peer (0: none, puts into it are notified by a message).
+    slot: u32,
     /// Where the granted range begins in `region`, and its length.
     start: usize,
     len: usize,
@@ -169,6 +188,8 @@ pub struct RdmaBackend {
     lim: Limits,
     // Peers (their queue pairs) go before the completion queue, the PD and the context.
     peers: FxHashMap<u32, Peer>,
+    /// The receive buffers of all peers (after them: their queue pairs use its queue).
+    rx: wire::Receives,
     handshakes: FxHashMap<usize, Handshake>,
     by_qpn: FxHashMap<u32, u32>,
     grants: FxHashMap<u64, Grant>,
@@ -234,6 +255,7 @@ impl RdmaBackend {
             max_msg: port.max_msg_sz.max(4096) as usize,
             max_qp_wr: dev.max_qp_wr.max(16) as usize,
             max_cqe: dev.max_cqe.max(64) as usize,
+            max_srq_wr: dev.max_srq_wr.max(0) as usize,
             link_layer: port.link_layer,
             lid: port.lid,
             mtu: port.active_mtu,
@@ -242,10 +264,20 @@ impl RdmaBackend {
         cfg.send_depth = cfg.send_depth.clamp(16, lim.max_qp_wr);
         cfg.receives = cfg.receives.clamp(8, lim.max_qp_wr.min(4096));
         cfg.buffer = cfg.buffer.clamp(HEAD + 256, lim.max_msg);
+        if lim.max_srq_wr < cfg.receives {
+            return Err(TransportError::Rdma(format!(
+                "{} has no shared receive queue of {} receives (max_srq_wr {})",
+                ctx.name, cfg.receives, lim.max_srq_wr
+            )));
+        }
         let per_peer = cfg.send_depth + cfg.receives;
-        cfg.max_peers = cfg.max_peers.clamp(1, (lim.max_cqe / per_peer).max(1));
+        cfg.max_peers = cfg
+            .max_peers
+            .clamp(1, (lim.max_cqe / per_peer).max(1))
+            .min(lim.max_srq_wr / cfg.receives);
         setup::check_memlock(cfg.sends * cfg.buffer + cfg.receives * cfg.buffer)?;
         let pd = Pd::new(&ctx)?;
+        let srq = Srq::new(&pd, (cfg.max_peers * cfg.receives) as u32)?;
         let chan = Channel::new(&ctx)?;
         set_nonblocking(chan.fd())?;
         set_nonblocking(ctx.async_fd())?;
@@ -253,6 +285,7 @@ impl RdmaBackend {
         let send_mem = Mem::zeroed(cfg.sends * cfg.buffer);
         let as_storage: Arc<dyn Storage> = send_mem.clone();
         let send_mr = Mr::new(&pd, &as_storage, 0, send_mem.len(), LOCAL)?;
+        let rx = wire::Receives::new(srq, cfg.receives, cfg.buffer);
         let poll = Poll::new()?;
         poll.registry()
             .register(&mut SourceFd(&chan.fd()), CHANNEL, Interest::READABLE)?;
@@ -264,6 +297,7 @@ impl RdmaBackend {
             cfg,
             lim,
             peers: FxHashMap::default(),
+            rx,
             handshakes: FxHashMap::default(),
             by_qpn: FxHashMap::default(),
             grants: FxHashMap::default(),
@@ -356,6 +390,10 @@ impl RdmaBackend {
         };
         let _ = p.qp.to_error();
         self.by_qpn.remove(&p.qp.num);
+        // Buffers it was holding go back to the shared queue.
+        for a in &p.held {
+            let _ = self.rx.post(a.buf);
+        }
         if let Some(mut s) = p.sock {
             let _ = self.poll.registry().deregister(&mut s);
         }
@@ -380,13 +418,25 @@ impl RdmaBackend {
             .map(|(k, _)| *k)
             .collect();
         for k in gone {
-            if let Some(g) = self.grants.remove(&k) {
+            if let Some(g) = self.drop_grant(k) {
                 if let Some(t) = g.revoking {
                     self.done.push_back((t, None));
                 }
             }
         }
         self.lost.push_back((peer, error));
+    }
+
+    /// Removes grant `id`, freeing its slot with its peer.
+    fn drop_grant(&mut self, id: u64) -> Option<Grant> {
+        let g = self.grants.remove(&id)?;
+        if g.slot != 0 {
+            if let Some(p) = self.peers.get_mut(&g.peer.0) {
+                p.slots.remove(&g.slot);
+                p.free_slots.push(g.slot);
+            }
+        }
+        Some(g)
     }
 
     fn fd(&self) -> BorrowedFd<'_> {

@@ -13,7 +13,7 @@ use super::wire::{
     credit_word, wr, wr_inline, Head, Wr, EAGER, INDEX, INLINE, MSG, PUT, RESERVE, REVOKE, RNDV,
     WR_SEND,
 };
-use super::{Grant, Inbound, Peer, Posted, RdmaBackend, KIND_RDMA};
+use super::{Grant, Inbound, Peer, Posted, RdmaBackend, KIND_RDMA, SLOTS, SLOT_SHIFT};
 use crate::backend::Place;
 use crate::{
     Access, Backend, Completion, Mem, PeerId, Region, RemoteRegion, Sent, Storage, Token,
@@ -230,6 +230,70 @@ impl RdmaBackend {
         }
     }
 
+    /// A put that fills the grant `dst` (whose slot is in `imm`'s high bits): RDMA WRITEs of
+    /// all but its last piece, then a WRITE_WITH_IMM of that piece, one post. The receiver
+    /// takes a receive (a credit) for the last, which names the grant.
+    fn put_write_imm(
+        &mut self,
+        peer: u32,
+        src: &Region,
+        range: Range<usize>,
+        dst: &RemoteRegion,
+        imm: u32,
+        token: Token,
+    ) -> Result<Sent, TransportError> {
+        let len = range.len();
+        let step = self.lim.max_msg;
+        let max_inline = self.peers.get(&peer).map_or(0, |p| p.max_inline);
+        let mut chain = Vec::with_capacity(len.div_ceil(step).max(1));
+        let mut mr = None;
+        let mut at = 0;
+        loop {
+            let k = step.min(len - at);
+            let last = at + k == len;
+            let op = if last {
+                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+            } else {
+                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+            };
+            let mut w = if len <= max_inline {
+                // SAFETY: the range was checked against the region, which the caller does not
+                // write during the call; the post copies it.
+                let bytes =
+                    unsafe { std::slice::from_raw_parts(src.mem.ptr().add(range.start), len) };
+                wr_inline(op, bytes)
+            } else {
+                let m = match &mr {
+                    Some(m) => m,
+                    None => mr.insert(self.mr_of(src)?),
+                };
+                let sge = ffi::ibv_sge {
+                    addr: m.addr + (range.start + at) as u64,
+                    length: k as u32,
+                    lkey: m.lkey,
+                };
+                wr(op, sge, 0)
+            };
+            w.wr.wr.rdma.remote_addr = dst.addr + at as u64;
+            w.wr.wr.rdma.rkey = dst.key;
+            if last {
+                w.wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+            }
+            chain.push((w, None, None));
+            at += k;
+            if last {
+                break;
+            }
+        }
+        // The source stays registered and alive until the last write completes.
+        if let (Some(p), Some(m)) = (self.peers.get_mut(&peer), mr) {
+            p.holds
+                .push_back((p.next_seq + chain.len() as u64 - 1, src.clone(), m));
+        }
+        self.post(peer, chain, Some(token), 1)?;
+        Ok(Sent::Posted)
+    }
+
     /// Waits, at most `limit`, until every peer has acknowledged what was posted to it: the
     /// last post to each is followed by a signaled credit write, whose completion (RC order)
     /// covers everything before it. For a backend being dropped.
@@ -298,7 +362,22 @@ impl Backend for RdmaBackend {
             range.len(),
             LOCAL | REMOTE_WRITE,
         )?;
-        let id = self.next_grant;
+        // A slot with the peer, while there is one: a put that fills the grant is then one
+        // WRITE_WITH_IMM naming it.
+        let seq = self.next_grant;
+        let p = self.peer(peer)?;
+        let slot = match p.free_slots.pop() {
+            Some(s) => s,
+            None if p.next_slot <= SLOTS => {
+                p.next_slot += 1;
+                p.next_slot - 1
+            }
+            None => 0,
+        };
+        let id = seq | (slot as u64) << SLOT_SHIFT;
+        if slot != 0 {
+            p.slots.insert(slot, id);
+        }
         self.next_grant += 1;
         let rr = RemoteRegion {
             kind: KIND_RDMA,
@@ -311,6 +390,7 @@ impl Backend for RdmaBackend {
             id,
             Grant {
                 peer,
+                slot,
                 start: range.start,
                 len: range.len(),
                 _mr: mr,
@@ -352,7 +432,7 @@ impl Backend for RdmaBackend {
 
     fn forget(&mut self, peer: PeerId, grant: &RemoteRegion) {
         if self.grants.get(&grant.id).is_some_and(|g| g.peer == peer) {
-            self.grants.remove(&grant.id);
+            self.drop_grant(grant.id);
         }
     }
 
@@ -444,6 +524,7 @@ impl Backend for RdmaBackend {
         imm: u32,
         token: Token,
     ) -> Result<Sent, TransportError> {
+        crate::backend::check_imm(imm)?;
         src.check_owner(self.id)?;
         src.check_range(&range)?;
         let len = range.len();
@@ -478,6 +559,17 @@ impl Backend for RdmaBackend {
             len: len as u64,
             ..Head::default()
         };
+        let slot = (dst.id >> SLOT_SHIFT) as u32 & SLOTS;
+        if slot != 0 && offset == 0 && len as u64 == dst.len && len > self.cfg.eager_put {
+            return self.put_write_imm(
+                peer.0,
+                src,
+                range,
+                dst,
+                slot << crate::IMM_BITS | imm,
+                token,
+            );
+        }
         if len <= self.cfg.eager_put && HEAD + len <= self.cfg.buffer {
             // Small: the data rides in the notice and the receiver copies it into the grant,
             // one message where a write and a notice would be two (fewer packets, one post).

@@ -409,10 +409,67 @@ impl Drop for Cq {
     }
 }
 
+/// A shared receive queue: the receive buffers of every queue pair of a backend, in one pool.
+pub(crate) struct Srq {
+    ptr: *mut ffi::ibv_srq,
+    _pd: Arc<Pd>,
+    /// The receives it holds at most (as the device granted).
+    pub(crate) depth: u32,
+}
+
+// SAFETY: as for `Context`.
+unsafe impl Send for Srq {}
+// SAFETY: as for `Context`: posting to a shared receive queue is thread-safe in libibverbs.
+unsafe impl Sync for Srq {}
+
+impl Srq {
+    pub(crate) fn new(pd: &Arc<Pd>, depth: u32) -> Result<Arc<Srq>, TransportError> {
+        // SAFETY: a plain C struct, all zeroes valid.
+        let mut init: ffi::ibv_srq_init_attr = unsafe { std::mem::zeroed() };
+        init.attr.max_wr = depth;
+        init.attr.max_sge = 1;
+        // SAFETY: a live PD; `init` is valid and receives the granted depth.
+        let ptr = unsafe { ffi::ibv_create_srq(pd.ptr, &mut init) };
+        if ptr.is_null() {
+            return Err(os_err("ibv_create_srq"));
+        }
+        Ok(Arc::new(Srq {
+            ptr,
+            _pd: pd.clone(),
+            depth: init.attr.max_wr,
+        }))
+    }
+
+    /// Posts a chain of receive work requests.
+    ///
+    /// # Safety
+    /// Each buffer named stays registered and alive, and unread by anything else, until its
+    /// request completes (or the queue is destroyed).
+    pub(crate) unsafe fn post_recv(&self, wr: *mut ffi::ibv_recv_wr) -> Result<(), TransportError> {
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: a live SRQ; the buffers' validity is the caller's contract.
+        let rc = unsafe { ffi::ibv_post_srq_recv(self.ptr, wr, &mut bad) };
+        if rc != 0 {
+            return Err(ret_err("ibv_post_srq_recv", rc));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Srq {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once, after every queue pair using it (each holds it alive); the
+        // backend drops the buffers it names after it.
+        unsafe { ffi::ibv_destroy_srq(self.ptr) };
+    }
+}
+
 /// A reliable-connected queue pair.
 pub(crate) struct Qp {
     ptr: *mut ffi::ibv_qp,
     _pd: Arc<Pd>,
+    /// Where its receives come from, held alive while the queue pair uses it.
+    _srq: Arc<Srq>,
     pub(crate) num: u32,
     /// The capabilities the device granted (read back after creation).
     pub(crate) cap: ffi::ibv_qp_cap,
@@ -440,11 +497,18 @@ pub(crate) struct Path {
 }
 
 impl Qp {
-    pub(crate) fn new(pd: &Arc<Pd>, cq: &Cq, cap: ffi::ibv_qp_cap) -> Result<Qp, TransportError> {
+    /// A queue pair whose receives come from `srq`.
+    pub(crate) fn new(
+        pd: &Arc<Pd>,
+        cq: &Cq,
+        srq: &Arc<Srq>,
+        cap: ffi::ibv_qp_cap,
+    ) -> Result<Qp, TransportError> {
         // SAFETY: a plain C struct, all zeroes valid.
         let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = cq.ptr;
         init.recv_cq = cq.ptr;
+        init.srq = srq.ptr;
         init.cap = cap;
         init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
         // SAFETY: a live PD and CQ; `init` is valid and receives the granted capabilities.
@@ -457,6 +521,7 @@ impl Qp {
         Ok(Qp {
             ptr,
             _pd: pd.clone(),
+            _srq: srq.clone(),
             num,
             cap: init.cap,
         })
@@ -553,21 +618,6 @@ impl Qp {
         let rc = unsafe { ffi::ibv_post_send(self.ptr, wr, &mut bad) };
         if rc != 0 {
             return Err(ret_err("ibv_post_send", rc));
-        }
-        Ok(())
-    }
-
-    /// Posts a chain of receive work requests.
-    ///
-    /// # Safety
-    /// Each buffer named stays registered and alive, and unread by anything else, until its
-    /// request completes (or the QP is destroyed).
-    pub(crate) unsafe fn post_recv(&self, wr: *mut ffi::ibv_recv_wr) -> Result<(), TransportError> {
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: a live QP; the buffers' validity is the caller's contract.
-        let rc = unsafe { ffi::ibv_post_recv(self.ptr, wr, &mut bad) };
-        if rc != 0 {
-            return Err(ret_err("ibv_post_recv", rc));
         }
         Ok(())
     }

@@ -5,9 +5,12 @@ use std::ops::Range;
 
 use rdma_sys as ffi;
 
+use std::sync::Arc;
+
 use super::setup::HEAD;
+use super::verbs::{Mr, Pd, Srq, LOCAL};
 use super::Peer;
-use crate::{Storage, TransportError};
+use crate::{Mem, Storage, TransportError};
 
 // Header kinds and flags.
 pub(super) const MSG: u8 = 1;
@@ -20,7 +23,8 @@ pub(super) const EAGER: u8 = 1;
 /// The data is to be read from the sender (address, key and length in the header).
 pub(super) const RNDV: u8 = 2;
 
-/// Work request ids: the peer in the high half, the kind and an index in the low half.
+/// Work request ids: the peer in the high half (sends), the kind and an index in the low half
+/// (a receive's is its buffer: the queue pair it arrived on names the peer).
 pub(super) const WR_RECV: u64 = 1 << 30;
 pub(super) const WR_SEND: u64 = 2 << 30;
 pub(super) const INDEX: u64 = (1 << 30) - 1;
@@ -79,22 +83,89 @@ pub(super) fn credit_word(p: &Peer) -> u64 {
     }
 }
 
-/// Posts receive buffer `i` of a peer.
-pub(super) fn post_receive(p: &Peer, i: u32, size: usize) -> Result<(), TransportError> {
-    let mut sge = ffi::ibv_sge {
-        addr: p.recv_mr.addr + (i as usize * size) as u64,
-        length: size as u32,
-        lkey: p.recv_mr.lkey,
-    };
-    let mut wr = ffi::ibv_recv_wr {
-        wr_id: ((p.id as u64) << 32) | WR_RECV | i as u64,
-        next: std::ptr::null_mut(),
-        sg_list: &mut sge,
-        num_sge: 1,
-    };
-    // SAFETY: the buffer lies in the peer's receive registration, which the peer holds (and
-    // drops after its queue pair); nothing reads it until this request completes.
-    unsafe { p.qp.post_recv(&mut wr) }
+/// The receive buffers of every peer, in one shared receive queue: chunks of `per` buffers,
+/// one more whenever a new peer would take the credits beyond what there is (a peer's credits
+/// are its share: the buffers posted are always at least the credits given out, so a sender
+/// never meets a receiver that is not ready). A buffer goes back to the queue as soon as what
+/// arrived in it was handled.
+pub(super) struct Receives {
+    pub(super) srq: Arc<Srq>,
+    // Each registration holds its memory alive; the queue pairs and the queue go first.
+    chunks: Vec<(Mr, Arc<Mem>)>,
+    per: usize,
+    size: usize,
+}
+
+impl Receives {
+    pub(super) fn new(srq: Arc<Srq>, per: usize, size: usize) -> Receives {
+        Receives {
+            srq,
+            chunks: Vec::new(),
+            per,
+            size,
+        }
+    }
+
+    /// Buffers made so far.
+    pub(super) fn count(&self) -> usize {
+        self.chunks.len() * self.per
+    }
+
+    /// Bytes registered for them.
+    pub(super) fn bytes(&self) -> usize {
+        self.count() * self.size
+    }
+
+    /// Makes and posts buffers until there are at least `n` (within the queue's depth).
+    pub(super) fn grow(&mut self, pd: &Arc<Pd>, n: usize) -> Result<(), TransportError> {
+        while self.count() < n {
+            if self.count() + self.per > self.srq.depth as usize {
+                return Err(TransportError::Refused(format!(
+                    "the shared receive queue holds {} buffers, and {n} are needed",
+                    self.srq.depth
+                )));
+            }
+            let mem = Mem::zeroed(self.per * self.size);
+            let s: Arc<dyn Storage> = mem.clone();
+            let mr = Mr::new(pd, &s, 0, mem.len(), LOCAL)?;
+            self.chunks.push((mr, mem));
+            let first = self.count() - self.per;
+            for i in first..self.count() {
+                self.post(i as u32)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where buffer `i` begins.
+    pub(super) fn ptr(&self, i: u32) -> *const u8 {
+        let (c, j) = (i as usize / self.per, i as usize % self.per);
+        // SAFETY: `i` names a buffer made by `grow` (the completion that returned it came
+        // from the queue it was posted to), which lies inside its chunk.
+        unsafe { self.chunks[c].1.ptr().add(j * self.size) }
+    }
+
+    /// Posts buffer `i` to the queue again.
+    pub(super) fn post(&self, i: u32) -> Result<(), TransportError> {
+        let (c, j) = (i as usize / self.per, i as usize % self.per);
+        let Some((mr, _)) = self.chunks.get(c) else {
+            return Err(TransportError::Refused(format!("no receive buffer {i}")));
+        };
+        let mut sge = ffi::ibv_sge {
+            addr: mr.addr + (j * self.size) as u64,
+            length: self.size as u32,
+            lkey: mr.lkey,
+        };
+        let mut wr = ffi::ibv_recv_wr {
+            wr_id: WR_RECV | i as u64,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        // SAFETY: the buffer lies in a registration this pool holds (and drops after the
+        // queue); nothing reads it until this request completes.
+        unsafe { self.srq.post_recv(&mut wr) }
+    }
 }
 
 /// One work request being built: its gather entry, and an inline payload, live beside it

@@ -383,6 +383,7 @@ impl Backend for ShmBackend {
         imm: u32,
         token: Token,
     ) -> Result<Sent, TransportError> {
+        crate::backend::check_imm(imm)?;
         src.check_range(&range)?;
         let n = range.len();
         if offset.checked_add(n).is_none_or(|e| e as u64 > dst.len) {

@@ -317,6 +317,7 @@ impl Backend for TcpBackend {
         imm: u32,
         token: Token,
     ) -> Result<Sent, TransportError> {
+        crate::backend::check_imm(imm)?;
         src.check_range(&range)?;
         if dst.kind != KIND_TCP
             || offset
