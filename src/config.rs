@@ -15,6 +15,7 @@
 //! | `KVSTORE_RDMA_DEVICE`, `KVSTORE_RDMA_PORT` | the RDMA device (`mlx5_0`, `rxe0`) and its port | the first, 1 |
 //! | `KVSTORE_RDMA_GID_INDEX` | a fixed GID index | the RoCE v2 GID of the address that reaches the peer |
 //! | `KVSTORE_RDMA_SL`, `KVSTORE_RDMA_TC` | service level, traffic class | 0, 0 |
+//! | `KVSTORE_RDMA_WRITE_IMM` | `0`: a put that fills its grant goes as an eager SEND (8 KiB or less) or WRITEs and a notice, not as one WRITE_WITH_IMM | 1 |
 //!
 //! # Under mpirun or srun
 //! Without `DMLC_ROLE`, a process started by Open MPI's or MPICH's `mpirun` or by Slurm's
@@ -77,7 +78,8 @@ pub struct Config {
     pub rdma: RdmaSettings,
 }
 
-/// The RDMA variables (`KVSTORE_RDMA_DEVICE`, `_PORT`, `_GID_INDEX`, `_SL`, `_TC`), as NCCL's
+/// The RDMA variables (`KVSTORE_RDMA_DEVICE`, `_PORT`, `_GID_INDEX`, `_SL`, `_TC`,
+/// `_WRITE_IMM`), as NCCL's
 /// `NCCL_IB_HCA` or UCX's `UCX_NET_DEVICES` choose a NIC.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RdmaSettings {
@@ -91,6 +93,9 @@ pub struct RdmaSettings {
     pub service_level: u8,
     /// Traffic class (RoCE: DSCP and ECN).
     pub traffic_class: u8,
+    /// Whether a put that fills its grant is one WRITE_WITH_IMM; unset: the backend's
+    /// default (yes).
+    pub write_imm: Option<bool>,
 }
 
 /// Which transport a worker uses for servers on its host (`KVSTORE_TRANSPORT`).
@@ -385,6 +390,7 @@ impl Config {
             gid_index: opt(env, "KVSTORE_RDMA_GID_INDEX")?,
             service_level: opt(env, "KVSTORE_RDMA_SL")?.unwrap_or(0),
             traffic_class: opt(env, "KVSTORE_RDMA_TC")?.unwrap_or(0),
+            write_imm: opt::<u8>(env, "KVSTORE_RDMA_WRITE_IMM")?.map(|v| v != 0),
         };
         let shm_pool_bytes = match get(env, "KVSTORE_SHM_POOL") {
             Some(v) => parse("KVSTORE_SHM_POOL", &v)?,

@@ -322,7 +322,7 @@ pub fn shm_client(name: &str, timeout: Duration) -> Result<Conn, String> {
 /// device's first address (the queue pairs take the path of the TCP link they are set up on).
 #[cfg(feature = "rdma")]
 pub fn rdma_server(port: u16) -> Result<Box<dyn Backend>, String> {
-    let mut b = kvstore_transport::RdmaBackend::new(Default::default()).map_err(err)?;
+    let mut b = kvstore_transport::RdmaBackend::new(rdma_config()?).map_err(err)?;
     let ip = rdma_address(&b)?;
     b.listen(std::net::SocketAddr::new(ip, port))
         .map_err(|e| format!("{ip} port {port}: {e}"))?;
@@ -333,7 +333,7 @@ pub fn rdma_server(port: u16) -> Result<Box<dyn Backend>, String> {
 /// address) and `port`.
 #[cfg(feature = "rdma")]
 pub fn rdma_client(host: Option<&str>, port: u16, timeout: Duration) -> Result<Conn, String> {
-    let mut b = kvstore_transport::RdmaBackend::new(Default::default()).map_err(err)?;
+    let mut b = kvstore_transport::RdmaBackend::new(rdma_config()?).map_err(err)?;
     let ip = match host {
         Some(h) => h.parse().map_err(|_| format!("{h} is not an IP address"))?,
         None => rdma_address(&b)?,
@@ -343,6 +343,21 @@ pub fn rdma_client(host: Option<&str>, port: u16, timeout: Duration) -> Result<C
         .connect(addr, timeout)
         .map_err(|e| format!("connecting to {addr}: {e}"))?;
     Ok(Conn::new(Box::new(b), Some(p)))
+}
+
+/// The backend's defaults, but for `KVSTORE_RDMA_WRITE_IMM` (as the store reads it): `0`
+/// sends a put that fills its grant as an eager SEND, to measure it against WRITE_WITH_IMM.
+#[cfg(feature = "rdma")]
+fn rdma_config() -> Result<kvstore_transport::RdmaConfig, String> {
+    let mut c = kvstore_transport::RdmaConfig::default();
+    if let Ok(v) = std::env::var("KVSTORE_RDMA_WRITE_IMM") {
+        c.write_imm = match v.as_str() {
+            "0" => false,
+            "1" => true,
+            _ => return Err(format!("KVSTORE_RDMA_WRITE_IMM={v:?}: expected 0 or 1")),
+        };
+    }
+    Ok(c)
 }
 
 /// The device's first address (IPv4 first).

@@ -31,17 +31,22 @@ impl RdmaBackend {
         on: &mut dyn FnMut(Completion<'_>),
         n: &mut usize,
     ) -> Result<(), TransportError> {
-        // SAFETY: plain C structs, all zeroes valid.
-        let mut wc: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
-        loop {
-            let k = self.cq.poll(&mut wc)?;
+        // The backend's array of completions, lent for the call (not zeroed each time).
+        let mut wc = std::mem::take(&mut self.wcs);
+        let r = loop {
+            let k = match self.cq.poll(&mut wc) {
+                Ok(k) => k,
+                Err(e) => break Err(e),
+            };
             for w in &wc[..k] {
                 self.on_wc(w, on, n);
             }
             if k < wc.len() {
-                return Ok(());
+                break Ok(());
             }
-        }
+        };
+        self.wcs = wc;
+        r
     }
 
     pub(super) fn on_wc(
@@ -413,7 +418,7 @@ impl RdmaBackend {
             *m = Some(mr);
         }
         if reads > 0 {
-            self.post(peer, chain, None, 0)?;
+            self.post(peer, &mut chain, None, 0)?;
         }
         Ok(())
     }

@@ -217,6 +217,8 @@ pub struct RdmaBackend {
     last_events: std::time::Instant,
     /// Work completions found by the look after arming, or of peers still starting.
     early: Vec<ops::OwnedWc>,
+    /// Where a poll of the completion queue puts what it found.
+    wcs: Vec<ffi::ibv_wc>,
     /// Peers whose queue pair is up but whose handshake has not ended.
     starting: FxHashSet<u32>,
     /// Peers whose TCP link reached its end: lost once what they sent before it is delivered.
@@ -320,6 +322,8 @@ impl RdmaBackend {
             calls: 0,
             last_events: std::time::Instant::now(),
             early: Vec::new(),
+            // SAFETY: plain C structs, all zeroes valid.
+            wcs: (0..32).map(|_| unsafe { std::mem::zeroed() }).collect(),
             starting: FxHashSet::default(),
             ended: Vec::new(),
         };

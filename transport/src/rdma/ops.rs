@@ -10,7 +10,7 @@ use rdma_sys as ffi;
 use super::setup::HEAD;
 use super::verbs::{Mr, LOCAL, REMOTE_WRITE};
 use super::wire::{
-    credit_word, wr, wr_inline, Head, Wr, EAGER, INDEX, INLINE, MSG, PUT, RESERVE, REVOKE, RNDV,
+    credit_word, wr, wr_inline, wr_inline_with, Head, Wr, EAGER, INDEX, MSG, PUT, RESERVE, REVOKE, RNDV,
     WR_SEND,
 };
 use super::{Grant, Inbound, Peer, Posted, RdmaBackend, KIND_RDMA, SLOTS, SLOT_SHIFT};
@@ -36,7 +36,7 @@ impl RdmaBackend {
     pub(super) fn post(
         &mut self,
         peer: u32,
-        mut chain: Vec<(Box<Wr>, Option<u32>, Option<u64>)>,
+        chain: &mut [(Wr, Option<u32>, Option<u64>)],
         token: Option<Token>,
         sends: u64,
     ) -> Result<(), TransportError> {
@@ -59,9 +59,11 @@ impl RdmaBackend {
                 w.wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
             }
         }
-        for i in 0..n.saturating_sub(1) {
-            let next: *mut ffi::ibv_send_wr = &mut chain[i + 1].0.wr;
-            chain[i].0.wr.next = next;
+        // Linked back to front, each to the next, now that the chain stays where it is.
+        let mut next: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        for (w, _, _) in chain.iter_mut().rev() {
+            w.link(next);
+            next = &mut w.wr;
         }
         // SAFETY: every request names a range of a registration that lives until it completes:
         // send buffers (freed on completion), the caller's regions (held by `Posted` through
@@ -69,12 +71,12 @@ impl RdmaBackend {
         // inbox); the chain's memory is alive for the call.
         unsafe { p.qp.post_send(&mut chain[0].0.wr) }?;
         p.sent += sends;
-        for (i, (_, slot, read)) in chain.into_iter().enumerate() {
+        for (i, (_, slot, read)) in chain.iter().enumerate() {
             p.posted.push_back(Posted {
                 seq: p.next_seq + i as u64,
-                slot,
+                slot: *slot,
                 token: if i + 1 == n { token } else { None },
-                read,
+                read: *read,
             });
         }
         p.next_seq += n as u64;
@@ -89,28 +91,30 @@ impl RdmaBackend {
         mut head: Head,
         body: &[u8],
         data: Option<(&Region, Range<usize>)>,
-    ) -> Option<(Box<Wr>, Option<u32>)> {
+    ) -> Option<(Wr, Option<u32>)> {
         let p = self.peers.get_mut(&peer)?;
         head.credits = p.reposted;
         p.told = p.reposted;
         let dlen = data.as_ref().map_or(0, |(_, r)| r.len());
         let len = HEAD + body.len() + dlen;
         if len <= p.max_inline {
-            let mut b = [0u8; INLINE];
-            b[..HEAD].copy_from_slice(&head.encode());
-            b[HEAD..HEAD + body.len()].copy_from_slice(body);
-            if let Some((r, range)) = data {
-                // SAFETY: the range was checked against the region; the caller does not
-                // write it during the call; `b` is a distinct local buffer.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        r.mem.ptr().add(range.start),
-                        b.as_mut_ptr().add(HEAD + body.len()),
-                        dlen,
-                    )
-                };
-            }
-            return Some((wr_inline(ffi::ibv_wr_opcode::IBV_WR_SEND, &b[..len]), None));
+            let w = wr_inline_with(ffi::ibv_wr_opcode::IBV_WR_SEND, |b| {
+                b[..HEAD].copy_from_slice(&head.encode());
+                b[HEAD..HEAD + body.len()].copy_from_slice(body);
+                if let Some((r, range)) = data {
+                    // SAFETY: the range was checked against the region; the caller does not
+                    // write it during the call; `b` is a distinct buffer.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            r.mem.ptr().add(range.start),
+                            b.as_mut_ptr().add(HEAD + body.len()),
+                            dlen,
+                        )
+                    };
+                }
+                len
+            });
+            return Some((w, None));
         }
         let slot = self.free_sends.pop()?;
         let at = slot as usize * self.cfg.buffer;
@@ -148,7 +152,7 @@ impl RdmaBackend {
             return;
         }
         if let Some((w, slot)) = self.send_wr(peer, head, &[], None) {
-            if let Err(e) = self.post(peer, vec![(w, slot, None)], None, 1) {
+            if let Err(e) = self.post(peer, &mut [(w, slot, None)], None, 1) {
                 self.lose(PeerId(peer), e);
             }
         } else if let Some(p) = self.peers.get_mut(&peer) {
@@ -183,7 +187,7 @@ impl RdmaBackend {
                         if let Some(p) = self.peers.get_mut(&id) {
                             p.unsent.pop_front();
                         }
-                        if let Err(e) = self.post(id, vec![(w, slot, None)], None, 1) {
+                        if let Err(e) = self.post(id, &mut [(w, slot, None)], None, 1) {
                             self.lose(PeerId(id), e);
                         }
                     }
@@ -224,7 +228,7 @@ impl RdmaBackend {
         if signaled {
             w.wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        let r = self.post(id, vec![(w, None, None)], None, 0);
+        let r = self.post(id, &mut [(w, None, None)], None, 0);
         if let Err(e) = r {
             self.lose(PeerId(id), e);
         }
@@ -290,7 +294,7 @@ impl RdmaBackend {
             p.holds
                 .push_back((p.next_seq + chain.len() as u64 - 1, src.clone(), m));
         }
-        self.post(peer, chain, Some(token), 1)?;
+        self.post(peer, &mut chain, Some(token), 1)?;
         Ok(Sent::Posted)
     }
 
@@ -507,7 +511,7 @@ impl Backend for RdmaBackend {
             }
             return Ok(Sent::WouldBlock);
         };
-        self.post(peer.0, vec![(w, slot, None)], token, 1)?;
+        self.post(peer.0, &mut [(w, slot, None)], token, 1)?;
         if let Some(t) = done_now {
             self.done.push_back((t, None));
         }
@@ -560,7 +564,7 @@ impl Backend for RdmaBackend {
             ..Head::default()
         };
         let slot = (dst.id >> SLOT_SHIFT) as u32 & SLOTS;
-        if slot != 0 && offset == 0 && len as u64 == dst.len && len > self.cfg.eager_put {
+        if self.cfg.write_imm && slot != 0 && offset == 0 && len as u64 == dst.len {
             return self.put_write_imm(
                 peer.0,
                 src,
@@ -577,7 +581,7 @@ impl Backend for RdmaBackend {
             let Some((w, slot)) = self.send_wr(peer.0, head, &[], Some((src, range))) else {
                 return Ok(Sent::WouldBlock);
             };
-            self.post(peer.0, vec![(w, slot, None)], Some(token), 1)?;
+            self.post(peer.0, &mut [(w, slot, None)], Some(token), 1)?;
             return Ok(Sent::Posted);
         }
         let mr = self.mr_of(src)?;
@@ -603,7 +607,7 @@ impl Backend for RdmaBackend {
             p.holds
                 .push_back((p.next_seq + chain.len() as u64 - 1, src.clone(), mr));
         }
-        self.post(peer.0, chain, Some(token), 1)?;
+        self.post(peer.0, &mut chain, Some(token), 1)?;
         Ok(Sent::Posted)
     }
 

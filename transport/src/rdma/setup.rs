@@ -42,8 +42,13 @@ pub struct RdmaConfig {
     pub max_peers: usize,
     /// How long the queue-pair exchange of a new connection may take.
     pub handshake_timeout: Duration,
-    /// Puts of at most this many bytes go as one SEND carrying the data, which the receiver
-    /// copies into the grant; larger ones are RDMA WRITEs and a notice (0: always writes).
+    /// A put that fills its grant is one RDMA WRITE_WITH_IMM (split at the largest message,
+    /// the last piece carrying the immediate), whatever its size: on rxe an 8-byte put took
+    /// 18.5 us this way against 20.5 as an eager SEND. `false`: as any other put.
+    pub write_imm: bool,
+    /// Other puts of at most this many bytes go as one SEND carrying the data, which the
+    /// receiver copies into the grant; larger ones are RDMA WRITEs and a notice (0: always
+    /// writes).
     pub eager_put: usize,
 }
 
@@ -64,6 +69,7 @@ impl Default for RdmaConfig {
             send_depth: 256,
             max_peers: 64,
             handshake_timeout: Duration::from_secs(5),
+            write_imm: true,
             eager_put: 8192,
         }
     }

@@ -168,12 +168,13 @@ impl Receives {
     }
 }
 
-/// One work request being built: its gather entry, and an inline payload, live beside it
-/// (boxed, so the pointers to them stay valid until the post).
+/// One work request being built: its gather entry and an inline payload live beside it.
+/// Nothing points into it until it is posted: [`Wr::link`] sets the pointers then, while the
+/// chain holding it stays put (no allocation per request).
 pub(super) struct Wr {
     pub(super) wr: ffi::ibv_send_wr,
     sge: ffi::ibv_sge,
-    inline: [u8; INLINE],
+    inline: Option<[u8; INLINE]>,
 }
 
 /// The most inline bytes a queue pair is asked for (a header, a short body and small data):
@@ -181,10 +182,24 @@ pub(super) struct Wr {
 /// DMA read. The device may give less; a QP that cannot have this many gets [`HEAD`].
 pub(super) const INLINE: usize = 256;
 
-/// A request whose payload (at most [`INLINE`] bytes) is copied into the queue by the post.
-pub(super) fn wr_inline(opcode: u32, payload: &[u8]) -> Box<Wr> {
-    let n = payload.len().min(INLINE);
-    let mut b = wr(
+impl Wr {
+    /// Points the request at its own gather entry (and that at its inline bytes), and at
+    /// `next`: right before the post, with the request where it will stay until then.
+    pub(super) fn link(&mut self, next: *mut ffi::ibv_send_wr) {
+        if let Some(b) = &self.inline {
+            self.sge.addr = b.as_ptr() as u64;
+        }
+        self.wr.sg_list = &mut self.sge;
+        self.wr.next = next;
+    }
+}
+
+/// A request whose payload (at most [`INLINE`] bytes) is copied into the queue by the post;
+/// `fill` writes the payload and says how long it is.
+pub(super) fn wr_inline_with(opcode: u32, fill: impl FnOnce(&mut [u8; INLINE]) -> usize) -> Wr {
+    let mut b = [0u8; INLINE];
+    let n = fill(&mut b).min(INLINE);
+    let mut w = wr(
         opcode,
         ffi::ibv_sge {
             addr: 0,
@@ -193,22 +208,28 @@ pub(super) fn wr_inline(opcode: u32, payload: &[u8]) -> Box<Wr> {
         },
         ffi::ibv_send_flags::IBV_SEND_INLINE.0,
     );
-    b.inline[..n].copy_from_slice(&payload[..n]);
-    b.sge.addr = b.inline.as_ptr() as u64;
-    b
+    w.inline = Some(b);
+    w
 }
 
-pub(super) fn wr(opcode: u32, sge: ffi::ibv_sge, flags: u32) -> Box<Wr> {
+/// A request whose payload (at most [`INLINE`] bytes) is copied into the queue by the post.
+pub(super) fn wr_inline(opcode: u32, payload: &[u8]) -> Wr {
+    wr_inline_with(opcode, |b| {
+        let n = payload.len().min(INLINE);
+        b[..n].copy_from_slice(&payload[..n]);
+        n
+    })
+}
+
+pub(super) fn wr(opcode: u32, sge: ffi::ibv_sge, flags: u32) -> Wr {
     // SAFETY: a plain C struct, all zeroes valid.
     let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
     w.opcode = opcode;
     w.send_flags = flags;
     w.num_sge = if sge.length == 0 { 0 } else { 1 };
-    let mut b = Box::new(Wr {
+    Wr {
         wr: w,
         sge,
-        inline: [0; INLINE],
-    });
-    b.wr.sg_list = &mut b.sge;
-    b
+        inline: None,
+    }
 }
