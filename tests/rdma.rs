@@ -83,6 +83,46 @@ fn rdma_calls_in_flight_slots_and_batches() {
     job(2, 2, "batches", "dist_sync", &bound);
 }
 
+/// Receiver-not-ready NAKs the devices sent and received (rxe's `send_rnr_err` and
+/// `rcvd_rnr_err` counters), summed over every device and port.
+fn rnr_naks() -> u64 {
+    let mut total = 0;
+    let mut found = 0;
+    for dev in std::fs::read_dir("/sys/class/infiniband").expect("no /sys/class/infiniband") {
+        let ports = dev.expect("a device").path().join("ports");
+        for port in std::fs::read_dir(ports).expect("no ports") {
+            let c = port.expect("a port").path().join("hw_counters");
+            for name in ["send_rnr_err", "rcvd_rnr_err"] {
+                if let Ok(v) = std::fs::read_to_string(c.join(name)) {
+                    total += v.trim().parse::<u64>().expect("a count");
+                    found += 1;
+                }
+            }
+        }
+    }
+    assert!(found > 0, "this device has no RNR counters");
+    total
+}
+
+#[test]
+fn rdma_receive_credits_mean_no_receiver_not_ready_naks() {
+    // Every push, pull, reply and WRITE_WITH_IMM takes a receive from a shared queue; a
+    // sender uses only the buffers it was credited, so no receiver is ever found not ready.
+    need_device();
+    let before = rnr_naks();
+    let bound = [("KVSTORE_BIGARRAY_BOUND", "1000")];
+    job(3, 2, "batches", "dist_sync", &bound);
+    job(2, 2, "inflight", "dist_sync", &bound);
+    job(
+        2,
+        2,
+        "async",
+        "dist_async",
+        &[("KVSTORE_BIGARRAY_BOUND", "4")],
+    );
+    assert_eq!(rnr_naks(), before, "receiver-not-ready NAKs were drawn");
+}
+
 #[test]
 fn rdma_optimizers_and_registered_updaters() {
     job(

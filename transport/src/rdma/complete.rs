@@ -59,10 +59,14 @@ impl RdmaBackend {
         let recv = wc.wr_id & WR_RECV != 0;
         // A receive names its buffer, and the queue pair it came on names the peer.
         let peer = match recv {
-            true => self.by_qpn.get(&wc.qp_num).copied(),
+            true => match self.peers.values().find(|p| p.qp.num == wc.qp_num) {
+                Some(p) => Some(p.id),
+                // One still starting (or gone).
+                None => self.by_qpn.get(&wc.qp_num).copied(),
+            },
             false => Some((wc.wr_id >> 32) as u32),
         };
-        if peer.is_some_and(|p| self.starting.contains(&p)) {
+        if !self.starting.is_empty() && peer.is_some_and(|p| self.starting.contains(&p)) {
             // A peer whose queue pair is up but whose "ready" is not yet read: kept for it.
             // SAFETY: a plain C struct of numbers (no pointers, no drop): a bitwise copy.
             self.early.push(OwnedWc(unsafe { std::ptr::read(wc) }));

@@ -199,7 +199,7 @@ impl RdmaBackend {
                 .register(s, mio::Token(id as usize), Interest::READABLE)?;
         }
         self.by_qpn.insert(p.qp.num, id);
-        self.peers.insert(id, p);
+        self.peers.insert(p);
         Ok(PeerId(id))
     }
 

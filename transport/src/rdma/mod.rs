@@ -1,18 +1,24 @@
-//! RDMA verbs as a [`Backend`] (the `rdma` feature): reliable-connected queue pairs, set up over
+//! RDMA verbs as a [`crate::Backend`] (the `rdma` feature): reliable-connected queue pairs, set up over
 //! a TCP connection that then stays open to tell when the peer is gone.
 //!
-//! - **Messages** are SENDs from the backend's registered send buffers into the peer's receive
-//!   buffers, a 48-byte header first. The receiver gives credits back (the count of buffers it
-//!   posted again) in every header it sends and, when enough are owed, by an RDMA WRITE of the
-//!   count into a word the sender registered for it: a sender never sends into a buffer that
-//!   is not posted, so there is no receiver-not-ready retry in steady state, and a full link
-//!   answers "would block". Data that fits goes in the buffer after the body; larger data is
-//!   read by the receiver (RDMA READ) from the sender's registered memory, and the receiver's
-//!   RELEASE is the sender's completion.
-//! - **Puts** are RDMA WRITEs (split at the device's largest message) into the range the peer
-//!   granted, followed on the same queue pair by a SEND that names the grant, offset, length
-//!   and the caller's 32-bit immediate; RC ordering places the data before the notice. (A
-//!   WRITE_WITH_IMM's 32 bits cannot carry both the grant and the caller's immediate.)
+//! - **Messages** are SENDs from the backend's registered send buffers into receive buffers
+//!   of the peer, a 48-byte header first. Receive buffers are one pool per backend, posted to a
+//!   shared receive queue (a chunk of buffers for each peer's credits, made as peers come); a
+//!   buffer goes back to the queue as soon as what arrived in it was handled. The receiver gives
+//!   credits back (the count of buffers it posted again for that peer) in every header it sends
+//!   and, when enough are owed, by an RDMA WRITE of the count into a word the sender registered
+//!   for it: a sender never uses more buffers than it was credited, and the queue always holds
+//!   at least as many as all peers were credited, so there is no receiver-not-ready NAK in
+//!   steady state, and a full link answers "would block". Data that fits goes in the buffer
+//!   after the body; larger data is read by the receiver (RDMA READ) from the sender's
+//!   registered memory, and the receiver's RELEASE is the sender's completion.
+//! - **Puts.** A put that fills its grant (how the store puts: a push into its receive slot, a
+//!   pull's answer into its output) is one RDMA WRITE_WITH_IMM, split at the device's largest
+//!   message with the last piece carrying the immediate: its high bits are the grant's slot
+//!   (a number per peer, in the grant's handle), its low [`crate::IMM_BITS`] the caller's. It
+//!   takes a receive (a credit) at the target, like a SEND. Other puts are RDMA WRITEs and a
+//!   SEND naming the grant, offset, length and immediate (RC ordering places the data before
+//!   the notice), or, when small, one SEND carrying the data.
 //! - **Grants** register the granted range on its own, with remote write access: nothing else
 //!   is ever remotely writable. A revoke asks the peer, whose answer comes after every write it
 //!   posted before (RC order); a lost peer's queue pair is moved to the error state first. Then
@@ -165,6 +171,54 @@ pub(crate) struct Arrival {
     imm: Option<u32>,
 }
 
+/// The connected peers, by their number: a few dozen at most, kept in a vector and found by a
+/// scan, which costs less than hashing on every completion.
+#[derive(Default)]
+struct Peers(Vec<Peer>);
+
+impl Peers {
+    fn get(&self, id: &u32) -> Option<&Peer> {
+        self.0.iter().find(|p| p.id == *id)
+    }
+
+    fn get_mut(&mut self, id: &u32) -> Option<&mut Peer> {
+        self.0.iter_mut().find(|p| p.id == *id)
+    }
+
+    fn contains_key(&self, id: &u32) -> bool {
+        self.get(id).is_some()
+    }
+
+    fn insert(&mut self, p: Peer) {
+        self.0.push(p);
+    }
+
+    fn remove(&mut self, id: &u32) -> Option<Peer> {
+        let i = self.0.iter().position(|p| p.id == *id)?;
+        Some(self.0.swap_remove(i))
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&u32, &Peer)> {
+        self.0.iter().map(|p| (&p.id, p))
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &u32> {
+        self.0.iter().map(|p| &p.id)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Peer> {
+        self.0.iter()
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
 /// A registration in the cache: the storage it was made for (alive or not), and it.
 type Cached = (Weak<dyn Storage>, Arc<Mr>);
 
@@ -187,7 +241,7 @@ pub struct RdmaBackend {
     cfg: RdmaConfig,
     lim: Limits,
     // Peers (their queue pairs) go before the completion queue, the PD and the context.
-    peers: FxHashMap<u32, Peer>,
+    peers: Peers,
     /// The receive buffers of all peers (after them: their queue pairs use its queue).
     rx: wire::Receives,
     handshakes: FxHashMap<usize, Handshake>,
@@ -298,7 +352,7 @@ impl RdmaBackend {
             free_sends: (0..cfg.sends as u32).rev().collect(),
             cfg,
             lim,
-            peers: FxHashMap::default(),
+            peers: Peers::default(),
             rx,
             handshakes: FxHashMap::default(),
             by_qpn: FxHashMap::default(),

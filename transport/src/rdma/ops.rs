@@ -10,8 +10,8 @@ use rdma_sys as ffi;
 use super::setup::HEAD;
 use super::verbs::{Mr, LOCAL, REMOTE_WRITE};
 use super::wire::{
-    credit_word, wr, wr_inline, wr_inline_with, Head, Wr, EAGER, INDEX, MSG, PUT, RESERVE, REVOKE, RNDV,
-    WR_SEND,
+    credit_word, wr, wr_inline, wr_inline_with, Head, Wr, EAGER, INDEX, MSG, PUT, RESERVE, REVOKE,
+    RNDV, WR_SEND,
 };
 use super::{Grant, Inbound, Peer, Posted, RdmaBackend, KIND_RDMA, SLOTS, SLOT_SHIFT};
 use crate::backend::Place;
