@@ -289,8 +289,15 @@ impl RdmaBackend {
                 break;
             }
         }
+        let Some(m) = mr else {
+            // Inline: the post copies the bytes, so the source is the caller's again at once
+            // (and the request need not be signalled: no completion to wait for).
+            self.post(peer, &mut chain, None, 1)?;
+            self.done.push_back((token, None));
+            return Ok(Sent::Posted);
+        };
         // The source stays registered and alive until the last write completes.
-        if let (Some(p), Some(m)) = (self.peers.get_mut(&peer), mr) {
+        if let Some(p) = self.peers.get_mut(&peer) {
             p.holds
                 .push_back((p.next_seq + chain.len() as u64 - 1, src.clone(), m));
         }
@@ -581,7 +588,9 @@ impl Backend for RdmaBackend {
             let Some((w, slot)) = self.send_wr(peer.0, head, &[], Some((src, range))) else {
                 return Ok(Sent::WouldBlock);
             };
-            self.post(peer.0, &mut [(w, slot, None)], Some(token), 1)?;
+            // The data was copied: the source is the caller's again at once.
+            self.post(peer.0, &mut [(w, slot, None)], None, 1)?;
+            self.done.push_back((token, None));
             return Ok(Sent::Posted);
         }
         let mr = self.mr_of(src)?;
