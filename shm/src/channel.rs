@@ -77,24 +77,35 @@ struct Layout {
 
 fn layout(cfg: &ChannelConfig) -> Result<Layout, ShmError> {
     if cfg.page_size < 4096
+        || cfg.page_size > Pool::MAX_PAGE
         || !cfg.page_size.is_power_of_two()
         || cfg.pages == 0
         || cfg.ring_slots == 0
     {
         return Err(ShmError::OutOfBounds(format!("bad channel sizes {cfg:?}")));
     }
-    let ring = Ring::bytes_needed(cfg.ring_slots).div_ceil(64) * 64;
+    // The sizes may come from a peer's header: every step is checked.
+    let bad = || ShmError::OutOfBounds(format!("channel sizes {cfg:?} overflow"));
+    let ring = Ring::bytes_needed(cfg.ring_slots)
+        .ok_or_else(bad)?
+        .div_ceil(64)
+        * 64;
     let ring_ab = HEADER;
-    let ring_ba = ring_ab + ring;
-    let pool_a = (ring_ba + ring).div_ceil(cfg.page_size) * cfg.page_size;
-    let pool = Pool::bytes_needed(cfg.pages, cfg.page_size);
-    let pool_b = pool_a + pool;
+    let ring_ba = ring_ab.checked_add(ring).ok_or_else(bad)?;
+    let pool_a = ring_ba
+        .checked_add(ring)
+        .ok_or_else(bad)?
+        .div_ceil(cfg.page_size)
+        .checked_mul(cfg.page_size)
+        .ok_or_else(bad)?;
+    let pool = Pool::bytes_needed(cfg.pages, cfg.page_size).ok_or_else(bad)?;
+    let pool_b = pool_a.checked_add(pool).ok_or_else(bad)?;
     Ok(Layout {
         ring_ab,
         ring_ba,
         pool_a,
         pool_b,
-        total: pool_b + pool,
+        total: pool_b.checked_add(pool).ok_or_else(bad)?,
     })
 }
 
@@ -296,6 +307,30 @@ mod tests {
         let fd = a.segment().fd().try_clone_to_owned().unwrap();
         let b = Channel::attach(Segment::from_fd(fd).unwrap()).unwrap();
         (a, b)
+    }
+
+    /// A header whose sizes overflow when multiplied (2^34 pages of 1 GiB is 2^64 bytes, which
+    /// wraps to 0) is refused, never mapped as an empty or wrapped layout.
+    #[test]
+    fn a_header_whose_sizes_overflow_is_refused() {
+        let (a, _) = pair();
+        for (slots, page, pages) in [
+            (16u64, 1u64 << 30, 1u64 << 34),
+            (1 << 56, 4096, 32),
+            (16, 1 << 62, 2),
+            (16, 4096, u64::MAX),
+        ] {
+            for (i, w) in [slots, page, pages].iter().enumerate() {
+                a.segment().write((2 + i) * 8, &w.to_le_bytes()).unwrap();
+            }
+            let fd = a.segment().fd().try_clone_to_owned().unwrap();
+            let r = Channel::attach(Segment::from_fd(fd).unwrap());
+            assert!(
+                r.is_err(),
+                "slots {slots}, page {page}, pages {pages} was taken"
+            );
+        }
+        assert!(Pool::bytes_needed(1 << 34, 1 << 30).is_none());
     }
 
     #[test]

@@ -29,11 +29,23 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// Bytes a pool of `npages` pages of `page` bytes takes (bitmap rounded up to a page).
-    pub fn bytes_needed(npages: usize, page: usize) -> usize {
-        let bitmap = npages.div_ceil(64) * 8;
-        bitmap.div_ceil(page) * page + npages * page
+    /// Bytes a pool of `npages` pages of `page` bytes takes (bitmap rounded up to a page);
+    /// `None` if that overflows (the numbers may come from a peer).
+    pub fn bytes_needed(npages: usize, page: usize) -> Option<usize> {
+        if page == 0 {
+            return None;
+        }
+        let bitmap = npages.div_ceil(64).checked_mul(8)?;
+        bitmap
+            .div_ceil(page)
+            .checked_mul(page)?
+            .checked_add(npages.checked_mul(page)?)
     }
+
+    /// The largest page a pool takes (a peer's claim beyond it is refused).
+    pub const MAX_PAGE: usize = 1 << 30;
+    /// The smallest (a span is checked page by page: tiny pages would make that slow).
+    pub const MIN_PAGE: usize = 4096;
 
     /// The pool at `base` (page-aligned) of `seg`.
     pub fn new(
@@ -42,17 +54,23 @@ impl Pool {
         npages: usize,
         page: usize,
     ) -> Result<Pool, ShmError> {
-        if page == 0 || !page.is_power_of_two() || base % page != 0 && base % 4096 != 0 {
+        if page < Self::MIN_PAGE
+            || page > Self::MAX_PAGE
+            || !page.is_power_of_two()
+            || base % page != 0 && base % 4096 != 0
+        {
             return Err(ShmError::OutOfBounds(format!("page size {page} at {base}")));
         }
-        if base
-            .checked_add(Self::bytes_needed(npages, page))
-            .is_none_or(|e| e > seg.len())
+        if npages == 0
+            || Self::bytes_needed(npages, page)
+                .and_then(|n| base.checked_add(n))
+                .is_none_or(|e| e > seg.len())
         {
             return Err(ShmError::OutOfBounds(format!(
                 "pool of {npages} pages at {base}"
             )));
         }
+        // Cannot overflow: `bytes_needed` was checked above.
         let bitmap_bytes = npages.div_ceil(64) * 8;
         Ok(Pool {
             seg,
@@ -239,9 +257,29 @@ mod tests {
     use super::*;
 
     fn pool(npages: usize) -> Pool {
-        let seg =
-            Arc::new(Segment::create("pool", Pool::bytes_needed(npages, 4096) + 4096).unwrap());
+        let seg = Arc::new(
+            Segment::create("pool", Pool::bytes_needed(npages, 4096).unwrap() + 4096).unwrap(),
+        );
         Pool::new(seg, 4096, npages, 4096).unwrap()
+    }
+
+    #[test]
+    fn claims_that_overflow_or_do_not_fit_are_refused() {
+        let seg = Arc::new(Segment::create("pool", 4096 * 8).unwrap());
+        // 2^34 pages of 1 GiB: 2^64 bytes, which would wrap to 0 unchecked.
+        assert!(Pool::new(seg.clone(), 4096, 1 << 34, 1 << 30).is_err());
+        assert!(Pool::new(seg.clone(), 4096, usize::MAX, 4096).is_err());
+        assert!(Pool::new(seg.clone(), 4096, 4, 1).is_err(), "a 1-byte page");
+        assert!(
+            Pool::new(seg.clone(), 4096, 4, 64).is_err(),
+            "pages below 4 KiB"
+        );
+        assert!(Pool::new(seg.clone(), 4096, 0, 4096).is_err(), "no pages");
+        assert!(
+            Pool::new(seg.clone(), 4096, 100, 4096).is_err(),
+            "does not fit"
+        );
+        assert!(Pool::new(seg, 4096, 4, 4096).is_ok());
     }
 
     #[test]
@@ -315,7 +353,9 @@ mod tests {
 
     #[test]
     fn allocation_and_concurrent_frees_from_another_thread_keep_the_bitmap_consistent() {
-        let seg = Arc::new(Segment::create("pool", Pool::bytes_needed(256, 4096) + 4096).unwrap());
+        let seg = Arc::new(
+            Segment::create("pool", Pool::bytes_needed(256, 4096).unwrap() + 4096).unwrap(),
+        );
         let owner = Pool::new(seg.clone(), 4096, 256, 4096).unwrap();
         let other = Pool::new(seg, 4096, 256, 4096).unwrap();
         let (tx, rx) = std::sync::mpsc::sync_channel::<Region>(64);

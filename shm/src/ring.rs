@@ -24,17 +24,20 @@ pub struct Ring {
 }
 
 impl Ring {
-    /// Bytes a ring of `cap` slots takes.
-    pub fn bytes_needed(cap: u64) -> usize {
-        SLOTS + cap as usize * SLOT
+    /// The most slots a ring has (a peer's claim beyond it is refused).
+    pub const MAX_SLOTS: u64 = 1 << 20;
+
+    /// Bytes a ring of `cap` slots takes; `None` beyond [`Ring::MAX_SLOTS`].
+    pub fn bytes_needed(cap: u64) -> Option<usize> {
+        (cap <= Self::MAX_SLOTS).then(|| SLOTS + cap as usize * SLOT)
     }
 
     /// The ring at `base` of `seg`, with `cap` slots (indices start at zero in a fresh segment).
     pub fn new(seg: Arc<Segment>, base: usize, cap: u64) -> Result<Ring, ShmError> {
         if cap == 0
             || base % 64 != 0
-            || base
-                .checked_add(Self::bytes_needed(cap))
+            || Self::bytes_needed(cap)
+                .and_then(|n| base.checked_add(n))
                 .is_none_or(|e| e > seg.len())
         {
             return Err(ShmError::OutOfBounds(format!(
@@ -71,14 +74,15 @@ impl Ring {
             )));
         }
         let (head, tail) = self.indices()?;
-        if head - tail == self.cap {
+        if head.wrapping_sub(tail) == self.cap {
             return Ok(false);
         }
+        // In bounds: `cap` slots lie after the indices (checked in `new`).
         let at = self.base + SLOTS + (head % self.cap) as usize * SLOT;
         self.seg.write(at, data)?;
         self.seg
             .atomic_u64(self.base + HEAD)?
-            .store(head + 1, Ordering::Release);
+            .store(head.wrapping_add(1), Ordering::Release);
         Ok(true)
     }
 
@@ -92,7 +96,7 @@ impl Ring {
         self.seg.read(at, out)?;
         self.seg
             .atomic_u64(self.base + TAIL)?
-            .store(tail + 1, Ordering::Release);
+            .store(tail.wrapping_add(1), Ordering::Release);
         Ok(true)
     }
 
@@ -100,7 +104,7 @@ impl Ring {
     /// room seen here stays until the producer pushes).
     pub fn is_full(&self) -> bool {
         self.indices()
-            .map(|(h, t)| h - t == self.cap)
+            .map(|(h, t)| h.wrapping_sub(t) == self.cap)
             .unwrap_or(true)
     }
 
@@ -142,6 +146,28 @@ mod tests {
         let mut out = [0u8; SLOT];
         assert!(matches!(r.try_pop(&mut out), Err(ShmError::Corrupt(_))));
         assert!(Ring::new(seg, 0, 1000).is_err(), "does not fit");
+    }
+
+    #[test]
+    fn indices_wrap_at_the_top_of_u64_and_huge_rings_are_refused() {
+        let seg = Arc::new(Segment::create("ring", 4096 * 2).unwrap());
+        let r = Ring::new(seg.clone(), 0, 4).unwrap();
+        let start = u64::MAX - 1;
+        seg.atomic_u64(HEAD).unwrap().store(start, Ordering::SeqCst);
+        seg.atomic_u64(TAIL).unwrap().store(start, Ordering::SeqCst);
+        for i in 0..4u8 {
+            assert!(r.try_push(&[i; 8]).unwrap());
+        }
+        assert!(r.is_full() && !r.try_push(&[9; 8]).unwrap());
+        let mut out = [0u8; SLOT];
+        for i in 0..4u8 {
+            assert!(r.try_pop(&mut out).unwrap());
+            assert_eq!(out[..8], [i; 8]);
+        }
+        assert!(r.is_empty());
+        // A slot count whose size would overflow (a peer's claim) is refused, not wrapped.
+        assert!(Ring::bytes_needed(1 << 56).is_none());
+        assert!(Ring::new(seg, 0, 1 << 56).is_err());
     }
 
     #[test]

@@ -54,12 +54,12 @@ impl FrameSink for SchedSink {
         if h.payload_len > MAX_CONTROL as u64 {
             return Err(refuse("oversized control frame"));
         }
-        self.buf.resize(h.payload_len as usize, 0);
+        self.buf.clear();
         self.cur = Some(m);
         Ok(())
     }
-    fn payload_dest(&mut self, _h: &FrameHeader) -> &mut [u8] {
-        &mut self.buf
+    fn payload_dest(&mut self, _h: &FrameHeader, got: usize, want: usize) -> &mut [u8] {
+        kvstore_transport::tcp::grow_into(&mut self.buf, got, want)
     }
     fn on_frame(&mut self, _h: &FrameHeader) -> std::result::Result<(), TransportError> {
         match self.cur.take().map(|m| m.op) {

@@ -482,6 +482,46 @@ suite!(
     a_paused_peer_is_not_read_until_resumed
 );
 
+/// This process's resident memory, in bytes (`/proc/self/statm`).
+fn rss() -> usize {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: usize = s.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// A header that claims a payload of nearly 1 GiB and sends a few bytes of it commits no
+/// memory for the rest: the receive buffer grows only as bytes arrive.
+#[test]
+fn tcp_a_claimed_payload_costs_nothing_until_it_arrives() {
+    use std::io::Write;
+    let (mut s, at) = server(Kind::Tcp);
+    let mut raw = std::net::TcpStream::connect(at.parse::<SocketAddr>().unwrap()).unwrap();
+    let start = Instant::now();
+    while !s.log.iter().any(|e| matches!(e, Ev::Connected(_))) {
+        s.pump();
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    let before = rss();
+    let claim = (1usize << 30) - 64;
+    raw.write_all(&kvstore_transport::tcp::msg_frame_header(
+        16,
+        Some(claim - 16),
+    ))
+    .unwrap();
+    raw.write_all(&[7u8; 100_000]).unwrap();
+    let until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < until {
+        s.pump();
+    }
+    let grew = rss().saturating_sub(before);
+    // Other tests run beside this one: the bound leaves them room, and a claim none.
+    assert!(
+        grew < 256 << 20,
+        "a claim of {claim} bytes took {grew} bytes"
+    );
+    assert!(!s.log.iter().any(|e| matches!(e, Ev::Recv(..))));
+}
+
 /// The perms of this process's mappings of the memfd named `name` (`/proc/self/maps`).
 fn mapping_perms(name: &str) -> Vec<String> {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();

@@ -102,7 +102,9 @@ pub(super) fn create_pool(
     page: usize,
     landing: bool,
 ) -> Result<(Arc<Segment>, Arc<Pool>), TransportError> {
-    let len = POOL_BASE + Pool::bytes_needed(pages, page);
+    let len = Pool::bytes_needed(pages, page)
+        .and_then(|n| n.checked_add(POOL_BASE))
+        .ok_or_else(|| TransportError::Refused(format!("a pool of {pages} pages of {page}")))?;
     let seg = Arc::new(if landing {
         Segment::create(&format!("{name}-landing"), len)?
     } else {
@@ -133,7 +135,11 @@ pub(super) fn attach_pool(
     if word(0) != POOL_MAGIC {
         return Err(TransportError::Refused("not a kvstore pool segment".into()));
     }
-    let (pages, page) = (word(1) as usize, word(2) as usize);
+    // The peer's numbers: `Pool::new` checks them (sizes, overflow) against the mapping.
+    let (pages, page) = (
+        usize::try_from(word(1)).unwrap_or(usize::MAX),
+        usize::try_from(word(2)).unwrap_or(usize::MAX),
+    );
     let pool = Pool::new(seg.clone(), POOL_BASE, pages, page)?;
     Ok((seg, pool))
 }
@@ -152,10 +158,10 @@ pub(super) struct PoolPages {
 unsafe impl Storage for PoolPages {
     fn ptr(&self) -> *mut u8 {
         // In bounds by construction (the pool handed the region out), in this process's own
-        // writable mapping.
+        // writable mapping: a failure here is a bug of this process, never a peer's doing.
         self.seg
             .ptr_mut(self.region.offset, self.region.len)
-            .unwrap_or(std::ptr::null_mut())
+            .expect("a pool region of this process lies in its mapping")
     }
     fn len(&self) -> usize {
         self.len

@@ -112,6 +112,18 @@ pub(super) struct Sink<'a> {
     pub(super) budget: usize,
 }
 
+/// The largest receive buffer a link keeps between messages.
+const KEEP: usize = 4 << 20;
+
+/// Where unwanted put bytes (into a revoked grant) are read, 64 KiB at a time.
+fn drain(scratch: &mut Vec<u8>, want: usize) -> &mut [u8] {
+    let n = want.clamp(1, 64 * 1024);
+    if scratch.len() < n {
+        scratch.resize(n, 0);
+    }
+    &mut scratch[..n]
+}
+
 /// Bytes of frames taken from one peer per progress call.
 pub(super) const READ_BUDGET: usize = 8 << 20;
 
@@ -134,7 +146,13 @@ impl FrameSink for Sink<'_> {
                 }
                 self.rx.body_len = body;
                 self.rx.has_data = h.meta[1] != 0;
-                self.rx.buf.resize(len, 0);
+                if !self.rx.has_data && body != len {
+                    return Err(TransportError::Refused(format!(
+                        "a frame of {len} bytes with a body of {body} and no data"
+                    )));
+                }
+                // Grown as the bytes arrive (`payload_dest`): a claim alone costs nothing.
+                self.rx.buf.clear();
             }
             PUT => {
                 let (grant, offset) = (word(&h.meta, 8..16), word(&h.meta, 16..24) as usize);
@@ -154,9 +172,6 @@ impl FrameSink for Sink<'_> {
                     _ if grant < self.next_grant => false,
                     _ => return Err(TransportError::Refused(format!("unknown grant {grant}"))),
                 };
-                if !live {
-                    self.rx.scratch.resize(len, 0);
-                }
                 self.rx.put = Some((grant, offset, imm, live));
             }
             k => return Err(TransportError::Refused(format!("frame kind {k}"))),
@@ -164,28 +179,26 @@ impl FrameSink for Sink<'_> {
         Ok(())
     }
 
-    fn payload_dest(&mut self, h: &FrameHeader) -> &mut [u8] {
-        let len = h.payload_len as usize;
+    fn payload_dest(&mut self, _h: &FrameHeader, got: usize, want: usize) -> &mut [u8] {
         match (self.rx.kind, self.rx.put) {
             (PUT, Some((grant, offset, _, true))) => match self.grants.get(&grant) {
                 // SAFETY: the grant is live, so its caller promised not to touch the range
-                // (`Backend::grant`); the bounds were checked in `on_header`; the region holds
-                // the storage alive for the call.
+                // (`Backend::grant`); the bounds were checked in `on_header` (`got + want` is
+                // within the payload); the region holds the storage alive for the call.
                 Some(g) => unsafe {
                     std::slice::from_raw_parts_mut(
-                        g.region.mem.ptr().add(g.range.start + offset),
-                        len,
+                        g.region.mem.ptr().add(g.range.start + offset + got),
+                        want,
                     )
                 },
-                // Revoked in the middle of the frame: the rest goes to scratch.
+                // Revoked in the middle of the frame: the rest is read and dropped.
                 None => {
-                    self.rx.scratch.resize(len, 0);
                     self.rx.put = Some((grant, offset, 0, false));
-                    &mut self.rx.scratch[..]
+                    drain(&mut self.rx.scratch, want)
                 }
             },
-            (PUT, _) => &mut self.rx.scratch[..len],
-            _ => &mut self.rx.buf[..],
+            (PUT, _) => drain(&mut self.rx.scratch, want),
+            _ => crate::tcp::grow_into(&mut self.rx.buf, got, want),
         }
     }
 
@@ -212,7 +225,11 @@ impl FrameSink for Sink<'_> {
                     peer: self.peer,
                     body,
                     data,
-                })
+                });
+                // A large message's buffer is not kept for the next ones.
+                if self.rx.buf.capacity() > KEEP {
+                    self.rx.buf = Vec::new();
+                }
             }
         }
         Ok(())

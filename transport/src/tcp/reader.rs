@@ -10,9 +10,11 @@ use crate::TransportError;
 pub trait FrameSink {
     /// A header has arrived. An error closes the connection.
     fn on_header(&mut self, h: &FrameHeader) -> Result<(), TransportError>;
-    /// The buffer for the payload of the frame `h` (called again on every read of that frame;
-    /// it must name the same buffer, exactly `h.payload_len` bytes long).
-    fn payload_dest(&mut self, h: &FrameHeader) -> &mut [u8];
+    /// Where the payload bytes of frame `h` from `got` on go: a buffer of at least 1 and at
+    /// most `want` bytes (`want` is what is left, or what has arrived), filled from its start.
+    /// A sink grows its buffer as the bytes arrive ([`grow_into`]), so that a header's claim
+    /// alone commits no memory.
+    fn payload_dest(&mut self, h: &FrameHeader, got: usize, want: usize) -> &mut [u8];
     /// The frame is complete. An error closes the connection.
     fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError>;
     /// Whether to take another frame now. `false` pauses the reader at a frame boundary
@@ -26,6 +28,18 @@ pub trait FrameSink {
 /// Staging buffer size: small frames are parsed out of it, several per `read`.
 const STAGE: usize = 64 * 1024;
 
+/// For a sink that collects a payload in a `Vec`: room for payload bytes `got..got + want`,
+/// the vector grown only as far as the bytes that arrived justify (by as much again as has
+/// arrived, at least 64 KiB), so a frame that claims a gigabyte and sends nothing costs
+/// nothing. The vector must be empty at the frame's start; at its end it holds the payload.
+pub fn grow_into(buf: &mut Vec<u8>, got: usize, want: usize) -> &mut [u8] {
+    let end = got + want.min(got.max(STAGE)).max(1);
+    if buf.len() < end {
+        buf.resize(end, 0);
+    }
+    &mut buf[got..end]
+}
+
 /// Reads frames from a stream as bytes arrive.
 ///
 /// Headers and small payloads are read through a 64 KiB staging buffer (many frames per system
@@ -37,11 +51,13 @@ const STAGE: usize = 64 * 1024;
 ///
 /// struct Collect(Vec<Vec<u8>>, Vec<u8>);
 /// impl FrameSink for Collect {
-///     fn on_header(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
-///         self.1 = vec![0; h.payload_len as usize];
+///     fn on_header(&mut self, _: &FrameHeader) -> Result<(), TransportError> {
+///         self.1.clear();
 ///         Ok(())
 ///     }
-///     fn payload_dest(&mut self, _: &FrameHeader) -> &mut [u8] { &mut self.1 }
+///     fn payload_dest(&mut self, _: &FrameHeader, got: usize, want: usize) -> &mut [u8] {
+///         kvstore_transport::tcp::grow_into(&mut self.1, got, want)
+///     }
 ///     fn on_frame(&mut self, _: &FrameHeader) -> Result<(), TransportError> {
 ///         self.0.push(std::mem::take(&mut self.1));
 ///         Ok(())
@@ -138,28 +154,34 @@ impl FrameReader {
                 }
                 Some(h) => {
                     let len = h.payload_len as usize;
-                    let dest = sink.payload_dest(&h);
-                    if dest.len() != len {
-                        return Err(TransportError::Refused(format!(
-                            "payload of {len} bytes for a buffer of {}",
-                            dest.len()
-                        )));
+                    let staged = (self.end - self.start).min(len - self.got);
+                    if staged > 0 {
+                        let dest = sink.payload_dest(&h, self.got, staged);
+                        let take = dest.len().min(staged);
+                        if take == 0 {
+                            return Err(TransportError::Refused("no room for a payload".into()));
+                        }
+                        dest[..take].copy_from_slice(&self.buf[self.start..self.start + take]);
+                        self.start += take;
+                        self.got += take;
                     }
-                    let take = (self.end - self.start).min(len - self.got);
-                    dest[self.got..self.got + take]
-                        .copy_from_slice(&self.buf[self.start..self.start + take]);
-                    self.start += take;
-                    self.got += take;
                     if self.got == len {
                         self.cur = None;
                         sink.on_frame(&h)?;
+                        continue;
+                    }
+                    if self.start < self.end {
                         continue;
                     }
                     // The staging buffer is empty here.
                     self.start = 0;
                     self.end = 0;
                     let res = if len - self.got >= STAGE / 2 {
-                        read_some(r, &mut dest[self.got..]).map(|n| (n, true))
+                        let dest = sink.payload_dest(&h, self.got, len - self.got);
+                        if dest.is_empty() {
+                            return Err(TransportError::Refused("no room for a payload".into()));
+                        }
+                        read_some(r, dest).map(|n| (n, true))
                     } else {
                         read_some(r, &mut self.buf).map(|n| (n, false))
                     };
@@ -217,11 +239,11 @@ mod tests {
             if h.meta[0] == 0xff {
                 return Err(TransportError::Refused("tag ff".into()));
             }
-            self.cur = vec![0; h.payload_len as usize];
+            self.cur.clear();
             Ok(())
         }
-        fn payload_dest(&mut self, _: &FrameHeader) -> &mut [u8] {
-            &mut self.cur
+        fn payload_dest(&mut self, _: &FrameHeader, got: usize, want: usize) -> &mut [u8] {
+            grow_into(&mut self.cur, got, want)
         }
         fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
             self.frames.push((h.meta[0], std::mem::take(&mut self.cur)));
