@@ -54,8 +54,7 @@ impl Pool {
         npages: usize,
         page: usize,
     ) -> Result<Pool, ShmError> {
-        if page < Self::MIN_PAGE
-            || page > Self::MAX_PAGE
+        if !(Self::MIN_PAGE..=Self::MAX_PAGE).contains(&page)
             || !page.is_power_of_two()
             || base % page != 0 && base % 4096 != 0
         {
