@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,12 +83,20 @@ fn send(w: &mut TcpStream, op: Op, text: &str) -> Result<()> {
     Ok(())
 }
 
-fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>) {
-    let first = read_frame(
-        &mut s,
-        MAX_CONTROL,
-        Some(Instant::now() + Duration::from_secs(10)),
-    );
+/// Counts a connection's reader thread while it lives.
+struct Live(Arc<AtomicUsize>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How long a connection may take to say its hello.
+const HELLO_WITHIN: Duration = Duration::from_secs(5);
+
+fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>, _live: Live) {
+    let first = read_frame(&mut s, MAX_CONTROL, Some(Instant::now() + HELLO_WITHIN));
     let Ok((h, payload)) = first else { return };
     let Ok(msg) = Msg::decode(&h.meta) else {
         return;
@@ -174,36 +182,56 @@ fn assign_ranks(ids: &[usize], nodes: &mut BTreeMap<usize, Node>) {
 
 /// Runs the scheduler on `listener` until the job ends: `Ok` when every worker finished and the
 /// servers were shut down, an error (after telling every node to abort) when a node was lost.
+///
+/// Connections are taken only until every node has registered (then the listener is closed),
+/// and only as many at once as the job has nodes and a margin: each has a reader thread, which
+/// a connection that does not say a valid hello within [`HELLO_WITHIN`] gives up.
 pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<()> {
     let (tx, rx) = mpsc::channel();
     let accepting = Arc::new(AtomicBool::new(true));
     listener.set_nonblocking(true)?;
+    let cap = opts.num_servers + opts.num_workers + 16;
     {
         let accepting = accepting.clone();
         let secret = opts.secret.clone();
+        let live = Arc::new(AtomicUsize::new(0));
         std::thread::spawn(move || {
             let mut next = 0;
             while accepting.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((s, _)) => {
+                        // Beyond the cap the connection is closed at once.
+                        if live.load(Ordering::Relaxed) >= cap {
+                            continue;
+                        }
                         let _ = s.set_nonblocking(false);
                         let _ = s.set_nodelay(true);
                         let (tx, secret) = (tx.clone(), secret.clone());
                         let id = next;
                         next += 1;
-                        std::thread::spawn(move || reader(id, s, secret, tx));
+                        live.fetch_add(1, Ordering::Relaxed);
+                        let guard = Live(live.clone());
+                        // A thread the system refuses drops the connection, not the scheduler.
+                        let _ = std::thread::Builder::new()
+                            .name("kvstore-sched-link".into())
+                            .spawn(move || reader(id, s, secret, tx, guard));
                     }
+                    // Nothing waiting, or out of descriptors: the listener lives on.
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
             }
         });
     }
-    let result = serve(&rx, opts);
+    let result = serve(&rx, opts, &accepting);
     accepting.store(false, Ordering::Relaxed);
     result
 }
 
-fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
+fn serve(
+    rx: &mpsc::Receiver<Event>,
+    opts: &SchedulerOptions,
+    accepting: &AtomicBool,
+) -> Result<()> {
     let mut nodes: BTreeMap<usize, Node> = BTreeMap::new();
     let (mut servers, mut workers) = (Vec::new(), Vec::new());
     let deadline = Instant::now() + opts.timeout;
@@ -242,7 +270,11 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
                         &mut servers
                     }
                     role::WORKER if workers.len() < opts.num_workers => &mut workers,
-                    _ => continue, // not wanted: dropping the writer leaves the node to time out
+                    _ => {
+                        // Not wanted: closed (its reader thread ends with it).
+                        let _ = writer.shutdown(std::net::Shutdown::Both);
+                        continue;
+                    }
                 };
                 list.push(id);
                 let hint = (msg.sender != u32::MAX).then_some(msg.sender);
@@ -278,6 +310,8 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
             }
         }
     }
+    // Every node is here: no more connections are taken.
+    accepting.store(false, Ordering::Relaxed);
     assign_ranks(&servers, &mut nodes);
     assign_ranks(&workers, &mut nodes);
     let mut addrs = vec![String::new(); opts.num_servers];
@@ -322,7 +356,9 @@ fn serve(rx: &mpsc::Receiver<Event>, opts: &SchedulerOptions) -> Result<()> {
             },
         };
         match ev {
-            Event::Hello { .. } => {}
+            Event::Hello { writer, .. } => {
+                let _ = writer.shutdown(std::net::Shutdown::Both);
+            }
             Event::Frame { id, op } => {
                 let Some(n) = nodes.get_mut(&id) else {
                     continue;
@@ -374,4 +410,57 @@ fn abort(nodes: &mut BTreeMap<usize, Node>, why: String) -> Result<()> {
         let _ = send(&mut n.writer, Op::Abort, &why);
     }
     Err(KvError::Aborted(why))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// This process's threads named as the scheduler names a connection's reader.
+    fn link_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|d| {
+                d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                    .filter(|c| c.trim() == "kvstore-sched-l")
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn idle_connections_cost_a_bounded_number_of_threads_and_are_dropped() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = listener.local_addr().unwrap();
+        let opts = SchedulerOptions {
+            num_workers: 1,
+            num_servers: 1,
+            secret: "s".into(),
+            timeout: Duration::from_secs(8),
+        };
+        let t = std::thread::spawn(move || run_scheduler(listener, &opts));
+        // 200 connections that never say a hello.
+        let idle: Vec<_> = (0..200)
+            .filter_map(|_| std::net::TcpStream::connect(at).ok())
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        let n = link_threads();
+        assert!(
+            n <= 1 + 1 + 16,
+            "{n} reader threads for 200 idle connections"
+        );
+        // Past the hello deadline every one of them is closed, and its thread gone.
+        std::thread::sleep(HELLO_WITHIN + Duration::from_secs(1));
+        assert_eq!(link_threads(), 0);
+        let closed = idle
+            .into_iter()
+            .filter(|s| {
+                let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
+                matches!((&mut &*s).read(&mut [0u8; 1]), Ok(0) | Err(_))
+            })
+            .count();
+        assert_eq!(closed, 200);
+        // The rendezvous times out as it would have (no node came).
+        assert!(t.join().unwrap().is_err());
+    }
 }

@@ -51,12 +51,20 @@ pub(crate) fn errors(kv: &mut KVStore) {
 }
 
 fn send_raw(addr: std::net::SocketAddr, bytes: &[u8]) -> bool {
+    send_raw_then(addr, bytes, true)
+}
+
+/// Sends `bytes` (then ends its side if `end`, else stays silent) and says whether the server
+/// closed the connection within 10 s.
+fn send_raw_then(addr: std::net::SocketAddr, bytes: &[u8], end: bool) -> bool {
     let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(5)) else {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
     let _ = s.write_all(bytes);
-    let _ = s.shutdown(std::net::Shutdown::Write);
+    if end {
+        let _ = s.shutdown(std::net::Shutdown::Write);
+    }
     // The server must close the connection: read returns 0 (or an error), not a hang.
     let mut buf = [0u8; 256];
     loop {
@@ -95,12 +103,21 @@ pub(crate) fn garbage(kv: &mut KVStore) {
         let mut bad_version = header(0, 1);
         bad_version[4] = 9;
         cases.push(("version skew", bad_version.to_vec()));
+        let mut half_hello = header(64, 1).to_vec();
+        half_hello.extend_from_slice(b"test");
         for addr in kv.server_addrs() {
             for (what, bytes) in &cases {
                 if !send_raw(addr, bytes) {
                     fail(format!(
                         "server {addr} did not close the connection after {what}"
                     ));
+                }
+            }
+            // Connections that stay open saying nothing, or half a hello, are closed at the
+            // server's hello deadline (5 s) rather than held.
+            for (what, bytes) in [("silence", &[][..]), ("half a hello", &half_hello[..])] {
+                if !send_raw_then(addr, bytes, false) {
+                    fail(format!("server {addr} held a connection open after {what}"));
                 }
             }
         }

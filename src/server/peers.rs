@@ -7,6 +7,7 @@
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use kvstore_transport::{Completion, Lent, Region, RemoteRegion, Sent, Token, TransportError};
 
@@ -22,9 +23,25 @@ use crate::{DType, NDArray};
 pub(super) const MAX_CONTROL: usize = 60 * 1024;
 /// Answers a worker may have waiting to be sent before the server stops taking its requests.
 const MAX_BACKLOG: usize = 64;
+/// How long a link may go without an accepted hello before it is closed: a connection that
+/// says nothing, or half a hello, costs the server nothing beyond this.
+pub(super) const HELLO_WITHIN: Duration = Duration::from_secs(5);
 
-#[derive(Default)]
+impl Worker {
+    fn new() -> Worker {
+        Worker {
+            since: Instant::now(),
+            rank: None,
+            bye: false,
+            backlog: VecDeque::new(),
+            paused: false,
+        }
+    }
+}
+
 struct Worker {
+    /// When its link came up: a link without an accepted hello is closed at [`HELLO_WITHIN`].
+    since: Instant,
     /// The rank, once the hello was accepted.
     rank: Option<usize>,
     /// Said goodbye: its link closing is no loss.
@@ -110,7 +127,14 @@ impl Workers {
     pub(super) fn on(&mut self, state: &mut ServerState, medium: Medium, c: Completion<'_>) {
         match c {
             Completion::Connected { peer } => {
-                self.peers.insert(Addr { medium, peer }, Worker::default());
+                let addr = Addr { medium, peer };
+                // Links without a hello are few: beyond as many as there are workers (and a
+                // margin), the newest is closed at once.
+                let waiting = self.peers.values().filter(|w| w.rank.is_none()).count();
+                if waiting >= self.taken.len() + 8 {
+                    self.close.push(addr);
+                }
+                self.peers.insert(addr, Worker::new());
             }
             Completion::Recv { peer, body, data } => {
                 let addr = Addr { medium, peer };
@@ -172,7 +196,7 @@ impl Workers {
         data: Option<Lent<'_>>,
     ) -> Result<(), String> {
         let (m, rest) = Msg::from_body(body).map_err(|e| e.to_string())?;
-        let w = self.peers.entry(addr).or_default();
+        let w = self.peers.entry(addr).or_insert_with(Worker::new);
         let Some(rank) = w.rank else {
             if m.op != Op::Hello || m.key != role::WORKER {
                 return Err(format!("{:?} before the hello", m.op));
@@ -396,6 +420,11 @@ impl Workers {
 
     /// Closes the links that broke the protocol.
     pub(super) fn close_refused(&mut self, state: &mut ServerState, net: &mut Net) {
+        let late = self
+            .peers
+            .iter()
+            .filter(|(_, w)| w.rank.is_none() && w.since.elapsed() > HELLO_WITHIN);
+        self.close.extend(late.map(|(a, _)| *a));
         for addr in std::mem::take(&mut self.close) {
             if let Ok(b) = net.backend(addr.medium) {
                 b.close(addr.peer);

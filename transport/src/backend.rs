@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::TransportError;
 
@@ -39,6 +39,32 @@ pub(crate) fn check_imm(imm: u32) -> Result<(), TransportError> {
         )));
     }
     Ok(())
+}
+
+/// Connections a backend keeps in their handshake at once: beyond these, a new one is closed
+/// at once (connections that say nothing cost a listener nothing more).
+pub(crate) const MAX_PENDING: usize = 64;
+
+/// A listener's accept that failed for want of resources (EMFILE, ENFILE, ENOBUFS): the
+/// connections wait in the backlog, and an edge-triggered poll will not say so again, so the
+/// accept is tried again after a pause instead of the listener falling silent.
+#[derive(Default)]
+pub(crate) struct AcceptRetry(Option<Instant>);
+
+impl AcceptRetry {
+    /// An accept failed: try again in a while.
+    pub(crate) fn failed(&mut self) {
+        self.0 = Some(Instant::now() + Duration::from_millis(100));
+    }
+
+    /// Whether it is time to try again (once).
+    pub(crate) fn due(&mut self) -> bool {
+        if self.0.is_some_and(|t| Instant::now() >= t) {
+            self.0 = None;
+            return true;
+        }
+        false
+    }
 }
 
 /// A peer of a backend, as that backend numbers it.

@@ -510,6 +510,9 @@ impl RdmaBackend {
             Err(e) => return Err(e.into()),
         }
         let ready: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
+        if self.accept_retry.due() {
+            self.accept_all()?;
+        }
         for t in ready {
             match mio::Token(t) {
                 LISTENER => self.accept_all()?,

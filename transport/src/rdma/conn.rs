@@ -210,12 +210,22 @@ impl RdmaBackend {
         loop {
             match l.accept() {
                 Ok((mut sock, _)) => {
+                    // Beyond the handshakes already waiting, or not set up: dropped at once.
+                    if self.handshakes.len() >= crate::backend::MAX_PENDING
+                        || sock.set_nodelay(true).is_err()
+                    {
+                        continue;
+                    }
                     let t = HANDSHAKE + self.next_handshake;
                     self.next_handshake += 1;
-                    sock.set_nodelay(true)?;
-                    self.poll
+                    if self
+                        .poll
                         .registry()
-                        .register(&mut sock, mio::Token(t), Interest::READABLE)?;
+                        .register(&mut sock, mio::Token(t), Interest::READABLE)
+                        .is_err()
+                    {
+                        continue;
+                    }
                     self.handshakes.insert(
                         t,
                         Handshake {
@@ -228,8 +238,12 @@ impl RdmaBackend {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                // A refused accept (out of descriptors) is tried again at the next readiness.
-                Err(_) => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {}
+                // Out of descriptors or memory: tried again shortly.
+                Err(_) => {
+                    self.accept_retry.failed();
+                    return Ok(());
+                }
             }
         }
     }

@@ -277,6 +277,7 @@ pub struct RdmaBackend {
     starting: FxHashSet<u32>,
     /// Peers whose TCP link reached its end: lost once what they sent before it is delivered.
     ended: Vec<u32>,
+    accept_retry: crate::backend::AcceptRetry,
 }
 
 fn set_nonblocking(fd: i32) -> Result<(), TransportError> {
@@ -380,6 +381,7 @@ impl RdmaBackend {
             wcs: (0..32).map(|_| unsafe { std::mem::zeroed() }).collect(),
             starting: FxHashSet::default(),
             ended: Vec::new(),
+            accept_retry: Default::default(),
         };
         b.cq.arm()?;
         Ok(b)

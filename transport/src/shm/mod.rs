@@ -143,6 +143,7 @@ pub struct ShmBackend {
     listener: Option<UnixListener>,
     pending: FxHashMap<usize, Pending>,
     next_pending: usize,
+    accept_retry: crate::backend::AcceptRetry,
     /// Pages peers read and never write (sends by reference, `alloc(_, Access::Send)`).
     pool_seg: Arc<Segment>,
     pool: Arc<Pool>,
@@ -192,6 +193,7 @@ impl ShmBackend {
             listener: None,
             pending: FxHashMap::default(),
             next_pending: 0,
+            accept_retry: Default::default(),
             pool_seg,
             pool,
             landing_seg,
@@ -466,22 +468,37 @@ impl ShmBackend {
                 Ok((s, _)) => s,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => continue,
+                // Out of descriptors or memory: tried again shortly.
+                Err(_) => {
+                    self.accept_retry.failed();
+                    return Ok(());
+                }
             };
-            // Another user's process is refused before it costs anything.
+            // Another user's process is refused before it costs anything, and so is one
+            // beyond the handshakes already waiting.
             let Ok(proc) = PeerProcess::of(&sock) else {
                 continue;
             };
-            if sock.set_nonblocking(true).is_err() {
+            if self.pending.len() >= crate::backend::MAX_PENDING
+                || sock.set_nonblocking(true).is_err()
+            {
                 continue;
             }
             let k = self.next_pending;
             self.next_pending += 1;
-            self.poll.registry().register(
-                &mut SourceFd(&sock.as_raw_fd()),
-                mio::Token(HANDSHAKE + k),
-                Interest::READABLE,
-            )?;
+            if self
+                .poll
+                .registry()
+                .register(
+                    &mut SourceFd(&sock.as_raw_fd()),
+                    mio::Token(HANDSHAKE + k),
+                    Interest::READABLE,
+                )
+                .is_err()
+            {
+                continue;
+            }
             self.pending.insert(
                 k,
                 Pending {

@@ -497,6 +497,9 @@ impl Backend for ShmBackend {
             }
         }
         self.last_poll = Instant::now();
+        if self.accept_retry.due() {
+            self.accept_all()?;
+        }
         match self.poll.poll(&mut self.events, Some(Duration::ZERO)) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}

@@ -51,6 +51,7 @@ pub struct TcpBackend {
     max_payload: u64,
     /// Peers resumed after a pause: read at the next progress (their readiness came and went).
     resumed: Vec<u32>,
+    accept_retry: crate::backend::AcceptRetry,
 }
 
 /// The header of a message frame as this backend writes it, for a body of `body_len` bytes
@@ -80,6 +81,7 @@ impl TcpBackend {
             lost: VecDeque::new(),
             max_payload,
             resumed: Vec::new(),
+            accept_retry: Default::default(),
         })
     }
 
@@ -394,6 +396,9 @@ impl Backend for TcpBackend {
         for id in std::mem::take(&mut self.resumed) {
             self.read_peer(id, on, &mut n);
         }
+        if self.accept_retry.due() {
+            self.accept_all(on, &mut n)?;
+        }
         for (t, readable, writable) in ready {
             if t == LISTENER {
                 self.accept_all(on, &mut n)?;
@@ -458,16 +463,22 @@ impl TcpBackend {
                 return Ok(());
             };
             match l.accept() {
+                // A connection that cannot be set up is dropped; the listener goes on.
                 Ok((s, _)) => {
-                    let peer = self.add(s)?;
-                    *n += 1;
-                    on(Completion::Connected { peer });
+                    if let Ok(peer) = self.add(s) {
+                        *n += 1;
+                        on(Completion::Connected { peer });
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                // Out of descriptors, or a connection reset before accept: the listener lives
-                // on; the next readiness tries again.
-                Err(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
+                // Out of descriptors or memory: the connections wait in the backlog, and the
+                // accept is tried again shortly.
+                Err(_) => {
+                    self.accept_retry.failed();
+                    return Ok(());
+                }
             }
         }
     }
