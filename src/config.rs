@@ -6,7 +6,8 @@
 //!
 //! | variable | meaning | default |
 //! | --- | --- | --- |
-//! | `KVSTORE_SECRET` | the job secret every connection must present | empty |
+//! | `KVSTORE_SECRET` | the job's secret (16 bytes or more), which every connection proves it knows without sending it | kvrun draws one; else `KVSTORE_SECRET_FILE` |
+//! | `KVSTORE_SECRET_FILE` | a file holding the secret (yours, mode 0600), as ssh keys are kept | `~/.kvstore/secret`, made (random) when absent |
 //! | `KVSTORE_RANK` | the rank this process asks for (the launcher sets it) | by arrival |
 //! | `KVSTORE_TIMEOUT` | seconds any blocking wait may take | 120 |
 //! | `KVSTORE_BIGARRAY_BOUND` (or `MXNET_KVSTORE_BIGARRAY_BOUND`) | elements above which a tensor is sliced over all servers | 1000000 |
@@ -25,8 +26,10 @@
 //! (so a job of N ranks has N - 1 - S workers). The scheduler is found at
 //! `KVSTORE_ROOT_URI` if set, else at the first host of Slurm's node list, else on loopback when
 //! every rank runs on one host (`OMPI_COMM_WORLD_LOCAL_SIZE` = `OMPI_COMM_WORLD_SIZE`); its port
-//! is `KVSTORE_ROOT_PORT`, else derived from the launcher's job id. Without `KVSTORE_SECRET` the
-//! secret is derived from the job id: it keeps other jobs out, not an attacker.
+//! is `KVSTORE_ROOT_PORT`, else derived from the launcher's job id. The secret is never derived
+//! from anything guessable: it is `KVSTORE_SECRET`, or the per-user secret file (on a cluster,
+//! the shared home directory gives every host the same one; where it does not, set
+//! `KVSTORE_SECRET` or `KVSTORE_SECRET_FILE`).
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
@@ -233,7 +236,6 @@ struct Place {
     num_servers: usize,
     num_workers: usize,
     rank_hint: Option<u32>,
-    secret: Option<String>,
 }
 
 fn place(env: Lookup) -> Result<Place> {
@@ -258,7 +260,6 @@ fn place(env: Lookup) -> Result<Place> {
             rank_hint: get(env, "KVSTORE_RANK")
                 .map(|v| parse("KVSTORE_RANK", &v))
                 .transpose()?,
-            secret: None,
         });
     }
     let Some(l) = launcher_rank(env)? else {
@@ -320,7 +321,6 @@ fn place(env: Lookup) -> Result<Place> {
         num_servers: s,
         num_workers: l.size - 1 - s,
         rank_hint: Some(hint as u32),
-        secret: l.job_id.map(|j| format!("{}-{j}", l.launcher)),
     })
 }
 
@@ -409,7 +409,7 @@ impl Config {
             root: p.root,
             num_servers: p.num_servers,
             num_workers: p.num_workers,
-            secret: get(env, "KVSTORE_SECRET").or(p.secret).unwrap_or_default(),
+            secret: secret(env)?,
             rank_hint: p.rank_hint,
             node_host: get(env, "DMLC_NODE_HOST"),
             timeout: Duration::from_secs_f64(timeout_s),
@@ -419,9 +419,86 @@ impl Config {
     }
 }
 
-/// Compares secrets in time independent of where they differ.
-pub(crate) fn secret_matches(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The job's secret: `KVSTORE_SECRET`, else the file `KVSTORE_SECRET_FILE` names, else
+/// `~/.kvstore/secret` (made with a random secret when absent). Never empty, never short,
+/// never from a file others can read.
+fn secret(env: Lookup) -> Result<String> {
+    let how = "set KVSTORE_SECRET (16 bytes or more, the same in every process of the job; \
+               kvrun draws one), or KVSTORE_SECRET_FILE";
+    let s = match (get(env, "KVSTORE_SECRET"), get(env, "KVSTORE_SECRET_FILE")) {
+        (Some(s), _) => s,
+        (None, Some(f)) => read_secret_file(std::path::Path::new(&f))?,
+        (None, None) => match get(env, "HOME") {
+            Some(h) => secret_file(&std::path::Path::new(&h).join(".kvstore"))?,
+            None => return Err(KvError::Config(format!("no job secret: {how}"))),
+        },
+    };
+    if s.len() < crate::auth::MIN_SECRET {
+        return Err(KvError::Config(format!(
+            "the job secret has {} bytes, fewer than {}: {how}",
+            s.len(),
+            crate::auth::MIN_SECRET
+        )));
+    }
+    Ok(s)
+}
+
+/// The secret in `path`, refused unless this user owns it and no one else may read it.
+fn read_secret_file(path: &std::path::Path) -> Result<String> {
+    use std::os::unix::fs::MetadataExt;
+    let bad = |why: String| KvError::Config(format!("secret file {}: {why}", path.display()));
+    let m = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    if m.uid() != rustix::process::geteuid().as_raw() {
+        return Err(bad("owned by another user".into()));
+    }
+    if m.mode() & 0o077 != 0 {
+        return Err(bad(format!(
+            "mode {:o}: others may read it (chmod 600)",
+            m.mode() & 0o777
+        )));
+    }
+    let s = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    Ok(s.trim().to_string())
+}
+
+/// The per-user secret in `dir/secret`, made (32 random bytes, hex, mode 0600, in a 0700
+/// directory) when there is none: written to a file of its own first and then linked into
+/// place, so that processes starting at once all read the one that won.
+fn secret_file(dir: &std::path::Path) -> Result<String> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let path = dir.join("secret");
+    if !path.exists() {
+        let bad = |e: std::io::Error| {
+            KvError::Config(format!(
+                "cannot make the secret file {}: {e}",
+                path.display()
+            ))
+        };
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(bad)?;
+        let tmp = dir.join(format!("secret.{}", std::process::id()));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(bad)?;
+        let s = crate::auth::hex(&crate::auth::random::<32>().map_err(bad)?);
+        f.write_all(s.as_bytes())
+            .and_then(|_| f.sync_all())
+            .map_err(bad)?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(bad(e)),
+            _ => {}
+        }
+    }
+    read_secret_file(&path)
 }
 
 #[cfg(test)]
@@ -429,12 +506,57 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// The configuration of these variables, with a job secret unless they name one.
     fn cfg(vars: &[(&str, &str)]) -> Result<Config> {
-        let m: HashMap<String, String> = vars
+        let mut m: HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
+        if !m.contains_key("KVSTORE_SECRET_FILE") && !m.contains_key("HOME") {
+            m.entry("KVSTORE_SECRET".into())
+                .or_insert_with(|| "a-test-secret-of-24-bytes".into());
+        }
         Config::from_lookup(&|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn the_secret_is_never_empty_short_or_readable_by_others() {
+        let base = [
+            ("DMLC_ROLE", "worker"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9000"),
+            ("DMLC_NUM_SERVER", "1"),
+            ("DMLC_NUM_WORKER", "1"),
+        ];
+        let with = |extra: &[(&str, &str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            cfg(&v)
+        };
+        let short = with(&[("KVSTORE_SECRET", "guessable")]).unwrap_err();
+        assert!(short.to_string().contains("KVSTORE_SECRET"), "{short}");
+        let dir = std::env::temp_dir().join(format!("kvstore-secret-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let home = dir.display().to_string();
+        // No secret anywhere: one is made in ~/.kvstore, 0600, and read back the same.
+        let a = with(&[("HOME", &home)]).unwrap().secret;
+        let b = with(&[("HOME", &home)]).unwrap().secret;
+        assert_eq!(a, b);
+        assert!(a.len() >= 32);
+        let file = dir.join(".kvstore/secret");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // A file others may read is refused, naming the fix.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let f = file.display().to_string();
+        let e = with(&[("KVSTORE_SECRET_FILE", &f)]).unwrap_err();
+        assert!(e.to_string().contains("chmod 600"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        // None at all, and no home: a clear error naming how to set one.
+        let mut v = base.to_vec();
+        v.push(("KVSTORE_SECRET_FILE", "/nonexistent/kvstore-secret"));
+        assert!(cfg(&v).is_err());
     }
 
     #[test]
@@ -484,7 +606,6 @@ mod tests {
             "every rank derives the same port"
         );
         assert_eq!(c0.secret, c5.secret);
-        assert!(!c0.secret.is_empty());
         let mut small = base.to_vec();
         small[0] = ("SLURM_NTASKS", "3");
         small.push(("SLURM_PROCID", "0"));

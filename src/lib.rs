@@ -23,6 +23,12 @@
 #![deny(missing_docs)]
 
 mod args;
+#[cfg(not(feature = "internals"))]
+mod auth;
+/// The handshake's proofs, for the test suite's raw peers only (feature `internals`).
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod auth;
 mod config;
 mod dtype;
 mod error;

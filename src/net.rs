@@ -112,16 +112,11 @@ pub(crate) fn host_id() -> String {
     format!("{}/{}", boot.trim(), net.replace(['[', ']', ':'], ""))
 }
 
-fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-/// The shared-memory listener's name of the server whose TCP port is `port` (abstract, per
-/// network namespace; the job's secret keeps jobs apart).
-pub(crate) fn shm_name(port: u16, secret: &str) -> String {
-    format!("{port}.{:016x}", fnv(secret))
+/// A name for a server's shared-memory listener (abstract, per network namespace): random,
+/// drawn before the server registers and passed to the workers in the roster, so that it says
+/// nothing of the job's secret and no one can take it first.
+pub(crate) fn shm_name() -> std::io::Result<String> {
+    Ok(crate::auth::hex(&crate::auth::random::<16>()?))
 }
 
 /// An array's memory as a region of `b`: the array's own region if `b` allocated it (pool pages

@@ -7,6 +7,7 @@ use std::time::Instant;
 use kvstore_transport::tcp::blocking::{read_frame, write_frame};
 use kvstore_transport::FrameHeader;
 
+use crate::auth;
 use crate::config::{Config, Role};
 use crate::protocol::{Msg, Op};
 use crate::{net, scheduler, server, worker};
@@ -26,9 +27,14 @@ pub(crate) struct Roster {
     /// The job's servers and workers on this node's host, itself included (at least 1), so
     /// that waits know when the job's processes outnumber the cores.
     pub local_processes: usize,
+    /// The tokens of the workers' ranks ([`crate::auth`]): a worker's own (one), or every
+    /// worker's in rank order (a server's); unmasked.
+    pub tokens: Vec<[u8; auth::MAC]>,
+    /// Each server's shared-memory socket name (random, drawn by the server).
+    pub server_shm: Vec<Option<String>>,
 }
 
-fn parse_roster(text: &str) -> crate::Result<Roster> {
+fn parse_roster(text: &str, mask: &[u8; auth::MAC]) -> crate::Result<Roster> {
     let bad = || crate::KvError::Protocol(format!("malformed roster {text:?}"));
     let mut lines = text.lines();
     let head: Vec<usize> = lines
@@ -45,14 +51,26 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
     let mut servers = Vec::new();
     let mut server_hosts = Vec::new();
     let mut server_rdma = Vec::new();
+    let mut server_shm = Vec::new();
+    let mut tokens = Vec::new();
     for l in lines {
         let mut w = l.split_whitespace();
-        servers.push(w.next().ok_or_else(bad)?.parse().map_err(|_| bad())?);
+        let first = w.next().ok_or_else(bad)?;
+        if first == "token" {
+            let t = w
+                .next()
+                .and_then(auth::unhex::<{ auth::MAC }>)
+                .ok_or_else(bad)?;
+            tokens.push(auth::xor(&t, mask));
+            continue;
+        }
+        servers.push(first.parse().map_err(|_| bad())?);
         server_hosts.push(w.next().unwrap_or("-").to_string());
         server_rdma.push(match w.next() {
             None | Some("-") => None,
             Some(a) => Some(a.parse().map_err(|_| bad())?),
         });
+        server_shm.push(w.next().filter(|n| *n != "-").map(str::to_string));
     }
     if servers.len() != num_servers {
         return Err(bad());
@@ -65,49 +83,110 @@ fn parse_roster(text: &str) -> crate::Result<Roster> {
         server_hosts,
         server_rdma,
         local_processes,
+        tokens,
+        server_shm,
     })
 }
 
-/// Says hello to the scheduler and waits for the roster.
+/// Says hello to the scheduler (a mutual challenge-response over the job's secret, which
+/// never travels: [`crate::auth`]) and waits for the roster.
 pub(crate) fn join(
     cfg: &Config,
     sched: &mut TcpStream,
     role: u64,
     addr: Option<SocketAddr>,
     rdma: Option<SocketAddr>,
+    shm: Option<&str>,
 ) -> crate::Result<Roster> {
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
     hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);
-    // The secret, this node's address (a worker has none), its host, and its RDMA listener.
+    // A nonce; then this node's address (a worker has none), its host, its RDMA listener and
+    // its shared-memory socket.
     let dash = |a: Option<SocketAddr>| a.map_or_else(|| "-".to_string(), |a| a.to_string());
-    let payload = format!(
+    let nonce = auth::random::<{ auth::NONCE }>()?;
+    let rest = format!(
         "{}\n{}\n{}\n{}",
-        cfg.secret,
         dash(addr),
         net::host_id(),
-        dash(rdma)
+        dash(rdma),
+        shm.unwrap_or("-")
     );
+    let claim = auth::hello_claim(role, hello.sender, &rest);
+    let payload = format!("{}\n{rest}", auth::hex(&nonce));
     write_frame(
         sched,
         &FrameHeader::new(hello.encode(), payload.len() as u64),
         payload.as_bytes(),
     )?;
-    let (h, text) =
-        read_frame(sched, 1 << 20, Some(Instant::now() + cfg.timeout)).map_err(|e| match e {
+    let deadline = Instant::now() + cfg.timeout;
+    let read = |sched: &mut TcpStream| {
+        read_frame(sched, 1 << 20, Some(deadline)).map_err(|e| match e {
             kvstore_transport::TransportError::Closed => crate::KvError::PeerLost(
-                "the scheduler closed the connection (wrong job secret, or the job is full)".into(),
+                "the scheduler closed the connection (a wrong job secret, or the job is full)"
+                    .into(),
             ),
             kvstore_transport::TransportError::Timeout(_) => crate::KvError::Timeout {
                 what: "the rendezvous".into(),
                 secs: cfg.timeout.as_secs_f64(),
             },
             other => other.into(),
-        })?;
+        })
+    };
+    // The scheduler proves it knows the secret before this node proves it does.
+    let (h, text) = read(sched)?;
+    let m = Msg::decode(&h.meta)?;
+    let text = String::from_utf8_lossy(&text).into_owned();
+    let theirs = match m.op {
+        Op::Challenge => {
+            let mut l = text.lines();
+            let n = l.next().and_then(auth::unhex::<{ auth::NONCE }>);
+            let p = l.next().and_then(auth::unhex::<{ auth::MAC }>);
+            let key: &[&[u8]] = &[cfg.secret.as_bytes()];
+            match (n, p) {
+                (Some(n), Some(p))
+                    if auth::check(key, auth::Side::Responder, &nonce, &n, &claim, &p) =>
+                {
+                    n
+                }
+                _ => {
+                    return Err(crate::KvError::PeerLost(format!(
+                        "the scheduler at {} does not know this job's secret (another job's, \
+                         or not a kvstore scheduler)",
+                        cfg.root
+                    )))
+                }
+            }
+        }
+        Op::Abort => return Err(crate::KvError::Aborted(text)),
+        other => {
+            return Err(crate::KvError::Protocol(format!(
+                "expected the scheduler's challenge, got {other:?}"
+            )))
+        }
+    };
+    let proof = auth::proof(
+        &[cfg.secret.as_bytes()],
+        auth::Side::Initiator,
+        &nonce,
+        &theirs,
+        &claim,
+    );
+    let mut m = Msg::new(Op::Proof);
+    m.key = role;
+    write_frame(
+        sched,
+        &FrameHeader::new(m.encode(), auth::MAC as u64),
+        &proof,
+    )?;
+    let (h, text) = read(sched)?;
     let m = Msg::decode(&h.meta)?;
     let text = String::from_utf8_lossy(&text).into_owned();
     match m.op {
-        Op::Roster => parse_roster(&text),
+        Op::Roster => parse_roster(
+            &text,
+            &auth::token_mask(cfg.secret.as_bytes(), &nonce, &theirs),
+        ),
         Op::Abort => Err(crate::KvError::Aborted(text)),
         other => Err(crate::KvError::Protocol(format!(
             "expected a roster, got {other:?}"
@@ -168,8 +247,11 @@ mod tests {
 
     #[test]
     fn roster_parses_and_rejects_garbage() {
-        let r =
-            parse_roster("1 4 2\n127.0.0.1:5000 boot/net1 10.0.0.1:7000\n127.0.0.1:5001").unwrap();
+        let r = parse_roster(
+            "1 4 2\n127.0.0.1:5000 boot/net1 10.0.0.1:7000\n127.0.0.1:5001",
+            &[0; auth::MAC],
+        )
+        .unwrap();
         assert_eq!((r.rank, r.num_workers, r.num_servers), (1, 4, 2));
         assert_eq!(r.servers.len(), 2);
         assert_eq!(
@@ -181,12 +263,23 @@ mod tests {
             vec![Some("10.0.0.1:7000".parse().unwrap()), None]
         );
         assert_eq!(r.local_processes, 1);
-        assert!(parse_roster("0 1 1\n127.0.0.1:5000 boot/net1 rdma?").is_err());
-        let r = parse_roster("0 1 1 5\n127.0.0.1:5000 boot/net1").unwrap();
+        assert!(parse_roster("0 1 1\n127.0.0.1:5000 boot/net1 rdma?", &[0; auth::MAC]).is_err());
+        let r = parse_roster("0 1 1 5\n127.0.0.1:5000 boot/net1", &[0; auth::MAC]).unwrap();
         assert_eq!(r.local_processes, 5);
-        assert!(parse_roster("1 4 2\n127.0.0.1:5000").is_err());
-        assert!(parse_roster("1 4 2 3 9\n").is_err());
-        assert!(parse_roster("x 4 2\n").is_err());
-        assert!(parse_roster("").is_err());
+        assert!(parse_roster("1 4 2\n127.0.0.1:5000", &[0; auth::MAC]).is_err());
+        assert!(parse_roster("1 4 2 3 9\n", &[0; auth::MAC]).is_err());
+        assert!(parse_roster("x 4 2\n", &[0; auth::MAC]).is_err());
+        assert!(parse_roster("", &[0; auth::MAC]).is_err());
+        // Tokens come masked, and a server's shared-memory name after its RDMA listener.
+        let t = [7u8; auth::MAC];
+        let mask = [0x5a; auth::MAC];
+        let text = format!(
+            "0 1 1\n127.0.0.1:5000 h - abc123\ntoken {}",
+            auth::hex(&auth::xor(&t, &mask))
+        );
+        let r = parse_roster(&text, &mask).unwrap();
+        assert_eq!(r.tokens, vec![t]);
+        assert_eq!(r.server_shm, vec![Some("abc123".to_string())]);
+        assert!(parse_roster("0 1 1\n127.0.0.1:5000\ntoken zz", &mask).is_err());
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use kvstore_transport::tcp::blocking::{read_frame, write_frame};
 use kvstore_transport::FrameHeader;
 
-use crate::config::secret_matches;
+use crate::auth;
 use crate::protocol::{role, Msg, Op};
 use crate::{KvError, Result};
 
@@ -29,23 +29,22 @@ pub struct SchedulerOptions {
     pub timeout: Duration,
 }
 
+/// A node that proved the secret, and what it said of itself.
+struct Joined {
+    id: usize,
+    msg: Msg,
+    addr: Option<SocketAddr>,
+    host: String,
+    rdma: Option<SocketAddr>,
+    shm: Option<String>,
+    mask: [u8; auth::MAC],
+    writer: TcpStream,
+}
+
 enum Event {
-    Hello {
-        id: usize,
-        msg: Msg,
-        addr: Option<SocketAddr>,
-        host: String,
-        rdma: Option<SocketAddr>,
-        writer: TcpStream,
-    },
-    Frame {
-        id: usize,
-        op: Op,
-    },
-    Closed {
-        id: usize,
-        why: String,
-    },
+    Hello(Box<Joined>),
+    Frame { id: usize, op: Op },
+    Closed { id: usize, why: String },
 }
 
 struct Node {
@@ -55,6 +54,10 @@ struct Node {
     host: String,
     /// A server's RDMA listener, when it has an active device.
     rdma: Option<SocketAddr>,
+    /// A server's shared-memory socket name.
+    shm: Option<String>,
+    /// Hides the tokens in its roster (from its handshake).
+    mask: [u8; auth::MAC],
     writer: TcpStream,
     rank: usize,
     done: bool,
@@ -95,17 +98,46 @@ impl Drop for Live {
 /// How long a connection may take to say its hello.
 const HELLO_WITHIN: Duration = Duration::from_secs(5);
 
+/// The handshake of a new connection ([`crate::auth`]): its hello and nonce, this side's
+/// challenge with its proof, and its proof; `None` (the connection is dropped) if it does not
+/// prove the secret in time. Returns the hello, its payload after the nonce, and the mask of
+/// the node's tokens.
+fn handshake(s: &mut TcpStream, secret: &str) -> Option<(Msg, Vec<u8>, [u8; auth::MAC])> {
+    let deadline = Instant::now() + HELLO_WITHIN;
+    let (h, payload) = read_frame(s, MAX_CONTROL, Some(deadline)).ok()?;
+    let msg = Msg::decode(&h.meta).ok()?;
+    let at = payload.iter().position(|&b| b == b'\n')?;
+    let theirs = std::str::from_utf8(&payload[..at])
+        .ok()
+        .and_then(auth::unhex::<{ auth::NONCE }>)?;
+    let rest = payload[at + 1..].to_vec();
+    if msg.op != Op::Hello {
+        return None;
+    }
+    let claim = auth::hello_claim(msg.key, msg.sender, &String::from_utf8_lossy(&rest));
+    let ours = auth::random::<{ auth::NONCE }>().ok()?;
+    let key: &[&[u8]] = &[secret.as_bytes()];
+    let proof = auth::proof(key, auth::Side::Responder, &theirs, &ours, &claim);
+    let text = format!("{}\n{}", auth::hex(&ours), auth::hex(&proof));
+    send(s, Op::Challenge, &text).ok()?;
+    let (h, got) = read_frame(s, MAX_CONTROL, Some(deadline)).ok()?;
+    let proven = Msg::decode(&h.meta).is_ok_and(|m| m.op == Op::Proof)
+        && auth::check(key, auth::Side::Initiator, &theirs, &ours, &claim, &got);
+    // Strays, other jobs and guessers are dropped here, having learned nothing.
+    proven.then(|| {
+        (
+            msg,
+            rest,
+            auth::token_mask(secret.as_bytes(), &theirs, &ours),
+        )
+    })
+}
+
 fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>, _live: Live) {
-    let first = read_frame(&mut s, MAX_CONTROL, Some(Instant::now() + HELLO_WITHIN));
-    let Ok((h, payload)) = first else { return };
-    let Ok(msg) = Msg::decode(&h.meta) else {
+    let Some((msg, payload, mask)) = handshake(&mut s, &secret) else {
         return;
     };
     let mut lines = payload.split(|&b| b == b'\n');
-    let given = lines.next().unwrap_or(&[]);
-    if msg.op != Op::Hello || !secret_matches(given, secret.as_bytes()) {
-        return; // dropping the stream closes it: strays and other jobs are refused
-    }
     let addr = lines
         .next()
         .and_then(|a| std::str::from_utf8(a).ok())
@@ -120,17 +152,24 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>, 
         .next()
         .and_then(|a| std::str::from_utf8(a).ok())
         .and_then(|a| a.parse().ok());
+    let shm = lines
+        .next()
+        .and_then(|a| std::str::from_utf8(a).ok())
+        .filter(|n| !n.is_empty() && *n != "-" && n.chars().all(|c| c.is_ascii_alphanumeric()))
+        .map(str::to_string);
     let Ok(writer) = s.try_clone() else { return };
     let _ = writer.set_write_timeout(Some(Duration::from_secs(10)));
     if tx
-        .send(Event::Hello {
+        .send(Event::Hello(Box::new(Joined {
             id,
             msg,
             addr,
             host,
             rdma,
+            shm,
+            mask,
             writer,
-        })
+        })))
         .is_err()
     {
         return;
@@ -257,14 +296,17 @@ fn serve(
             }
         };
         match ev {
-            Event::Hello {
-                id,
-                msg,
-                addr,
-                host,
-                rdma,
-                writer,
-            } => {
+            Event::Hello(j) => {
+                let Joined {
+                    id,
+                    msg,
+                    addr,
+                    host,
+                    rdma,
+                    shm,
+                    mask,
+                    writer,
+                } = *j;
                 let list = match msg.key {
                     role::SERVER if servers.len() < opts.num_servers && addr.is_some() => {
                         &mut servers
@@ -286,6 +328,8 @@ fn serve(
                         addr,
                         host,
                         rdma,
+                        shm,
+                        mask,
                         writer,
                         rank: 0,
                         done: false,
@@ -319,7 +363,17 @@ fn serve(
         let n = &nodes[id];
         let addr = n.addr.map(|a| a.to_string()).unwrap_or_default();
         let rdma = n.rdma.map_or_else(|| "-".to_string(), |a| a.to_string());
-        addrs[n.rank] = format!("{addr} {} {rdma}", n.host);
+        let shm = n.shm.as_deref().unwrap_or("-");
+        addrs[n.rank] = format!("{addr} {} {rdma} {shm}", n.host);
+    }
+    // Each worker rank's token: given to that worker and to the servers, so that a link to a
+    // server can claim only the rank its process was given here.
+    let mut tokens = Vec::with_capacity(opts.num_workers);
+    for _ in 0..opts.num_workers {
+        match auth::random::<{ auth::MAC }>() {
+            Ok(t) => tokens.push(t),
+            Err(e) => return abort(&mut nodes, format!("no random bytes: {e}")),
+        }
     }
     let hosts: Vec<String> = nodes.values().map(|n| n.host.clone()).collect();
     for n in nodes.values_mut() {
@@ -327,8 +381,17 @@ fn serve(
             "-" => 1,
             h => hosts.iter().filter(|o| *o == h).count(),
         };
+        let mine: Vec<&[u8; auth::MAC]> = if n.role == role::SERVER {
+            tokens.iter().collect()
+        } else {
+            tokens.get(n.rank).into_iter().collect()
+        };
+        let tokens_text: String = mine
+            .iter()
+            .map(|t| format!("\ntoken {}", auth::hex(&auth::xor(t, &n.mask))))
+            .collect();
         let text = format!(
-            "{} {} {} {local}\n{}",
+            "{} {} {} {local}\n{}{tokens_text}",
             n.rank,
             opts.num_workers,
             opts.num_servers,
@@ -356,8 +419,8 @@ fn serve(
             },
         };
         match ev {
-            Event::Hello { writer, .. } => {
-                let _ = writer.shutdown(std::net::Shutdown::Both);
+            Event::Hello(j) => {
+                let _ = j.writer.shutdown(std::net::Shutdown::Both);
             }
             Event::Frame { id, op } => {
                 let Some(n) = nodes.get_mut(&id) else {

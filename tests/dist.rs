@@ -265,12 +265,30 @@ fn read_msg(s: &mut std::net::TcpStream) -> kvstore::protocol::Msg {
 /// A worker played by the test over raw frames: it joins, connects to server 0, and then only
 /// writes. Returns the stream to the server.
 fn raw_worker(port: u16) -> std::net::TcpStream {
+    let j = raw_join(port);
+    let server = raw_hello(&j.server, j.rank, &j.token).expect("the server's acknowledgement");
+    // The scheduler connection stays open for the job's life (closing it is leaving).
+    std::mem::forget(j.sched);
+    server
+}
+
+/// A worker's place in a job, as a raw peer got it from the scheduler.
+struct Joined {
+    sched: std::net::TcpStream,
+    server: String,
+    rank: usize,
+    token: [u8; kvstore::auth::MAC],
+}
+
+/// Joins a job as a worker over raw frames: the handshake with the scheduler, then the roster.
+fn raw_join(port: u16) -> Joined {
+    use kvstore::auth;
     use kvstore::protocol::{role, Msg, Op};
     use kvstore_transport::tcp::blocking::{read_frame, write_frame};
     use kvstore_transport::FrameHeader;
     let mut m = Msg::new(Op::Hello);
     m.key = role::WORKER;
-    let secret = b"test-secret";
+    let secret = util::SECRET.as_bytes();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let mut sched = loop {
         match std::net::TcpStream::connect(("127.0.0.1", port)) {
@@ -281,11 +299,25 @@ fn raw_worker(port: u16) -> std::net::TcpStream {
             Err(e) => panic!("no scheduler: {e}"),
         }
     };
-    // The scheduler speaks plain frames.
+    // The scheduler speaks plain frames: the handshake, then the roster.
+    let nonce = auth::random::<{ auth::NONCE }>().unwrap();
+    let rest = "-\n-\n-\n-";
+    let payload = format!("{}\n{rest}", auth::hex(&nonce));
     write_frame(
         &mut sched,
-        &FrameHeader::new(m.encode(), secret.len() as u64),
-        secret,
+        &FrameHeader::new(m.encode(), payload.len() as u64),
+        payload.as_bytes(),
+    )
+    .unwrap();
+    let (_, challenge) = read_frame(&mut sched, 1 << 20, Some(deadline)).unwrap();
+    let challenge = String::from_utf8(challenge).unwrap();
+    let theirs = auth::unhex::<{ auth::NONCE }>(challenge.lines().next().unwrap()).unwrap();
+    let claim = auth::hello_claim(m.key, m.sender, rest);
+    let proof = auth::proof(&[secret], auth::Side::Initiator, &nonce, &theirs, &claim);
+    write_frame(
+        &mut sched,
+        &FrameHeader::new(Msg::new(Op::Proof).encode(), proof.len() as u64),
+        &proof,
     )
     .unwrap();
     let (_, roster) = read_frame(&mut sched, 1 << 20, Some(deadline)).unwrap();
@@ -297,15 +329,154 @@ fn raw_worker(port: u16) -> std::net::TcpStream {
         .split_whitespace()
         .next()
         .unwrap();
-    // A server speaks the TCP backend's messages.
+    let token = roster
+        .lines()
+        .find_map(|l| l.strip_prefix("token "))
+        .and_then(auth::unhex::<{ auth::MAC }>)
+        .unwrap();
+    let token = auth::xor(&token, &auth::token_mask(secret, &nonce, &theirs));
+    let rank: usize = roster.split_whitespace().next().unwrap().parse().unwrap();
+    Joined {
+        sched,
+        server: addr.to_string(),
+        rank,
+        token,
+    }
+}
+
+/// The handshake with a server as worker `rank` with `token`: the link, or why the server
+/// refused it.
+fn raw_hello(
+    addr: &str,
+    rank: usize,
+    token: &[u8; kvstore::auth::MAC],
+) -> Result<std::net::TcpStream, String> {
+    use kvstore::auth;
+    use kvstore::protocol::{role, Msg, Op};
+    let secret = util::SECRET.as_bytes();
+    // A server speaks the TCP backend's messages: the same handshake, keyed also by the
+    // rank's token.
     let mut server = std::net::TcpStream::connect(addr).unwrap();
+    let mut m = Msg::new(Op::Hello);
+    m.key = role::WORKER;
+    m.sender = rank as u32;
+    let nonce = auth::random::<{ auth::NONCE }>().unwrap();
     let mut body = m.encode().to_vec();
-    body.extend_from_slice(secret);
+    body.extend_from_slice(&nonce);
     send_msg(&mut server, &body, None).unwrap();
-    assert_eq!(read_msg(&mut server).op, Op::HelloAck);
-    // The scheduler connection stays open for the job's life (closing it is leaving).
-    std::mem::forget(sched);
-    server
+    let (c, rest) = try_read_body(&mut server).map_err(|e| format!("no challenge: {e}"))?;
+    if c.op != Op::Challenge {
+        return Err(format!("answered the hello with {:?}", c.op));
+    }
+    let theirs: [u8; auth::NONCE] = rest[..auth::NONCE].try_into().unwrap();
+    let claim = auth::worker_claim(rank);
+    let proof = auth::proof(
+        &[secret, token],
+        auth::Side::Initiator,
+        &nonce,
+        &theirs,
+        &claim,
+    );
+    let mut p = Msg::new(Op::Proof);
+    p.key = role::WORKER;
+    p.sender = rank as u32;
+    let mut body = p.encode().to_vec();
+    body.extend_from_slice(&proof);
+    send_msg(&mut server, &body, None).unwrap();
+    use kvstore_transport::tcp::blocking::read_frame;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    match read_frame(&mut server, 1 << 20, Some(deadline)) {
+        Ok((_, b)) if b.len() >= kvstore_transport::META_LEN => {
+            let meta: [u8; kvstore_transport::META_LEN] =
+                b[..kvstore_transport::META_LEN].try_into().unwrap();
+            match Msg::decode(&meta) {
+                Ok(a) if a.op == Op::HelloAck => Ok(server),
+                other => Err(format!("answered {other:?}")),
+            }
+        }
+        Ok(_) => Err("a short answer".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[test]
+fn a_squatter_at_the_schedulers_address_learns_nothing_and_is_refused() {
+    // A process listening where the scheduler should be: the hello it gets carries no secret,
+    // and when it cannot prove the secret the node stops, saying so.
+    use kvstore::protocol::{Msg, Op};
+    use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+    use kvstore_transport::FrameHeader;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let worker = std::process::Command::new(util::bin("examples/dist_check"))
+        .args(["seed", "dist_sync"])
+        .env("DMLC_ROLE", "worker")
+        .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+        .env("DMLC_PS_ROOT_PORT", port.to_string())
+        .env("DMLC_NUM_SERVER", "1")
+        .env("DMLC_NUM_WORKER", "1")
+        .env("KVSTORE_SECRET", util::SECRET)
+        .env("KVSTORE_TIMEOUT", "10")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut s, _) = l.accept().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (_, hello) = read_frame(&mut s, 1 << 20, Some(deadline)).unwrap();
+    let secret = util::SECRET.as_bytes();
+    assert!(
+        !hello.windows(secret.len()).any(|w| w == secret),
+        "the hello carries the secret"
+    );
+    let bogus = format!("{}\n{}", "ab".repeat(16), "cd".repeat(32));
+    write_frame(
+        &mut s,
+        &FrameHeader::new(Msg::new(Op::Challenge).encode(), bogus.len() as u64),
+        bogus.as_bytes(),
+    )
+    .unwrap();
+    // The node sends no proof to a scheduler that did not prove itself.
+    let after = read_frame(&mut s, 1 << 20, Some(deadline));
+    assert!(after.is_err(), "the node went on: {after:?}");
+    let (code, out) = finish(worker, Duration::from_secs(20));
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("does not know this job's secret"), "{out}");
+}
+
+#[test]
+fn a_link_can_claim_only_the_rank_its_process_was_given() {
+    // Two workers played here: each proves the secret, but a link that claims the other's
+    // rank (with its own token) is closed; each then claims its own.
+    let mut job = util::ManualJob::start_some(2, 0, 1, &["seed", "dist_sync"], &[]);
+    // The roster comes once both have joined: they join at once.
+    let port = job.port;
+    let other = std::thread::spawn(move || raw_join(port));
+    let a = raw_join(port);
+    let b = other.join().unwrap();
+    assert_ne!(a.rank, b.rank);
+    let stolen = raw_hello(&a.server, b.rank, &a.token);
+    assert!(stolen.is_err(), "a link took worker {}'s rank", b.rank);
+    let forged = raw_hello(&a.server, a.rank, &[0u8; kvstore::auth::MAC]);
+    assert!(forged.is_err(), "a link without the rank's token was taken");
+    // Kept open: a worker's link that closes without a goodbye ends the job.
+    let _own_a = raw_hello(&a.server, a.rank, &a.token).expect("its own rank");
+    let _own_b = raw_hello(&b.server, b.rank, &b.token).expect("its own rank");
+    drop((a, b));
+    job.kill_all();
+}
+
+/// Reads one message frame from a server: its header and the body after it.
+fn try_read_body(s: &mut std::net::TcpStream) -> Result<(kvstore::protocol::Msg, Vec<u8>), String> {
+    use kvstore_transport::tcp::blocking::read_frame;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (_, body) = read_frame(s, 1 << 20, Some(deadline)).map_err(|e| e.to_string())?;
+    let meta: [u8; kvstore_transport::META_LEN] = body
+        .get(..kvstore_transport::META_LEN)
+        .and_then(|m| m.try_into().ok())
+        .ok_or("a short message")?;
+    let m = kvstore::protocol::Msg::decode(&meta).map_err(|e| e.to_string())?;
+    Ok((m, body[kvstore_transport::META_LEN..].to_vec()))
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -393,7 +564,7 @@ fn a_process_of_another_job_is_refused() {
             .env("DMLC_PS_ROOT_PORT", port.to_string())
             .env("DMLC_NUM_SERVER", "1")
             .env("DMLC_NUM_WORKER", "1")
-            .env("KVSTORE_SECRET", secret)
+            .env("KVSTORE_SECRET", format!("{secret}-and-some-more-bytes"))
             .env("KVSTORE_TIMEOUT", "3")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());

@@ -52,10 +52,13 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-/// The remote side of a process started over ssh: runs the program in a session of its own
-/// (setsid) with stdin from /dev/null, and kills that whole process group when the ssh
-/// session's stdin closes (kvrun stopped the job, or died).
-const REMOTE_WRAPPER: &str = r#"exec 3<&0
+/// The remote side of a process started over ssh: takes the job's secret from the first line
+/// of stdin (never from the command line, which `ps` shows to every user), runs the program in
+/// a session of its own (setsid) with stdin from /dev/null, and kills that whole process group
+/// when the ssh session's stdin closes (kvrun stopped the job, or died).
+const REMOTE_WRAPPER: &str = r#"IFS= read -r KVSTORE_SECRET || exit 1
+export KVSTORE_SECRET
+exec 3<&0
 if command -v setsid >/dev/null 2>&1; then setsid "$@" </dev/null & else "$@" </dev/null & fi
 c=$!
 ( cat <&3 >/dev/null 2>&1; kill -TERM -$c $c 2>/dev/null; sleep 2; kill -KILL -$c $c 2>/dev/null ) >/dev/null 2>&1 &
@@ -66,7 +69,11 @@ s=$?
 kill $w 2>/dev/null
 exit $s"#;
 
-/// The command line run on a remote host.
+/// The variable that never goes on a command line: it is written to the remote side's stdin.
+pub const SECRET_VAR: &str = "KVSTORE_SECRET";
+
+/// The command line run on a remote host: every variable of `env` but the secret, which the
+/// wrapper reads from stdin.
 pub fn remote_command(program: &Path, args: &[String], env: &[(String, String)]) -> String {
     let mut cmd = String::new();
     if let Ok(cwd) = std::env::current_dir() {
@@ -76,7 +83,7 @@ pub fn remote_command(program: &Path, args: &[String], env: &[(String, String)])
         ));
     }
     cmd.push_str("exec env");
-    for (k, v) in env {
+    for (k, v) in env.iter().filter(|(k, _)| k != SECRET_VAR) {
         cmd.push_str(&format!(" {}", shell_quote(&format!("{k}={v}"))));
     }
     cmd.push_str(&format!(
@@ -178,7 +185,16 @@ impl Child {
             Some(h) => format!("[{h}:{role}] "),
             None => format!("[{role}] "),
         };
-        let lifeline = proc.stdin.take();
+        let mut lifeline = proc.stdin.take();
+        if let Some(pipe) = &mut lifeline {
+            // The secret, as the first line the remote wrapper reads.
+            use std::io::Write;
+            let secret = env
+                .iter()
+                .find(|(k, _)| k == SECRET_VAR)
+                .map_or("", |(_, v)| v.as_str());
+            writeln!(pipe, "{secret}")?;
+        }
         let mut forwarders = Vec::new();
         if let Some(out) = proc.stdout.take() {
             forwarders.push(forward(prefix.clone(), out, false));
@@ -279,5 +295,43 @@ impl Child {
             Some(h) => format!("{} on {h} (ssh pid {})", self.role, self.pid),
             None => format!("{} (pid {})", self.role, self.pid),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_secret_never_goes_on_the_remote_command_line_and_the_wrapper_reads_it() {
+        let env = vec![
+            ("DMLC_ROLE".to_string(), "worker".to_string()),
+            (SECRET_VAR.to_string(), "0123456789abcdef-hush".to_string()),
+        ];
+        let cmd = remote_command(Path::new("/bin/prog"), &["a b".into()], &env);
+        assert!(!cmd.contains("hush"), "{cmd}");
+        assert!(cmd.contains("DMLC_ROLE=worker"), "{cmd}");
+        // Run the wrapper as ssh would, with the secret as stdin's first line: the program
+        // sees it in its environment.
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(REMOTE_WRAPPER)
+            .args(["kvrun-remote", "sh", "-c", "printf %s \"$KVSTORE_SECRET\""])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::{Read, Write};
+                // Stdin stays open while the program runs (its end stops the program).
+                let mut i = c.stdin.take().unwrap();
+                writeln!(i, "0123456789abcdef-hush")?;
+                let mut out = String::new();
+                c.stdout.take().unwrap().read_to_string(&mut out)?;
+                drop(i);
+                c.wait()?;
+                Ok(out)
+            })
+            .unwrap();
+        assert_eq!(out, "0123456789abcdef-hush");
     }
 }

@@ -28,7 +28,8 @@ pub const MAX_NDIM: usize = 7;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u16)]
 pub enum Op {
-    /// First frame on every connection: role, rank hint; payload: secret, then address.
+    /// First frame on every connection: role, rank hint; payload: the initiator's nonce, then
+    /// (to the scheduler) address, host and RDMA listener ([`crate::auth`]).
     Hello = 1,
     /// The hello was accepted.
     HelloAck = 2,
@@ -62,6 +63,10 @@ pub enum Op {
     Bye = 16,
     /// Many requests to one server, or many answers to one worker ([`batch`]).
     Batch = 17,
+    /// The responder's answer to a hello: its nonce and its proof of the secret.
+    Challenge = 18,
+    /// The initiator's proof of the secret (and of its rank's token).
+    Proof = 19,
 }
 
 impl Op {
@@ -85,6 +90,8 @@ impl Op {
             15 => SetUpdater,
             16 => Bye,
             17 => Batch,
+            18 => Challenge,
+            19 => Proof,
             _ => return None,
         })
     }

@@ -96,10 +96,15 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     )?;
     let addr = net.tcp.listen(SocketAddr::new(ip, 0))?;
     // Workers on this host attach over shared memory.
+    let mut shm_name = None;
     if let Some(shm) = &mut net.shm {
-        if let Err(e) = shm.listen(&net::shm_name(addr.port(), &cfg.secret)) {
-            eprintln!("kvstore server: no shared-memory listener ({e}); workers use TCP");
-            net.shm = None;
+        let name = net::shm_name()?;
+        match shm.listen(&name) {
+            Ok(()) => shm_name = Some(name),
+            Err(e) => {
+                eprintln!("kvstore server: no shared-memory listener ({e}); workers use TCP");
+                net.shm = None;
+            }
         }
     }
     let rdma = crate::rdma::listen_for_workers(cfg, &mut net, ip)?;
@@ -109,6 +114,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         crate::protocol::role::SERVER,
         Some(addr),
         rdma,
+        shm_name.as_deref(),
     )?;
     sched.set_nonblocking(true)?;
     let mut sched_reader = FrameReader::new(MAX_CONTROL as u64);
@@ -133,7 +139,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             Some(crate::NDArray::from_region(shape, dtype, r))
         }));
     }
-    let mut workers = Workers::new(&cfg.secret, roster.num_workers, cfg.slot_bytes);
+    let mut workers = Workers::new(&cfg.secret, roster.tokens.clone(), cfg.slot_bytes);
     let mut outcome: Option<Result<()>> = None;
     let mut sched_open = true;
     let mut stop_by: Option<Instant> = None;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvstore_transport::{Completion, Lent, Region, RemoteRegion, Sent, Token, TransportError};
 
-use crate::config::secret_matches;
+use crate::auth;
 use crate::net::{alloc, region_of, Addr, Medium, Net};
 use crate::protocol::{batch, flags, role, slot_imm, status, Msg, Op};
 use crate::server::batch::send_batch;
@@ -32,6 +32,7 @@ impl Worker {
         Worker {
             since: Instant::now(),
             rank: None,
+            claim: None,
             bye: false,
             backlog: VecDeque::new(),
             paused: false,
@@ -44,6 +45,8 @@ struct Worker {
     since: Instant,
     /// The rank, once the hello was accepted.
     rank: Option<usize>,
+    /// Its hello's handshake until its proof: the rank claimed, its nonce and ours.
+    claim: Option<(usize, [u8; auth::NONCE], [u8; auth::NONCE])>,
     /// Said goodbye: its link closing is no loss.
     bye: bool,
     /// Answers not yet taken by the backend, in order.
@@ -76,6 +79,8 @@ fn slot_data<'a>(region: &'a Region, m: &Msg) -> Result<PeerData<'a>, String> {
 /// The workers of a server and what is addressed to them.
 pub(super) struct Workers {
     secret: Vec<u8>,
+    /// Each worker rank's token (from the scheduler): a link proves it with the secret.
+    tokens: Vec<[u8; auth::MAC]>,
     taken: Vec<bool>,
     peers: FxHashMap<Addr, Worker>,
     /// Destinations that pull requests granted, until their answer goes out.
@@ -107,10 +112,11 @@ fn refusal(m: &Msg, why: impl Into<String>) -> Out {
 }
 
 impl Workers {
-    pub(super) fn new(secret: &str, num_workers: usize, slot_bytes: usize) -> Workers {
+    pub(super) fn new(secret: &str, tokens: Vec<[u8; auth::MAC]>, slot_bytes: usize) -> Workers {
         Workers {
             secret: secret.as_bytes().to_vec(),
-            taken: vec![false; num_workers],
+            taken: vec![false; tokens.len()],
+            tokens,
             peers: FxHashMap::default(),
             grants: FxHashMap::default(),
             batched: FxHashSet::default(),
@@ -198,25 +204,49 @@ impl Workers {
         let (m, rest) = Msg::from_body(body).map_err(|e| e.to_string())?;
         let w = self.peers.entry(addr).or_insert_with(Worker::new);
         let Some(rank) = w.rank else {
-            if m.op != Op::Hello || m.key != role::WORKER {
-                return Err(format!("{:?} before the hello", m.op));
-            }
-            let secret = rest.split(|&b| b == b'\n').next().unwrap_or(&[]);
-            if !secret_matches(secret, &self.secret) {
-                return Err("wrong job secret".into());
-            }
+            // The handshake ([`crate::auth`]): a hello with its nonce, then its proof of the
+            // secret and of the rank's token; nothing else before it.
             let r = m.sender as usize;
-            if r >= self.taken.len() || self.taken[r] {
-                return Err(format!("worker rank {r} is invalid or taken"));
+            if r >= self.taken.len() || self.taken[r] || m.key != role::WORKER {
+                return Err(format!(
+                    "a {:?} for worker rank {r}, invalid or taken",
+                    m.op
+                ));
             }
-            self.taken[r] = true;
-            w.rank = Some(r);
-            let mut ack = Msg::new(Op::HelloAck);
-            ack.req_id = m.req_id;
+            let claim = auth::worker_claim(r);
+            let mut reply = Msg::new(Op::Challenge);
+            reply.req_id = m.req_id;
+            let payload = match (m.op, w.claim) {
+                (Op::Hello, None) => {
+                    let theirs: [u8; auth::NONCE] = rest
+                        .get(..auth::NONCE)
+                        .and_then(|n| n.try_into().ok())
+                        .ok_or("a hello without a nonce")?;
+                    let ours = auth::random::<{ auth::NONCE }>().map_err(|e| e.to_string())?;
+                    let key: &[&[u8]] = &[&self.secret];
+                    let proof = auth::proof(key, auth::Side::Responder, &theirs, &ours, &claim);
+                    w.claim = Some((r, theirs, ours));
+                    Payload::Text([&ours[..], &proof[..]].concat())
+                }
+                (Op::Proof, Some((claimed, theirs, ours))) if claimed == r => {
+                    let key: &[&[u8]] = &[&self.secret, &self.tokens[r]];
+                    let side = auth::Side::Initiator;
+                    if !auth::check(key, side, &theirs, &ours, &claim, rest) {
+                        return Err(format!(
+                            "a link failed to prove the job's secret and worker {r}'s token"
+                        ));
+                    }
+                    self.taken[r] = true;
+                    w.rank = Some(r);
+                    reply.op = Op::HelloAck;
+                    Payload::None
+                }
+                (op, _) => return Err(format!("{op:?} before the handshake ended")),
+            };
             state.outbox.push(Out {
                 to: addr.id(),
-                msg: ack,
-                payload: Payload::None,
+                msg: reply,
+                payload,
             });
             return Ok(());
         };

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use kvstore_transport::{Completion, RemoteRegion, Sent, Token, REMOTE_LEN};
 
+use crate::auth;
 use crate::net::{region_of, Addr, Medium, Net};
 use crate::protocol::{flags, slot_imm, Msg, Op};
 use crate::worker::calls::{Action, CallId, Calls, Finished, Request, SlotUse};
@@ -365,37 +366,78 @@ impl Links {
         let _ = self.pump();
     }
 
-    /// Sends the hello to every server and waits for every acknowledgement.
-    pub(crate) fn hello(&mut self, secret: &str) -> Result<()> {
+    /// The handshake with every server ([`crate::auth`]): a hello with a nonce; the server's
+    /// challenge, whose proof of the secret is checked; this worker's proof of the secret and
+    /// of its rank's `token`; the server's acknowledgement.
+    pub(crate) fn hello(&mut self, secret: &str, token: &[u8; auth::MAC]) -> Result<()> {
         let mut m = Msg::new(Op::Hello);
         m.key = crate::protocol::role::WORKER;
         m.sender = self.rank;
-        let mut body = m.encode().to_vec();
-        body.extend_from_slice(secret.as_bytes());
-        let deadline = Instant::now() + self.timeout;
-        for addr in self.servers.clone() {
-            let b = self.net.backend(addr.medium)?;
-            // SAFETY: no data rides with it.
-            if let Sent::WouldBlock = unsafe { b.send(addr.peer, &body, None) }? {
-                return Err(KvError::Protocol("a new link is full".into()));
-            }
+        let claim = auth::worker_claim(self.rank as usize);
+        let n = self.servers.len();
+        let mut nonces = Vec::with_capacity(n);
+        for _ in 0..n {
+            nonces.push(auth::random::<{ auth::NONCE }>()?);
         }
-        let mut acked = vec![false; self.servers.len()];
+        for (addr, nonce) in self.servers.clone().into_iter().zip(&nonces) {
+            let mut body = m.encode().to_vec();
+            body.extend_from_slice(nonce);
+            self.send_control(addr, &body)?;
+        }
+        // 0: challenged, 1: proven, 2: acknowledged.
+        let mut step = vec![0u8; n];
+        let mut proofs: Vec<Option<Vec<u8>>> = vec![None; n];
         let mut failure: Option<KvError> = None;
-        while acked.iter().any(|a| !a) {
+        let deadline = Instant::now() + self.timeout;
+        while step.iter().any(|&s| s < 2) {
             let servers = &self.servers;
             self.net.progress(&mut |medium, c| match c {
                 Completion::Recv { peer, body, .. } => {
                     let Some(s) = servers.iter().position(|a| *a == Addr { medium, peer }) else {
                         return;
                     };
-                    let ok = Msg::from_body(body).is_ok_and(|(m, _)| m.op == Op::HelloAck);
-                    if ok {
-                        acked[s] = true;
-                    } else {
-                        failure.get_or_insert(KvError::Protocol(format!(
-                            "server {s} did not acknowledge the hello"
-                        )));
+                    match (Msg::from_body(body), step[s]) {
+                        (Ok((r, rest)), 0) if r.op == Op::Challenge => {
+                            let theirs: Option<[u8; auth::NONCE]> =
+                                rest.get(..auth::NONCE).and_then(|x| x.try_into().ok());
+                            let proof = rest.get(auth::NONCE..).unwrap_or(&[]);
+                            let key: &[&[u8]] = &[secret.as_bytes()];
+                            let ok = theirs.is_some_and(|t| {
+                                auth::check(
+                                    key,
+                                    auth::Side::Responder,
+                                    &nonces[s],
+                                    &t,
+                                    &claim,
+                                    proof,
+                                )
+                            });
+                            match theirs.filter(|_| ok) {
+                                Some(t) => {
+                                    let key: &[&[u8]] = &[secret.as_bytes(), token];
+                                    let p = auth::proof(
+                                        key,
+                                        auth::Side::Initiator,
+                                        &nonces[s],
+                                        &t,
+                                        &claim,
+                                    );
+                                    proofs[s] = Some(p.to_vec());
+                                    step[s] = 1;
+                                }
+                                None => {
+                                    failure.get_or_insert(KvError::PeerLost(format!(
+                                        "server {s} does not know this job's secret"
+                                    )));
+                                }
+                            }
+                        }
+                        (Ok((r, _)), 1) if r.op == Op::HelloAck => step[s] = 2,
+                        _ => {
+                            failure.get_or_insert(KvError::Protocol(format!(
+                                "server {s} did not answer the hello as the handshake goes"
+                            )));
+                        }
                     }
                 }
                 Completion::Lost { peer, error } => {
@@ -410,16 +452,37 @@ impl Links {
             if let Some(e) = failure.take() {
                 return Err(e);
             }
+            for (s, p) in proofs.iter_mut().enumerate() {
+                if let Some(p) = p.take() {
+                    let mut r = Msg::new(Op::Proof);
+                    r.key = crate::protocol::role::WORKER;
+                    r.sender = self.rank;
+                    let mut body = r.encode().to_vec();
+                    body.extend_from_slice(&p);
+                    self.send_control(self.servers[s], &body)?;
+                }
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(KvError::Timeout {
-                    what: "the servers' acknowledgement of the hello".into(),
+                    what: "the servers' answers to the hello".into(),
                     secs: self.timeout.as_secs_f64(),
                 });
             }
             self.net
                 .wait(None, (deadline - now).min(Duration::from_millis(50)))?;
         }
+        Ok(())
+    }
+
+    /// Sends a control message on a new link (which has room for it).
+    fn send_control(&mut self, addr: Addr, body: &[u8]) -> Result<()> {
+        let b = self.net.backend(addr.medium)?;
+        // SAFETY: no data rides with it.
+        if let Sent::WouldBlock = unsafe { b.send(addr.peer, body, None) }? {
+            return Err(KvError::Protocol("a new link is full".into()));
+        }
+        b.flush()?;
         Ok(())
     }
 

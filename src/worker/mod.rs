@@ -93,8 +93,9 @@ fn connect_servers(
     let mut notes = Vec::new();
     for (i, addr) in roster.servers.iter().enumerate() {
         let mut link = None;
-        if let (true, Some(shm)) = (local[i], &mut net.shm) {
-            match shm.connect(&net::shm_name(addr.port(), &cfg.secret), cfg.timeout) {
+        let name = roster.server_shm.get(i).and_then(|n| n.as_deref());
+        if let (true, Some(shm), Some(name)) = (local[i], &mut net.shm, name) {
+            match shm.connect(name, cfg.timeout) {
                 Ok(peer) => {
                     link = Some(Addr {
                         medium: Medium::Shm,
@@ -104,6 +105,10 @@ fn connect_servers(
                 Err(e) if choice == TransportChoice::Shm => return Err(e.into()),
                 Err(_) => {}
             }
+        } else if choice == TransportChoice::Shm && local[i] && name.is_none() {
+            return Err(KvError::Config(format!(
+                "KVSTORE_TRANSPORT=shm, but server {i} ({addr}) has no shared-memory listener"
+            )));
         }
         if link.is_none() && (choice == TransportChoice::Rdma || !local[i]) {
             match rdma.connect(cfg, roster, i) {
@@ -158,10 +163,15 @@ impl DistWorker {
     /// Joins the job described by `cfg` as a worker and connects to every server.
     pub(crate) fn connect(cfg: Config) -> Result<DistWorker> {
         let mut sched = connect_retry(cfg.root, cfg.timeout)?;
-        let roster = join(&cfg, &mut sched, role::WORKER, None, None)?;
+        let roster = join(&cfg, &mut sched, role::WORKER, None, None, None)?;
         let (net, servers) = connect_servers(&cfg, roster.rank, &roster)?;
         let mut links = Links::new(net, servers, roster.rank as u32, cfg.timeout);
-        links.hello(&cfg.secret)?;
+        let token = roster
+            .tokens
+            .first()
+            .copied()
+            .ok_or_else(|| KvError::Protocol("the roster gave this worker no token".into()))?;
+        links.hello(&cfg.secret, &token)?;
         Ok(DistWorker {
             rank: roster.rank,
             num_workers: roster.num_workers,

@@ -17,7 +17,7 @@ LOGS=$(mktemp -d /tmp/two-vm-job.XXXXXX)
 trap 'rm -rf "$LOGS"' EXIT
 
 JOB="export DMLC_PS_ROOT_URI=10.0.2.15 DMLC_PS_ROOT_PORT=9100 DMLC_NUM_SERVER=2 \
-DMLC_NUM_WORKER=2 KVSTORE_SECRET=two-vm-job KVSTORE_TIMEOUT=120 KVSTORE_BIGARRAY_BOUND=100"
+DMLC_NUM_WORKER=2 KVSTORE_SECRET=two-vm-job-of-the-rdma-suite KVSTORE_TIMEOUT=120 KVSTORE_BIGARRAY_BOUND=100"
 P="$BIN/examples/dist_check seed dist_sync"
 # Each VM: its processes in the background, then the worker; waits for all, prints every log.
 vm_cmd() { # roles "name:role:rank ..."

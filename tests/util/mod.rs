@@ -2,6 +2,9 @@
 //! time limit, starting a job's processes by hand.
 #![allow(dead_code)]
 
+/// The secret of the jobs the tests start by hand.
+pub const SECRET: &str = "the-test-suite-job-secret";
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -127,7 +130,7 @@ pub fn free_port() -> u16 {
 
 /// A job whose processes the test starts itself (no kvrun), so it can kill one.
 pub struct ManualJob {
-    /// The scheduler's port on 127.0.0.1 (the job secret is `test-secret`).
+    /// The scheduler's port on 127.0.0.1 (the job secret is [`SECRET`]).
     pub port: u16,
     pub scheduler: Child,
     pub servers: Vec<Child>,
@@ -150,7 +153,7 @@ fn role_cmd(
         .env("DMLC_PS_ROOT_PORT", port.to_string())
         .env("DMLC_NUM_SERVER", s.to_string())
         .env("DMLC_NUM_WORKER", w.to_string())
-        .env("KVSTORE_SECRET", "test-secret")
+        .env("KVSTORE_SECRET", SECRET)
         .env("KVSTORE_RANK", rank.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
