@@ -9,6 +9,20 @@ const THRESHOLD: usize = 1000;
 const EDGE: usize = 3;
 
 /// One element, formatted alone (before alignment).
+/// Text cut to at most `max` bytes, at a character boundary (an error message is shown whole
+/// up to the limit, never split inside a character).
+pub(crate) fn cut_text(t: &[u8], max: usize) -> &[u8] {
+    if t.len() <= max {
+        return t;
+    }
+    let mut end = max;
+    // A UTF-8 continuation byte is 10xxxxxx: back up to the start of its character.
+    while end > 0 && t[end] & 0xc0 == 0x80 {
+        end -= 1;
+    }
+    &t[..end]
+}
+
 fn format_elem(v: f64, dtype: DType, scientific: bool) -> String {
     if !dtype.is_float() {
         return format!("{}", v as i64);
@@ -170,6 +184,15 @@ pub fn format_array(a: &NDArray) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn text_is_cut_at_a_character_boundary() {
+        let t = "ab\u{e9}\u{e9}".as_bytes(); // a b é é: 6 bytes
+        assert_eq!(super::cut_text(t, 10), t);
+        assert_eq!(super::cut_text(t, 3), b"ab");
+        assert_eq!(super::cut_text(t, 4), "ab\u{e9}".as_bytes());
+        assert_eq!(super::cut_text(t, 0), b"");
+    }
+
     use crate::{DType, NDArray};
 
     #[test]

@@ -268,6 +268,21 @@ fn custom(kv: &mut KVStore) {
         &pulled(kv, 3, &SHAPE, DType::F32),
         &[want; 6],
     );
+    // An updater's own error reaches every worker whole, said once.
+    ok("barrier", kv.barrier());
+    ok("set_server_updater", kv.set_server_updater("reject_nan"));
+    match kv.push(3, &NDArray::full(&SHAPE, f64::NAN)) {
+        Err(e) => {
+            let text = e.to_string();
+            if !text.contains("reject_nan: gradient contained NaN")
+                || text.matches("updater failed").count() != 1
+            {
+                fail(format!("the updater's error, as a worker got it: {text}"));
+            }
+            println!("updater error: {text}");
+        }
+        Ok(()) => fail("a NaN push was applied".into()),
+    }
 }
 
 fn async_mode(kv: &mut KVStore) {
@@ -301,6 +316,18 @@ fn main() {
     let kind = args.get(2).cloned().unwrap_or_else(|| "dist_sync".into());
     kvstore::register_updater("half_add", |_, input, stored| stored.axpy(0.5, input));
     kvstore::register_updater("add", |_, input, stored| stored.add_assign(input));
+    kvstore::register_updater("reject_nan", |key, input, stored| {
+        let nan = input
+            .to_vec::<f32>()
+            .map_or(true, |v| v.iter().any(|x| x.is_nan()));
+        if nan {
+            return Err(KvError::Updater {
+                key: key.clone(),
+                reason: "gradient contained NaN".into(),
+            });
+        }
+        stored.add_assign(input)
+    });
     let mut kv = match create(&kind) {
         Ok(kv) => kv,
         Err(e) => fail(format!("create {kind}: {e}")),

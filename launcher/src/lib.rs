@@ -41,9 +41,9 @@ pub struct Options {
     /// Port the scheduler listens on (0: any free port).
     #[arg(long, default_value_t = 0)]
     pub port: u16,
-    /// Seconds any blocking wait of the job may take (KVSTORE_TIMEOUT).
-    #[arg(long, default_value_t = 120.0)]
-    pub timeout: f64,
+    /// Seconds any blocking wait of the job may take [default: $KVSTORE_TIMEOUT, else 120].
+    #[arg(long)]
+    pub timeout: Option<f64>,
     /// Seconds the servers get to exit after the workers are done.
     #[arg(long, default_value_t = 30.0)]
     pub grace: f64,
@@ -104,10 +104,24 @@ pub fn run(opts: &Options) -> i32 {
     }
 }
 
-fn run_job(opts: &Options) -> Result<i32, String> {
-    if !(opts.timeout > 0.0 && opts.timeout.is_finite()) {
+/// The job's timeout: `--timeout`, else `KVSTORE_TIMEOUT` in kvrun's environment, else 120 s.
+fn timeout(opts: &Options) -> Result<f64, String> {
+    let t = match (opts.timeout, std::env::var("KVSTORE_TIMEOUT")) {
+        (Some(t), _) => t,
+        (None, Ok(v)) if !v.is_empty() => v
+            .trim()
+            .parse()
+            .map_err(|_| format!("KVSTORE_TIMEOUT={v:?} is not a number of seconds"))?,
+        _ => 120.0,
+    };
+    if !(t > 0.0 && t.is_finite()) {
         return Err("--timeout must be a positive number of seconds".into());
     }
+    Ok(t)
+}
+
+fn run_job(opts: &Options) -> Result<i32, String> {
+    let job_timeout = timeout(opts)?;
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [
         signal_hook::consts::SIGINT,
@@ -161,7 +175,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         num_workers: opts.workers as usize,
         num_servers: opts.servers as usize,
         secret: secret.clone(),
-        timeout: Duration::from_secs_f64(opts.timeout),
+        timeout: Duration::from_secs_f64(job_timeout),
     };
     let (sched_tx, sched_rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -174,7 +188,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         ("DMLC_NUM_SERVER".into(), opts.servers.to_string()),
         ("DMLC_NUM_WORKER".into(), opts.workers.to_string()),
         ("KVSTORE_SECRET".into(), secret),
-        ("KVSTORE_TIMEOUT".into(), opts.timeout.to_string()),
+        ("KVSTORE_TIMEOUT".into(), job_timeout.to_string()),
     ];
     for x in &opts.env {
         match x.split_once('=') {

@@ -56,6 +56,38 @@ fn output_is_prefixed_and_a_failure_stops_the_job() {
     );
 }
 
+#[test]
+fn the_timeout_in_kvruns_environment_reaches_every_process() {
+    let script = r#"echo "timeout $KVSTORE_TIMEOUT"; [ "$DMLC_ROLE" = worker ] || sleep 30"#;
+    let out = kvrun()
+        .args(["-n", "1", "-s", "1", "--", "/bin/sh", "-c", script])
+        .env("KVSTORE_TIMEOUT", "7.5")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("[worker 0] timeout 7.5"), "{stdout}");
+    assert!(stdout.contains("[server 0] timeout 7.5"), "{stdout}");
+    // --timeout wins over the variable.
+    let out = kvrun()
+        .args([
+            "-n",
+            "1",
+            "-s",
+            "1",
+            "--timeout",
+            "9",
+            "--",
+            "/bin/sh",
+            "-c",
+            script,
+        ])
+        .env("KVSTORE_TIMEOUT", "7.5")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("[worker 0] timeout 9"), "{stdout}");
+}
+
 /// Processes whose environment holds the marker: kvrun's children and their children.
 fn pids_with_marker(marker: &str) -> Vec<u32> {
     let needle = format!("KVRUN_TEST_MARKER={marker}");

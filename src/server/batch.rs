@@ -39,7 +39,7 @@ pub(super) fn send_batch(
                 m.flags |= flags::DATA;
                 (&[], Some(a))
             }
-            Payload::Text(t) => (&t[..t.len().min(TEXT_MAX)], None),
+            Payload::Text(t) => (crate::format::cut_text(t, TEXT_MAX), None),
             _ => (&[], None),
         };
         let bytes = value.map_or(0, |a| a.nbytes());

@@ -583,7 +583,7 @@ fn send(
         }
     }
     let text: &[u8] = match &p.out.payload {
-        Payload::Text(t) => &t[..t.len().min(MAX_CONTROL)],
+        Payload::Text(t) => crate::format::cut_text(t, MAX_CONTROL),
         _ => &[],
     };
     body.clear();

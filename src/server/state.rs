@@ -522,7 +522,12 @@ fn apply(
             let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
             f(&k, input, stored).map_err(|e| KvError::Updater {
                 key: k.clone(),
-                reason: format!("{name}: {e}"),
+                // An updater that fails with an updater error says the key already: its
+                // reason is kept, not wrapped again.
+                reason: match e {
+                    KvError::Updater { reason, .. } => format!("{name}: {reason}"),
+                    other => format!("{name}: {other}"),
+                },
             })?;
             check_updater_kept_shape(&k, stored, &shape, dtype)
         }
