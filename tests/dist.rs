@@ -90,6 +90,19 @@ fn registered_updaters_run_on_the_servers_in_both_modes() {
 }
 
 #[test]
+fn an_updater_registered_after_create_is_refused_on_every_rank() {
+    for r in kvrun_check(3, 2, "late_updater", "dist_sync", &[]) {
+        assert_job_ok(&r, 3, "late_updater");
+        assert_eq!(
+            r.stdout.matches("late updater refused").count(),
+            3,
+            "{}",
+            r.all()
+        );
+    }
+}
+
+#[test]
 fn dist_async_applies_every_push_every_shape_of_job() {
     for w in 1..=3 {
         for s in 1..=3 {

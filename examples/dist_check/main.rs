@@ -285,6 +285,19 @@ fn custom(kv: &mut KVStore) {
     }
 }
 
+/// `register_updater` after `create`: a server never ran it (its `create` does not return), and
+/// every rank gets the same error saying so.
+fn late_updater(kv: &mut KVStore) {
+    kvstore::register_updater("late", |_, input, stored| stored.add_assign(input));
+    ok("init", kv.init(3, &NDArray::ones(&SHAPE)));
+    match kv.set_server_updater("late") {
+        Err(e) if e.to_string().contains("register_updater must run before") => {
+            println!("late updater refused: {e}");
+        }
+        other => fail(format!("set_server_updater of a late updater: {other:?}")),
+    }
+}
+
 fn async_mode(kv: &mut KVStore) {
     let w = kv.num_workers() as f64;
     ok("init", kv.init([1, 2], &vec![NDArray::zeros(&SHAPE); 2]));
@@ -341,6 +354,7 @@ fn main() {
         "optimizers" => optimizers(&mut kv),
         "inflight" => inflight(&mut kv),
         "custom" => custom(&mut kv),
+        "late_updater" => late_updater(&mut kv),
         "async" => async_mode(&mut kv),
         "errors" => errors(&mut kv),
         "garbage" => garbage(&mut kv),

@@ -272,7 +272,16 @@ impl ServerState {
                         self.updater = Updater::Named(name, f);
                         self.ok(peer, m, Payload::None);
                     }
-                    Err(e) => self.err(peer, m, status::FAILED, e.to_string()),
+                    Err(e) => self.err(
+                        peer,
+                        m,
+                        status::FAILED,
+                        format!(
+                            "{e} on this server: register_updater must run before \
+                             kvstore::create in every process (a server's create does not \
+                             return)"
+                        ),
+                    ),
                 }
             }
             other => self.err(

@@ -304,7 +304,7 @@ impl DistWorker {
     pub(crate) fn set_optimizer(&mut self, opt: &Optimizer) -> Result<()> {
         Optimizer::decode(&opt.encode())?;
         let bytes: Vec<u8> = opt.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
-        self.broadcast(Op::SetOptimizer, &bytes)
+        self.broadcast(Op::SetOptimizer, &bytes, false)
     }
 
     /// Rank 0 selects a registered updater on every server; every worker waits for it.
@@ -312,7 +312,9 @@ impl DistWorker {
         // Every process runs the same program: a name unknown here is unknown on the servers,
         // and every worker (not only rank 0) must hear so.
         crate::registry::lookup(name)?;
-        self.broadcast(Op::SetUpdater, name.as_bytes())
+        // Every rank asks (setting the same updater twice is harmless), so that a server
+        // that lacks it answers every rank with the same error.
+        self.broadcast(Op::SetUpdater, name.as_bytes(), true)
     }
 }
 

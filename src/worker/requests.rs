@@ -291,10 +291,11 @@ impl DistWorker {
         Ok(())
     }
 
-    /// Rank 0 sends `op` with `payload` to every server; then every worker waits at a barrier.
-    pub(crate) fn broadcast(&mut self, op: Op, payload: &[u8]) -> Result<()> {
+    /// Rank 0 (`every`: each rank) sends `op` with `payload` to every server; then every
+    /// worker waits at a barrier.
+    pub(crate) fn broadcast(&mut self, op: Op, payload: &[u8], every: bool) -> Result<()> {
         let mut result = Ok(());
-        if self.rank == 0 {
+        if self.rank == 0 || every {
             let reqs: Vec<Request> = (0..self.num_servers)
                 .map(|s| Request {
                     server: s,
