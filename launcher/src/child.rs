@@ -274,6 +274,31 @@ pub fn flush_output(children: &mut [Child]) {
 }
 
 /// Says how a process ended (`remote`: it ran over ssh).
+/// A signal's name, as `kill -l` gives it.
+pub fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        _ => return format!("signal {sig}"),
+    };
+    name.to_string()
+}
+
 pub fn describe(s: &ExitStatus, remote: bool) -> String {
     match (s.code(), s.signal()) {
         (Some(255), _) if remote => {
@@ -283,7 +308,7 @@ pub fn describe(s: &ExitStatus, remote: bool) -> String {
         (Some(127), _) => "exited with status 127: the program was not found there".into(),
         (Some(126), _) => "exited with status 126: the program cannot be executed there".into(),
         (Some(c), _) => format!("exited with status {c}"),
-        (None, Some(sig)) => format!("was killed by signal {sig}"),
+        (None, Some(sig)) => format!("was killed by signal {sig} ({})", signal_name(sig)),
         _ => "ended".into(),
     }
 }

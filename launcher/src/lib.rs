@@ -266,21 +266,25 @@ fn supervise(
                 sched_result = Some(r);
             }
         }
-        let mut failed = Vec::new();
+        // Failures seen now; of several seen at once, one killed by a signal is the likelier
+        // cause (the others ended because of it).
+        let mut failed: Vec<(bool, String)> = Vec::new();
         for c in children.iter_mut() {
             if let Some(status) = c.poll() {
                 if !status.success() {
-                    failed.push(format!(
-                        "{} {}",
-                        c.name(),
-                        child::describe(&status, c.host.is_some())
+                    failed.push((
+                        std::os::unix::process::ExitStatusExt::signal(&status).is_none(),
+                        format!("{} {}", c.name(), child::describe(&status, c.host.is_some())),
                     ));
                 }
             }
         }
         if !failed.is_empty() {
-            // Give the others a moment to report too, so the first cause is in the message.
+            failed.sort_by_key(|f| f.0);
+            let first = failed.remove(0).1;
+            // Give the others a moment to report too: they are listed after the first cause.
             std::thread::sleep(Duration::from_millis(100));
+            let mut then: Vec<String> = failed.into_iter().map(|f| f.1).collect();
             for c in children.iter_mut() {
                 if let Some(status) = c.poll() {
                     let d = format!(
@@ -288,12 +292,17 @@ fn supervise(
                         c.name(),
                         child::describe(&status, c.host.is_some())
                     );
-                    if !status.success() && !failed.contains(&d) {
-                        failed.push(d);
+                    if !status.success() && d != first && !then.contains(&d) {
+                        then.push(d);
                     }
                 }
             }
-            say(&format!("{}; stopping the job", failed.join("; ")));
+            let then = if then.is_empty() {
+                String::new()
+            } else {
+                format!("; then {}", then.join("; "))
+            };
+            say(&format!("first failure: {first}{then}; stopping the job"));
             return 1;
         }
         let workers_done = children

@@ -47,7 +47,7 @@ fn output_is_prefixed_and_a_failure_stops_the_job() {
         "{stdout}"
     );
     assert!(
-        stderr.contains("worker 1") && stderr.contains("status 7"),
+        stderr.contains("first failure: worker 1") && stderr.contains("status 7"),
         "{stderr}"
     );
     assert!(
