@@ -174,11 +174,15 @@ fn a_killed_worker_stops_the_job_with_a_clear_error() {
         // kvrun names the first failure first (worker 1 aborted itself: SIGABRT), before the
         // processes that stopped because of it.
         assert!(
-            r.stderr.contains("first failure: worker 1 (pid")
-                && r.stderr.contains("SIGABRT"),
+            r.stderr.contains("first failure: worker 1 (pid") && r.stderr.contains("SIGABRT"),
             "the message names the dead worker first\n{}",
             r.all()
         );
+        // The survivors say the job was aborted because of it.
+        for w in [0, 2] {
+            let line = format!("[worker {w}] worker {w} stopped: job aborted: worker 1 was lost");
+            assert!(r.stdout.contains(&line), "{}", r.all());
+        }
         assert!(r.elapsed < Duration::from_secs(30), "took {:?}", r.elapsed);
     }
 }

@@ -274,7 +274,11 @@ fn supervise(
                 if !status.success() {
                     failed.push((
                         std::os::unix::process::ExitStatusExt::signal(&status).is_none(),
-                        format!("{} {}", c.name(), child::describe(&status, c.host.is_some())),
+                        format!(
+                            "{} {}",
+                            c.name(),
+                            child::describe(&status, c.host.is_some())
+                        ),
                     ));
                 }
             }

@@ -54,6 +54,8 @@ pub struct DistWorker {
     merge: FxHashMap<Key, NDArray>,
     /// Calls in flight that a [`Ticket`] may still claim.
     claims: Vec<(calls::CallId, std::sync::Weak<()>)>,
+    /// Why the scheduler aborted the job, once it said so.
+    aborted: Option<String>,
 }
 
 /// Connects to every server: over shared memory to those on this host, over RDMA to those on
@@ -184,7 +186,40 @@ impl DistWorker {
             str_ids: FxHashMap::default(),
             merge: FxHashMap::default(),
             claims: Vec::new(),
+            aborted: None,
         })
+    }
+
+    /// A failure that a lost peer caused, explained by the scheduler where it can: the job is
+    /// being aborted because of whichever process failed first, and the scheduler says which
+    /// (its word arrives within moments of the loss). The error then names that process first,
+    /// and what this worker saw after it.
+    pub(crate) fn explain(&mut self, e: KvError) -> KvError {
+        if !matches!(e, KvError::PeerLost(_) | KvError::Aborted(_)) {
+            return e;
+        }
+        if self.aborted.is_none() {
+            // Outside a barrier the scheduler sends a worker nothing but an abort.
+            let deadline = Instant::now() + std::time::Duration::from_secs(1).min(self.cfg.timeout);
+            if let Ok((h, text)) = read_frame(&mut self.sched, 1 << 20, Some(deadline)) {
+                if Msg::decode(&h.meta).is_ok_and(|m| m.op == Op::Abort) {
+                    self.aborted = Some(String::from_utf8_lossy(&text).into_owned());
+                }
+            }
+        }
+        match &self.aborted {
+            // The cause first; what this worker saw after it, unless that only repeats it.
+            Some(why) if matches!(&e, KvError::Aborted(w) if w == why) => e,
+            Some(why) if e.to_string().contains(why.as_str()) => {
+                let e = KvError::Aborted(why.clone());
+                self.net.fail(e)
+            }
+            Some(why) => {
+                let e = KvError::Aborted(format!("{why} (here: {e})"));
+                self.net.fail(e)
+            }
+            None => e,
+        }
     }
 
     pub(crate) fn rank(&self) -> usize {

@@ -220,7 +220,7 @@ impl DistWorker {
         for (o, a) in outs.iter_mut().zip(outputs) {
             **o = a;
         }
-        result
+        result.map_err(|e| self.explain(e))
     }
 
     pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
@@ -373,7 +373,7 @@ impl DistWorker {
     pub(crate) fn wait(&mut self, t: Ticket) -> Result<Vec<NDArray>> {
         self.claims.retain(|(id, _)| *id != t.id);
         let Finished { result, outputs } = self.net.wait(t.id);
-        result.map(|()| outputs)
+        result.map(|()| outputs).map_err(|e| self.explain(e))
     }
 
     /// Waits until no call of this worker is in flight.
