@@ -2,7 +2,9 @@
 //! [`Config`]), and joining the job at the scheduler.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use kvstore_transport::tcp::blocking::{read_frame, write_frame};
 use kvstore_transport::FrameHeader;
@@ -88,6 +90,71 @@ fn parse_roster(text: &str, mask: &[u8; auth::MAC]) -> crate::Result<Roster> {
     })
 }
 
+/// How often a process tells the scheduler it lives: an eighth of the job's timeout, within
+/// 0.25 to 5 s.
+pub(crate) fn heartbeat_every(timeout: Duration) -> Duration {
+    (timeout / 8).clamp(Duration::from_millis(250), Duration::from_secs(5))
+}
+
+/// How long the scheduler waits for a heartbeat before it takes the process for stopped or
+/// hung and aborts the job naming it: three heartbeats (15 s at the default timeout).
+pub(crate) fn liveness(timeout: Duration) -> Duration {
+    heartbeat_every(timeout) * 3
+}
+
+/// A thread that tells the scheduler, every [`heartbeat_every`], that this process lives. A
+/// process that stops (SIGSTOP, a hang) stops its heartbeat with it, and the scheduler aborts
+/// the job naming it within [`liveness`]; a process busy in its own code still beats. Dropped:
+/// the beats stop.
+pub(crate) struct Heartbeat {
+    stop: Arc<AtomicBool>,
+    /// Held by whoever writes a frame to the scheduler, so that frames never interleave.
+    lock: Arc<Mutex<()>>,
+}
+
+impl Heartbeat {
+    fn start(sched: &TcpStream, every: Duration) -> std::io::Result<Heartbeat> {
+        let mut s = sched.try_clone()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let lock = Arc::new(Mutex::new(()));
+        let (halt, write) = (stop.clone(), lock.clone());
+        std::thread::Builder::new()
+            .name("kvstore-heartbeat".into())
+            .spawn(move || {
+                let h = FrameHeader::new(Msg::new(Op::Heartbeat).encode(), 0);
+                loop {
+                    // Short sleeps, so that a stop is seen soon.
+                    let until = Instant::now() + every;
+                    while let Some(left) = until.checked_duration_since(Instant::now()) {
+                        if halt.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        std::thread::sleep(left.min(Duration::from_millis(50)));
+                    }
+                    if halt.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let _g = write.lock().unwrap_or_else(|p| p.into_inner());
+                    if write_frame(&mut s, &h, &[]).is_err() {
+                        return;
+                    }
+                }
+            })?;
+        Ok(Heartbeat { stop, lock })
+    }
+
+    /// Holds off the heartbeat while this thread writes a frame to the scheduler.
+    pub(crate) fn write_lock(&self) -> MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Says hello to the scheduler (a mutual challenge-response over the job's secret, which
 /// never travels: [`crate::auth`]) and waits for the roster.
 pub(crate) fn join(
@@ -97,7 +164,7 @@ pub(crate) fn join(
     addr: Option<SocketAddr>,
     rdma: Option<SocketAddr>,
     shm: Option<&str>,
-) -> crate::Result<Roster> {
+) -> crate::Result<(Roster, Heartbeat)> {
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
     hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);
@@ -179,14 +246,19 @@ pub(crate) fn join(
         &FrameHeader::new(m.encode(), auth::MAC as u64),
         &proof,
     )?;
+    // From here on this process beats, the rendezvous wait included.
+    let beat = Heartbeat::start(sched, heartbeat_every(cfg.timeout))?;
     let (h, text) = read(sched)?;
     let m = Msg::decode(&h.meta)?;
     let text = String::from_utf8_lossy(&text).into_owned();
     match m.op {
-        Op::Roster => parse_roster(
-            &text,
-            &auth::token_mask(cfg.secret.as_bytes(), &nonce, &theirs),
-        ),
+        Op::Roster => Ok((
+            parse_roster(
+                &text,
+                &auth::token_mask(cfg.secret.as_bytes(), &nonce, &theirs),
+            )?,
+            beat,
+        )),
         Op::Abort => Err(crate::KvError::Aborted(text)),
         other => Err(crate::KvError::Protocol(format!(
             "expected a roster, got {other:?}"

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvstore_transport::tcp::blocking::{read_frame, write_frame};
-use kvstore_transport::FrameHeader;
+use kvstore_transport::{FrameHeader, TransportError};
 
 use crate::auth;
 use crate::protocol::{role, Msg, Op};
@@ -133,7 +133,14 @@ fn handshake(s: &mut TcpStream, secret: &str) -> Option<(Msg, Vec<u8>, [u8; auth
     })
 }
 
-fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>, _live: Live) {
+fn reader(
+    id: usize,
+    mut s: TcpStream,
+    secret: String,
+    tx: mpsc::Sender<Event>,
+    _live: Live,
+    liveness: Duration,
+) {
     let Some((msg, payload, mask)) = handshake(&mut s, &secret) else {
         return;
     };
@@ -174,9 +181,12 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>, 
     {
         return;
     }
+    // Every process beats while it lives: a silence as long as `liveness` is a process that
+    // was stopped or hangs, and it is lost.
     loop {
-        match read_frame(&mut s, MAX_CONTROL, None) {
+        match read_frame(&mut s, MAX_CONTROL, Some(Instant::now() + liveness)) {
             Ok((h, _)) => match Msg::decode(&h.meta) {
+                Ok(m) if m.op == Op::Heartbeat => {}
                 Ok(m) => {
                     if tx.send(Event::Frame { id, op: m.op }).is_err() {
                         return;
@@ -191,10 +201,14 @@ fn reader(id: usize, mut s: TcpStream, secret: String, tx: mpsc::Sender<Event>, 
                 }
             },
             Err(e) => {
-                let _ = tx.send(Event::Closed {
-                    id,
-                    why: e.to_string(),
-                });
+                let why = match e {
+                    TransportError::Timeout(_) => format!(
+                        "no heartbeat for {:.1} s: the process was stopped or hangs",
+                        liveness.as_secs_f64()
+                    ),
+                    e => e.to_string(),
+                };
+                let _ = tx.send(Event::Closed { id, why });
                 return;
             }
         }
@@ -230,6 +244,7 @@ pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<(
     let accepting = Arc::new(AtomicBool::new(true));
     listener.set_nonblocking(true)?;
     let cap = opts.num_servers + opts.num_workers + 16;
+    let liveness = crate::roles::liveness(opts.timeout);
     {
         let accepting = accepting.clone();
         let secret = opts.secret.clone();
@@ -253,7 +268,7 @@ pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<(
                         // A thread the system refuses drops the connection, not the scheduler.
                         let _ = std::thread::Builder::new()
                             .name("kvstore-sched-link".into())
-                            .spawn(move || reader(id, s, secret, tx, guard));
+                            .spawn(move || reader(id, s, secret, tx, guard, liveness));
                     }
                     // Nothing waiting, or out of descriptors: the listener lives on.
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),

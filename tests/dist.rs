@@ -205,6 +205,45 @@ fn a_killed_server_makes_pending_calls_fail_with_peer_lost() {
     }
 }
 
+#[test]
+fn a_stopped_server_is_found_by_its_silence_and_named() {
+    // SIGSTOP keeps a server's connections open and its kernel answering: only its silence
+    // shows. With a timeout of 20 s a heartbeat is due every 2.5 s and the liveness bound is
+    // 7.5 s: the workers fail well before the calls' own timeout, naming the server.
+    for t in ["tcp", "shm"] {
+        let env = [("KVSTORE_TIMEOUT", "20"), ("KVSTORE_TRANSPORT", t)];
+        let mut job = ManualJob::start(2, 2, &["until_error", "dist_sync"], &env);
+        let mut w0 = job.workers.remove(0);
+        let lines = ManualJob::lines(&mut w0);
+        ManualJob::wait_for(&lines, "ready", Duration::from_secs(30));
+        let stopped = job.servers[1].id();
+        let signal = |sig: &str| {
+            let ok = std::process::Command::new("kill")
+                .args([sig, &stopped.to_string()])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "kill {sig} {stopped}");
+        };
+        signal("-STOP");
+        let start = std::time::Instant::now();
+        let (code, err) = finish(w0, Duration::from_secs(40));
+        let took = start.elapsed();
+        let mut got = Vec::new();
+        while let Ok(l) = lines.recv_timeout(Duration::from_secs(5)) {
+            got.push(l);
+        }
+        let out = format!("{}\n{err}", got.join("\n"));
+        signal("-CONT");
+        assert_eq!(code, Some(5), "{t}: {out}");
+        assert!(
+            out.contains("server 1 was lost (no heartbeat"),
+            "{t}: the error names the stopped server\n{out}"
+        );
+        assert!(took < Duration::from_secs(15), "{t}: took {took:?}\n{out}");
+        job.kill_all();
+    }
+}
+
 fn killed_server(t: &str) {
     let env = [("KVSTORE_TIMEOUT", "30"), ("KVSTORE_TRANSPORT", t)];
     let mut job = ManualJob::start(2, 2, &["until_error", "dist_sync"], &env);
@@ -356,6 +395,15 @@ fn raw_join(port: u16) -> Joined {
         .unwrap();
     let token = auth::xor(&token, &auth::token_mask(secret, &nonce, &theirs));
     let rank: usize = roster.split_whitespace().next().unwrap().parse().unwrap();
+    // A live process beats: without it the scheduler takes this peer for stopped.
+    let mut beat = sched.try_clone().unwrap();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let h = FrameHeader::new(Msg::new(Op::Heartbeat).encode(), 0);
+        if write_frame(&mut beat, &h, &[]).is_err() {
+            return;
+        }
+    });
     Joined {
         sched,
         server: addr.to_string(),

@@ -67,6 +67,8 @@ pub enum Op {
     Challenge = 18,
     /// The initiator's proof of the secret (and of its rank's token).
     Proof = 19,
+    /// Node to scheduler: this process lives ([`crate::roles`]'s heartbeat).
+    Heartbeat = 20,
 }
 
 impl Op {
@@ -92,6 +94,7 @@ impl Op {
             17 => Batch,
             18 => Challenge,
             19 => Proof,
+            20 => Heartbeat,
             _ => return None,
         })
     }

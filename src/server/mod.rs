@@ -108,7 +108,8 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         }
     }
     let rdma = crate::rdma::listen_for_workers(cfg, &mut net, ip)?;
-    let roster = join(
+    // The heartbeat lives as long as the server's loop (a server writes nothing else).
+    let (roster, _beat) = join(
         cfg,
         &mut sched,
         crate::protocol::role::SERVER,

@@ -37,6 +37,11 @@ pub(crate) struct Links {
     /// A request's body is assembled here, reused.
     body: Vec<u8>,
     turns: u32,
+    /// The scheduler's link, watched while a call waits: the scheduler says so when the job
+    /// is aborted (a process died, or stopped beating), and the calls fail at once.
+    pub(crate) sched: Option<std::net::TcpStream>,
+    /// Why the scheduler aborted the job, once it said so.
+    pub(crate) sched_abort: Option<String>,
     /// Pushes put into receive slots.
     pub(crate) slot_puts: u64,
     /// Requests sent in batches.
@@ -77,6 +82,8 @@ impl Links {
             batch: crate::protocol::batch::Writer::new(rank),
             body: Vec::new(),
             turns: 0,
+            sched: None,
+            sched_abort: None,
             slot_puts: 0,
             batched: 0,
             copies: (0, 0),
@@ -165,9 +172,33 @@ impl Links {
                 .calls
                 .next_deadline()
                 .map_or(Duration::ZERO, |d| d.saturating_duration_since(now));
-            self.net.wait(None, until.min(Duration::from_millis(100)))?;
+            let sched = self.sched.as_ref().map(std::os::fd::AsFd::as_fd);
+            if self
+                .net
+                .wait(sched, until.min(Duration::from_millis(100)))?
+            {
+                self.heed_scheduler();
+            }
         }
         Ok(())
+    }
+
+    /// The scheduler's link is readable while calls wait: outside a barrier it says nothing
+    /// but an abort (or it closed). Every call fails, naming the cause.
+    fn heed_scheduler(&mut self) {
+        let Some(s) = &mut self.sched else { return };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let why = match kvstore_transport::tcp::blocking::read_frame(s, 1 << 20, Some(deadline)) {
+            Ok((h, text)) if Msg::decode(&h.meta).is_ok_and(|m| m.op == Op::Abort) => {
+                String::from_utf8_lossy(&text).into_owned()
+            }
+            Ok(_) => return,
+            Err(kvstore_transport::TransportError::Timeout(_)) => return,
+            Err(e) => format!("the scheduler's link failed: {e}"),
+        };
+        self.sched = None;
+        self.sched_abort = Some(why.clone());
+        self.calls.abort(why);
     }
 
     /// Takes what the backends have and hands it to the machine.

@@ -56,6 +56,8 @@ pub struct DistWorker {
     claims: Vec<(calls::CallId, std::sync::Weak<()>)>,
     /// Why the scheduler aborted the job, once it said so.
     aborted: Option<String>,
+    /// This process's heartbeat to the scheduler (its lock orders writes to the scheduler).
+    beat: crate::roles::Heartbeat,
 }
 
 /// Connects to every server: over shared memory to those on this host, over RDMA to those on
@@ -165,9 +167,10 @@ impl DistWorker {
     /// Joins the job described by `cfg` as a worker and connects to every server.
     pub(crate) fn connect(cfg: Config) -> Result<DistWorker> {
         let mut sched = connect_retry(cfg.root, cfg.timeout)?;
-        let roster = join(&cfg, &mut sched, role::WORKER, None, None, None)?;
+        let (roster, beat) = join(&cfg, &mut sched, role::WORKER, None, None, None)?;
         let (net, servers) = connect_servers(&cfg, roster.rank, &roster)?;
         let mut links = Links::new(net, servers, roster.rank as u32, cfg.timeout);
+        links.sched = Some(sched.try_clone()?);
         let token = roster
             .tokens
             .first()
@@ -187,6 +190,7 @@ impl DistWorker {
             merge: FxHashMap::default(),
             claims: Vec::new(),
             aborted: None,
+            beat,
         })
     }
 
@@ -199,6 +203,9 @@ impl DistWorker {
             return e;
         }
         if self.aborted.is_none() {
+            self.aborted = self.net.sched_abort.clone();
+        }
+        if self.aborted.is_none() && self.net.sched.is_some() {
             // Outside a barrier the scheduler sends a worker nothing but an abort.
             let deadline = Instant::now() + std::time::Duration::from_secs(1).min(self.cfg.timeout);
             if let Ok((h, text)) = read_frame(&mut self.sched, 1 << 20, Some(deadline)) {
@@ -293,8 +300,11 @@ impl DistWorker {
         self.net.quiesce();
         self.net.check()?;
         let m = Msg::new(Op::Barrier);
-        write_frame(&mut self.sched, &FrameHeader::new(m.encode(), 0), &[])
-            .map_err(|e| self.net.fail(KvError::PeerLost(format!("scheduler: {e}"))))?;
+        let w = {
+            let _g = self.beat.write_lock();
+            write_frame(&mut self.sched, &FrameHeader::new(m.encode(), 0), &[])
+        };
+        w.map_err(|e| self.net.fail(KvError::PeerLost(format!("scheduler: {e}"))))?;
         let deadline = Instant::now() + self.cfg.timeout;
         let (h, text) = read_frame(&mut self.sched, 1 << 20, Some(deadline)).map_err(|e| {
             let e = match e {
@@ -359,6 +369,7 @@ impl Drop for DistWorker {
         self.net.quiesce();
         self.net.notify(Op::Bye);
         let fin = Msg::new(Op::Finish);
+        let _g = self.beat.write_lock();
         let _ = write_frame(&mut self.sched, &FrameHeader::new(fin.encode(), 0), &[]);
     }
 }
