@@ -143,6 +143,11 @@ impl Heartbeat {
         Ok(Heartbeat { stop, lock })
     }
 
+    /// The lock that orders writes to the scheduler.
+    pub(crate) fn lock(&self) -> Arc<Mutex<()>> {
+        self.lock.clone()
+    }
+
     /// Holds off the heartbeat while this thread writes a frame to the scheduler.
     pub(crate) fn write_lock(&self) -> MutexGuard<'_, ()> {
         self.lock.lock().unwrap_or_else(|p| p.into_inner())

@@ -103,6 +103,34 @@ fn an_updater_registered_after_create_is_refused_on_every_rank() {
 }
 
 #[test]
+fn a_worker_that_exits_0_after_its_last_call_ends_cleanly() {
+    // Worker 1 ends with std::process::exit(0) (no destructor runs): the others' calls that
+    // do not wait on it go on, and the job succeeds.
+    for r in kvrun_check(3, 2, "exit0", "dist_sync", &[]) {
+        assert_job_ok(&r, 3, "exit0");
+    }
+}
+
+#[test]
+fn a_round_that_waits_on_a_departed_worker_fails_at_once_naming_it() {
+    // Worker 1 exits 0 without pushing a key the others push: their push fails at once (the
+    // job's timeout is 30 s), naming worker 1, and kvrun exits non-zero.
+    for r in kvrun_check(3, 2, "leave_early", "dist_sync", &[]) {
+        assert_ne!(r.code, Some(0), "{}", r.all());
+        for w in [0, 2] {
+            let line = format!("[worker {w}] push failed after");
+            assert!(r.stdout.contains(&line), "{}", r.all());
+        }
+        assert!(
+            r.stdout.contains("cannot complete: worker 1 left the job"),
+            "{}",
+            r.all()
+        );
+        assert!(r.elapsed < Duration::from_secs(15), "took {:?}", r.elapsed);
+    }
+}
+
+#[test]
 fn dist_async_applies_every_push_every_shape_of_job() {
     for w in 1..=3 {
         for s in 1..=3 {

@@ -392,3 +392,45 @@ pub(crate) fn slots(kv: &mut KVStore) {
     }
     println!("slot puts {puts} + {alloc_puts}");
 }
+
+/// Worker 1 ends its process with `std::process::exit(0)` right after its last call (no
+/// destructor runs); the others go on with calls that do not wait on it, and the job ends
+/// cleanly.
+pub(crate) fn exit0(kv: &mut KVStore) {
+    ok("init", kv.init(3, &NDArray::ones(&SHAPE)));
+    ok("push", kv.push(3, &NDArray::ones(&SHAPE)));
+    ok("barrier", kv.barrier());
+    if kv.rank() == 1 {
+        println!("exit0 ok rank 1 of {}", kv.num_workers());
+        let _ = std::io::stdout().flush();
+        std::process::exit(0);
+    }
+    // Pulls wait on no one.
+    std::thread::sleep(Duration::from_millis(300));
+    expect_vals(
+        "pulled after worker 1 left",
+        &pulled(kv, 3, &SHAPE, DType::F32),
+        &[kv.num_workers() as f64; 6],
+    );
+}
+
+/// Worker 1 ends with `exit(0)` without pushing key 5, which the others push: their push fails
+/// at once (not at the timeout), naming worker 1.
+pub(crate) fn leave_early(kv: &mut KVStore) {
+    ok("init", kv.init(5, &NDArray::ones(&SHAPE)));
+    if kv.rank() == 1 {
+        let _ = std::io::stdout().flush();
+        std::process::exit(0);
+    }
+    let start = std::time::Instant::now();
+    match kv.push(5, &NDArray::ones(&SHAPE)) {
+        Err(e) if e.to_string().contains("worker 1") => {
+            println!(
+                "push failed after {:.1} s: {e}",
+                start.elapsed().as_secs_f64()
+            );
+            std::process::exit(3);
+        }
+        other => fail(format!("a round waiting on a departed worker: {other:?}")),
+    }
+}

@@ -355,6 +355,8 @@ fn main() {
         "inflight" => inflight(&mut kv),
         "custom" => custom(&mut kv),
         "late_updater" => late_updater(&mut kv),
+        "exit0" => faults::exit0(&mut kv),
+        "leave_early" => faults::leave_early(&mut kv),
         "async" => async_mode(&mut kv),
         "errors" => errors(&mut kv),
         "garbage" => garbage(&mut kv),

@@ -346,7 +346,7 @@ impl Job {
             Packet::WorkerGone { w, s } => {
                 if self.servers[s].alive {
                     let st = &mut self.servers[s].state;
-                    st.worker_lost(&format!("worker {w} disconnected"));
+                    st.worker_gone(w, "disconnected");
                     st.forget_peer(w);
                     for mem in self.servers[s].slots.drop_peer(w).mems {
                         self.servers[s].slot_mem.remove(&mem);

@@ -253,6 +253,8 @@ impl Workers {
         match m.op {
             Op::Bye => {
                 w.bye = true;
+                // A round it never pushed cannot complete: those fail now, naming it.
+                state.worker_gone(rank, "finished without pushing it");
                 return Ok(());
             }
             Op::Hello => return Err("a second hello".into()),
@@ -372,13 +374,15 @@ impl Workers {
         if let Some(r) = w.rank {
             self.taken[r] = false;
             if !w.bye {
+                // Whether the job goes on is the scheduler's to say (a process that exited 0
+                // is no failure; one killed is): here the rounds that wait on it fail.
                 let why = match error {
                     TransportError::Closed | TransportError::Truncated { .. } => {
-                        format!("worker {r} disconnected")
+                        "left the job (its link closed)".to_string()
                     }
-                    other => format!("the link of worker {r} failed: {other}"),
+                    other => format!("lost its link ({other})"),
                 };
-                state.worker_lost(&why);
+                state.worker_gone(r, &why);
             }
         }
         let id = addr.id();

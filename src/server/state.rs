@@ -163,6 +163,8 @@ pub struct ServerState {
     slots: FxHashMap<u64, Slot>,
     updater: Updater,
     failed: Option<String>,
+    /// Workers gone from the job (why): a sync round they have not pushed cannot complete.
+    gone: Vec<Option<String>>,
     alloc: Option<Alloc>,
     /// Frames to send, in order.
     pub outbox: Vec<Out>,
@@ -185,6 +187,7 @@ impl ServerState {
             slots: FxHashMap::default(),
             updater: Updater::Assign,
             failed: None,
+            gone: vec![None; num_workers],
             alloc: None,
             outbox: Vec::new(),
         }
@@ -406,6 +409,17 @@ impl ServerState {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
+        // A round that waits on a worker gone from the job never completes: refused at once,
+        // naming it (the round's earlier pushes failed when it went).
+        let waits_on_gone = self
+            .gone
+            .iter()
+            .enumerate()
+            .find_map(|(g, w)| w.as_ref().filter(|_| !slot.pushed[g]).map(|w| (g, w)));
+        if let Some((g, why)) = waits_on_gone {
+            let text = format!("the round of key {key} cannot complete: worker {g} {why}");
+            return self.err(peer, m, status::PEER_LOST, text);
+        }
         if slot.pushed[worker] {
             return self.err(
                 peer,
@@ -483,10 +497,30 @@ impl ServerState {
         }
     }
 
-    /// A worker went away without saying goodbye: the job cannot go on. Every held request is
-    /// answered with the reason, and so is every later one.
-    pub fn worker_lost(&mut self, reason: &str) {
-        self.fail(reason);
+    /// Worker `rank` left the job (`why`: "disconnected", "finished"). Whether the job goes
+    /// on is the scheduler's to say (a clean exit is no failure); here, every sync round it has
+    /// not pushed cannot complete, so its held pushes fail now, naming it, and so will any
+    /// later sync push. Pulls, and async pushes, are served as before.
+    pub fn worker_gone(&mut self, rank: usize, why: &str) {
+        if rank >= self.gone.len() || self.gone[rank].is_some() {
+            return;
+        }
+        self.gone[rank] = Some(why.to_string());
+        if !self.sync {
+            return;
+        }
+        let mut failed = Vec::new();
+        for (key, slot) in self.slots.iter_mut() {
+            if slot.count > 0 && !slot.pushed[rank] {
+                slot.count = 0;
+                slot.pushed.iter_mut().for_each(|p| *p = false);
+                failed.extend(slot.held.drain(..).map(|h| (*key, h)));
+            }
+        }
+        for (key, h) in failed {
+            let text = format!("the round of key {key} cannot complete: worker {rank} {why}");
+            self.err(h.peer, &h.req, status::PEER_LOST, text);
+        }
     }
 
     /// Stops serving: answers every held request with `reason`, and every later one too.

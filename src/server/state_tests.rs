@@ -125,17 +125,39 @@ fn bad_requests_get_errors_and_change_nothing() {
 }
 
 #[test]
-fn a_lost_worker_fails_held_and_later_requests() {
+fn a_gone_worker_fails_the_rounds_that_wait_on_it_and_only_those() {
     let mut s = ServerState::new(2, true);
     s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
-    s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Init, 4, 2, 2), &mut data(0.0, 2));
+    // Worker 1 pushed key 4 this round, not key 1; worker 0 pushed key 1.
+    s.handle(1, 1, &req(Op::Push, 4, 2, 3), &mut data(5.0, 2));
+    s.handle(0, 0, &req(Op::Push, 1, 2, 4), &mut data(1.0, 2));
     replies(&mut s);
-    s.worker_lost("worker 1 disconnected");
-    assert_eq!(replies(&mut s), vec![(0, 2, status::PEER_LOST, vec![])]);
-    s.handle(0, 0, &req(Op::Pull, 1, 2, 3), &mut empty());
+    s.worker_gone(1, "disconnected");
+    let out: Vec<_> = s.outbox.drain(..).collect();
+    assert_eq!(out.len(), 1);
+    assert_eq!(
+        (out[0].msg.req_id, out[0].msg.status),
+        (4, status::PEER_LOST)
+    );
+    let Payload::Text(t) = &out[0].payload else {
+        panic!("{:?}", out[0].payload)
+    };
+    let text = String::from_utf8_lossy(t).into_owned();
+    assert!(
+        text.contains("key 1 cannot complete: worker 1 disconnected"),
+        "{text}"
+    );
+    // A later push of a key worker 1 has not pushed is refused at once, naming it; the round
+    // it did push completes; pulls are served; the store is not failed.
+    s.handle(0, 0, &req(Op::Push, 1, 2, 5), &mut data(1.0, 2));
     assert_eq!(replies(&mut s)[0].2, status::PEER_LOST);
-    assert_eq!(s.failed(), Some("worker 1 disconnected"));
-    assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 2]);
+    s.handle(0, 0, &req(Op::Push, 4, 2, 6), &mut data(1.0, 2));
+    assert_eq!(replies(&mut s).len(), 2, "the round of key 4 completed");
+    assert_eq!(s.stored(4).unwrap().to_vec::<f32>().unwrap(), vec![6.0; 2]);
+    s.handle(0, 0, &req(Op::Pull, 1, 2, 7), &mut empty());
+    assert_eq!(replies(&mut s)[0].2, status::OK);
+    assert_eq!(s.failed(), None);
 }
 
 /// Sets SGD with learning rate `lr` as the server's updater (as request 1).

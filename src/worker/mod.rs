@@ -58,6 +58,8 @@ pub struct DistWorker {
     aborted: Option<String>,
     /// This process's heartbeat to the scheduler (its lock orders writes to the scheduler).
     beat: crate::roles::Heartbeat,
+    /// Its number among the links told at exit ([`at_exit`]).
+    exit_id: u64,
 }
 
 /// Connects to every server: over shared memory to those on this host, over RDMA to those on
@@ -171,6 +173,7 @@ impl DistWorker {
         let (net, servers) = connect_servers(&cfg, roster.rank, &roster)?;
         let mut links = Links::new(net, servers, roster.rank as u32, cfg.timeout);
         links.sched = Some(sched.try_clone()?);
+        let exit_id = at_exit::keep(sched.try_clone()?, beat.lock());
         let token = roster
             .tokens
             .first()
@@ -191,6 +194,7 @@ impl DistWorker {
             claims: Vec::new(),
             aborted: None,
             beat,
+            exit_id,
         })
     }
 
@@ -207,7 +211,8 @@ impl DistWorker {
         }
         if self.aborted.is_none() && self.net.sched.is_some() {
             // Outside a barrier the scheduler sends a worker nothing but an abort.
-            let deadline = Instant::now() + std::time::Duration::from_secs(1).min(self.cfg.timeout);
+            let deadline =
+                Instant::now() + std::time::Duration::from_millis(500).min(self.cfg.timeout);
             if let Ok((h, text)) = read_frame(&mut self.sched, 1 << 20, Some(deadline)) {
                 if Msg::decode(&h.meta).is_ok_and(|m| m.op == Op::Abort) {
                     self.aborted = Some(String::from_utf8_lossy(&text).into_owned());
@@ -371,5 +376,60 @@ impl Drop for DistWorker {
         let fin = Msg::new(Op::Finish);
         let _g = self.beat.write_lock();
         let _ = write_frame(&mut self.sched, &FrameHeader::new(fin.encode(), 0), &[]);
+        at_exit::forget(self.exit_id);
+    }
+}
+
+/// A worker that ends its process with `std::process::exit` runs no destructor: the links of
+/// the process's live workers to the scheduler are kept here, and an `atexit` handler tells
+/// the scheduler each one finished. (Whether the job then goes on is the scheduler's to say:
+/// a round that waits on the worker fails, naming it.)
+mod at_exit {
+    use std::net::TcpStream;
+    use std::sync::{Arc, Mutex, Once};
+
+    use kvstore_transport::tcp::blocking::write_frame;
+    use kvstore_transport::FrameHeader;
+
+    use crate::protocol::{Msg, Op};
+
+    type Link = (u64, TcpStream, Arc<Mutex<()>>);
+    static LINKS: Mutex<Vec<Link>> = Mutex::new(Vec::new());
+    static REGISTER: Once = Once::new();
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+    extern "C" fn finish_all() {
+        // Never blocks on a lock held by a thread the exit interrupted.
+        let Ok(mut links) = LINKS.try_lock() else {
+            return;
+        };
+        for (_, mut s, lock) in links.drain(..) {
+            let Ok(_g) = lock.try_lock() else { continue };
+            let h = FrameHeader::new(Msg::new(Op::Finish).encode(), 0);
+            let _ = write_frame(&mut s, &h, &[]);
+        }
+    }
+
+    /// Keeps `sched` (a clone of a worker's link) to be told at exit; returns its number.
+    pub(super) fn keep(sched: TcpStream, lock: Arc<Mutex<()>>) -> u64 {
+        REGISTER.call_once(|| {
+            // SAFETY: registers a plain `extern "C" fn` of no arguments, as atexit(3) takes;
+            // it touches only statics that live as long as the process.
+            unsafe { libc::atexit(finish_all) };
+        });
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        LINKS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((id, sched, lock));
+        id
+    }
+
+    /// The worker `id` said it finished itself.
+    pub(super) fn forget(id: u64) {
+        LINKS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|l| l.0 != id);
     }
 }
