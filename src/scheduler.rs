@@ -444,7 +444,9 @@ fn serve(
                 match op {
                     Op::Barrier if n.role == role::WORKER => {
                         at_barrier.insert(id);
-                        if at_barrier.len() == opts.num_workers {
+                        if let Some(why) = barrier_blocked(&workers, &nodes) {
+                            fail_barrier(&mut at_barrier, &mut nodes, &why);
+                        } else if at_barrier.len() == opts.num_workers {
                             at_barrier.clear();
                             for &w in &workers {
                                 if let Some(n) = nodes.get_mut(&w) {
@@ -455,6 +457,10 @@ fn serve(
                     }
                     Op::Finish if n.role == role::WORKER => {
                         n.done = true;
+                        // The others waiting at a barrier wait for it in vain.
+                        if let Some(why) = barrier_blocked(&workers, &nodes) {
+                            fail_barrier(&mut at_barrier, &mut nodes, &why);
+                        }
                         // A worker that is gone was done: losing one that was not aborts the job.
                         if workers.iter().all(|w| nodes.get(w).is_none_or(|n| n.done)) {
                             for &s in &servers {
@@ -479,6 +485,24 @@ fn serve(
                     return Ok(());
                 }
             }
+        }
+    }
+}
+
+/// Why a barrier cannot complete: a worker finished (or left) before it.
+fn barrier_blocked(workers: &[usize], nodes: &BTreeMap<usize, Node>) -> Option<String> {
+    workers.iter().find_map(|w| match nodes.get(w) {
+        Some(n) if n.done => Some(format!("a barrier cannot complete: {} finished", n.name())),
+        Some(_) => None,
+        None => Some("a barrier cannot complete: a worker finished".into()),
+    })
+}
+
+/// Tells the workers waiting at a barrier that it cannot complete.
+fn fail_barrier(at: &mut HashSet<usize>, nodes: &mut BTreeMap<usize, Node>, why: &str) {
+    for id in at.drain() {
+        if let Some(n) = nodes.get_mut(&id) {
+            let _ = send(&mut n.writer, Op::Abort, why);
         }
     }
 }

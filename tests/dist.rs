@@ -131,6 +131,18 @@ fn a_round_that_waits_on_a_departed_worker_fails_at_once_naming_it() {
 }
 
 #[test]
+fn a_barrier_without_a_finished_worker_fails_at_once_naming_it() {
+    for r in kvrun_check(3, 1, "skip_barrier", "dist_sync", &[]) {
+        assert_ne!(r.code, Some(0), "{}", r.all());
+        for w in [0, 2] {
+            let line = format!("[worker {w}] barrier failed after");
+            assert!(r.stdout.contains(&line), "{}", r.all());
+        }
+        assert!(r.elapsed < Duration::from_secs(15), "took {:?}", r.elapsed);
+    }
+}
+
+#[test]
 fn dist_async_applies_every_push_every_shape_of_job() {
     for w in 1..=3 {
         for s in 1..=3 {

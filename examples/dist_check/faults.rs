@@ -434,3 +434,23 @@ pub(crate) fn leave_early(kv: &mut KVStore) {
         other => fail(format!("a round waiting on a departed worker: {other:?}")),
     }
 }
+
+/// Worker 1 finishes (drops its store) while the others go to a barrier: theirs fails at once,
+/// naming it, instead of waiting out the timeout.
+pub(crate) fn skip_barrier(kv: &mut KVStore) {
+    ok("init", kv.init(5, &NDArray::ones(&SHAPE)));
+    if kv.rank() == 1 {
+        return;
+    }
+    let start = std::time::Instant::now();
+    match kv.barrier() {
+        Err(e) if e.to_string().contains("worker 1 finished") => {
+            println!(
+                "barrier failed after {:.1} s: {e}",
+                start.elapsed().as_secs_f64()
+            );
+            std::process::exit(3);
+        }
+        other => fail(format!("a barrier without worker 1: {other:?}")),
+    }
+}
