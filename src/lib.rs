@@ -33,6 +33,10 @@ mod config;
 mod dtype;
 mod error;
 mod format;
+/// The fuzzers' entry points (feature `internals`): not an API.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod fuzz;
 mod local;
 mod ndarray;
 mod net;

@@ -36,7 +36,7 @@ pub(crate) struct Roster {
     pub server_shm: Vec<Option<String>>,
 }
 
-fn parse_roster(text: &str, mask: &[u8; auth::MAC]) -> crate::Result<Roster> {
+pub(crate) fn parse_roster(text: &str, mask: &[u8; auth::MAC]) -> crate::Result<Roster> {
     let bad = || crate::KvError::Protocol(format!("malformed roster {text:?}"));
     let mut lines = text.lines();
     let head: Vec<usize> = lines

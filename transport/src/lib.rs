@@ -16,6 +16,9 @@
 pub mod backend;
 mod error;
 pub mod frame;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzz;
 mod memory;
 #[cfg(feature = "rdma")]
 pub mod rdma;

@@ -356,3 +356,15 @@ pub(super) fn accept_parts(
         i_write_peer,
     })
 }
+
+/// The fuzzers' way in ([`crate::fuzz`]): a ring slot's descriptor and a socket hello, decoded
+/// from arbitrary bytes.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz(data: &[u8]) {
+    let mut slot = [0u8; SLOT];
+    let n = data.len().min(SLOT);
+    slot[..n].copy_from_slice(&data[..n]);
+    let d = Desc::decode(&slot);
+    let _ = (d.kind, d.flags, d.word);
+    let _ = Hello::decode(data);
+}

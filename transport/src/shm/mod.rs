@@ -15,7 +15,7 @@
 //! completes on its answer, or when its process has exited. Memory a peer may still write is
 //! never freed.
 
-mod link;
+pub(crate) mod link;
 mod peer;
 
 pub use link::SendPages;

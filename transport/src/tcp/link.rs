@@ -46,7 +46,7 @@ pub(super) fn data_slice(d: &Option<(Region, Range<usize>)>) -> &[u8] {
 }
 
 #[derive(Default)]
-pub(super) struct Rx {
+pub(crate) struct Rx {
     pub(super) buf: Vec<u8>,
     pub(super) scratch: Vec<u8>,
     pub(super) kind: u8,
@@ -65,7 +65,7 @@ pub(super) struct Peer {
     pub(super) paused: bool,
 }
 
-pub(super) struct Grant {
+pub(crate) struct Grant {
     pub(super) peer: PeerId,
     pub(super) region: Region,
     pub(super) range: Range<usize>,
@@ -100,16 +100,16 @@ pub(super) fn write_out(
     Ok(())
 }
 
-pub(super) struct Sink<'a> {
-    pub(super) peer: PeerId,
-    pub(super) rx: &'a mut Rx,
-    pub(super) grants: &'a FxHashMap<u64, Grant>,
-    pub(super) next_grant: u64,
-    pub(super) on: &'a mut dyn FnMut(Completion<'_>),
-    pub(super) n: &'a mut usize,
+pub(crate) struct Sink<'a> {
+    pub(crate) peer: PeerId,
+    pub(crate) rx: &'a mut Rx,
+    pub(crate) grants: &'a FxHashMap<u64, Grant>,
+    pub(crate) next_grant: u64,
+    pub(crate) on: &'a mut dyn FnMut(Completion<'_>),
+    pub(crate) n: &'a mut usize,
     /// Bytes this peer may still deliver in this progress call, so that one busy peer cannot
     /// keep the caller from answering (and from pausing it).
-    pub(super) budget: usize,
+    pub(crate) budget: usize,
 }
 
 /// The largest receive buffer a link keeps between messages.

@@ -6,7 +6,7 @@
 
 mod backend;
 pub mod blocking;
-mod link;
+pub(crate) mod link;
 mod reader;
 mod writer;
 

@@ -1,0 +1,34 @@
+//! Entry points for the fuzzers (`tests/fuzz`, afl.rs) and for the regression tests that replay
+//! what they found (feature `internals`, not an API): arbitrary bytes through the decoders of
+//! what peers send (a message's header and body, a batch, the roster, the handshake's hex),
+//! which must never panic or allocate what the bytes merely claim.
+
+use crate::protocol::{batch, Msg};
+
+/// A message body, and a batch made of it; the roster and the handshake's words as text.
+pub fn protocol(data: &[u8]) {
+    if let Ok((m, rest)) = Msg::from_body(data) {
+        assert_eq!(
+            Msg::decode(&m.encode()).ok(),
+            Some(m),
+            "a header decodes as it encodes"
+        );
+        let _ = m.data_bytes();
+        // The data that came with it: as much as the header's last byte says, at most what
+        // is left.
+        let data_len = rest.len().min(data.last().map_or(0, |&b| b as usize * 64));
+        if let Ok(entries) = batch::read(&m, rest, data_len, |_| true) {
+            for e in entries {
+                if let Some(r) = e.data {
+                    assert!(r.end <= data_len, "an entry's data past what came");
+                }
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(data);
+    let _ = crate::roles::parse_roster(&text, &[0x5a; crate::auth::MAC]);
+    for word in text.split_whitespace() {
+        let _ = crate::auth::unhex::<{ crate::auth::NONCE }>(word);
+        let _ = crate::auth::unhex::<{ crate::auth::MAC }>(word);
+    }
+}
