@@ -420,6 +420,8 @@ fn serve(
 
     // The job.
     let mut at_barrier: HashSet<usize> = HashSet::new();
+    // Workers that finished and closed, by name (a barrier waits for them in vain).
+    let mut left: BTreeMap<usize, String> = BTreeMap::new();
     let mut shutdown_at: Option<Instant> = None;
     loop {
         let ev = match shutdown_at {
@@ -444,7 +446,7 @@ fn serve(
                 match op {
                     Op::Barrier if n.role == role::WORKER => {
                         at_barrier.insert(id);
-                        if let Some(why) = barrier_blocked(&workers, &nodes) {
+                        if let Some(why) = barrier_blocked(&workers, &nodes, &left) {
                             fail_barrier(&mut at_barrier, &mut nodes, &why);
                         } else if at_barrier.len() == opts.num_workers {
                             at_barrier.clear();
@@ -458,7 +460,7 @@ fn serve(
                     Op::Finish if n.role == role::WORKER => {
                         n.done = true;
                         // The others waiting at a barrier wait for it in vain.
-                        if let Some(why) = barrier_blocked(&workers, &nodes) {
+                        if let Some(why) = barrier_blocked(&workers, &nodes, &left) {
                             fail_barrier(&mut at_barrier, &mut nodes, &why);
                         }
                         // A worker that is gone was done: losing one that was not aborts the job.
@@ -477,6 +479,7 @@ fn serve(
             }
             Event::Closed { id, why } => {
                 let Some(n) = nodes.remove(&id) else { continue };
+                left.insert(id, n.name());
                 if !n.done {
                     let why = format!("{} was lost ({why})", n.name());
                     return abort(&mut nodes, why);
@@ -490,11 +493,18 @@ fn serve(
 }
 
 /// Why a barrier cannot complete: a worker finished (or left) before it.
-fn barrier_blocked(workers: &[usize], nodes: &BTreeMap<usize, Node>) -> Option<String> {
-    workers.iter().find_map(|w| match nodes.get(w) {
-        Some(n) if n.done => Some(format!("a barrier cannot complete: {} finished", n.name())),
-        Some(_) => None,
-        None => Some("a barrier cannot complete: a worker finished".into()),
+fn barrier_blocked(
+    workers: &[usize],
+    nodes: &BTreeMap<usize, Node>,
+    left: &BTreeMap<usize, String>,
+) -> Option<String> {
+    workers.iter().find_map(|w| {
+        let name = match nodes.get(w) {
+            Some(n) if n.done => n.name(),
+            Some(_) => return None,
+            None => left.get(w).cloned().unwrap_or_else(|| "a worker".into()),
+        };
+        Some(format!("a barrier cannot complete: {name} finished"))
     })
 }
 

@@ -454,3 +454,52 @@ pub(crate) fn skip_barrier(kv: &mut KVStore) {
         other => fail(format!("a barrier without worker 1: {other:?}")),
     }
 }
+
+/// Rounds until an error, each checked exactly: every worker pushes `round + rank` to a small
+/// key and to a key big enough to be sliced over the servers, and the pulled value must be
+/// the sum over the workers. A wrong value is reported (`WRONG VALUE`, exit 9) and never
+/// taken for an error; an error (a process of the job died or stopped) is printed with its
+/// text and ends the worker with status 4.
+pub(crate) fn chaos(kv: &mut KVStore) {
+    let w = kv.num_workers() as f64;
+    let rank = kv.rank() as f64;
+    let big = [64usize, 1024];
+    ok(
+        "init",
+        kv.init([7, 8], &[NDArray::zeros(&SHAPE), NDArray::zeros(&big)]),
+    );
+    let mut round = 0u64;
+    loop {
+        round += 1;
+        let v = round as f64 + rank;
+        let want = w * round as f64 + w * (w - 1.0) / 2.0;
+        let r = kv
+            .push([7, 8], &[NDArray::full(&SHAPE, v), NDArray::full(&big, v)])
+            .and_then(|()| {
+                let mut out = [NDArray::zeros(&SHAPE), NDArray::zeros(&big)];
+                kv.pull([7, 8], &mut out).map(|()| out)
+            });
+        match r {
+            Ok([a, b]) => {
+                let bad = a
+                    .to_f64_vec()
+                    .iter()
+                    .chain(b.to_f64_vec().iter())
+                    .any(|&x| x != want);
+                if bad {
+                    println!("WRONG VALUE in round {round}");
+                    std::process::exit(9);
+                }
+                if round % 20 == 0 {
+                    println!("round {round} ok");
+                    let _ = std::io::stdout().flush();
+                }
+            }
+            Err(e) => {
+                println!("worker {} stopped in round {round}: {e}", kv.rank());
+                let _ = std::io::stdout().flush();
+                std::process::exit(4);
+            }
+        }
+    }
+}

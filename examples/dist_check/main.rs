@@ -358,6 +358,7 @@ fn main() {
         "exit0" => faults::exit0(&mut kv),
         "leave_early" => faults::leave_early(&mut kv),
         "skip_barrier" => faults::skip_barrier(&mut kv),
+        "chaos" => faults::chaos(&mut kv),
         "async" => async_mode(&mut kv),
         "errors" => errors(&mut kv),
         "garbage" => garbage(&mut kv),

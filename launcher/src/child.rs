@@ -243,6 +243,8 @@ pub fn stop_all(children: &mut [Child]) {
     for c in children.iter_mut() {
         if c.poll().is_none() {
             c.signal_group(libc::SIGTERM);
+            // A stopped process acts on the TERM only once it runs again.
+            c.signal_group(libc::SIGCONT);
         }
     }
     let deadline = Instant::now() + Duration::from_secs(3);

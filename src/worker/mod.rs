@@ -198,6 +198,12 @@ impl DistWorker {
         })
     }
 
+    /// An error if an earlier failure made the store unusable, explained as [`Self::explain`]
+    /// does.
+    pub(crate) fn checked(&mut self) -> Result<()> {
+        self.net.check().map_err(|e| self.explain(e))
+    }
+
     /// A failure that a lost peer caused, explained by the scheduler where it can: the job is
     /// being aborted because of whichever process failed first, and the scheduler says which
     /// (its word arrives within moments of the loss). The error then names that process first,
@@ -303,7 +309,7 @@ impl DistWorker {
     /// This worker's calls in flight complete first.
     pub(crate) fn barrier(&mut self) -> Result<()> {
         self.net.quiesce();
-        self.net.check()?;
+        self.checked()?;
         let m = Msg::new(Op::Barrier);
         let w = {
             let _g = self.beat.write_lock();

@@ -103,7 +103,7 @@ fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
 impl DistWorker {
     /// Rank 0's value is stored; then every worker waits at a barrier (as MXNet does).
     pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
-        self.net.check()?;
+        self.checked()?;
         for (i, (k, vs)) in pairs.iter().enumerate() {
             if self.keys.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k) {
                 return Err(KvError::DoubleInit(k.clone()));
@@ -213,7 +213,7 @@ impl DistWorker {
 
     /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
     fn run(&mut self, reqs: Vec<Request>, outs: &mut [&mut NDArray]) -> Result<()> {
-        self.net.check()?;
+        self.checked()?;
         let owned = outs.iter_mut().map(|o| take_array(o)).collect();
         let id = self.net.start(reqs, owned);
         let Finished { result, outputs } = self.net.wait(id);
@@ -224,7 +224,7 @@ impl DistWorker {
     }
 
     pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
-        self.net.check()?;
+        self.checked()?;
         self.check_values(pairs)?;
         let reqs = self.value_requests(Op::Push, pairs, |_| None);
         self.run(reqs, &mut [])
@@ -235,7 +235,7 @@ impl DistWorker {
         pairs: &[(Key, Vec<&NDArray>)],
         outs: &mut [(Key, Vec<&mut NDArray>)],
     ) -> Result<()> {
-        self.net.check()?;
+        self.checked()?;
         self.check_values(pairs)?;
         for (k, list) in outs.iter() {
             if !pairs.iter().any(|(p, _)| p == k) {
@@ -269,7 +269,7 @@ impl DistWorker {
     }
 
     pub(crate) fn pull(&mut self, pairs: &mut [(Key, Vec<&mut NDArray>)]) -> Result<()> {
-        self.net.check()?;
+        self.checked()?;
         for (k, list) in pairs.iter() {
             for o in list {
                 self.check_output(k, o)?;
@@ -331,7 +331,7 @@ impl DistWorker {
     /// Starts a push; its values may be changed by the caller at once (a change is a copy,
     /// the call keeps what was pushed).
     pub(crate) fn push_async(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<Ticket> {
-        self.net.check()?;
+        self.checked()?;
         self.check_values(pairs)?;
         let reqs = self.value_requests(Op::Push, pairs, |_| None);
         Ok(self.start(reqs, Vec::new()))
@@ -339,7 +339,7 @@ impl DistWorker {
 
     /// Starts a pull of each key into its output, which the call owns until it is waited for.
     pub(crate) fn pull_async(&mut self, outs: Vec<(Key, NDArray)>) -> Result<Ticket> {
-        self.net.check()?;
+        self.checked()?;
         for (k, o) in &outs {
             self.check_output(k, o)?;
         }
@@ -354,7 +354,7 @@ impl DistWorker {
         pairs: &[(Key, Vec<&NDArray>)],
         outs: Vec<NDArray>,
     ) -> Result<Ticket> {
-        self.net.check()?;
+        self.checked()?;
         self.check_values(pairs)?;
         if outs.len() != pairs.len() {
             return Err(KvError::LengthMismatch {

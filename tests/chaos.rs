@@ -1,0 +1,216 @@
+//! The chaos suite: real jobs (kvrun, W=2 S=2) over each transport, every value of every round
+//! checked exactly, and a process killed (`kill -9`, each role, at a random moment) or stopped
+//! (SIGSTOP, past the liveness bound). Each run asserts that the job ends soon after the fault
+//! (within about a second of a kill; within the liveness bound of a stop), that kvrun names the
+//! process first and the surviving workers name it too, that no process of the job is left and
+//! nothing under /dev/shm, and that no wrong value was ever pulled before the fault.
+
+mod util;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
+/// Runs of each fault, role and transport.
+const RUNS: usize = 2;
+
+struct Job {
+    kvrun: std::process::Child,
+    lines: mpsc::Receiver<String>,
+    marker: String,
+    seen: Vec<String>,
+}
+
+impl Job {
+    fn start(transport: &str, timeout: u32) -> Job {
+        let marker = format!("chaos-{}-{}", std::process::id(), fastrand::u64(..));
+        let mut kvrun = Command::new(util::bin("kvrun"))
+            .args(["-n", "2", "-s", "2", "--timeout", &timeout.to_string()])
+            .args(["-x", &format!("KVSTORE_TRANSPORT={transport}")])
+            .args(["-x", "KVSTORE_BIGARRAY_BOUND=1000"])
+            .args(["-x", &format!("CHAOS_MARKER={marker}")])
+            .arg(util::bin("examples/dist_check"))
+            .args(["chaos", "dist_sync"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        for out in [
+            Box::new(kvrun.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(kvrun.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(out).lines().map_while(Result::ok) {
+                    let _ = tx.send(l);
+                }
+            });
+        }
+        Job {
+            kvrun,
+            lines,
+            marker,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits until both workers have checked some rounds.
+    fn running(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut ok = [false; 2];
+        while ok.iter().any(|o| !o) {
+            let l = self
+                .lines
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|_| panic!("the job never ran\n{}", self.seen.join("\n")));
+            for (w, o) in ok.iter_mut().enumerate() {
+                *o |= l.starts_with(&format!("[worker {w}] round "));
+            }
+            self.seen.push(l);
+        }
+    }
+
+    /// The job's process of `role` and `rank`.
+    fn pid(&self, role: &str, rank: usize) -> u32 {
+        let want = [
+            format!("CHAOS_MARKER={}", self.marker),
+            format!("DMLC_ROLE={role}"),
+            format!("KVSTORE_RANK={rank}"),
+        ];
+        processes_with(&want[..])
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| panic!("no {role} {rank}"))
+    }
+
+    /// Waits for kvrun to end; its status, how long after `since`, and every line.
+    fn end(mut self, since: Instant) -> (Option<i32>, Duration, String) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = self.kvrun.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "kvrun did not end");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let took = since.elapsed();
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(3)) {
+            self.seen.push(l);
+        }
+        // Nothing of the job is left.
+        let gone = Instant::now() + Duration::from_secs(5);
+        let mark = [format!("CHAOS_MARKER={}", self.marker)];
+        while !processes_with(&mark[..]).is_empty() && Instant::now() < gone {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let left = processes_with(&mark[..]);
+        assert!(left.is_empty(), "left behind: {left:?}");
+        (status.code(), took, self.seen.join("\n"))
+    }
+}
+
+/// Processes whose environment holds every one of `vars`.
+fn processes_with(vars: &[String]) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) {
+            let have: Vec<&[u8]> = env.split(|&b| b == 0).collect();
+            if vars.iter().all(|v| have.contains(&v.as_bytes())) {
+                pids.push(pid);
+            }
+        }
+    }
+    pids
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}
+
+fn dev_shm() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The surviving workers' last words name `dead`, and at least one spoke.
+fn survivors_name(out: &str, dead: &str) {
+    let stops: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains(" stopped in round "))
+        .collect();
+    assert!(!stops.is_empty(), "no survivor said why\n{out}");
+    for l in &stops {
+        assert!(l.contains(dead), "a survivor blames another: {l}\n{out}");
+    }
+}
+
+#[test]
+fn kill_9_of_any_process_ends_the_job_at_once_naming_it() {
+    let shm_before = dev_shm();
+    for t in TRANSPORTS {
+        for (role, ranks) in [("server", 2), ("worker", 2)] {
+            for _ in 0..RUNS {
+                let mut job = Job::start(t, 30);
+                job.running();
+                std::thread::sleep(Duration::from_millis(fastrand::u64(0..300)));
+                let rank = fastrand::usize(0..ranks);
+                let pid = job.pid(role, rank);
+                signal(pid, "-KILL");
+                let killed = Instant::now();
+                let (code, took, out) = job.end(killed);
+                let name = format!("{role} {rank}");
+                assert_eq!(code, Some(1), "{t}: {out}");
+                assert!(!out.contains("WRONG VALUE"), "{t}: {out}");
+                let first = format!("first failure: {name} (pid {pid}) was killed by signal 9");
+                assert!(out.contains(&first), "{t}: kvrun names {name} first\n{out}");
+                survivors_name(&out, &name);
+                assert!(
+                    took < Duration::from_millis(2500),
+                    "{t}: the job took {took:?} to end after {name} was killed\n{out}"
+                );
+            }
+        }
+    }
+    assert_eq!(dev_shm(), shm_before, "left under /dev/shm");
+}
+
+#[test]
+fn a_stopped_server_ends_the_job_within_the_liveness_bound_naming_it() {
+    // A timeout of 8 s: a heartbeat every second, a silence of 3 s is a stopped process.
+    for t in TRANSPORTS {
+        let mut job = Job::start(t, 8);
+        job.running();
+        let rank = fastrand::usize(0..2);
+        let pid = job.pid("server", rank);
+        signal(pid, "-STOP");
+        let stopped = Instant::now();
+        let (code, took, out) = job.end(stopped);
+        let name = format!("server {rank}");
+        assert_eq!(code, Some(1), "{t}: {out}");
+        assert!(!out.contains("WRONG VALUE"), "{t}: {out}");
+        assert!(
+            out.contains(&format!("{name} was lost (no heartbeat")),
+            "{t}: the stopped server is named\n{out}"
+        );
+        survivors_name(&out, &name);
+        assert!(
+            took < Duration::from_secs(7),
+            "{t}: took {took:?} after {name} was stopped\n{out}"
+        );
+    }
+}
