@@ -30,6 +30,7 @@ mod verbs {
             service_level: s.service_level,
             traffic_class: s.traffic_class,
             write_imm: s.write_imm.unwrap_or(d.write_imm),
+            max_message: cfg.max_message,
             // Under emulation (soft-RoCE in a VM) a handshake can take seconds.
             handshake_timeout: cfg.timeout.min(Duration::from_secs(30)),
             ..d

@@ -94,6 +94,9 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         STORE_POOL_BYTES,
         (1 << 20) + cfg.slot_bytes,
     )?;
+    // A connection may send only a small frame (its hello) until its worker proved itself:
+    // what a stranger sends costs the server little.
+    net.tcp.set_accepted_max_payload(MAX_CONTROL as u64);
     let addr = net.tcp.listen(SocketAddr::new(ip, 0))?;
     // Workers on this host attach over shared memory.
     let mut shm_name = None;

@@ -91,6 +91,8 @@ pub(super) struct Workers {
     batch: batch::Writer,
     /// Links to close once the backends are free.
     close: Vec<Addr>,
+    /// Links whose worker proved itself: its frames may be as large as the job allows.
+    trusted: Vec<Addr>,
     /// Control payloads are made arrays of bytes here, reused.
     scratch: NDArray,
     /// A reply's body is assembled here, reused.
@@ -122,6 +124,7 @@ impl Workers {
             batched: FxHashSet::default(),
             batch: batch::Writer::new(0),
             close: Vec::new(),
+            trusted: Vec::new(),
             scratch: NDArray::zeros_dtype(&[0], DType::U8),
             body: Vec::new(),
             slots: Slots::new(slot_bytes),
@@ -238,6 +241,8 @@ impl Workers {
                     }
                     self.taken[r] = true;
                     w.rank = Some(r);
+                    // A proven worker may send what the job's limit allows.
+                    self.trusted.push(addr);
                     reply.op = Op::HelloAck;
                     Payload::None
                 }
@@ -454,6 +459,11 @@ impl Workers {
 
     /// Closes the links that broke the protocol.
     pub(super) fn close_refused(&mut self, state: &mut ServerState, net: &mut Net) {
+        for a in std::mem::take(&mut self.trusted) {
+            if a.medium == Medium::Tcp {
+                net.tcp.set_max_payload(a.peer, u64::MAX);
+            }
+        }
         let late = self
             .peers
             .iter()

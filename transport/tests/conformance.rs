@@ -482,6 +482,61 @@ suite!(
     a_paused_peer_is_not_read_until_resumed
 );
 
+/// A peer that connected may send only small frames until its owner trusts it: a larger
+/// header closes its link at once; a trusted peer may send up to the backend's limit.
+#[test]
+fn tcp_a_stranger_sends_small_frames_until_trusted() {
+    use kvstore_transport::Backend;
+    use std::io::Write;
+    let mut b = kvstore_transport::TcpBackend::new(1 << 30).unwrap();
+    b.set_accepted_max_payload(1000);
+    let at = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let mut events = Vec::new();
+    let mut pump = |b: &mut kvstore_transport::TcpBackend, events: &mut Vec<String>| {
+        b.progress(&mut |c| events.push(format!("{c:?}"))).unwrap();
+    };
+    let mut connect = |b: &mut kvstore_transport::TcpBackend, events: &mut Vec<String>| {
+        let raw = std::net::TcpStream::connect(at).unwrap();
+        let start = Instant::now();
+        while !events.iter().any(|e| e.starts_with("Connected")) {
+            pump(b, events);
+            assert!(start.elapsed() < Duration::from_secs(5));
+        }
+        let e = events.remove(0);
+        let n: u32 = e
+            .trim_start_matches("Connected(peer ")
+            .trim_end_matches(')')
+            .parse()
+            .unwrap();
+        (raw, PeerId(n))
+    };
+    let (mut stranger, p) = connect(&mut b, &mut events);
+    stranger
+        .write_all(&kvstore_transport::tcp::msg_frame_header(16, Some(2000)))
+        .unwrap();
+    let start = Instant::now();
+    while !events.iter().any(|e| e.starts_with(&format!("Lost({p}"))) {
+        pump(&mut b, &mut events);
+        assert!(start.elapsed() < Duration::from_secs(5), "{events:?}");
+    }
+    events.clear();
+    let (mut trusted, q) = connect(&mut b, &mut events);
+    b.set_max_payload(q, u64::MAX);
+    trusted
+        .write_all(&kvstore_transport::tcp::msg_frame_header(16, Some(2000)))
+        .unwrap();
+    trusted.write_all(&[7u8; 2016]).unwrap();
+    let start = Instant::now();
+    while !events.iter().any(|e| e.starts_with("Recv")) {
+        pump(&mut b, &mut events);
+        assert!(start.elapsed() < Duration::from_secs(5), "{events:?}");
+    }
+    assert!(
+        events.iter().any(|e| e.contains("Some(2000)")),
+        "{events:?}"
+    );
+}
+
 /// This process's resident memory, in bytes (`/proc/self/statm`).
 fn rss() -> usize {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap();

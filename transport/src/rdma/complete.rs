@@ -227,6 +227,12 @@ impl RdmaBackend {
                     mr: None,
                 });
                 if h.flags & RNDV != 0 {
+                    if h.len > self.cfg.max_message {
+                        return Err(TransportError::Oversize {
+                            len: h.len,
+                            max: self.cfg.max_message,
+                        });
+                    }
                     self.read_data(peer, tag, &h)?;
                 }
             }

@@ -46,6 +46,9 @@ pub struct RdmaConfig {
     /// the last piece carrying the immediate), whatever its size: on rxe an 8-byte put took
     /// 18.5 us this way against 20.5 as an eager SEND. `false`: as any other put.
     pub write_imm: bool,
+    /// The largest data a message may bring (read from the sender's memory): a larger claim
+    /// closes the link before anything is allocated for it.
+    pub max_message: u64,
     /// Other puts of at most this many bytes go as one SEND carrying the data, which the
     /// receiver copies into the grant; larger ones are RDMA WRITEs and a notice (0: always
     /// writes).
@@ -70,6 +73,7 @@ impl Default for RdmaConfig {
             max_peers: 64,
             handshake_timeout: Duration::from_secs(5),
             write_imm: true,
+            max_message: 8 << 30,
             eager_put: 8192,
         }
     }

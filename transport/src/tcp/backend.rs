@@ -49,6 +49,9 @@ pub struct TcpBackend {
     done: VecDeque<(Token, Option<TransportError>)>,
     lost: VecDeque<(PeerId, TransportError)>,
     max_payload: u64,
+    /// The largest payload a peer that connected here may send until its owner trusts it
+    /// ([`TcpBackend::set_max_payload`]): a stranger's frames cost little.
+    accepted_max: u64,
     /// Peers resumed after a pause: read at the next progress (their readiness came and went).
     resumed: Vec<u32>,
     accept_retry: crate::backend::AcceptRetry,
@@ -80,6 +83,7 @@ impl TcpBackend {
             done: VecDeque::new(),
             lost: VecDeque::new(),
             max_payload,
+            accepted_max: max_payload,
             resumed: Vec::new(),
             accept_retry: Default::default(),
         })
@@ -104,10 +108,24 @@ impl TcpBackend {
     ) -> Result<PeerId, TransportError> {
         let s = super::connect_retry(addr, timeout)?;
         s.set_nonblocking(true)?;
-        self.add(TcpStream::from_std(s))
+        self.add(TcpStream::from_std(s), self.max_payload)
     }
 
-    fn add(&mut self, mut stream: TcpStream) -> Result<PeerId, TransportError> {
+    /// Peers that connect to this backend's listener may send payloads of at most `max` bytes
+    /// until [`TcpBackend::set_max_payload`] raises it for them (after their hello).
+    pub fn set_accepted_max_payload(&mut self, max: u64) {
+        self.accepted_max = max.min(self.max_payload);
+    }
+
+    /// The largest payload `peer` may send from now on (at most the backend's).
+    pub fn set_max_payload(&mut self, peer: PeerId, max: u64) {
+        let max = max.min(self.max_payload);
+        if let Some(p) = self.peers.get_mut(&peer.0) {
+            p.reader.set_max_payload(max);
+        }
+    }
+
+    fn add(&mut self, mut stream: TcpStream, max_payload: u64) -> Result<PeerId, TransportError> {
         stream.set_nodelay(true)?;
         liveness(&stream)?;
         let id = self.next_peer;
@@ -121,7 +139,7 @@ impl TcpBackend {
             id,
             Peer {
                 stream,
-                reader: FrameReader::new(self.max_payload),
+                reader: FrameReader::new(max_payload),
                 rx: Rx::default(),
                 out: OutQueue::new(),
                 paused: false,
@@ -465,7 +483,7 @@ impl TcpBackend {
             match l.accept() {
                 // A connection that cannot be set up is dropped; the listener goes on.
                 Ok((s, _)) => {
-                    if let Ok(peer) = self.add(s) {
+                    if let Ok(peer) = self.add(s, self.accepted_max) {
                         *n += 1;
                         on(Completion::Connected { peer });
                     }

@@ -102,6 +102,11 @@ impl FrameReader {
         }
     }
 
+    /// Refuses payloads over `max_payload` bytes from now on.
+    pub fn set_max_payload(&mut self, max_payload: u64) {
+        self.max_payload = max_payload;
+    }
+
     /// Whether the reader is between frames (nothing partial buffered).
     pub fn is_idle(&self) -> bool {
         self.cur.is_none() && self.start == self.end
