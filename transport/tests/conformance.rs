@@ -492,10 +492,10 @@ fn tcp_a_stranger_sends_small_frames_until_trusted() {
     b.set_accepted_max_payload(1000);
     let at = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let mut events = Vec::new();
-    let mut pump = |b: &mut kvstore_transport::TcpBackend, events: &mut Vec<String>| {
+    let pump = |b: &mut kvstore_transport::TcpBackend, events: &mut Vec<String>| {
         b.progress(&mut |c| events.push(format!("{c:?}"))).unwrap();
     };
-    let mut connect = |b: &mut kvstore_transport::TcpBackend, events: &mut Vec<String>| {
+    let connect = |b: &mut kvstore_transport::TcpBackend, events: &mut Vec<String>| {
         let raw = std::net::TcpStream::connect(at).unwrap();
         let start = Instant::now();
         while !events.iter().any(|e| e.starts_with("Connected")) {
