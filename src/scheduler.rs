@@ -422,6 +422,8 @@ fn serve(
     let mut at_barrier: HashSet<usize> = HashSet::new();
     // Workers that finished and closed, by name (a barrier waits for them in vain).
     let mut left: BTreeMap<usize, String> = BTreeMap::new();
+    // Workers in the order they finished: a failed barrier names the first.
+    let mut finished: Vec<usize> = Vec::new();
     let mut shutdown_at: Option<Instant> = None;
     loop {
         let ev = match shutdown_at {
@@ -446,7 +448,7 @@ fn serve(
                 match op {
                     Op::Barrier if n.role == role::WORKER => {
                         at_barrier.insert(id);
-                        if let Some(why) = barrier_blocked(&workers, &nodes, &left) {
+                        if let Some(why) = barrier_blocked(&finished, &nodes, &left) {
                             fail_barrier(&mut at_barrier, &mut nodes, &why);
                         } else if at_barrier.len() == opts.num_workers {
                             at_barrier.clear();
@@ -459,8 +461,9 @@ fn serve(
                     }
                     Op::Finish if n.role == role::WORKER => {
                         n.done = true;
+                        finished.push(id);
                         // The others waiting at a barrier wait for it in vain.
-                        if let Some(why) = barrier_blocked(&workers, &nodes, &left) {
+                        if let Some(why) = barrier_blocked(&finished, &nodes, &left) {
                             fail_barrier(&mut at_barrier, &mut nodes, &why);
                         }
                         // A worker that is gone was done: losing one that was not aborts the job.
@@ -494,11 +497,11 @@ fn serve(
 
 /// Why a barrier cannot complete: a worker finished (or left) before it.
 fn barrier_blocked(
-    workers: &[usize],
+    finished: &[usize],
     nodes: &BTreeMap<usize, Node>,
     left: &BTreeMap<usize, String>,
 ) -> Option<String> {
-    workers.iter().find_map(|w| {
+    finished.iter().find_map(|w| {
         let name = match nodes.get(w) {
             Some(n) if n.done => n.name(),
             Some(_) => return None,
