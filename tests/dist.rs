@@ -594,6 +594,58 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 #[test]
+fn a_message_is_judged_by_its_header_before_its_data_takes_memory() {
+    // A proven worker sends a push for a key the server never stored, claiming 512 MiB of
+    // data, and sends up to 32 MiB of it: the link is closed after the header, and the
+    // server's memory grows by neither what was claimed nor what was sent.
+    use kvstore::protocol::{Msg, Op};
+    use std::io::Write;
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let mut s = raw_worker(job.port);
+    let base = rss_kib(job.servers[0].id());
+    const N: u64 = 128 << 20; // f32: 512 MiB
+    let mut m = Msg::new(Op::Push);
+    m.key = 99;
+    m.dtype = kvstore::DType::F32;
+    m.ndim = 1;
+    m.shape[0] = N;
+    m.total = N;
+    m.len = N;
+    m.req_id = 1;
+    let body = m.encode();
+    s.write_all(&kvstore_transport::tcp::msg_frame_header(
+        body.len(),
+        Some(N as usize * 4),
+    ))
+    .unwrap();
+    s.write_all(&body).unwrap();
+    let chunk = vec![0u8; 1 << 20];
+    let mut sent = 0;
+    for _ in 0..32 {
+        if s.write_all(&chunk).is_err() {
+            break;
+        }
+        sent += 1;
+    }
+    // The server closes the link: a read ends.
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut b = [0u8; 256];
+    let closed = loop {
+        match std::io::Read::read(&mut s, &mut b) {
+            Ok(0) | Err(_) => break true,
+            Ok(_) => continue,
+        }
+    };
+    assert!(closed);
+    let grew = rss_kib(job.servers[0].id()).saturating_sub(base);
+    assert!(
+        grew < 32 * 1024,
+        "the server grew by {grew} KiB after {sent} MiB sent"
+    );
+    job.kill_all();
+}
+
+#[test]
 fn answers_a_worker_does_not_read_do_not_grow_the_server() {
     use kvstore::protocol::{Msg, Op};
     const N: u64 = 256 * 1024; // 1 MiB of f32

@@ -58,8 +58,13 @@ impl FrameSink for SchedSink {
         self.cur = Some(m);
         Ok(())
     }
-    fn payload_dest(&mut self, _h: &FrameHeader, got: usize, want: usize) -> &mut [u8] {
-        kvstore_transport::tcp::grow_into(&mut self.buf, got, want)
+    fn payload_dest(
+        &mut self,
+        _h: &FrameHeader,
+        got: usize,
+        want: usize,
+    ) -> std::result::Result<&mut [u8], TransportError> {
+        Ok(kvstore_transport::tcp::grow_into(&mut self.buf, got, want))
     }
     fn on_frame(&mut self, _h: &FrameHeader) -> std::result::Result<(), TransportError> {
         match self.cur.take().map(|m| m.op) {
@@ -130,6 +135,10 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     // The job's processes on this host (the scheduler counts them) share its cores.
     net.set_local_processes(roster.local_processes);
     let mut state = ServerState::new(roster.num_workers, sync);
+    // Messages over TCP are judged by their header before their data takes memory.
+    let sizes = state::Sizes::default();
+    state.share_sizes(sizes.clone());
+    net.tcp.set_admission(state::admission(sizes));
     if let Some(shm) = &net.shm {
         // Values of at least half a pool page live in the send pool, so that answers to the
         // workers on this host go by reference; smaller ones would waste most of a page.

@@ -165,9 +165,47 @@ pub struct ServerState {
     failed: Option<String>,
     /// Workers gone from the job (why): a sync round they have not pushed cannot complete.
     gone: Vec<Option<String>>,
+    /// Each key's bytes, once initialised, shared with the admission of TCP messages
+    /// ([`admission`]).
+    sizes: Option<Sizes>,
     alloc: Option<Alloc>,
     /// Frames to send, in order.
     pub outbox: Vec<Out>,
+}
+
+/// Each initialised key's bytes on this server.
+pub type Sizes = std::sync::Arc<std::sync::Mutex<FxHashMap<u64, u64>>>;
+
+/// Judges a worker's message by its header before the data it brings is read (the TCP
+/// backend's admission): the data must be what the header describes, a push must fit its
+/// key as initialised, and a batch must be within a batch's bounds. Anything else is refused
+/// before a byte of its data takes memory.
+pub fn admission(sizes: Sizes) -> Box<kvstore_transport::tcp::Admission> {
+    Box::new(move |_peer, body, data| {
+        let (m, _) = Msg::from_body(body).map_err(|e| e.to_string())?;
+        let claims = m.data_bytes();
+        let fits = match m.op {
+            Op::Init => claims == Some(data as u64),
+            Op::Push | Op::PushPull => {
+                let known = sizes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&m.key)
+                    .copied();
+                claims == Some(data as u64) && known == claims
+            }
+            Op::Batch => m.len == data as u64 && data <= crate::protocol::batch::DATA_MAX,
+            _ => false,
+        };
+        if fits {
+            Ok(())
+        } else {
+            Err(format!(
+                "a {:?} of key {} bringing {data} bytes of data, which it does not fit",
+                m.op, m.key
+            ))
+        }
+    })
 }
 
 fn reply(req: &Msg) -> Msg {
@@ -188,9 +226,15 @@ impl ServerState {
             updater: Updater::Assign,
             failed: None,
             gone: vec![None; num_workers],
+            sizes: None,
             alloc: None,
             outbox: Vec::new(),
         }
+    }
+
+    /// Shares each key's bytes, once initialised, with `sizes` ([`admission`]).
+    pub fn share_sizes(&mut self, sizes: Sizes) {
+        self.sizes = Some(sizes);
     }
 
     /// Makes the server's arrays with `alloc` from now on.
@@ -309,6 +353,13 @@ impl ServerState {
         let mut stored = new_array(&mut self.alloc, &[m.len as usize], m.dtype);
         if let Err(e) = payload.copy_into(&mut stored) {
             return self.err(peer, m, status::MISMATCH, e.to_string());
+        }
+        if let Some(sizes) = &self.sizes {
+            let bytes = stored.nbytes() as u64;
+            sizes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(m.key, bytes);
         }
         self.slots.insert(
             m.key,

@@ -40,6 +40,7 @@ pub fn frames(data: &[u8]) {
         on: &mut on,
         n: &mut n,
         budget: usize::MAX,
+        admit: None,
     };
     let mut stream = Pieces {
         data,

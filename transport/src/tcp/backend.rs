@@ -20,7 +20,9 @@ use std::time::Duration;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll};
 
-use super::link::{meta, write_out, Grant, Out, Peer, Rx, Sink, MAX_BODY, MSG, PUT, READ_BUDGET};
+use super::link::{
+    meta, write_out, Admission, Grant, Out, Peer, Rx, Sink, MAX_BODY, MSG, PUT, READ_BUDGET,
+};
 use super::{FrameReader, OutQueue};
 use crate::backend::{fresh_id, Place};
 use crate::frame::FrameHeader;
@@ -55,6 +57,8 @@ pub struct TcpBackend {
     /// Peers resumed after a pause: read at the next progress (their readiness came and went).
     resumed: Vec<u32>,
     accept_retry: crate::backend::AcceptRetry,
+    /// Judges each message with data by its body before the data is read.
+    admission: Option<Box<Admission>>,
 }
 
 /// The header of a message frame as this backend writes it, for a body of `body_len` bytes
@@ -86,6 +90,7 @@ impl TcpBackend {
             accepted_max: max_payload,
             resumed: Vec::new(),
             accept_retry: Default::default(),
+            admission: None,
         })
     }
 
@@ -115,6 +120,13 @@ impl TcpBackend {
     /// until [`TcpBackend::set_max_payload`] raises it for them (after their hello).
     pub fn set_accepted_max_payload(&mut self, max: u64) {
         self.accepted_max = max.min(self.max_payload);
+    }
+
+    /// Has every message that brings data judged by `admit` (peer, body, bytes of data) once
+    /// its body is in and before its data is read: a refusal closes that link, so a message
+    /// the owner would refuse never costs the memory of its data.
+    pub fn set_admission(&mut self, admit: Box<Admission>) {
+        self.admission = Some(admit);
     }
 
     /// The largest payload `peer` may send from now on (at most the backend's).
@@ -218,6 +230,7 @@ impl TcpBackend {
             on,
             n,
             budget: READ_BUDGET,
+            admit: self.admission.as_deref_mut(),
         };
         let res = p.reader.read_from(&mut p.stream, &mut sink);
         let more = sink.budget == 0;

@@ -110,7 +110,13 @@ pub(crate) struct Sink<'a> {
     /// Bytes this peer may still deliver in this progress call, so that one busy peer cannot
     /// keep the caller from answering (and from pausing it).
     pub(crate) budget: usize,
+    /// Judges a message's body before its data is taken ([`crate::TcpBackend::set_admission`]).
+    pub(crate) admit: Option<&'a mut Admission>,
 }
+
+/// Judges a message by its body and the bytes of data it brings, before they are read: an
+/// error refuses it (and closes the link).
+pub type Admission = dyn FnMut(PeerId, &[u8], usize) -> Result<(), String> + Send;
 
 /// The largest receive buffer a link keeps between messages.
 const KEEP: usize = 4 << 20;
@@ -179,8 +185,13 @@ impl FrameSink for Sink<'_> {
         Ok(())
     }
 
-    fn payload_dest(&mut self, _h: &FrameHeader, got: usize, want: usize) -> &mut [u8] {
-        match (self.rx.kind, self.rx.put) {
+    fn payload_dest(
+        &mut self,
+        h: &FrameHeader,
+        got: usize,
+        want: usize,
+    ) -> Result<&mut [u8], TransportError> {
+        Ok(match (self.rx.kind, self.rx.put) {
             (PUT, Some((grant, offset, _, true))) => match self.grants.get(&grant) {
                 // SAFETY: the grant is live, so its caller promised not to touch the range
                 // (`Backend::grant`); the bounds were checked in `on_header` (`got + want` is
@@ -198,8 +209,24 @@ impl FrameSink for Sink<'_> {
                 }
             },
             (PUT, _) => drain(&mut self.rx.scratch, want),
-            _ => crate::tcp::grow_into(&mut self.rx.buf, got, want),
-        }
+            _ => {
+                // The body first, then (once its owner admitted it) the data: a message is
+                // judged by what it says before any memory is taken for what it brings.
+                let body = self.rx.body_len;
+                if got < body {
+                    crate::tcp::grow_into(&mut self.rx.buf, got, want.min(body - got))
+                } else {
+                    if got == body && self.rx.has_data {
+                        if let Some(admit) = self.admit.as_mut() {
+                            let data = h.payload_len as usize - body;
+                            admit(self.peer, &self.rx.buf[..body], data)
+                                .map_err(TransportError::Refused)?;
+                        }
+                    }
+                    crate::tcp::grow_into(&mut self.rx.buf, got, want)
+                }
+            }
+        })
     }
 
     fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError> {

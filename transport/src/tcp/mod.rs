@@ -11,7 +11,7 @@ mod reader;
 mod writer;
 
 pub use backend::{msg_frame_header, TcpBackend};
-pub use link::MAX_BODY;
+pub use link::{Admission, MAX_BODY};
 pub use reader::{grow_into, FrameReader, FrameSink};
 pub use writer::{OutQueue, Payload};
 

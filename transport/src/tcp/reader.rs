@@ -13,8 +13,13 @@ pub trait FrameSink {
     /// Where the payload bytes of frame `h` from `got` on go: a buffer of at least 1 and at
     /// most `want` bytes (`want` is what is left, or what has arrived), filled from its start.
     /// A sink grows its buffer as the bytes arrive ([`grow_into`]), so that a header's claim
-    /// alone commits no memory.
-    fn payload_dest(&mut self, h: &FrameHeader, got: usize, want: usize) -> &mut [u8];
+    /// alone commits no memory. An error (the bytes so far are refused) closes the connection.
+    fn payload_dest(
+        &mut self,
+        h: &FrameHeader,
+        got: usize,
+        want: usize,
+    ) -> Result<&mut [u8], TransportError>;
     /// The frame is complete. An error closes the connection.
     fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError>;
     /// Whether to take another frame now. `false` pauses the reader at a frame boundary
@@ -55,8 +60,9 @@ pub fn grow_into(buf: &mut Vec<u8>, got: usize, want: usize) -> &mut [u8] {
 ///         self.1.clear();
 ///         Ok(())
 ///     }
-///     fn payload_dest(&mut self, _: &FrameHeader, got: usize, want: usize) -> &mut [u8] {
-///         kvstore_transport::tcp::grow_into(&mut self.1, got, want)
+///     fn payload_dest(&mut self, _: &FrameHeader, got: usize, want: usize)
+///         -> Result<&mut [u8], TransportError> {
+///         Ok(kvstore_transport::tcp::grow_into(&mut self.1, got, want))
 ///     }
 ///     fn on_frame(&mut self, _: &FrameHeader) -> Result<(), TransportError> {
 ///         self.0.push(std::mem::take(&mut self.1));
@@ -161,7 +167,7 @@ impl FrameReader {
                     let len = h.payload_len as usize;
                     let staged = (self.end - self.start).min(len - self.got);
                     if staged > 0 {
-                        let dest = sink.payload_dest(&h, self.got, staged);
+                        let dest = sink.payload_dest(&h, self.got, staged)?;
                         let take = dest.len().min(staged);
                         if take == 0 {
                             return Err(TransportError::Refused("no room for a payload".into()));
@@ -182,11 +188,13 @@ impl FrameReader {
                     self.start = 0;
                     self.end = 0;
                     let res = if len - self.got >= STAGE / 2 {
-                        let dest = sink.payload_dest(&h, self.got, len - self.got);
-                        if dest.is_empty() {
-                            return Err(TransportError::Refused("no room for a payload".into()));
+                        match sink.payload_dest(&h, self.got, len - self.got) {
+                            Ok([]) => {
+                                return Err(TransportError::Refused("no room for a payload".into()))
+                            }
+                            Ok(dest) => read_some(r, dest).map(|n| (n, true)),
+                            Err(e) => return Err(e),
                         }
-                        read_some(r, dest).map(|n| (n, true))
                     } else {
                         read_some(r, &mut self.buf).map(|n| (n, false))
                     };
@@ -247,8 +255,13 @@ mod tests {
             self.cur.clear();
             Ok(())
         }
-        fn payload_dest(&mut self, _: &FrameHeader, got: usize, want: usize) -> &mut [u8] {
-            grow_into(&mut self.cur, got, want)
+        fn payload_dest(
+            &mut self,
+            _: &FrameHeader,
+            got: usize,
+            want: usize,
+        ) -> Result<&mut [u8], TransportError> {
+            Ok(grow_into(&mut self.cur, got, want))
         }
         fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
             self.frames.push((h.meta[0], std::mem::take(&mut self.cur)));
