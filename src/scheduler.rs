@@ -9,7 +9,8 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+use kvstore_transport::tcp::blocking::write_frame;
+use kvstore_transport::tcp::{grow_into, FrameReader, FrameSink};
 use kvstore_transport::{FrameHeader, TransportError};
 
 use crate::auth;
@@ -95,55 +96,184 @@ impl Drop for Live {
     }
 }
 
-/// How long a connection may take to say its hello.
+/// How long a connection may take to prove itself.
 const HELLO_WITHIN: Duration = Duration::from_secs(5);
+/// Connections in their handshake at once.
+const MAX_PENDING: usize = 64;
 
-/// The handshake of a new connection ([`crate::auth`]): its hello and nonce, this side's
-/// challenge with its proof, and its proof; `None` (the connection is dropped) if it does not
-/// prove the secret in time. Returns the hello, its payload after the nonce, and the mask of
-/// the node's tokens.
-fn handshake(s: &mut TcpStream, secret: &str) -> Option<(Msg, Vec<u8>, [u8; auth::MAC])> {
-    let deadline = Instant::now() + HELLO_WITHIN;
-    let (h, payload) = read_frame(s, MAX_CONTROL, Some(deadline)).ok()?;
-    let msg = Msg::decode(&h.meta).ok()?;
+/// A connection in its handshake ([`crate::auth`]), advanced without blocking by the accept
+/// thread: no thread is spent on a connection until it has proven the job's secret.
+struct Pending {
+    s: TcpStream,
+    reader: FrameReader,
+    frames: Frames,
+    /// After its hello: what it claimed, and both nonces.
+    hello: Option<Hello>,
+    deadline: Instant,
+}
+
+struct Hello {
+    msg: Msg,
+    rest: Vec<u8>,
+    claim: Vec<u8>,
+    theirs: [u8; auth::NONCE],
+    ours: [u8; auth::NONCE],
+}
+
+/// Whole frames of a connection, as they complete.
+#[derive(Default)]
+struct Frames {
+    buf: Vec<u8>,
+    done: Vec<(FrameHeader, Vec<u8>)>,
+}
+
+impl FrameSink for Frames {
+    fn on_header(&mut self, _h: &FrameHeader) -> std::result::Result<(), TransportError> {
+        self.buf.clear();
+        Ok(())
+    }
+    fn payload_dest(
+        &mut self,
+        _h: &FrameHeader,
+        got: usize,
+        want: usize,
+    ) -> std::result::Result<&mut [u8], TransportError> {
+        Ok(grow_into(&mut self.buf, got, want))
+    }
+    fn on_frame(&mut self, h: &FrameHeader) -> std::result::Result<(), TransportError> {
+        self.done.push((*h, std::mem::take(&mut self.buf)));
+        Ok(())
+    }
+    /// A frame at a time: each is acted on before the next is read.
+    fn wants_more(&self) -> bool {
+        self.done.is_empty()
+    }
+}
+
+/// What a connection's handshake came to.
+enum Step {
+    /// Still in it.
+    Waiting,
+    /// Proven: its hello, the hello's lines after the nonce, and the mask of its tokens.
+    Proven(Msg, Vec<u8>, [u8; auth::MAC]),
+    /// Failed, or too slow: dropped, having learned nothing.
+    Dropped,
+}
+
+impl Pending {
+    fn new(s: TcpStream) -> Option<Pending> {
+        s.set_nonblocking(true).ok()?;
+        let _ = s.set_nodelay(true);
+        Some(Pending {
+            s,
+            reader: FrameReader::new(MAX_CONTROL),
+            frames: Frames::default(),
+            hello: None,
+            deadline: Instant::now() + HELLO_WITHIN,
+        })
+    }
+
+    /// Reads what arrived: the hello (answered with this side's challenge and proof), then
+    /// the proof.
+    fn advance(&mut self, secret: &str) -> Step {
+        if Instant::now() >= self.deadline {
+            return Step::Dropped;
+        }
+        if self
+            .reader
+            .read_from(&mut self.s, &mut self.frames)
+            .is_err()
+        {
+            return Step::Dropped;
+        }
+        let key: &[&[u8]] = &[secret.as_bytes()];
+        if let Some((h, payload)) = self.frames.done.pop() {
+            let Ok(msg) = Msg::decode(&h.meta) else {
+                return Step::Dropped;
+            };
+            match (&self.hello, msg.op) {
+                (None, Op::Hello) => {
+                    let Some(hello) = hello_of(msg, &payload) else {
+                        return Step::Dropped;
+                    };
+                    let proof = auth::proof(
+                        key,
+                        auth::Side::Responder,
+                        &hello.theirs,
+                        &hello.ours,
+                        &hello.claim,
+                    );
+                    let text = format!("{}\n{}", auth::hex(&hello.ours), auth::hex(&proof));
+                    // A fresh connection's buffer takes these few bytes at once.
+                    if send(&mut self.s, Op::Challenge, &text).is_err() {
+                        return Step::Dropped;
+                    }
+                    self.hello = Some(hello);
+                }
+                (Some(hello), Op::Proof) => {
+                    let side = auth::Side::Initiator;
+                    if !auth::check(
+                        key,
+                        side,
+                        &hello.theirs,
+                        &hello.ours,
+                        &hello.claim,
+                        &payload,
+                    ) {
+                        return Step::Dropped;
+                    }
+                    if self.s.set_nonblocking(false).is_err() {
+                        return Step::Dropped;
+                    }
+                    let mask = auth::token_mask(secret.as_bytes(), &hello.theirs, &hello.ours);
+                    return Step::Proven(hello.msg, hello.rest.clone(), mask);
+                }
+                _ => return Step::Dropped,
+            }
+        }
+        Step::Waiting
+    }
+}
+
+/// A hello's nonce and claim, with a fresh nonce of this side.
+fn hello_of(msg: Msg, payload: &[u8]) -> Option<Hello> {
     let at = payload.iter().position(|&b| b == b'\n')?;
     let theirs = std::str::from_utf8(&payload[..at])
         .ok()
         .and_then(auth::unhex::<{ auth::NONCE }>)?;
     let rest = payload[at + 1..].to_vec();
-    if msg.op != Op::Hello {
-        return None;
-    }
     let claim = auth::hello_claim(msg.key, msg.sender, &String::from_utf8_lossy(&rest));
-    let ours = auth::random::<{ auth::NONCE }>().ok()?;
-    let key: &[&[u8]] = &[secret.as_bytes()];
-    let proof = auth::proof(key, auth::Side::Responder, &theirs, &ours, &claim);
-    let text = format!("{}\n{}", auth::hex(&ours), auth::hex(&proof));
-    send(s, Op::Challenge, &text).ok()?;
-    let (h, got) = read_frame(s, MAX_CONTROL, Some(deadline)).ok()?;
-    let proven = Msg::decode(&h.meta).is_ok_and(|m| m.op == Op::Proof)
-        && auth::check(key, auth::Side::Initiator, &theirs, &ours, &claim, &got);
-    // Strays, other jobs and guessers are dropped here, having learned nothing.
-    proven.then(|| {
-        (
-            msg,
-            rest,
-            auth::token_mask(secret.as_bytes(), &theirs, &ours),
-        )
+    Some(Hello {
+        msg,
+        rest,
+        claim,
+        theirs,
+        ours: auth::random::<{ auth::NONCE }>().ok()?,
     })
 }
 
-fn reader(
+/// A proven node's link, read by a thread of its own until it ends.
+struct Proven {
     id: usize,
-    mut s: TcpStream,
-    secret: String,
-    tx: mpsc::Sender<Event>,
-    _live: Live,
-    liveness: Duration,
-) {
-    let Some((msg, payload, mask)) = handshake(&mut s, &secret) else {
-        return;
-    };
+    s: TcpStream,
+    msg: Msg,
+    payload: Vec<u8>,
+    mask: [u8; auth::MAC],
+    /// The handshake's reader and what it read after the proof.
+    reader: FrameReader,
+    frames: Frames,
+}
+
+fn reader(p: Proven, tx: mpsc::Sender<Event>, _live: Live, liveness: Duration) {
+    let Proven {
+        id,
+        mut s,
+        msg,
+        payload,
+        mask,
+        reader: p_reader,
+        frames: p_frames,
+    } = p;
     let mut lines = payload.split(|&b| b == b'\n');
     let addr = lines
         .next()
@@ -182,10 +312,15 @@ fn reader(
         return;
     }
     // Every process beats while it lives: a silence as long as `liveness` is a process that
-    // was stopped or hangs, and it is lost.
+    // was stopped or hangs, and it is lost. The handshake's reader goes on (it may hold what
+    // came after the proof), a frame at a time, each read waiting a short while.
+    let (mut reader, mut frames) = (p_reader, p_frames);
+    let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
+    let mut heard = Instant::now();
     loop {
-        match read_frame(&mut s, MAX_CONTROL, Some(Instant::now() + liveness)) {
-            Ok((h, _)) => match Msg::decode(&h.meta) {
+        for (h, _) in std::mem::take(&mut frames.done) {
+            heard = Instant::now();
+            match Msg::decode(&h.meta) {
                 Ok(m) if m.op == Op::Heartbeat => {}
                 Ok(m) => {
                     if tx.send(Event::Frame { id, op: m.op }).is_err() {
@@ -199,18 +334,22 @@ fn reader(
                     });
                     return;
                 }
-            },
-            Err(e) => {
-                let why = match e {
-                    TransportError::Timeout(_) => format!(
-                        "no heartbeat for {:.1} s: the process was stopped or hangs",
-                        liveness.as_secs_f64()
-                    ),
-                    e => e.to_string(),
-                };
-                let _ = tx.send(Event::Closed { id, why });
-                return;
             }
+        }
+        if heard.elapsed() >= liveness {
+            let why = format!(
+                "no heartbeat for {:.1} s: the process was stopped or hangs",
+                liveness.as_secs_f64()
+            );
+            let _ = tx.send(Event::Closed { id, why });
+            return;
+        }
+        if let Err(e) = reader.read_from(&mut s, &mut frames) {
+            let _ = tx.send(Event::Closed {
+                id,
+                why: e.to_string(),
+            });
+            return;
         }
     }
 }
@@ -236,9 +375,10 @@ fn assign_ranks(ids: &[usize], nodes: &mut BTreeMap<usize, Node>) {
 /// Runs the scheduler on `listener` until the job ends: `Ok` when every worker finished and the
 /// servers were shut down, an error (after telling every node to abort) when a node was lost.
 ///
-/// Connections are taken only until every node has registered (then the listener is closed),
-/// and only as many at once as the job has nodes and a margin: each has a reader thread, which
-/// a connection that does not say a valid hello within [`HELLO_WITHIN`] gives up.
+/// Connections are taken only until every node has registered (then the listener is closed).
+/// A new connection's handshake is advanced without blocking by the accept thread, at most
+/// [`MAX_PENDING`] at once, each given [`HELLO_WITHIN`]; only a node that proved the job's
+/// secret gets a thread (to read its frames), and no more than the job has nodes and a margin.
 pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<()> {
     let (tx, rx) = mpsc::channel();
     let accepting = Arc::new(AtomicBool::new(true));
@@ -251,28 +391,50 @@ pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<(
         let live = Arc::new(AtomicUsize::new(0));
         std::thread::spawn(move || {
             let mut next = 0;
+            let mut pending: Vec<Pending> = Vec::new();
             while accepting.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((s, _)) => {
-                        // Beyond the cap the connection is closed at once.
-                        if live.load(Ordering::Relaxed) >= cap {
-                            continue;
-                        }
-                        let _ = s.set_nonblocking(false);
-                        let _ = s.set_nodelay(true);
-                        let (tx, secret) = (tx.clone(), secret.clone());
-                        let id = next;
-                        next += 1;
-                        live.fetch_add(1, Ordering::Relaxed);
-                        let guard = Live(live.clone());
-                        // A thread the system refuses drops the connection, not the scheduler.
-                        let _ = std::thread::Builder::new()
-                            .name("kvstore-sched-link".into())
-                            .spawn(move || reader(id, s, secret, tx, guard, liveness));
+                // New connections join the handshakes, as many as the cap allows; beyond it,
+                // or out of descriptors, a connection is closed at once.
+                while let Ok((s, _)) = listener.accept() {
+                    if pending.len() < MAX_PENDING {
+                        pending.extend(Pending::new(s));
                     }
-                    // Nothing waiting, or out of descriptors: the listener lives on.
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
+                let mut i = 0;
+                while i < pending.len() {
+                    match pending[i].advance(&secret) {
+                        Step::Waiting => i += 1,
+                        Step::Dropped => {
+                            pending.swap_remove(i);
+                        }
+                        Step::Proven(msg, payload, mask) => {
+                            let p = pending.swap_remove(i);
+                            // Proven nodes are the job's: a thread each, a bounded number.
+                            if live.load(Ordering::Relaxed) >= cap {
+                                continue;
+                            }
+                            let proven = Proven {
+                                id: next,
+                                s: p.s,
+                                msg,
+                                payload,
+                                mask,
+                                reader: p.reader,
+                                frames: p.frames,
+                            };
+                            next += 1;
+                            live.fetch_add(1, Ordering::Relaxed);
+                            let guard = Live(live.clone());
+                            let tx = tx.clone();
+                            // A thread the system refuses drops the connection, not the
+                            // scheduler.
+                            let _ = std::thread::Builder::new()
+                                .name("kvstore-sched-link".into())
+                                .spawn(move || reader(proven, tx, guard, liveness));
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(2));
             }
         });
     }
@@ -544,7 +706,7 @@ mod tests {
     }
 
     #[test]
-    fn idle_connections_cost_a_bounded_number_of_threads_and_are_dropped() {
+    fn idle_connections_cost_no_thread_and_are_dropped() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = listener.local_addr().unwrap();
         let opts = SchedulerOptions {
@@ -559,7 +721,9 @@ mod tests {
             .filter_map(|_| std::net::TcpStream::connect(at).ok())
             .collect();
         std::thread::sleep(Duration::from_millis(500));
+        // No thread is spent on a connection that has not proven the secret.
         let n = link_threads();
+        assert_eq!(n, 0, "{n} reader threads for 200 idle connections");
         assert!(
             n <= 1 + 1 + 16,
             "{n} reader threads for 200 idle connections"
