@@ -25,6 +25,8 @@ pub fn protocol(data: &[u8]) {
             }
         }
     }
+    // What a node's hello says of it, after its nonce (the scheduler reads it).
+    let _ = crate::scheduler::node_lines(data);
     let text = String::from_utf8_lossy(data);
     let _ = crate::roles::parse_roster(&text, &[0x5a; crate::auth::MAC]);
     for word in text.split_whitespace() {

@@ -235,6 +235,40 @@ impl Pending {
     }
 }
 
+/// What a node's hello says of it after the nonce: its address (a server's), host, RDMA
+/// listener and shared-memory socket name, each checked.
+#[allow(clippy::type_complexity)]
+pub(crate) fn node_lines(
+    payload: &[u8],
+) -> (
+    Option<SocketAddr>,
+    String,
+    Option<SocketAddr>,
+    Option<String>,
+) {
+    let mut lines = payload.split(|&b| b == b'\n');
+    let addr = lines
+        .next()
+        .and_then(|a| std::str::from_utf8(a).ok())
+        .and_then(|a| a.parse().ok());
+    let host = lines
+        .next()
+        .and_then(|h| std::str::from_utf8(h).ok())
+        .filter(|h| !h.is_empty() && !h.contains(char::is_whitespace))
+        .unwrap_or("-")
+        .to_string();
+    let rdma = lines
+        .next()
+        .and_then(|a| std::str::from_utf8(a).ok())
+        .and_then(|a| a.parse().ok());
+    let shm = lines
+        .next()
+        .and_then(|a| std::str::from_utf8(a).ok())
+        .filter(|n| !n.is_empty() && *n != "-" && n.chars().all(|c| c.is_ascii_alphanumeric()))
+        .map(str::to_string);
+    (addr, host, rdma, shm)
+}
+
 /// A hello's nonce and claim, with a fresh nonce of this side.
 fn hello_of(msg: Msg, payload: &[u8]) -> Option<Hello> {
     let at = payload.iter().position(|&b| b == b'\n')?;
@@ -274,26 +308,7 @@ fn reader(p: Proven, tx: mpsc::Sender<Event>, _live: Live, liveness: Duration) {
         reader: p_reader,
         frames: p_frames,
     } = p;
-    let mut lines = payload.split(|&b| b == b'\n');
-    let addr = lines
-        .next()
-        .and_then(|a| std::str::from_utf8(a).ok())
-        .and_then(|a| a.parse().ok());
-    let host = lines
-        .next()
-        .and_then(|h| std::str::from_utf8(h).ok())
-        .filter(|h| !h.is_empty() && !h.contains(char::is_whitespace))
-        .unwrap_or("-")
-        .to_string();
-    let rdma = lines
-        .next()
-        .and_then(|a| std::str::from_utf8(a).ok())
-        .and_then(|a| a.parse().ok());
-    let shm = lines
-        .next()
-        .and_then(|a| std::str::from_utf8(a).ok())
-        .filter(|n| !n.is_empty() && *n != "-" && n.chars().all(|c| c.is_ascii_alphanumeric()))
-        .map(str::to_string);
+    let (addr, host, rdma, shm) = node_lines(&payload);
     let Ok(writer) = s.try_clone() else { return };
     let _ = writer.set_write_timeout(Some(Duration::from_secs(10)));
     if tx
