@@ -54,6 +54,7 @@ mod rdma;
 mod registry;
 mod roles;
 pub mod scheduler;
+mod secret;
 mod server;
 mod storage;
 mod store;

@@ -1,6 +1,8 @@
 //! The server process: a thin loop that moves messages between the backends and
 //! [`ServerState`], and hears the scheduler.
 
+mod admission;
+mod answers;
 mod batch;
 mod peer_data;
 mod peers;
@@ -136,9 +138,9 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     net.set_local_processes(roster.local_processes);
     let mut state = ServerState::new(roster.num_workers, sync);
     // Messages over TCP are judged by their header before their data takes memory.
-    let sizes = state::Sizes::default();
+    let sizes = admission::Sizes::default();
     state.share_sizes(sizes.clone());
-    net.tcp.set_admission(state::admission(sizes));
+    net.tcp.set_admission(admission::admission(sizes));
     if let Some(shm) = &net.shm {
         // Values of at least half a pool page live in the send pool, so that answers to the
         // workers on this host go by reference; smaller ones would waste most of a page.

@@ -9,11 +9,11 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvstore_transport::{Completion, Lent, Region, RemoteRegion, Sent, Token, TransportError};
+use kvstore_transport::{Completion, Lent, Region, RemoteRegion, Token, TransportError};
 
 use crate::auth;
-use crate::net::{alloc, region_of, Addr, Medium, Net};
-use crate::protocol::{batch, flags, role, slot_imm, status, Msg, Op};
+use crate::net::{alloc, Addr, Medium, Net};
+use crate::protocol::{batch, flags, role, status, Msg, Op};
 use crate::server::batch::send_batch;
 use crate::server::slots::{Credit, Domain, PutAction, Slots};
 use crate::server::state::{Input, Out, Payload, PeerData, ServerState};
@@ -93,6 +93,8 @@ pub(super) struct Workers {
     close: Vec<Addr>,
     /// Links whose worker proved itself: its frames may be as large as the job allows.
     trusted: Vec<Addr>,
+    /// When the first link without an accepted hello is due to be closed, while there is one.
+    hello_due: Option<Instant>,
     /// Control payloads are made arrays of bytes here, reused.
     scratch: NDArray,
     /// A reply's body is assembled here, reused.
@@ -125,6 +127,7 @@ impl Workers {
             batch: batch::Writer::new(0),
             close: Vec::new(),
             trusted: Vec::new(),
+            hello_due: None,
             scratch: NDArray::zeros_dtype(&[0], DType::U8),
             body: Vec::new(),
             slots: Slots::new(slot_bytes),
@@ -144,6 +147,7 @@ impl Workers {
                     self.close.push(addr);
                 }
                 self.peers.insert(addr, Worker::new());
+                self.hello_due.get_or_insert(Instant::now() + HELLO_WITHIN);
             }
             Completion::Recv { peer, body, data } => {
                 let addr = Addr { medium, peer };
@@ -464,11 +468,21 @@ impl Workers {
                 net.tcp.set_max_payload(a.peer, u64::MAX);
             }
         }
-        let late = self
-            .peers
-            .iter()
-            .filter(|(_, w)| w.rank.is_none() && w.since.elapsed() > HELLO_WITHIN);
-        self.close.extend(late.map(|(a, _)| *a));
+        // Links without an accepted hello are looked at only while there are any, when the
+        // first of them is due (no clock read or scan on a turn otherwise).
+        if self.hello_due.is_some_and(|t| Instant::now() >= t) {
+            let late = self
+                .peers
+                .iter()
+                .filter(|(_, w)| w.rank.is_none() && w.since.elapsed() > HELLO_WITHIN);
+            self.close.extend(late.map(|(a, _)| *a));
+            self.hello_due = self
+                .peers
+                .values()
+                .filter(|w| w.rank.is_none() && w.since.elapsed() <= HELLO_WITHIN)
+                .map(|w| w.since + HELLO_WITHIN)
+                .min();
+        }
         for addr in std::mem::take(&mut self.close) {
             if let Ok(b) = net.backend(addr.medium) {
                 b.close(addr.peer);
@@ -505,7 +519,7 @@ impl Workers {
                 let sent = if p.batched {
                     send_batch(b, addr, &w.backlog, &mut self.batch)
                 } else {
-                    send(b, addr, p, &mut self.body).map(usize::from)
+                    super::answers::send(b, addr, p, &mut self.body).map(usize::from)
                 };
                 match sent {
                     Ok(0) => break,
@@ -535,80 +549,5 @@ impl Workers {
     /// Whether answers are still waiting to go out.
     pub(super) fn pending(&self) -> bool {
         self.peers.values().any(|w| !w.backlog.is_empty())
-    }
-}
-
-/// Posts one answer: the value's put (once), then the reply. `false`: the link is full.
-fn send(
-    b: &mut dyn kvstore_transport::Backend,
-    addr: &Addr,
-    p: &mut Pending,
-    body: &mut Vec<u8>,
-) -> Result<bool, TransportError> {
-    let follows = p.out.msg.follows_put();
-    if let (Payload::Array(a), Some(g), false) = (&p.out.payload, &p.grant, p.put) {
-        let region = region_of(b, a)?;
-        if b.sends_in_place(&region) {
-            // The value lies in pages the worker maps (read-only): the reply names them and
-            // the worker copies the value into its destination itself, at memory speed, as an
-            // RDMA read would. The region holds the value until the worker lets go of it, and
-            // the store writes its values copy-on-write, so nothing changes under the reader.
-            let mut m = p.out.msg;
-            m.flags |= flags::DATA;
-            body.clear();
-            body.extend_from_slice(&m.encode());
-            if let Some(slot) = &p.slot {
-                body.extend_from_slice(&slot.to_bytes());
-            }
-            let data = Some((&region, 0..a.nbytes(), Token(0)));
-            // SAFETY: the value is read only (above) until the token completes.
-            return match unsafe { b.send(addr.peer, body, data) }? {
-                Sent::Posted => Ok(true),
-                Sent::WouldBlock => Ok(false),
-            };
-        }
-        // SAFETY: the stored value is never written through this storage while the put reads
-        // it: the region holds a clone of the array's storage, and the store writes its values
-        // copy-on-write, so an update after this point writes other memory.
-        let sent = unsafe {
-            b.put(
-                addr.peer,
-                &region,
-                0..a.nbytes(),
-                g,
-                0,
-                slot_imm(p.out.msg.req_id, follows),
-                Token(0),
-            )
-        };
-        match sent {
-            Ok(Sent::WouldBlock) => return Ok(false),
-            Ok(Sent::Posted) if !follows => return Ok(true),
-            Ok(Sent::Posted) => p.put = true,
-            // The destination is gone (the worker revoked it after giving up on the call) or
-            // was never valid: the answer says so instead.
-            Err(TransportError::PeerLost(e)) => return Err(TransportError::PeerLost(e)),
-            Err(e) => {
-                p.put = true;
-                p.out.msg.status = status::FAILED;
-                p.out.payload =
-                    Payload::Text(format!("the answer was not delivered: {e}").into_bytes());
-            }
-        }
-    }
-    let text: &[u8] = match &p.out.payload {
-        Payload::Text(t) => crate::format::cut_text(t, MAX_CONTROL),
-        _ => &[],
-    };
-    body.clear();
-    body.extend_from_slice(&p.out.msg.encode());
-    if let Some(g) = &p.slot {
-        body.extend_from_slice(&g.to_bytes());
-    }
-    body.extend_from_slice(text);
-    // SAFETY: no data rides with the reply.
-    match unsafe { b.send(addr.peer, body, None) }? {
-        Sent::Posted => Ok(true),
-        Sent::WouldBlock => Ok(false),
     }
 }

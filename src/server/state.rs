@@ -163,8 +163,9 @@ pub struct ServerState {
     slots: FxHashMap<u64, Slot>,
     updater: Updater,
     failed: Option<String>,
-    /// Workers gone from the job (why): a sync round they have not pushed cannot complete.
-    gone: Vec<Option<String>>,
+    /// Workers gone from the job, and why: a sync round they have not pushed cannot complete.
+    /// (Usually empty: a push looks at no one.)
+    gone: Vec<(usize, String)>,
     /// Each key's bytes, once initialised, shared with the admission of TCP messages
     /// ([`admission`]).
     sizes: Option<Sizes>,
@@ -173,40 +174,7 @@ pub struct ServerState {
     pub outbox: Vec<Out>,
 }
 
-/// Each initialised key's bytes on this server.
-pub type Sizes = std::sync::Arc<std::sync::Mutex<FxHashMap<u64, u64>>>;
-
-/// Judges a worker's message by its header before the data it brings is read (the TCP
-/// backend's admission): the data must be what the header describes, a push must fit its
-/// key as initialised, and a batch must be within a batch's bounds. Anything else is refused
-/// before a byte of its data takes memory.
-pub fn admission(sizes: Sizes) -> Box<kvstore_transport::tcp::Admission> {
-    Box::new(move |_peer, body, data| {
-        let (m, _) = Msg::from_body(body).map_err(|e| e.to_string())?;
-        let claims = m.data_bytes();
-        let fits = match m.op {
-            Op::Init => claims == Some(data as u64),
-            Op::Push | Op::PushPull => {
-                let known = sizes
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&m.key)
-                    .copied();
-                claims == Some(data as u64) && known == claims
-            }
-            Op::Batch => m.len == data as u64 && data <= crate::protocol::batch::DATA_MAX,
-            _ => false,
-        };
-        if fits {
-            Ok(())
-        } else {
-            Err(format!(
-                "a {:?} of key {} bringing {data} bytes of data, which it does not fit",
-                m.op, m.key
-            ))
-        }
-    })
-}
+use super::admission::Sizes;
 
 fn reply(req: &Msg) -> Msg {
     let mut m = *req;
@@ -225,7 +193,7 @@ impl ServerState {
             slots: FxHashMap::default(),
             updater: Updater::Assign,
             failed: None,
-            gone: vec![None; num_workers],
+            gone: Vec::new(),
             sizes: None,
             alloc: None,
             outbox: Vec::new(),
@@ -462,11 +430,7 @@ impl ServerState {
         };
         // A round that waits on a worker gone from the job never completes: refused at once,
         // naming it (the round's earlier pushes failed when it went).
-        let waits_on_gone = self
-            .gone
-            .iter()
-            .enumerate()
-            .find_map(|(g, w)| w.as_ref().filter(|_| !slot.pushed[g]).map(|w| (g, w)));
+        let waits_on_gone = self.gone.iter().find(|(g, _)| !slot.pushed[*g]);
         if let Some((g, why)) = waits_on_gone {
             let text = format!("the round of key {key} cannot complete: worker {g} {why}");
             return self.err(peer, m, status::PEER_LOST, text);
@@ -553,10 +517,10 @@ impl ServerState {
     /// not pushed cannot complete, so its held pushes fail now, naming it, and so will any
     /// later sync push. Pulls, and async pushes, are served as before.
     pub fn worker_gone(&mut self, rank: usize, why: &str) {
-        if rank >= self.gone.len() || self.gone[rank].is_some() {
+        if rank >= self.num_workers || self.gone.iter().any(|(g, _)| *g == rank) {
             return;
         }
-        self.gone[rank] = Some(why.to_string());
+        self.gone.push((rank, why.to_string()));
         if !self.sync {
             return;
         }

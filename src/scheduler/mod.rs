@@ -10,12 +10,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvstore_transport::tcp::blocking::write_frame;
-use kvstore_transport::tcp::{grow_into, FrameReader, FrameSink};
-use kvstore_transport::{FrameHeader, TransportError};
+use kvstore_transport::FrameHeader;
 
 use crate::auth;
+mod links;
 use crate::protocol::{role, Msg, Op};
 use crate::{KvError, Result};
+#[cfg(feature = "internals")]
+pub(crate) use links::node_lines;
+#[cfg(test)]
+use links::HELLO_WITHIN;
+use links::{reader, Live, Pending, Step, MAX_PENDING};
 
 /// How a scheduler is set up.
 #[derive(Clone, Debug)]
@@ -30,22 +35,17 @@ pub struct SchedulerOptions {
     pub timeout: Duration,
 }
 
-/// A node that proved the secret, and what it said of itself.
-struct Joined {
-    id: usize,
-    msg: Msg,
-    addr: Option<SocketAddr>,
-    host: String,
-    rdma: Option<SocketAddr>,
-    shm: Option<String>,
-    mask: [u8; auth::MAC],
-    writer: TcpStream,
-}
-
 enum Event {
-    Hello(Box<Joined>),
-    Frame { id: usize, op: Op },
-    Closed { id: usize, why: String },
+    /// A node that proved the secret, as it described itself (its rank is not yet given).
+    Hello(usize, Box<Node>),
+    Frame {
+        id: usize,
+        op: Op,
+    },
+    Closed {
+        id: usize,
+        why: String,
+    },
 }
 
 struct Node {
@@ -85,288 +85,6 @@ fn send(w: &mut TcpStream, op: Op, text: &str) -> Result<()> {
         text.as_bytes(),
     )?;
     Ok(())
-}
-
-/// Counts a connection's reader thread while it lives.
-struct Live(Arc<AtomicUsize>);
-
-impl Drop for Live {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// How long a connection may take to prove itself.
-const HELLO_WITHIN: Duration = Duration::from_secs(5);
-/// Connections in their handshake at once.
-const MAX_PENDING: usize = 64;
-
-/// A connection in its handshake ([`crate::auth`]), advanced without blocking by the accept
-/// thread: no thread is spent on a connection until it has proven the job's secret.
-struct Pending {
-    s: TcpStream,
-    reader: FrameReader,
-    frames: Frames,
-    /// After its hello: what it claimed, and both nonces.
-    hello: Option<Hello>,
-    deadline: Instant,
-}
-
-struct Hello {
-    msg: Msg,
-    rest: Vec<u8>,
-    claim: Vec<u8>,
-    theirs: [u8; auth::NONCE],
-    ours: [u8; auth::NONCE],
-}
-
-/// Whole frames of a connection, as they complete.
-#[derive(Default)]
-struct Frames {
-    buf: Vec<u8>,
-    done: Vec<(FrameHeader, Vec<u8>)>,
-}
-
-impl FrameSink for Frames {
-    fn on_header(&mut self, _h: &FrameHeader) -> std::result::Result<(), TransportError> {
-        self.buf.clear();
-        Ok(())
-    }
-    fn payload_dest(
-        &mut self,
-        _h: &FrameHeader,
-        got: usize,
-        want: usize,
-    ) -> std::result::Result<&mut [u8], TransportError> {
-        Ok(grow_into(&mut self.buf, got, want))
-    }
-    fn on_frame(&mut self, h: &FrameHeader) -> std::result::Result<(), TransportError> {
-        self.done.push((*h, std::mem::take(&mut self.buf)));
-        Ok(())
-    }
-    /// A frame at a time: each is acted on before the next is read.
-    fn wants_more(&self) -> bool {
-        self.done.is_empty()
-    }
-}
-
-/// What a connection's handshake came to.
-enum Step {
-    /// Still in it.
-    Waiting,
-    /// Proven: its hello, the hello's lines after the nonce, and the mask of its tokens.
-    Proven(Msg, Vec<u8>, [u8; auth::MAC]),
-    /// Failed, or too slow: dropped, having learned nothing.
-    Dropped,
-}
-
-impl Pending {
-    fn new(s: TcpStream) -> Option<Pending> {
-        s.set_nonblocking(true).ok()?;
-        let _ = s.set_nodelay(true);
-        Some(Pending {
-            s,
-            reader: FrameReader::new(MAX_CONTROL),
-            frames: Frames::default(),
-            hello: None,
-            deadline: Instant::now() + HELLO_WITHIN,
-        })
-    }
-
-    /// Reads what arrived: the hello (answered with this side's challenge and proof), then
-    /// the proof.
-    fn advance(&mut self, secret: &str) -> Step {
-        if Instant::now() >= self.deadline {
-            return Step::Dropped;
-        }
-        if self
-            .reader
-            .read_from(&mut self.s, &mut self.frames)
-            .is_err()
-        {
-            return Step::Dropped;
-        }
-        let key: &[&[u8]] = &[secret.as_bytes()];
-        if let Some((h, payload)) = self.frames.done.pop() {
-            let Ok(msg) = Msg::decode(&h.meta) else {
-                return Step::Dropped;
-            };
-            match (&self.hello, msg.op) {
-                (None, Op::Hello) => {
-                    let Some(hello) = hello_of(msg, &payload) else {
-                        return Step::Dropped;
-                    };
-                    let proof = auth::proof(
-                        key,
-                        auth::Side::Responder,
-                        &hello.theirs,
-                        &hello.ours,
-                        &hello.claim,
-                    );
-                    let text = format!("{}\n{}", auth::hex(&hello.ours), auth::hex(&proof));
-                    // A fresh connection's buffer takes these few bytes at once.
-                    if send(&mut self.s, Op::Challenge, &text).is_err() {
-                        return Step::Dropped;
-                    }
-                    self.hello = Some(hello);
-                }
-                (Some(hello), Op::Proof) => {
-                    let side = auth::Side::Initiator;
-                    if !auth::check(
-                        key,
-                        side,
-                        &hello.theirs,
-                        &hello.ours,
-                        &hello.claim,
-                        &payload,
-                    ) {
-                        return Step::Dropped;
-                    }
-                    if self.s.set_nonblocking(false).is_err() {
-                        return Step::Dropped;
-                    }
-                    let mask = auth::token_mask(secret.as_bytes(), &hello.theirs, &hello.ours);
-                    return Step::Proven(hello.msg, hello.rest.clone(), mask);
-                }
-                _ => return Step::Dropped,
-            }
-        }
-        Step::Waiting
-    }
-}
-
-/// What a node's hello says of it after the nonce: its address (a server's), host, RDMA
-/// listener and shared-memory socket name, each checked.
-#[allow(clippy::type_complexity)]
-pub(crate) fn node_lines(
-    payload: &[u8],
-) -> (
-    Option<SocketAddr>,
-    String,
-    Option<SocketAddr>,
-    Option<String>,
-) {
-    let mut lines = payload.split(|&b| b == b'\n');
-    let addr = lines
-        .next()
-        .and_then(|a| std::str::from_utf8(a).ok())
-        .and_then(|a| a.parse().ok());
-    let host = lines
-        .next()
-        .and_then(|h| std::str::from_utf8(h).ok())
-        .filter(|h| !h.is_empty() && !h.contains(char::is_whitespace))
-        .unwrap_or("-")
-        .to_string();
-    let rdma = lines
-        .next()
-        .and_then(|a| std::str::from_utf8(a).ok())
-        .and_then(|a| a.parse().ok());
-    let shm = lines
-        .next()
-        .and_then(|a| std::str::from_utf8(a).ok())
-        .filter(|n| !n.is_empty() && *n != "-" && n.chars().all(|c| c.is_ascii_alphanumeric()))
-        .map(str::to_string);
-    (addr, host, rdma, shm)
-}
-
-/// A hello's nonce and claim, with a fresh nonce of this side.
-fn hello_of(msg: Msg, payload: &[u8]) -> Option<Hello> {
-    let at = payload.iter().position(|&b| b == b'\n')?;
-    let theirs = std::str::from_utf8(&payload[..at])
-        .ok()
-        .and_then(auth::unhex::<{ auth::NONCE }>)?;
-    let rest = payload[at + 1..].to_vec();
-    let claim = auth::hello_claim(msg.key, msg.sender, &String::from_utf8_lossy(&rest));
-    Some(Hello {
-        msg,
-        rest,
-        claim,
-        theirs,
-        ours: auth::random::<{ auth::NONCE }>().ok()?,
-    })
-}
-
-/// A proven node's link, read by a thread of its own until it ends.
-struct Proven {
-    id: usize,
-    s: TcpStream,
-    msg: Msg,
-    payload: Vec<u8>,
-    mask: [u8; auth::MAC],
-    /// The handshake's reader and what it read after the proof.
-    reader: FrameReader,
-    frames: Frames,
-}
-
-fn reader(p: Proven, tx: mpsc::Sender<Event>, _live: Live, liveness: Duration) {
-    let Proven {
-        id,
-        mut s,
-        msg,
-        payload,
-        mask,
-        reader: p_reader,
-        frames: p_frames,
-    } = p;
-    let (addr, host, rdma, shm) = node_lines(&payload);
-    let Ok(writer) = s.try_clone() else { return };
-    let _ = writer.set_write_timeout(Some(Duration::from_secs(10)));
-    if tx
-        .send(Event::Hello(Box::new(Joined {
-            id,
-            msg,
-            addr,
-            host,
-            rdma,
-            shm,
-            mask,
-            writer,
-        })))
-        .is_err()
-    {
-        return;
-    }
-    // Every process beats while it lives: a silence as long as `liveness` is a process that
-    // was stopped or hangs, and it is lost. The handshake's reader goes on (it may hold what
-    // came after the proof), a frame at a time, each read waiting a short while.
-    let (mut reader, mut frames) = (p_reader, p_frames);
-    let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
-    let mut heard = Instant::now();
-    loop {
-        for (h, _) in std::mem::take(&mut frames.done) {
-            heard = Instant::now();
-            match Msg::decode(&h.meta) {
-                Ok(m) if m.op == Op::Heartbeat => {}
-                Ok(m) => {
-                    if tx.send(Event::Frame { id, op: m.op }).is_err() {
-                        return;
-                    }
-                }
-                Err(e) => {
-                    let _ = tx.send(Event::Closed {
-                        id,
-                        why: e.to_string(),
-                    });
-                    return;
-                }
-            }
-        }
-        if heard.elapsed() >= liveness {
-            let why = format!(
-                "no heartbeat for {:.1} s: the process was stopped or hangs",
-                liveness.as_secs_f64()
-            );
-            let _ = tx.send(Event::Closed { id, why });
-            return;
-        }
-        if let Err(e) = reader.read_from(&mut s, &mut frames) {
-            let _ = tx.send(Event::Closed {
-                id,
-                why: e.to_string(),
-            });
-            return;
-        }
-    }
 }
 
 /// Orders nodes of one role: by their rank hints when those are a permutation, else by arrival.
@@ -428,15 +146,7 @@ pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<(
                             if live.load(Ordering::Relaxed) >= cap {
                                 continue;
                             }
-                            let proven = Proven {
-                                id: next,
-                                s: p.s,
-                                msg,
-                                payload,
-                                mask,
-                                reader: p.reader,
-                                frames: p.frames,
-                            };
+                            let proven = p.proven(next, msg, payload, mask);
                             next += 1;
                             live.fetch_add(1, Ordering::Relaxed);
                             let guard = Live(live.clone());
@@ -488,45 +198,20 @@ fn serve(
             }
         };
         match ev {
-            Event::Hello(j) => {
-                let Joined {
-                    id,
-                    msg,
-                    addr,
-                    host,
-                    rdma,
-                    shm,
-                    mask,
-                    writer,
-                } = *j;
-                let list = match msg.key {
-                    role::SERVER if servers.len() < opts.num_servers && addr.is_some() => {
+            Event::Hello(id, node) => {
+                let list = match node.role {
+                    role::SERVER if servers.len() < opts.num_servers && node.addr.is_some() => {
                         &mut servers
                     }
                     role::WORKER if workers.len() < opts.num_workers => &mut workers,
                     _ => {
                         // Not wanted: closed (its reader thread ends with it).
-                        let _ = writer.shutdown(std::net::Shutdown::Both);
+                        let _ = node.writer.shutdown(std::net::Shutdown::Both);
                         continue;
                     }
                 };
                 list.push(id);
-                let hint = (msg.sender != u32::MAX).then_some(msg.sender);
-                nodes.insert(
-                    id,
-                    Node {
-                        role: msg.key,
-                        hint,
-                        addr,
-                        host,
-                        rdma,
-                        shm,
-                        mask,
-                        writer,
-                        rank: 0,
-                        done: false,
-                    },
-                );
+                nodes.insert(id, *node);
             }
             Event::Frame { .. } => {}
             Event::Closed { id, why } => {
@@ -615,8 +300,8 @@ fn serve(
             },
         };
         match ev {
-            Event::Hello(j) => {
-                let _ = j.writer.shutdown(std::net::Shutdown::Both);
+            Event::Hello(_, node) => {
+                let _ = node.writer.shutdown(std::net::Shutdown::Both);
             }
             Event::Frame { id, op } => {
                 let Some(n) = nodes.get_mut(&id) else {
@@ -705,56 +390,4 @@ fn abort(nodes: &mut BTreeMap<usize, Node>, why: String) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::Read;
-
-    /// This process's threads named as the scheduler names a connection's reader.
-    fn link_threads() -> usize {
-        std::fs::read_dir("/proc/self/task")
-            .map(|d| {
-                d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-                    .filter(|c| c.trim() == "kvstore-sched-l")
-                    .count()
-            })
-            .unwrap_or(0)
-    }
-
-    #[test]
-    fn idle_connections_cost_no_thread_and_are_dropped() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let at = listener.local_addr().unwrap();
-        let opts = SchedulerOptions {
-            num_workers: 1,
-            num_servers: 1,
-            secret: "s".into(),
-            timeout: Duration::from_secs(8),
-        };
-        let t = std::thread::spawn(move || run_scheduler(listener, &opts));
-        // 200 connections that never say a hello.
-        let idle: Vec<_> = (0..200)
-            .filter_map(|_| std::net::TcpStream::connect(at).ok())
-            .collect();
-        std::thread::sleep(Duration::from_millis(500));
-        // No thread is spent on a connection that has not proven the secret.
-        let n = link_threads();
-        assert_eq!(n, 0, "{n} reader threads for 200 idle connections");
-        assert!(
-            n <= 1 + 1 + 16,
-            "{n} reader threads for 200 idle connections"
-        );
-        // Past the hello deadline every one of them is closed, and its thread gone.
-        std::thread::sleep(HELLO_WITHIN + Duration::from_secs(1));
-        assert_eq!(link_threads(), 0);
-        let closed = idle
-            .into_iter()
-            .filter(|s| {
-                let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
-                matches!((&mut &*s).read(&mut [0u8; 1]), Ok(0) | Err(_))
-            })
-            .count();
-        assert_eq!(closed, 200);
-        // The rendezvous times out as it would have (no node came).
-        assert!(t.join().unwrap().is_err());
-    }
-}
+mod tests;
