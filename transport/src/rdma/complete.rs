@@ -9,7 +9,7 @@ use super::ops::OwnedWc;
 use super::setup::HEAD;
 use super::verbs::Mr;
 use super::wire::{wr, Head, EAGER, INDEX, MSG, PUT, RELEASE, REVOKE, REVOKED, RNDV, WR_RECV};
-use super::{Arrival, Inbound, RdmaBackend, ASYNC, CHANNEL, HANDSHAKE, LISTENER};
+use super::{Arrival, Inbound, RdmaBackend};
 use crate::{Completion, Lent, Mem, PeerId, Storage, TransportError};
 
 /// Why a work completion failed, in words.
@@ -494,131 +494,6 @@ impl RdmaBackend {
                     }
                 }
                 *n += 1;
-            }
-        }
-    }
-}
-
-impl RdmaBackend {
-    /// Readiness of the listener, handshakes, the completion channel, device events and the
-    /// peers' TCP links (whose end is the peer's end).
-    pub(super) fn poll_events(
-        &mut self,
-        on: &mut dyn FnMut(Completion<'_>),
-        n: &mut usize,
-    ) -> Result<(), TransportError> {
-        match self
-            .poll
-            .poll(&mut self.events, Some(std::time::Duration::ZERO))
-        {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.into()),
-        }
-        let ready: Vec<usize> = self.events.iter().map(|e| e.token().0).collect();
-        if self.accept_retry.due() {
-            self.accept_all()?;
-        }
-        for t in ready {
-            match mio::Token(t) {
-                LISTENER => self.accept_all()?,
-                CHANNEL => self.cq.drain_events(),
-                ASYNC => self.async_events(),
-                _ if t >= HANDSHAKE => {
-                    if let Some(peer) = self.handshake(t) {
-                        on(Completion::Connected { peer });
-                        *n += 1;
-                        // What it sent while the handshake ended.
-                        for w in std::mem::take(&mut self.early) {
-                            self.on_wc(&w.0, on, n);
-                        }
-                    }
-                }
-                _ => self.check_link(t as u32),
-            }
-        }
-        self.expire_handshakes();
-        // Events are asked for again before each sleep; a wake-up may also have been spent.
-        Ok(())
-    }
-
-    /// The peer's TCP link is readable: it closed (the peer is gone), or sent what it never
-    /// should.
-    fn check_link(&mut self, id: u32) {
-        use std::io::Read;
-        let Some(p) = self.peers.get_mut(&id) else {
-            return;
-        };
-        let Some(s) = &mut p.sock else { return };
-        let mut b = [0u8; 16];
-        match s.read(&mut b) {
-            // Its last messages may be in the completion queue: they go first (`progress`).
-            Ok(0) => self.ended.push(id),
-            Ok(_) => self.lose(
-                PeerId(id),
-                TransportError::Refused("bytes on the RDMA link's TCP side".into()),
-            ),
-            Err(e)
-                if e.kind() == std::io::ErrorKind::WouldBlock
-                    || e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => self.lose(PeerId(id), e.into()),
-        }
-    }
-
-    /// Device events: a fatal error of a queue pair loses its peer; a port that goes down
-    /// loses every peer.
-    fn async_events(&mut self) {
-        use ffi::ibv_event_type as t;
-        while let Some((kind, qpn)) = self.ctx.next_async_event() {
-            match (kind, qpn) {
-                (
-                    t::IBV_EVENT_QP_FATAL | t::IBV_EVENT_QP_REQ_ERR | t::IBV_EVENT_QP_ACCESS_ERR,
-                    Some(q),
-                ) => {
-                    if let Some(&id) = self.by_qpn.get(&q) {
-                        self.lose(
-                            PeerId(id),
-                            TransportError::Rdma(format!("queue pair {q} failed ({kind:?})")),
-                        );
-                    }
-                }
-                (t::IBV_EVENT_PORT_ERR | t::IBV_EVENT_DEVICE_FATAL, _) => {
-                    let ids: Vec<u32> = self.peers.keys().copied().collect();
-                    for id in ids {
-                        self.lose(
-                            PeerId(id),
-                            TransportError::Rdma(format!(
-                                "{} port {} went down ({kind:?})",
-                                self.ctx.name, self.cfg.port
-                            )),
-                        );
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// Receives held while their peer was paused, taken in order once it is resumed.
-    pub(super) fn resume_held(&mut self, on: &mut dyn FnMut(Completion<'_>), n: &mut usize) {
-        let ids: Vec<u32> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| !p.paused && !p.held.is_empty())
-            .map(|(k, _)| *k)
-            .collect();
-        for id in ids {
-            while let Some(a) = self
-                .peers
-                .get_mut(&id)
-                .filter(|p| !p.paused)
-                .and_then(|p| p.held.pop_front())
-            {
-                if let Err(e) = self.on_recv(id, a, on, n) {
-                    let _ = self.rx.post(a.buf);
-                    self.lose(PeerId(id), e);
-                    break;
-                }
             }
         }
     }

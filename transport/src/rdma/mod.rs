@@ -30,7 +30,10 @@
 
 mod complete;
 mod conn;
+mod events;
 mod ops;
+mod post;
+mod queues;
 mod setup;
 mod verbs;
 mod wire;
