@@ -8,8 +8,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvstore_transport::tcp::{grow_into, FrameReader, FrameSink};
-use kvstore_transport::{FrameHeader, TransportError};
+use kvstore_transport::tcp::{FrameQueue, FrameReader};
 
 use super::{send, Event, Node, MAX_CONTROL};
 use crate::auth;
@@ -34,7 +33,7 @@ pub(super) const MAX_PENDING: usize = 64;
 pub(super) struct Pending {
     s: TcpStream,
     reader: FrameReader,
-    frames: Frames,
+    frames: FrameQueue,
     /// After its hello: what it claimed, and both nonces.
     hello: Option<Hello>,
     deadline: Instant,
@@ -46,36 +45,6 @@ struct Hello {
     claim: Vec<u8>,
     theirs: [u8; auth::NONCE],
     ours: [u8; auth::NONCE],
-}
-
-/// Whole frames of a connection, as they complete.
-#[derive(Default)]
-struct Frames {
-    buf: Vec<u8>,
-    done: Vec<(FrameHeader, Vec<u8>)>,
-}
-
-impl FrameSink for Frames {
-    fn on_header(&mut self, _h: &FrameHeader) -> std::result::Result<(), TransportError> {
-        self.buf.clear();
-        Ok(())
-    }
-    fn payload_dest(
-        &mut self,
-        _h: &FrameHeader,
-        got: usize,
-        want: usize,
-    ) -> std::result::Result<&mut [u8], TransportError> {
-        Ok(grow_into(&mut self.buf, got, want))
-    }
-    fn on_frame(&mut self, h: &FrameHeader) -> std::result::Result<(), TransportError> {
-        self.done.push((*h, std::mem::take(&mut self.buf)));
-        Ok(())
-    }
-    /// A frame at a time: each is acted on before the next is read.
-    fn wants_more(&self) -> bool {
-        self.done.is_empty()
-    }
 }
 
 /// What a connection's handshake came to.
@@ -95,7 +64,7 @@ impl Pending {
         Some(Pending {
             s,
             reader: FrameReader::new(MAX_CONTROL),
-            frames: Frames::default(),
+            frames: FrameQueue::default(),
             hello: None,
             deadline: Instant::now() + HELLO_WITHIN,
         })
@@ -134,7 +103,7 @@ impl Pending {
             return Step::Dropped;
         }
         let key: &[&[u8]] = &[secret.as_bytes()];
-        if let Some((h, payload)) = self.frames.done.pop() {
+        if let Some((h, payload)) = self.frames.pop() {
             let Ok(msg) = Msg::decode(&h.meta) else {
                 return Step::Dropped;
             };
@@ -242,7 +211,7 @@ pub(super) struct Proven {
     mask: [u8; auth::MAC],
     /// The handshake's reader and what it read after the proof.
     reader: FrameReader,
-    frames: Frames,
+    frames: FrameQueue,
 }
 
 pub(super) fn reader(p: Proven, tx: mpsc::Sender<Event>, _live: Live, liveness: Duration) {
@@ -280,7 +249,7 @@ pub(super) fn reader(p: Proven, tx: mpsc::Sender<Event>, _live: Live, liveness: 
     let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
     let mut heard = Instant::now();
     loop {
-        for (h, _) in std::mem::take(&mut frames.done) {
+        while let Some((h, _)) = frames.pop() {
             heard = Instant::now();
             match Msg::decode(&h.meta) {
                 Ok(m) if m.op == Op::Heartbeat => {}

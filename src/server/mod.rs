@@ -13,8 +13,8 @@ use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use kvstore_transport::tcp::{FrameReader, FrameSink};
-use kvstore_transport::{FrameHeader, TransportError};
+use kvstore_transport::tcp::{FrameQueue, FrameReader};
+use kvstore_transport::FrameHeader;
 
 use crate::config::Config;
 use crate::net::{self, Net};
@@ -34,52 +34,17 @@ const STORE_IN_POOL_FROM: usize = 32 * 1024;
 /// How often a busy server reads the scheduler's socket.
 const SCHED_EVERY: Duration = Duration::from_millis(1);
 
-fn refuse(why: impl Into<String>) -> TransportError {
-    TransportError::Refused(why.into())
-}
-
-/// What the scheduler said.
-enum SchedEvent {
-    Shutdown,
-    Abort(String),
-}
-
-struct SchedSink {
-    event: Option<SchedEvent>,
-    cur: Option<Msg>,
-    buf: Vec<u8>,
-}
-
-impl FrameSink for SchedSink {
-    fn on_header(&mut self, h: &FrameHeader) -> std::result::Result<(), TransportError> {
-        let m = Msg::decode(&h.meta).map_err(|e| refuse(e.to_string()))?;
-        if h.payload_len > MAX_CONTROL as u64 {
-            return Err(refuse("oversized control frame"));
-        }
-        self.buf.clear();
-        self.cur = Some(m);
-        Ok(())
-    }
-    fn payload_dest(
-        &mut self,
-        _h: &FrameHeader,
-        got: usize,
-        want: usize,
-    ) -> std::result::Result<&mut [u8], TransportError> {
-        Ok(kvstore_transport::tcp::grow_into(&mut self.buf, got, want))
-    }
-    fn on_frame(&mut self, _h: &FrameHeader) -> std::result::Result<(), TransportError> {
-        match self.cur.take().map(|m| m.op) {
-            Some(Op::Shutdown) => self.event = Some(SchedEvent::Shutdown),
-            Some(Op::Abort) => {
-                self.event = Some(SchedEvent::Abort(
-                    String::from_utf8_lossy(&self.buf).into_owned(),
-                ))
-            }
-            _ => {}
-        }
-        Ok(())
-    }
+/// What the scheduler said in `frame`: a shutdown, an abort (with why), or nothing for the
+/// server; an error if the frame is not a message.
+fn sched_event(frame: &(FrameHeader, Vec<u8>)) -> std::result::Result<Option<Result<()>>, String> {
+    let m = Msg::decode(&frame.0.meta).map_err(|e| e.to_string())?;
+    Ok(match m.op {
+        Op::Shutdown => Some(Ok(())),
+        Op::Abort => Some(Err(KvError::Aborted(
+            String::from_utf8_lossy(&frame.1).into_owned(),
+        ))),
+        _ => None,
+    })
 }
 
 /// Runs a server until the scheduler ends the job. `Ok` on a normal shutdown; an error if the
@@ -129,11 +94,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     )?;
     sched.set_nonblocking(true)?;
     let mut sched_reader = FrameReader::new(MAX_CONTROL as u64);
-    let mut sched_sink = SchedSink {
-        event: None,
-        cur: None,
-        buf: Vec::new(),
-    };
+    let mut sched_frames = FrameQueue::default();
     // The job's processes on this host (the scheduler counts them) share its cores.
     net.set_local_processes(roster.local_processes);
     let mut state = ServerState::new(roster.num_workers, sync);
@@ -169,16 +130,21 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         turns = turns.wrapping_add(1);
         if sched_open && (sched_ready || turns % 64 == 0 && last_sched.elapsed() >= SCHED_EVERY) {
             last_sched = Instant::now();
-            let r = sched_reader.read_from(&mut sched, &mut sched_sink);
-            match sched_sink.event.take() {
-                Some(SchedEvent::Shutdown) => {
-                    outcome.get_or_insert(Ok(()));
+            let mut r = sched_reader
+                .read_from(&mut sched, &mut sched_frames)
+                .map_err(|e| e.to_string());
+            while let Some(f) = sched_frames.pop() {
+                match sched_event(&f) {
+                    Ok(Some(Ok(()))) => {
+                        outcome.get_or_insert(Ok(()));
+                    }
+                    Ok(Some(Err(e))) => {
+                        state.fail(&e.to_string());
+                        outcome.get_or_insert(Err(e));
+                    }
+                    Ok(None) => {}
+                    Err(e) => r = Err(e),
                 }
-                Some(SchedEvent::Abort(why)) => {
-                    state.fail(&format!("job aborted: {why}"));
-                    outcome.get_or_insert(Err(KvError::Aborted(why)));
-                }
-                None => {}
             }
             if let Err(e) = r {
                 if outcome.is_none() {

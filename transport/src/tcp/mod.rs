@@ -12,7 +12,7 @@ mod writer;
 
 pub use backend::{msg_frame_header, TcpBackend};
 pub use link::{Admission, MAX_BODY};
-pub use reader::{grow_into, FrameReader, FrameSink};
+pub use reader::{grow_into, FrameQueue, FrameReader, FrameSink};
 pub use writer::{OutQueue, Payload};
 
 use std::io;

@@ -45,6 +45,43 @@ pub fn grow_into(buf: &mut Vec<u8>, got: usize, want: usize) -> &mut [u8] {
     &mut buf[got..end]
 }
 
+/// A sink that keeps whole frames (header and payload) as they complete, a frame at a time
+/// (its owner acts on each before the next is read): for links of few, small control frames.
+#[derive(Default)]
+pub struct FrameQueue {
+    buf: Vec<u8>,
+    frames: std::collections::VecDeque<(FrameHeader, Vec<u8>)>,
+}
+
+impl FrameQueue {
+    /// The oldest frame not yet taken.
+    pub fn pop(&mut self) -> Option<(FrameHeader, Vec<u8>)> {
+        self.frames.pop_front()
+    }
+}
+
+impl FrameSink for FrameQueue {
+    fn on_header(&mut self, _h: &FrameHeader) -> Result<(), TransportError> {
+        self.buf.clear();
+        Ok(())
+    }
+    fn payload_dest(
+        &mut self,
+        _h: &FrameHeader,
+        got: usize,
+        want: usize,
+    ) -> Result<&mut [u8], TransportError> {
+        Ok(grow_into(&mut self.buf, got, want))
+    }
+    fn on_frame(&mut self, h: &FrameHeader) -> Result<(), TransportError> {
+        self.frames.push_back((*h, std::mem::take(&mut self.buf)));
+        Ok(())
+    }
+    fn wants_more(&self) -> bool {
+        self.frames.is_empty()
+    }
+}
+
 /// Reads frames from a stream as bytes arrive.
 ///
 /// Headers and small payloads are read through a 64 KiB staging buffer (many frames per system
