@@ -67,6 +67,30 @@ impl AcceptRetry {
     }
 }
 
+/// What every backend checks of a put before it posts anything: the immediate's width, the
+/// source range, the grant's kind (where the backend's grants have one) and that the put lies
+/// inside the grant.
+pub(crate) fn check_put(
+    src: &Region,
+    range: &Range<usize>,
+    dst: &RemoteRegion,
+    kind: Option<u32>,
+    offset: usize,
+    imm: u32,
+) -> Result<(), TransportError> {
+    check_imm(imm)?;
+    src.check_range(range)?;
+    let len = range.len();
+    if kind.is_some_and(|k| k != dst.kind)
+        || offset.checked_add(len).is_none_or(|e| e as u64 > dst.len)
+    {
+        return Err(TransportError::Refused(format!(
+            "a put of {len} bytes at {offset} into {dst:?}"
+        )));
+    }
+    Ok(())
+}
+
 /// A peer of a backend, as that backend numbers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeerId(pub u32);

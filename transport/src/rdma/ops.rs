@@ -219,16 +219,9 @@ impl Backend for RdmaBackend {
         imm: u32,
         token: Token,
     ) -> Result<Sent, TransportError> {
-        crate::backend::check_imm(imm)?;
         src.check_owner(self.id)?;
-        src.check_range(&range)?;
+        crate::backend::check_put(src, &range, dst, Some(KIND_RDMA), offset, imm)?;
         let len = range.len();
-        if dst.kind != KIND_RDMA || offset.checked_add(len).is_none_or(|e| e as u64 > dst.len) {
-            return Err(TransportError::Refused(format!(
-                "a put of {len} bytes at {offset} into {dst:?} (of kind {})",
-                dst.kind
-            )));
-        }
         let step = self.lim.max_msg;
         let writes = len.div_ceil(step);
         let p = self.peer(peer)?;

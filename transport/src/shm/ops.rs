@@ -383,14 +383,8 @@ impl Backend for ShmBackend {
         imm: u32,
         token: Token,
     ) -> Result<Sent, TransportError> {
-        crate::backend::check_imm(imm)?;
-        src.check_range(&range)?;
+        crate::backend::check_put(src, &range, dst, None, offset, imm)?;
         let n = range.len();
-        if offset.checked_add(n).is_none_or(|e| e as u64 > dst.len) {
-            return Err(TransportError::Refused(format!(
-                "a put of {n} bytes at {offset} into {dst:?}"
-            )));
-        }
         let p = self.peer(peer)?;
         if p.revoked.contains(&dst.id) {
             return Err(TransportError::Refused(format!("{dst:?} was revoked")));

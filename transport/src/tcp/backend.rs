@@ -350,18 +350,7 @@ impl Backend for TcpBackend {
         imm: u32,
         token: Token,
     ) -> Result<Sent, TransportError> {
-        crate::backend::check_imm(imm)?;
-        src.check_range(&range)?;
-        if dst.kind != KIND_TCP
-            || offset
-                .checked_add(range.len())
-                .is_none_or(|e| e as u64 > dst.len)
-        {
-            return Err(TransportError::Refused(format!(
-                "a put of {} bytes at {offset} into {dst:?}",
-                range.len()
-            )));
-        }
+        crate::backend::check_put(src, &range, dst, Some(KIND_TCP), offset, imm)?;
         let hdr = FrameHeader::new(
             meta(PUT, true, imm, dst.id, offset as u64),
             range.len() as u64,
