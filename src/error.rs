@@ -65,6 +65,14 @@ pub enum KvError {
         /// The number of elements given.
         len: usize,
     },
+    /// A shape whose size in bytes does not fit in memory's address range.
+    #[error("shape {shape:?} of {dtype} is too large: its size in bytes overflows")]
+    TooLarge {
+        /// The shape asked for.
+        shape: Vec<usize>,
+        /// The dtype.
+        dtype: DType,
+    },
     /// Typed access with the wrong element type.
     #[error("array holds {actual}, accessed as {asked}")]
     WrongElementType {

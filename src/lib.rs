@@ -44,6 +44,7 @@ pub mod ops;
 mod optimizer;
 #[cfg(test)]
 mod pair;
+mod prioritized;
 #[cfg(not(feature = "internals"))]
 mod protocol;
 /// The wire protocol, for the test suite's raw peers only (feature `internals`): not an API.
@@ -66,6 +67,7 @@ pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};
 pub use ndarray::NDArray;
 pub use optimizer::{Optimizer, OptimizerUpdater};
+pub use prioritized::Prioritized;
 pub use registry::{register_updater, SharedUpdater};
 pub use roles::run_role_if_not_worker;
 pub use store::{create, KVStore, Pending, Updater, TYPES};

@@ -58,6 +58,8 @@ pub(crate) struct LocalStore {
     /// Per-key buffers where a list of pushed values is summed before the updater runs.
     merge: FxHashMap<Key, NDArray>,
     updater: Option<Updater>,
+    /// The built-in optimizer the updater runs, if it is one (its state can be saved).
+    optimizer: Option<std::sync::Arc<std::sync::Mutex<crate::OptimizerUpdater>>>,
 }
 
 impl LocalStore {
@@ -66,11 +68,46 @@ impl LocalStore {
             store: FxHashMap::default(),
             merge: FxHashMap::default(),
             updater: None,
+            optimizer: None,
         }
     }
 
     pub(crate) fn set_updater(&mut self, u: Updater) {
         self.updater = Some(u);
+        self.optimizer = None;
+    }
+
+    /// Runs a built-in optimizer as the updater.
+    pub(crate) fn set_optimizer(&mut self, opt: crate::Optimizer) {
+        let shared = std::sync::Arc::new(std::sync::Mutex::new(crate::OptimizerUpdater::new(opt)));
+        let u = shared.clone();
+        self.updater = Some(Box::new(move |k, g, w| match u.lock() {
+            Ok(mut u) => u.update(k, g, w),
+            Err(_) => Err(KvError::Updater {
+                key: k.clone(),
+                reason: "the optimizer failed in an earlier update".into(),
+            }),
+        }));
+        self.optimizer = Some(shared);
+    }
+
+    /// The optimizer's state, or an error when the updater is not a built-in optimizer.
+    pub(crate) fn optimizer(&self) -> Result<std::sync::MutexGuard<'_, crate::OptimizerUpdater>> {
+        let o = self.optimizer.as_ref().ok_or_else(|| {
+            KvError::Unsupported(
+                "optimizer states exist only while a built-in optimizer is the updater \
+                 (set_optimizer)"
+                    .into(),
+            )
+        })?;
+        o.lock()
+            .map_err(|_| KvError::Unsupported("the optimizer failed in an earlier update".into()))
+    }
+
+    /// The stored value's shape and dtype.
+    pub(crate) fn meta(&self, k: &Key) -> Result<(Vec<usize>, crate::DType)> {
+        let v = self.stored(k)?;
+        Ok((v.shape().to_vec(), v.dtype()))
     }
 
     pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {

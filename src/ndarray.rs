@@ -44,6 +44,75 @@ impl NDArray {
         }
     }
 
+    /// An array of zeros, or [`KvError::TooLarge`] where the shape's size in bytes overflows
+    /// (`zeros_dtype` panics there, as `vec!` does).
+    pub fn try_zeros_dtype(shape: &[usize], dtype: DType) -> Result<NDArray> {
+        let bytes = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| KvError::TooLarge {
+                shape: shape.to_vec(),
+                dtype,
+            })?;
+        Ok(NDArray {
+            shape: shape.to_vec(),
+            dtype,
+            device: Device::default(),
+            buf: Arc::new(Storage::Heap(AlignedBuf::zeroed(bytes))),
+        })
+    }
+
+    /// An f32 array of zeros, or an error where the size overflows.
+    pub fn try_zeros(shape: &[usize]) -> Result<NDArray> {
+        NDArray::try_zeros_dtype(shape, DType::F32)
+    }
+
+    /// An array over memory its caller owns, with no copy: pushes read it and pulls write it
+    /// in place. `owner` is dropped with the last clone of the array (or of a copy a failed
+    /// call kept); it keeps the memory valid until then. A peer never writes this memory
+    /// directly: what a pull brings is copied into it by this process, which stops once a call
+    /// has failed, so after any call returns nothing else writes it. (Over RDMA a pull lands
+    /// in the store's memory and is copied in.)
+    ///
+    /// # Safety
+    /// `ptr` addresses `shape`'s size times `dtype`'s size bytes, aligned for `dtype`, that stay
+    /// valid for reads and writes until `owner` is dropped, and that nothing else reads or
+    /// writes while the array, a clone of it, or a call using it is live.
+    pub unsafe fn from_raw_parts(
+        ptr: *mut u8,
+        shape: &[usize],
+        dtype: DType,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<NDArray> {
+        let bytes = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
+            .ok_or_else(|| KvError::TooLarge {
+                shape: shape.to_vec(),
+                dtype,
+            })?;
+        let ptr = match std::ptr::NonNull::new(ptr) {
+            Some(p) if (p.as_ptr() as usize) % dtype.size() == 0 => p,
+            _ if bytes == 0 => std::ptr::NonNull::<u64>::dangling().cast(),
+            _ => {
+                return Err(KvError::Incompatible(format!(
+                    "memory at {ptr:p} is not aligned for {dtype}"
+                )))
+            }
+        };
+        Ok(NDArray {
+            shape: shape.to_vec(),
+            dtype,
+            device: Device::default(),
+            buf: Arc::new(Storage::External(crate::storage::External {
+                ptr,
+                len: bytes,
+                _owner: owner,
+            })),
+        })
+    }
+
     /// An f32 array of zeros (MXNet's `nd.zeros`).
     pub fn zeros(shape: &[usize]) -> NDArray {
         NDArray::zeros_dtype(shape, DType::F32)
@@ -296,7 +365,7 @@ impl NDArray {
     pub(crate) fn region(&self) -> Option<&kvstore_transport::Region> {
         match &*self.buf {
             Storage::Region(r) => Some(r),
-            Storage::Heap(_) => None,
+            Storage::Heap(_) | Storage::External(_) => None,
         }
     }
 
@@ -316,7 +385,7 @@ impl NDArray {
     pub(crate) fn is_unique(&mut self) -> bool {
         match Arc::get_mut(&mut self.buf) {
             None => false,
-            Some(Storage::Heap(_)) => true,
+            Some(Storage::Heap(_) | Storage::External(_)) => true,
             Some(Storage::Region(r)) => Arc::strong_count(r.storage()) == 1,
         }
     }
@@ -327,23 +396,30 @@ impl NDArray {
         matches!(&*self.buf, Storage::Region(_))
     }
 
+    /// Whether the bytes are memory the caller lent ([`NDArray::from_raw_parts`]).
+    pub(crate) fn is_external(&self) -> bool {
+        matches!(&*self.buf, Storage::External(_))
+    }
+
     /// Whether storage is shared with another clone (for tests of copy counts).
     pub fn shares_storage_with(&self, other: &NDArray) -> bool {
         Arc::ptr_eq(&self.buf, &other.buf)
     }
 }
 
-impl Mul<f64> for &NDArray {
+/// `array * alpha` for any scalar that converts to f64 without loss (f32, f64, integers up to
+/// 32 bits), as MXNet's `nd * 2`.
+impl<S: Into<f64>> Mul<S> for &NDArray {
     type Output = NDArray;
-    fn mul(self, alpha: f64) -> NDArray {
-        self.scaled(alpha)
+    fn mul(self, alpha: S) -> NDArray {
+        self.scaled(alpha.into())
     }
 }
 
-impl Mul<f64> for NDArray {
+impl<S: Into<f64>> Mul<S> for NDArray {
     type Output = NDArray;
-    fn mul(mut self, alpha: f64) -> NDArray {
-        self.scale_inplace(alpha);
+    fn mul(mut self, alpha: S) -> NDArray {
+        self.scale_inplace(alpha.into());
         self
     }
 }

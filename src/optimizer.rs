@@ -69,6 +69,74 @@ impl Optimizer {
         }
     }
 
+    /// Sets the learning rate.
+    pub fn lr(mut self, value: f64) -> Optimizer {
+        match &mut self {
+            Optimizer::Sgd { lr, .. } | Optimizer::Adam { lr, .. } => *lr = value,
+        }
+        self
+    }
+
+    /// Sets SGD's momentum (no effect on Adam).
+    pub fn momentum(mut self, value: f64) -> Optimizer {
+        if let Optimizer::Sgd { momentum, .. } = &mut self {
+            *momentum = value;
+        }
+        self
+    }
+
+    /// Sets the weight decay.
+    pub fn wd(mut self, value: f64) -> Optimizer {
+        match &mut self {
+            Optimizer::Sgd { wd, .. } | Optimizer::Adam { wd, .. } => *wd = value,
+        }
+        self
+    }
+
+    /// Sets the factor applied to gradients first (e.g. 1/batch size).
+    pub fn rescale_grad(mut self, value: f64) -> Optimizer {
+        match &mut self {
+            Optimizer::Sgd { rescale_grad, .. } | Optimizer::Adam { rescale_grad, .. } => {
+                *rescale_grad = value
+            }
+        }
+        self
+    }
+
+    /// Clips rescaled gradients to `[-value, value]` (0 or less: no clipping).
+    pub fn clip_gradient(mut self, value: f64) -> Optimizer {
+        match &mut self {
+            Optimizer::Sgd { clip_gradient, .. } | Optimizer::Adam { clip_gradient, .. } => {
+                *clip_gradient = value
+            }
+        }
+        self
+    }
+
+    /// Sets Adam's first-moment decay (no effect on SGD).
+    pub fn beta1(mut self, value: f64) -> Optimizer {
+        if let Optimizer::Adam { beta1, .. } = &mut self {
+            *beta1 = value;
+        }
+        self
+    }
+
+    /// Sets Adam's second-moment decay (no effect on SGD).
+    pub fn beta2(mut self, value: f64) -> Optimizer {
+        if let Optimizer::Adam { beta2, .. } = &mut self {
+            *beta2 = value;
+        }
+        self
+    }
+
+    /// Sets Adam's epsilon (no effect on SGD).
+    pub fn epsilon(mut self, value: f64) -> Optimizer {
+        if let Optimizer::Adam { epsilon, .. } = &mut self {
+            *epsilon = value;
+        }
+        self
+    }
+
     /// Encodes the optimizer as 8 f64 words (kind first), for the wire.
     pub fn encode(&self) -> [f64; 8] {
         match *self {
@@ -246,6 +314,130 @@ impl OptimizerUpdater {
     }
 }
 
+/// The first bytes of saved optimizer states.
+const STATES_MAGIC: &[u8; 8] = b"KVOPTST1";
+
+impl OptimizerUpdater {
+    /// The per-key state (momentum, moments, step counts) as bytes, for
+    /// [`OptimizerUpdater::load_states`]: MXNet's `save_optimizer_states`.
+    pub fn save_states(&self) -> Vec<u8> {
+        let mut out = STATES_MAGIC.to_vec();
+        for w in self.opt.encode() {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        let mut keys: Vec<&Key> = self.state.keys().collect();
+        keys.sort();
+        out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        for k in keys {
+            let st = &self.state[k];
+            match k {
+                Key::Int(i) => {
+                    out.push(0);
+                    out.extend_from_slice(&i.to_le_bytes());
+                }
+                Key::Str(s) => {
+                    out.push(1);
+                    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                    out.extend_from_slice(s.as_bytes());
+                }
+            }
+            out.extend_from_slice(&st.t.to_le_bytes());
+            for v in [&st.m, &st.v] {
+                out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+                for x in v.iter() {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        out
+    }
+
+    /// Replaces the per-key state with what [`OptimizerUpdater::save_states`] saved. The
+    /// states must come from an optimizer of the same kind; a malformed or truncated input is
+    /// an error and changes nothing.
+    pub fn load_states(&mut self, bytes: &[u8]) -> Result<()> {
+        let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
+        let mut r = Reader(bytes);
+        if r.take(8).ok_or_else(|| bad("empty"))? != STATES_MAGIC {
+            return Err(bad("not a file of saved optimizer states"));
+        }
+        let mut words = [0.0; 8];
+        for w in &mut words {
+            *w = r.f64().ok_or_else(|| bad("truncated"))?;
+        }
+        let saved = Optimizer::decode(&words).map_err(|_| bad("unknown optimizer"))?;
+        if std::mem::discriminant(&saved) != std::mem::discriminant(&self.opt) {
+            return Err(bad(&format!(
+                "saved by {}, loaded into {}",
+                saved.name(),
+                self.opt.name()
+            )));
+        }
+        let n = r.u64().ok_or_else(|| bad("truncated"))?;
+        let mut state = FxHashMap::default();
+        for _ in 0..n {
+            let key = match r.take(1).ok_or_else(|| bad("truncated"))?[0] {
+                0 => Key::Int(r.u64().ok_or_else(|| bad("truncated"))? as i64),
+                1 => {
+                    let len = r.len().ok_or_else(|| bad("truncated"))?;
+                    let s = r.take(len).ok_or_else(|| bad("truncated"))?;
+                    Key::Str(String::from_utf8(s.to_vec()).map_err(|_| bad("a key is not UTF-8"))?)
+                }
+                _ => return Err(bad("a malformed key")),
+            };
+            let t = r.u64().ok_or_else(|| bad("truncated"))?;
+            let mut vecs = [Vec::new(), Vec::new()];
+            for v in &mut vecs {
+                let len = r.len().ok_or_else(|| bad("truncated"))?;
+                if len.checked_mul(8).is_none_or(|b| b > r.0.len()) {
+                    return Err(bad("truncated"));
+                }
+                *v = (0..len).filter_map(|_| r.f64()).collect();
+            }
+            let [m, v] = vecs;
+            state.insert(key, KeyState { m, v, t });
+        }
+        if !r.0.is_empty() {
+            return Err(bad("bytes after the last key"));
+        }
+        self.state = state;
+        Ok(())
+    }
+}
+
+impl Optimizer {
+    /// MXNet's name of the optimizer.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Optimizer::Sgd { .. } => "sgd",
+            Optimizer::Adam { .. } => "adam",
+        }
+    }
+}
+
+/// Reads little-endian fields off the front of a byte slice.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if n > self.0.len() {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    fn f64(&mut self) -> Option<f64> {
+        Some(f64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    fn len(&mut self) -> Option<usize> {
+        usize::try_from(self.u64()?).ok()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -300,6 +492,53 @@ mod tests {
         assert!(Optimizer::decode(&[9.0; 8]).is_err());
         assert!(Optimizer::decode(&[1.0; 3]).is_err());
         assert!(Optimizer::decode(&[1.0, f64::NAN, 0., 0., 0., 0., 0., 0.]).is_err());
+    }
+
+    #[test]
+    fn builders_set_fields() {
+        let o = Optimizer::sgd(0.1).momentum(0.9).wd(1e-4).rescale_grad(0.5);
+        assert_eq!(
+            o,
+            Optimizer::Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+                wd: 1e-4,
+                rescale_grad: 0.5,
+                clip_gradient: 0.0
+            }
+        );
+        let a = Optimizer::adam(0.01)
+            .beta1(0.8)
+            .beta2(0.99)
+            .epsilon(1e-6)
+            .clip_gradient(1.0);
+        assert_eq!(a.encode()[1..5], [0.01, 0.8, 0.99, 1e-6]);
+        assert_eq!(a.encode()[7], 1.0);
+    }
+
+    #[test]
+    fn states_round_trip_and_continue_exactly() {
+        let g = NDArray::from_vec(&[2], vec![3.0f64, -0.5]).unwrap();
+        let mut a = OptimizerUpdater::new(Optimizer::adam(0.01));
+        let mut wa = NDArray::from_vec(&[2], vec![1.0f64, 1.0]).unwrap();
+        a.update(&Key::Int(1), &g, &mut wa).unwrap();
+        a.update(&Key::Str("w".into()), &g, &mut wa.clone())
+            .unwrap();
+        let saved = a.save_states();
+        let mut b = OptimizerUpdater::new(Optimizer::adam(0.01));
+        b.load_states(&saved).unwrap();
+        let mut wb = wa.clone();
+        a.update(&Key::Int(1), &g, &mut wa).unwrap();
+        b.update(&Key::Int(1), &g, &mut wb).unwrap();
+        assert_eq!(wa.to_vec::<f64>().unwrap(), wb.to_vec::<f64>().unwrap());
+        assert_eq!(b.save_states(), a.save_states());
+        // Every truncation is an error, and leaves the state alone.
+        for n in 0..saved.len() {
+            assert!(b.load_states(&saved[..n]).is_err(), "{n} bytes");
+        }
+        let mut sgd = OptimizerUpdater::new(Optimizer::sgd(0.1).momentum(0.9));
+        assert!(sgd.load_states(&saved).is_err());
+        assert_eq!(b.save_states(), a.save_states());
     }
 
     #[test]

@@ -13,14 +13,32 @@ pub(crate) enum Storage {
     /// outside; a call that fails with the answer outstanding takes them out of the caller's
     /// array.
     Region(kvstore_transport::Region),
+    /// Memory the caller owns (a Python buffer, say), lent to the array and held alive by its
+    /// owner. The store cannot keep it from the caller after a failed call, so no peer is ever
+    /// granted it to write directly ([`kvstore_transport::Storage::peer_may_write`]): what
+    /// lands in it is copied there by this process, which stops when a grant is revoked.
+    External(External),
 }
+
+/// Memory lent by its owner: `len` bytes at `ptr`, valid while `_owner` lives.
+pub(crate) struct External {
+    pub(crate) ptr: std::ptr::NonNull<u8>,
+    pub(crate) len: usize,
+    pub(crate) _owner: Box<dyn std::any::Any + Send + Sync>,
+}
+
+// SAFETY: the owner is Send and Sync and keeps the memory valid; `NDArray::from_raw_parts`'s
+// contract makes the array the memory's only user while it lives.
+unsafe impl Send for External {}
+// SAFETY: as above; shared access only reads.
+unsafe impl Sync for External {}
 
 impl Clone for Storage {
     /// A copy in process memory (a clone of a transport's memory does not share it).
     fn clone(&self) -> Storage {
         match self {
             Storage::Heap(b) => Storage::Heap(b.clone()),
-            Storage::Region(_) => {
+            Storage::Region(_) | Storage::External(_) => {
                 let mut b = AlignedBuf::zeroed(self.bytes().len());
                 b.bytes_mut().copy_from_slice(self.bytes());
                 Storage::Heap(b)
@@ -42,6 +60,9 @@ impl Storage {
             Storage::Region(r) => unsafe {
                 std::slice::from_raw_parts(kvstore_transport::Storage::ptr(&**r.storage()), r.len())
             },
+            // SAFETY: `NDArray::from_raw_parts`'s contract: valid for `len` bytes while the
+            // owner lives, and used by no one else meanwhile; peers never write it.
+            Storage::External(e) => unsafe { std::slice::from_raw_parts(e.ptr.as_ptr(), e.len) },
         }
     }
 
@@ -55,13 +76,19 @@ impl Storage {
                     r.len(),
                 )
             },
+            // SAFETY: as in `bytes`; `&mut self` makes this the only access in this process.
+            Storage::External(e) => unsafe {
+                std::slice::from_raw_parts_mut(e.ptr.as_ptr(), e.len)
+            },
         }
     }
 
     pub(crate) fn set_len(&mut self, len: usize) {
         match self {
             Storage::Heap(b) => b.set_len(len),
-            Storage::Region(_) => *self = Storage::Heap(AlignedBuf::zeroed(len)),
+            Storage::Region(_) | Storage::External(_) => {
+                *self = Storage::Heap(AlignedBuf::zeroed(len))
+            }
         }
     }
 }
@@ -75,13 +102,18 @@ unsafe impl kvstore_transport::Storage for Storage {
         match self {
             Storage::Heap(b) => b.ptr.as_ptr().cast(),
             Storage::Region(r) => r.storage().ptr(),
+            Storage::External(e) => e.ptr.as_ptr(),
         }
     }
     fn len(&self) -> usize {
         match self {
             Storage::Heap(b) => b.len,
             Storage::Region(r) => r.len(),
+            Storage::External(e) => e.len,
         }
+    }
+    fn peer_may_write(&self) -> bool {
+        !matches!(self, Storage::External(_))
     }
 }
 

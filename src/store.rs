@@ -2,7 +2,7 @@
 
 use crate::args::{group_outputs, group_owned, group_values};
 use crate::local::LocalStore;
-use crate::optimizer::{Optimizer, OptimizerUpdater};
+use crate::optimizer::Optimizer;
 use crate::{Key, Keys, KvError, NDArray, Outputs, Result, Values};
 
 /// An updater: `(key, input, stored)`; it merges `input` (the sum of the pushed values) into
@@ -80,9 +80,135 @@ pub fn create(name: &str) -> Result<KVStore> {
 }
 
 impl KVStore {
-    /// The store type, as given to [`create`] (MXNet's `type`).
+    /// The store type, as given to [`create`].
+    pub fn type_name(&self) -> &'static str {
+        self.kind
+    }
+
+    /// MXNet's name for [`KVStore::type_name`].
     pub fn r#type(&self) -> &'static str {
         self.kind
+    }
+
+    /// The shape and dtype stored under `key`, or [`KvError::UnknownKey`].
+    pub fn key_info(&self, key: impl Into<Key>) -> Result<(Vec<usize>, crate::DType)> {
+        let key = key.into();
+        match &self.inner {
+            Inner::Local(s) => s.meta(&key),
+            Inner::Dist(d) => d.meta(&key),
+        }
+    }
+
+    /// The next call, with MXNet's `priority`: among requests waiting for their links, those
+    /// of a call with a larger priority are sent first (never before a request queued earlier
+    /// for the same key). Calls without it have priority 0.
+    ///
+    /// ```
+    /// use kvstore::{create, NDArray};
+    /// let mut kv = create("local").unwrap();
+    /// kv.init(3, &NDArray::zeros(&[2])).unwrap();
+    /// kv.with_priority(-1).push(3, &NDArray::ones(&[2])).unwrap();
+    /// ```
+    pub fn with_priority(&mut self, priority: i32) -> crate::Prioritized<'_> {
+        crate::Prioritized::new(self, priority)
+    }
+
+    pub(crate) fn set_priority(&mut self, priority: i32) {
+        if let Inner::Dist(d) = &mut self.inner {
+            d.priority = priority;
+        }
+    }
+
+    /// MXNet's `broadcast`: initialises `keys` with `values` (in a distributed store, rank 0's
+    /// are stored) and pulls the stored values into `outs`.
+    pub fn broadcast<'a, 'b>(
+        &mut self,
+        keys: impl Into<Keys>,
+        values: impl Into<Values<'a>>,
+        outs: impl Into<Outputs<'b>>,
+    ) -> Result<()> {
+        let keys = keys.into();
+        self.init(keys.clone(), values)?;
+        self.pull(keys, outs)
+    }
+
+    /// Pulls `key`'s value into a slice of its element type, as long as the value (in
+    /// row-major order).
+    ///
+    /// ```
+    /// use kvstore::{create, NDArray};
+    /// let mut kv = create("local").unwrap();
+    /// kv.init("w", &(NDArray::ones(&[2, 2]) * 3)).unwrap();
+    /// let mut out = [0.0f32; 4];
+    /// kv.pull_into("w", &mut out).unwrap();
+    /// assert_eq!(out, [3.0; 4]);
+    /// ```
+    pub fn pull_into<T: crate::Element>(
+        &mut self,
+        key: impl Into<Key>,
+        out: &mut [T],
+    ) -> Result<()> {
+        let key = key.into();
+        let (shape, dtype) = self.key_info(&key)?;
+        if dtype != T::DTYPE {
+            return Err(KvError::DTypeMismatch {
+                key,
+                expected: dtype,
+                got: T::DTYPE,
+            });
+        }
+        if shape.iter().product::<usize>() != out.len() {
+            return Err(KvError::ShapeMismatch {
+                key,
+                expected: shape,
+                got: vec![out.len()],
+            });
+        }
+        if let Inner::Dist(_) = self.inner {
+            // A failed distributed call may keep its output's storage past the call, which a
+            // borrowed slice cannot outlive: pull into the store's memory and copy.
+            let mut a = NDArray::zeros_dtype(&shape, dtype);
+            self.pull(key, &mut a)?;
+            out.copy_from_slice(a.as_slice::<T>()?);
+            return Ok(());
+        }
+        let ptr = out.as_mut_ptr().cast::<u8>();
+        // SAFETY: the slice is valid, aligned for `T` (the dtype) and borrowed mutably for the
+        // whole call, and holds exactly the value's bytes; a local store writes its outputs
+        // during the call only and keeps no clone of them, so the array dies with the call.
+        let mut a = unsafe { NDArray::from_raw_parts(ptr, &shape, dtype, Box::new(())) }?;
+        self.pull(key, &mut a)
+    }
+
+    /// Writes the built-in optimizer's state (momentum, moments, step counts) to `path`
+    /// (MXNet's `save_optimizer_states`). Local stores only, for now: for a distributed store
+    /// the state lives on the servers and this is an error.
+    pub fn save_optimizer_states(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        match &self.inner {
+            Inner::Local(s) => {
+                let bytes = s.optimizer()?.save_states();
+                std::fs::write(path, bytes)?;
+                Ok(())
+            }
+            Inner::Dist(_) => Err(KvError::Unsupported(
+                "saving optimizer states of a distributed store (they live on the servers)".into(),
+            )),
+        }
+    }
+
+    /// Restores what [`KVStore::save_optimizer_states`] wrote into the built-in optimizer
+    /// (MXNet's `load_optimizer_states`): it must be of the same kind.
+    pub fn load_optimizer_states(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        match &mut self.inner {
+            Inner::Local(s) => {
+                let bytes = std::fs::read(path)?;
+                s.optimizer()?.load_states(&bytes)
+            }
+            Inner::Dist(_) => Err(KvError::Unsupported(
+                "loading optimizer states into a distributed store (they live on the servers)"
+                    .into(),
+            )),
+        }
     }
 
     /// This worker's rank (0 for local stores).
@@ -283,8 +409,7 @@ impl KVStore {
     pub fn set_optimizer(&mut self, opt: Optimizer) -> Result<()> {
         match &mut self.inner {
             Inner::Local(s) => {
-                let mut u = OptimizerUpdater::new(opt);
-                s.set_updater(Box::new(move |k, g, w| u.update(k, g, w)));
+                s.set_optimizer(opt);
                 Ok(())
             }
             Inner::Dist(d) => d.set_optimizer(&opt),

@@ -311,3 +311,95 @@ fn local_barrier_returns_at_once() {
     let mut kv = create("local").unwrap();
     kv.barrier().unwrap();
 }
+
+#[test]
+fn broadcast_priority_pull_into_and_scalars() {
+    let mut kv = create("local").unwrap();
+    assert_eq!(kv.type_name(), "local");
+    assert_eq!(kv.r#type(), "local");
+    let mut out = NDArray::zeros(&SHAPE);
+    kv.broadcast(4, &(NDArray::ones(&SHAPE) * 2.5f32), &mut out)
+        .unwrap();
+    assert_eq!(out.to_vec::<f32>().unwrap(), [2.5; 6]);
+    // broadcast initialises: twice is a double init.
+    assert!(matches!(
+        kv.broadcast(4, &NDArray::ones(&SHAPE), &mut out),
+        Err(KvError::DoubleInit(_))
+    ));
+    kv.with_priority(7)
+        .push(4, &(NDArray::ones(&SHAPE) * 3))
+        .unwrap();
+    let mut flat = [0.0f32; 6];
+    kv.with_priority(-3).pull_into(4, &mut flat).unwrap();
+    assert_eq!(flat, [3.0; 6]);
+    assert!(matches!(
+        kv.pull_into(4, &mut [0.0f64; 6]),
+        Err(KvError::DTypeMismatch { .. })
+    ));
+    assert!(matches!(
+        kv.pull_into(4, &mut [0.0f32; 5]),
+        Err(KvError::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        kv.pull_into(99, &mut flat),
+        Err(KvError::UnknownKey(_))
+    ));
+    assert_eq!(kv.key_info(4).unwrap(), (SHAPE.to_vec(), DType::F32));
+    assert!(matches!(
+        NDArray::try_zeros(&[usize::MAX, 2]),
+        Err(KvError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        NDArray::try_zeros_dtype(&[1 << 62, 4], DType::F64),
+        Err(KvError::TooLarge { .. })
+    ));
+    assert_eq!(NDArray::try_zeros(&[2, 2]).unwrap().size(), 4);
+}
+
+#[test]
+fn optimizer_states_save_and_load_for_local_stores() {
+    let dir = std::env::temp_dir().join(format!("kvstore-optstates-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("states");
+    let mut kv = create("local").unwrap();
+    kv.init(0, &NDArray::ones(&SHAPE)).unwrap();
+    // No built-in optimizer: nothing to save.
+    assert!(matches!(
+        kv.save_optimizer_states(&path),
+        Err(KvError::Unsupported(_))
+    ));
+    kv.set_optimizer(Optimizer::sgd(0.1).momentum(0.9).wd(1e-4))
+        .unwrap();
+    kv.push(0, &NDArray::ones(&SHAPE)).unwrap();
+    kv.save_optimizer_states(&path).unwrap();
+    let before = pull(&mut kv, 0);
+    // A second store with the same weights and the loaded momentum takes the same step.
+    let mut other = create("local").unwrap();
+    other
+        .init(0, &NDArray::from_vec(&SHAPE, before.clone()).unwrap())
+        .unwrap();
+    other
+        .set_optimizer(Optimizer::sgd(0.1).momentum(0.9).wd(1e-4))
+        .unwrap();
+    other.load_optimizer_states(&path).unwrap();
+    kv.push(0, &NDArray::ones(&SHAPE)).unwrap();
+    other.push(0, &NDArray::ones(&SHAPE)).unwrap();
+    assert_eq!(pull(&mut kv, 0), pull(&mut other, 0));
+    // Without the momentum the step differs.
+    let mut fresh = create("local").unwrap();
+    fresh
+        .init(0, &NDArray::from_vec(&SHAPE, before).unwrap())
+        .unwrap();
+    fresh
+        .set_optimizer(Optimizer::sgd(0.1).momentum(0.9).wd(1e-4))
+        .unwrap();
+    fresh.push(0, &NDArray::ones(&SHAPE)).unwrap();
+    assert_ne!(pull(&mut fresh, 0), pull(&mut kv, 0));
+    // Adam cannot load SGD's states; a truncated file is refused.
+    fresh.set_optimizer(Optimizer::adam(0.1)).unwrap();
+    assert!(fresh.load_optimizer_states(&path).is_err());
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+    assert!(other.load_optimizer_states(&path).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

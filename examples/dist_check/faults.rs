@@ -268,21 +268,77 @@ pub(crate) fn stall(kv: &mut KVStore) {
 /// The late-answer reproduction: rank 0's pushpull times out because rank 1 pushes late. The
 /// outputs rank 0 got back, and memory it allocates afterwards (heap arrays, which malloc hands
 /// out at the freed addresses, and pool arrays), must never receive the late answer.
+/// Memory a caller lends to the store ([`NDArray::from_raw_parts`]): the owner of an output
+/// the store writes in place, which this scenario reads and writes itself after a call.
+struct Lent(Box<[std::cell::UnsafeCell<f32>]>);
+
+// SAFETY: the scenario reads and writes the cells only while no call uses them (the store's
+// contract for lent memory), from one thread.
+unsafe impl Sync for Lent {}
+
+impl Lent {
+    fn new(n: usize) -> std::sync::Arc<Lent> {
+        std::sync::Arc::new(Lent((0..n).map(|_| 0.0f32.into()).collect()))
+    }
+
+    /// An array over the cells, holding them alive.
+    fn array(self: &std::sync::Arc<Lent>) -> NDArray {
+        let ptr = self.0.as_ptr() as *mut u8;
+        // SAFETY: the cells are `len` f32s, aligned, alive while the owner (a clone of the Arc)
+        // is, and touched by no one else while a call uses the array.
+        ok("lend", unsafe {
+            NDArray::from_raw_parts(ptr, &[self.0.len()], DType::F32, Box::new(self.clone()))
+        })
+    }
+
+    fn fill(&self, v: f32) {
+        for c in self.0.iter() {
+            // SAFETY: no call uses the cells now (see the Sync impl).
+            unsafe { *c.get() = v };
+        }
+    }
+
+    fn values(&self) -> NDArray {
+        // SAFETY: as in `fill`.
+        let v: Vec<f32> = self.0.iter().map(|c| unsafe { *c.get() }).collect();
+        ok("values", NDArray::from_vec(&[v.len()], v))
+    }
+}
+
 pub(crate) fn late(kv: &mut KVStore) {
     const N: usize = 1000;
+    // Large enough that a server could write it by a cross-memory write, were it not lent.
+    const LENT: usize = 50_000;
     let secs: f64 = std::env::var("KVSTORE_TIMEOUT")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2.0);
     ok("init 9", kv.init(9, &NDArray::zeros(&[N])));
     ok("init 10", kv.init(10, &NDArray::zeros(&[N])));
+    ok("init 11", kv.init(11, &NDArray::zeros(&[LENT])));
+    let keys = [9, 10, 11];
+    let ones = [
+        NDArray::ones(&[N]),
+        NDArray::ones(&[N]),
+        NDArray::ones(&[LENT]),
+    ];
+    // Pulls into lent memory work, in place.
+    let lent = Lent::new(LENT);
+    let mut out = lent.array();
+    ok("pull into lent memory", kv.pull(11, &mut out));
+    drop(out);
+    expect_vals("lent output", &lent.values(), &[0.0; LENT]);
+    ok("barrier", kv.barrier());
     if kv.rank() == 1 {
         std::thread::sleep(Duration::from_secs_f64(secs * 2.0));
-        let mut outs = [NDArray::zeros(&[N]), NDArray::zeros(&[N])];
-        let ones = [NDArray::ones(&[N]), NDArray::ones(&[N])];
+        let mut outs = [
+            NDArray::zeros(&[N]),
+            NDArray::zeros(&[N]),
+            NDArray::zeros(&[LENT]),
+        ];
         ok(
             "the late pushpull",
-            kv.pushpull(&[9, 10][..], &ones[..], &mut outs[..]),
+            kv.pushpull(&keys[..], &ones[..], &mut outs[..]),
         );
         // Rank 0's push was in the round before it timed out: both pushes are summed.
         expect_vals("the round rank 0 left", &outs[0], &[2.0; N]);
@@ -291,13 +347,14 @@ pub(crate) fn late(kv: &mut KVStore) {
     }
     let heap_out = NDArray::zeros(&[N]);
     let pool_out = ok("alloc", kv.alloc(&[N], DType::F32));
-    let pushed = NDArray::ones(&[N]);
-    let mut outs = vec![heap_out, pool_out];
-    match kv.pushpull(&[9, 10][..], &[pushed.clone(), pushed][..], &mut outs[..]) {
+    let mut outs = vec![heap_out, pool_out, lent.array()];
+    match kv.pushpull(&keys[..], &ones[..], &mut outs[..]) {
         Err(KvError::Timeout { .. }) => println!("timed out as configured"),
         other => fail(format!("expected a timeout, got {other:?}")),
     }
     // What the caller holds now is its own: fill it, drop one, allocate more of the same size.
+    drop(outs.pop());
+    lent.fill(-7.0);
     let mut pool_out = outs.pop().unwrap_or_else(|| fail("outputs".into()));
     pool_out.fill(-7.0);
     drop(outs);
@@ -315,6 +372,11 @@ pub(crate) fn late(kv: &mut KVStore) {
         "an output given back by a failed call",
         &pool_out,
         &[-7.0; N],
+    );
+    expect_vals(
+        "lent memory given back by a failed call",
+        &lent.values(),
+        &[-7.0; LENT],
     );
     for a in fresh.iter().chain(&fresh_pool) {
         expect_vals("memory allocated after a failed call", a, &[-7.0; N]);

@@ -102,6 +102,8 @@ struct Call<G> {
     sending: usize,
     deadline: Instant,
     first_err: Option<KvError>,
+    /// MXNet's priority: a larger one is posted first among queued requests.
+    priority: i32,
 }
 
 /// The calls of one worker.
@@ -232,10 +234,25 @@ impl<G: Clone> Calls<G> {
             sending: 0,
             deadline: now + self.timeout,
             first_err: None,
+            priority: 0,
         };
         self.live.insert(id, call);
         self.finish_if_complete(id);
         id
+    }
+
+    /// Sets a call's priority (before its requests are queued).
+    pub(crate) fn set_priority(&mut self, call: CallId, priority: i32) {
+        if let Some(c) = self.live.get_mut(&call) {
+            c.priority = priority;
+        }
+    }
+
+    /// A call's priority, and the (server, key) of one of its requests; `None` once it is over.
+    pub(crate) fn order_of(&self, call: CallId, req: usize) -> Option<(i32, usize, u64)> {
+        let c = self.live.get(&call)?;
+        let r = c.reqs.get(req)?;
+        Some((c.priority, r.server, r.msg.key))
     }
 
     /// The next thing the I/O loop must do.

@@ -16,6 +16,7 @@ use crate::auth;
 use crate::net::{region_of, Addr, Medium, Net};
 use crate::protocol::{flags, slot_imm, Msg, Op};
 use crate::worker::calls::{Action, CallId, Calls, Finished, Request, SlotUse};
+use crate::worker::order::queue_place;
 use crate::{KvError, NDArray, Result};
 
 #[path = "batch.rs"]
@@ -103,8 +104,14 @@ impl Links {
     }
 
     /// Starts a call and posts what its links have room for.
-    pub(crate) fn start(&mut self, reqs: Vec<Request>, outputs: Vec<NDArray>) -> CallId {
+    pub(crate) fn start(
+        &mut self,
+        reqs: Vec<Request>,
+        outputs: Vec<NDArray>,
+        priority: i32,
+    ) -> CallId {
         let id = self.calls.start(Instant::now(), reqs, outputs);
+        self.calls.set_priority(id, priority);
         if let Err(e) = self.post_actions() {
             self.calls.on_fatal(e);
         }
@@ -265,7 +272,10 @@ impl Links {
     fn post_actions(&mut self) -> Result<()> {
         while let Some(a) = self.calls.poll_action() {
             match a {
-                Action::Send { .. } => self.queue.push_back(a),
+                Action::Send { call, req, .. } => {
+                    let at = queue_place(&self.queue, |c, r| self.calls.order_of(c, r), call, req);
+                    self.queue.insert(at, a);
+                }
                 Action::Release {
                     server,
                     grant,

@@ -9,6 +9,7 @@
 
 pub(crate) mod calls;
 mod exchange;
+mod order;
 pub(crate) mod requests;
 
 pub(crate) use requests::Ticket;
@@ -52,6 +53,12 @@ pub struct DistWorker {
     keys: FxHashMap<Key, KeyInfo>,
     str_ids: FxHashMap<String, u64>,
     merge: FxHashMap<Key, NDArray>,
+    /// The priority of the calls started next (MXNet's `priority`).
+    pub(crate) priority: i32,
+    /// Outputs lent by the caller ([`NDArray::from_raw_parts`]) that calls in flight pull into
+    /// the store's memory instead, by call: RDMA writes cannot be stopped by this process, and
+    /// such memory goes back to its owner even after a failed call.
+    staged: FxHashMap<calls::CallId, Vec<(usize, NDArray)>>,
     /// Calls in flight that a [`Ticket`] may still claim.
     claims: Vec<(calls::CallId, std::sync::Weak<()>)>,
     /// Why the scheduler aborted the job, once it said so.
@@ -191,6 +198,8 @@ impl DistWorker {
             keys: FxHashMap::default(),
             str_ids: FxHashMap::default(),
             merge: FxHashMap::default(),
+            priority: 0,
+            staged: FxHashMap::default(),
             claims: Vec::new(),
             aborted: None,
             beat,

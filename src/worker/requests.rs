@@ -4,7 +4,8 @@
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
-use crate::local::{check_like, sum_into};
+use crate::local::sum_into;
+use crate::net::Medium;
 use crate::protocol::shard::{placement, Part};
 use crate::protocol::{Msg, Op, MAX_NDIM};
 use crate::worker::calls::{CallId, Finished, Request};
@@ -81,6 +82,19 @@ pub(crate) fn pull_requests<'a>(infos: impl Iterator<Item = &'a KeyInfo>) -> Vec
 fn take_array(a: &mut NDArray) -> NDArray {
     let dtype = a.dtype();
     std::mem::replace(a, NDArray::zeros_dtype(&[0], dtype))
+}
+
+/// Gives staged outputs ([`DistWorker::stage`]) back to their places, filled with what the
+/// call pulled if it succeeded (`ok`); the store's memory stays with whoever holds it.
+fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
+    for (i, mut lent) in staged {
+        if let Some(o) = outputs.get_mut(i) {
+            if ok {
+                lent.as_bytes_mut().copy_from_slice(o.as_bytes());
+            }
+            *o = lent;
+        }
+    }
 }
 
 /// After a key's first output was filled, copies it into the key's other outputs.
@@ -178,7 +192,27 @@ impl DistWorker {
 
     fn check_output(&self, k: &Key, o: &NDArray) -> Result<()> {
         let info = self.info(k)?;
-        check_like(k, &NDArray::zeros_dtype(&info.shape, info.dtype), o)
+        if o.shape() != info.shape.as_slice() {
+            return Err(KvError::ShapeMismatch {
+                key: k.clone(),
+                expected: info.shape.clone(),
+                got: o.shape().to_vec(),
+            });
+        }
+        if o.dtype() != info.dtype {
+            return Err(KvError::DTypeMismatch {
+                key: k.clone(),
+                expected: info.dtype,
+                got: o.dtype(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The stored value's shape and dtype.
+    pub(crate) fn meta(&self, k: &Key) -> Result<(Vec<usize>, crate::DType)> {
+        let info = self.info(k)?;
+        Ok((info.shape.clone(), info.dtype))
     }
 
     /// Requests carrying each key's value (the sum of its list, for a list), slice by slice;
@@ -214,13 +248,37 @@ impl DistWorker {
     /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
     fn run(&mut self, reqs: Vec<Request>, outs: &mut [&mut NDArray]) -> Result<()> {
         self.checked()?;
-        let owned = outs.iter_mut().map(|o| take_array(o)).collect();
-        let id = self.net.start(reqs, owned);
-        let Finished { result, outputs } = self.net.wait(id);
+        let mut owned: Vec<NDArray> = outs.iter_mut().map(|o| take_array(o)).collect();
+        let staged = self.stage(&mut owned);
+        let id = self.net.start(reqs, owned, self.priority);
+        let Finished {
+            result,
+            mut outputs,
+        } = self.net.wait(id);
+        unstage(&mut outputs, staged, result.is_ok());
         for (o, a) in outs.iter_mut().zip(outputs) {
             **o = a;
         }
         result.map_err(|e| self.explain(e))
+    }
+
+    /// Swaps the outputs a caller lent ([`NDArray::from_raw_parts`]) for the store's own
+    /// memory where a server would write them directly and only its answer could stop it (an
+    /// RDMA link); [`unstage`] copies them back. Over shared memory and TCP such outputs are
+    /// written by this process only (the backends never grant them to a peer), in place.
+    fn stage(&self, outputs: &mut [NDArray]) -> Vec<(usize, NDArray)> {
+        if !self.net.servers.iter().any(|a| a.medium == Medium::Rdma) {
+            return Vec::new();
+        }
+        outputs
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, o)| o.is_external())
+            .map(|(i, o)| {
+                let own = NDArray::zeros_dtype(o.shape(), o.dtype());
+                (i, std::mem::replace(o, own))
+            })
+            .collect()
     }
 
     pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
@@ -314,15 +372,21 @@ impl DistWorker {
 
     /// Starts a call and hands out its ticket (dropping the results of calls over whose
     /// tickets are gone).
-    fn start(&mut self, reqs: Vec<Request>, outputs: Vec<NDArray>) -> Ticket {
+    fn start(&mut self, reqs: Vec<Request>, mut outputs: Vec<NDArray>) -> Ticket {
+        let staged = &mut self.staged;
         self.claims.retain(|(id, claim)| {
             if claim.strong_count() == 0 && self.net.calls.is_done(*id) {
                 self.net.calls.take(*id);
+                staged.remove(id);
                 return false;
             }
             true
         });
-        let id = self.net.start(reqs, outputs);
+        let lent = self.stage(&mut outputs);
+        let id = self.net.start(reqs, outputs, self.priority);
+        if !lent.is_empty() {
+            self.staged.insert(id, lent);
+        }
         let claim = Arc::new(());
         self.claims.push((id, Arc::downgrade(&claim)));
         Ticket { id, _claim: claim }
@@ -372,7 +436,13 @@ impl DistWorker {
     /// Waits for a call in flight; its outputs come back, filled.
     pub(crate) fn wait(&mut self, t: Ticket) -> Result<Vec<NDArray>> {
         self.claims.retain(|(id, _)| *id != t.id);
-        let Finished { result, outputs } = self.net.wait(t.id);
+        let Finished {
+            result,
+            mut outputs,
+        } = self.net.wait(t.id);
+        if let Some(lent) = self.staged.remove(&t.id) {
+            unstage(&mut outputs, lent, result.is_ok());
+        }
         result.map(|()| outputs).map_err(|e| self.explain(e))
     }
 

@@ -19,6 +19,14 @@ pub unsafe trait Storage: Send + Sync + 'static {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Whether a peer may be granted this memory to write it directly (a cross-memory write,
+    /// an RDMA write), which only the peer's answer or exit can stop. False for memory the
+    /// caller takes back after a failed call whatever a peer still does (memory the store
+    /// does not own): a backend then lands puts elsewhere and copies them into place itself,
+    /// which a revoke stops at once, or refuses the grant.
+    fn peer_may_write(&self) -> bool {
+        true
+    }
 }
 
 /// Plain heap memory, 64-byte aligned and zeroed, for a backend to read and write. It hands

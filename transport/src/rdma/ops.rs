@@ -50,6 +50,12 @@ impl Backend for RdmaBackend {
         r.check_owner(self.id)?;
         r.check_range(&range)?;
         self.peer(peer)?;
+        if !r.mem.peer_may_write() {
+            return Err(TransportError::Refused(
+                "memory the caller takes back after a failure cannot be granted for RDMA writes"
+                    .into(),
+            ));
+        }
         let mr = Mr::new(
             &self.pd,
             &r.mem,

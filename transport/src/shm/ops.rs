@@ -217,6 +217,7 @@ impl Backend for ShmBackend {
         // A small range goes through landing pages even where cross-memory writes work: the
         // second copy costs less than the writer's two system calls (measured: README).
         let small = (1..=BOUNCE_BELOW).contains(&len);
+        let cma = cma && r.mem.peer_may_write();
         // Only landing pages are written by the peer itself; send-pool pages (mapped read-only
         // by peers) and private memory are written by the kernel on its behalf, or through
         // landing pages copied into place here.
