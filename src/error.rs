@@ -128,6 +128,10 @@ pub enum KvError {
     /// The job was aborted (a process failed); the store can no longer be used.
     #[error("job aborted: {0}")]
     Aborted(String),
+    /// The program interrupted a call (`KVStore::set_interrupt_check`, Ctrl-C in Python);
+    /// the store refuses further calls.
+    #[error("interrupted: {0}")]
+    Interrupted(String),
     /// Transport failure.
     #[error(transparent)]
     Transport(#[from] kvstore_transport::TransportError),

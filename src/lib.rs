@@ -68,6 +68,6 @@ pub use error::{KvError, Result};
 pub use ndarray::NDArray;
 pub use optimizer::{Optimizer, OptimizerUpdater};
 pub use prioritized::Prioritized;
-pub use registry::{register_updater, SharedUpdater};
-pub use roles::run_role_if_not_worker;
+pub use registry::{register_updater, register_updater_factory, SharedUpdater, UpdaterFactory};
+pub use roles::{run_role, run_role_if_not_worker};
 pub use store::{create, KVStore, Pending, Updater, TYPES};

@@ -277,7 +277,22 @@ pub(crate) fn start_worker_or_run_role(sync: bool) -> crate::Result<worker::Dist
     let cfg = Config::from_env()?;
     match cfg.role {
         Role::Worker => worker::DistWorker::connect(cfg),
-        Role::Server => exit_with(server::run_server(&cfg, sync), "server"),
+        role => {
+            let name = if role == Role::Server {
+                "server"
+            } else {
+                "scheduler"
+            };
+            exit_with(run_other_role(&cfg, sync), name)
+        }
+    }
+}
+
+/// Runs a server or scheduler role to the end of the job.
+fn run_other_role(cfg: &Config, sync: bool) -> crate::Result<()> {
+    match cfg.role {
+        Role::Worker => Ok(()),
+        Role::Server => server::run_server(cfg, sync),
         Role::Scheduler => {
             // The root address names this host; if it is not one of its own addresses (a name
             // that resolves elsewhere, NAT), listen on every address at that port.
@@ -293,8 +308,23 @@ pub(crate) fn start_worker_or_run_role(sync: bool) -> crate::Result<worker::Dist
                 secret: cfg.secret.clone(),
                 timeout: cfg.timeout,
             };
-            exit_with(scheduler::run_scheduler(listener, &opts), "scheduler")
+            scheduler::run_scheduler(listener, &opts)
         }
+    }
+}
+
+/// Runs the server or scheduler role that `DMLC_ROLE` names until the job ends, and says which
+/// ran; `Ok(None)` in a worker or where no role is set. Unlike [`crate::create`] it returns
+/// instead of exiting the process, for a host that ends the process its own way (the Python
+/// package raises `SystemExit`). An error is the role's failure.
+pub fn run_role(sync: bool) -> crate::Result<Option<Role>> {
+    match Config::role_from_env() {
+        Some(role @ (Role::Server | Role::Scheduler)) => {
+            let cfg = Config::from_env()?;
+            run_other_role(&cfg, sync)?;
+            Ok(Some(role))
+        }
+        _ => Ok(None),
     }
 }
 

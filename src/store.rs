@@ -119,6 +119,16 @@ impl KVStore {
         }
     }
 
+    /// Sets a check that a distributed store's waiting calls ask about every 50 ms: when it
+    /// returns `true` (the user pressed Ctrl-C, say), every call in flight fails with
+    /// [`KvError::Interrupted`] and the store refuses further calls, its grants revoked as after
+    /// any failure. Local stores never wait, and ignore it.
+    pub fn set_interrupt_check(&mut self, f: impl FnMut() -> bool + Send + 'static) {
+        if let Inner::Dist(d) = &mut self.inner {
+            d.set_interrupt(Box::new(f));
+        }
+    }
+
     /// MXNet's `broadcast`: initialises `keys` with `values` (in a distributed store, rank 0's
     /// are stored) and pulls the stored values into `outs`.
     pub fn broadcast<'a, 'b>(

@@ -586,7 +586,7 @@ impl<G: Clone> Calls<G> {
 
     /// Fails every live call: the first (oldest) with `e`, the others as aborted by it. The
     /// store refuses calls from now on.
-    fn fail_all(&mut self, e: KvError) {
+    pub(crate) fn fail_all(&mut self, e: KvError) {
         let why = e.to_string();
         self.broken.get_or_insert_with(|| why.clone());
         let mut ids: Vec<CallId> = self.live.keys().copied().collect();

@@ -50,6 +50,10 @@ pub(crate) struct Links {
     /// Copies this loop made itself (answers out of a server's pages or a batch, values into
     /// a batch): count, bytes.
     pub(crate) copies: (u64, u64),
+    /// Asked about every 50 ms while a call waits: `true` interrupts (see
+    /// `KVStore::set_interrupt_check`).
+    pub(crate) interrupt: Option<Box<dyn FnMut() -> bool + Send>>,
+    last_interrupt_check: Instant,
 }
 
 /// What putting a request's data into its receive slot did.
@@ -88,6 +92,8 @@ impl Links {
             slot_puts: 0,
             batched: 0,
             copies: (0, 0),
+            interrupt: None,
+            last_interrupt_check: Instant::now(),
         }
     }
 
@@ -174,6 +180,15 @@ impl Links {
         }
         let now = Instant::now();
         self.calls.on_time(now);
+        if now.duration_since(self.last_interrupt_check) >= Duration::from_millis(50) {
+            self.last_interrupt_check = now;
+            if self.interrupt.as_mut().is_some_and(|f| f()) {
+                self.calls.fail_all(KvError::Interrupted(
+                    "a call was interrupted; the store refuses further calls".into(),
+                ));
+                return Ok(());
+            }
+        }
         if may_wait {
             let until = self
                 .calls

@@ -373,6 +373,10 @@ impl DistWorker {
     }
 
     /// Rank 0 selects a registered updater on every server; every worker waits for it.
+    pub(crate) fn set_interrupt(&mut self, f: Box<dyn FnMut() -> bool + Send>) {
+        self.net.interrupt = Some(f);
+    }
+
     pub(crate) fn set_server_updater(&mut self, name: &str) -> Result<()> {
         // Every process runs the same program: a name unknown here is unknown on the servers,
         // and every worker (not only rank 0) must hear so.

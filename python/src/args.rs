@@ -1,0 +1,143 @@
+//! MXNet's arguments: a key or a list of keys; per key one array or a list of arrays.
+
+use kvstore::Key;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString, PyTuple};
+
+use crate::arrays::{lend, Lent};
+
+/// Keys, and whether they were given as a list.
+pub(crate) struct KeyArg {
+    pub(crate) keys: Vec<Key>,
+    pub(crate) list: bool,
+}
+
+fn is_list(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()
+}
+
+fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(Key::Str(s.to_str()?.to_string()));
+    }
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err("a key is an int or a str, not a bool"));
+    }
+    obj.extract::<i64>().map(Key::Int).map_err(|_| {
+        let t = obj
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_string(), |n| n.to_string());
+        PyTypeError::new_err(format!("a key is an int or a str, not {t}"))
+    })
+}
+
+/// An int or str key, or a list (or tuple) of them.
+pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<KeyArg> {
+    if is_list(obj) {
+        let keys = obj.try_iter()?.map(|k| key(&k?)).collect::<PyResult<_>>()?;
+        Ok(KeyArg { keys, list: true })
+    } else {
+        Ok(KeyArg {
+            keys: vec![key(obj)?],
+            list: false,
+        })
+    }
+}
+
+/// One array or a list of arrays.
+fn arrays(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Vec<Lent>> {
+    if is_list(obj) {
+        let mut out = Vec::new();
+        for (i, a) in obj.try_iter()?.enumerate() {
+            let a = a?;
+            if is_list(&a) {
+                return Err(PyTypeError::new_err(format!(
+                    "{what}[{i}] is a list; a single key takes an array or a list of arrays"
+                )));
+            }
+            out.push(lend(&a, writable, &format!("{what}[{i}]"))?);
+        }
+        if out.is_empty() {
+            return Err(PyValueError::new_err(format!("{what} is an empty list")));
+        }
+        Ok(out)
+    } else {
+        Ok(vec![lend(obj, writable, what)?])
+    }
+}
+
+/// The arrays of each key, as MXNet pairs them: a single key takes an array or a list (one
+/// per device); a list of keys takes a list with, per key, an array or a list of arrays.
+pub(crate) fn per_key(
+    keys: &KeyArg,
+    obj: &Bound<'_, PyAny>,
+    writable: bool,
+    what: &str,
+) -> PyResult<Vec<Vec<Lent>>> {
+    if !keys.list {
+        return Ok(vec![arrays(obj, writable, what)?]);
+    }
+    if !is_list(obj) {
+        if keys.keys.len() == 1 {
+            return Ok(vec![arrays(obj, writable, what)?]);
+        }
+        return Err(PyValueError::new_err(format!(
+            "{} keys but one {what}: give a list with one entry per key",
+            keys.keys.len()
+        )));
+    }
+    let items: Vec<Bound<'_, PyAny>> = obj.try_iter()?.collect::<PyResult<_>>()?;
+    if items.len() != keys.keys.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} keys but {} {what}s",
+            keys.keys.len(),
+            items.len()
+        )));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, it)| arrays(it, writable, &format!("{what}[{i}]")))
+        .collect()
+}
+
+/// How a list of outputs may be written by one call: each key's distinct outputs (the same
+/// array twice in one key's list is written once), and whether keys share an output (the
+/// calls then go key by key, so that the last key's value is what it holds, as in MXNet).
+/// Outputs that overlap without being the same array are refused.
+pub(crate) fn plan_outputs(outs: &mut [Vec<Lent>]) -> PyResult<bool> {
+    for list in outs.iter_mut() {
+        let mut kept: Vec<Lent> = Vec::with_capacity(list.len());
+        for o in list.drain(..) {
+            if kept.iter().any(|k| k.same(&o)) {
+                continue;
+            }
+            if kept.iter().any(|k| k.overlaps(&o)) {
+                return Err(PyValueError::new_err(
+                    "two outputs of one key overlap without being the same array",
+                ));
+            }
+            kept.push(o);
+        }
+        *list = kept;
+    }
+    let mut shared = false;
+    for (i, a) in outs.iter().enumerate() {
+        for b in &outs[i + 1..] {
+            for x in a {
+                for y in b {
+                    if x.same(y) {
+                        shared = true;
+                    } else if x.overlaps(y) {
+                        return Err(PyValueError::new_err(
+                            "outputs of two keys overlap without being the same array",
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(shared)
+}

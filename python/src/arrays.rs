@@ -1,0 +1,271 @@
+//! Python objects as kvstore arrays, with no copy: a buffer export (numpy arrays and anything
+//! with the buffer protocol; `__array_interface__` and DLPack objects through numpy), held
+//! alive by the array for as long as the store uses it.
+
+use std::ffi::c_int;
+use std::sync::Mutex;
+
+use kvstore::{DType, NDArray};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::{ffi, intern};
+
+/// numpy, imported once.
+pub(crate) fn numpy(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    NUMPY
+        .get_or_try_init(py, || py.import("numpy").map(Bound::unbind))
+        .map(|m| m.bind(py))
+}
+
+/// A buffer export, released (with the GIL) when the last array over it is dropped.
+struct Export {
+    view: Box<ffi::Py_buffer>,
+}
+
+// SAFETY: the export's fields are only read (by `borrow`, with the GIL) and it is released
+// with the GIL held (`Drop`); the memory it names is used under `NDArray::from_raw_parts`'s
+// contract, which the store keeps.
+unsafe impl Send for Export {}
+// SAFETY: as above; shared access reads nothing.
+unsafe impl Sync for Export {}
+
+impl Drop for Export {
+    fn drop(&mut self) {
+        Python::attach(|_| {
+            // SAFETY: the view was filled by a successful `PyObject_GetBuffer` and is released
+            // once, here, with the GIL held.
+            unsafe { ffi::PyBuffer_Release(&mut *self.view) }
+        });
+    }
+}
+
+/// An array over a Python object's memory, and where that memory is.
+pub(crate) struct Lent {
+    pub(crate) array: NDArray,
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+}
+
+impl Lent {
+    /// Whether two arrays share any byte.
+    pub(crate) fn overlaps(&self, other: &Lent) -> bool {
+        self.len > 0
+            && other.len > 0
+            && self.addr < other.addr + other.len
+            && other.addr < self.addr + self.len
+    }
+
+    /// Copies `src` (of the same length) into the lent memory, which was lent writable.
+    pub(crate) fn fill_from(&self, src: &NDArray) {
+        let b = src.as_bytes();
+        if b.len() == self.len && b.as_ptr() as usize != self.addr {
+            // SAFETY: the memory was exported writable (outputs, and values of a pushpull in
+            // place, are lent so) and the export lives in `self.array`; `src` is the store's
+            // own memory, apart from it; no call uses either now.
+            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.addr as *mut u8, b.len()) }
+        }
+    }
+
+    /// Whether two arrays are the same memory, exactly.
+    pub(crate) fn same(&self, other: &Lent) -> bool {
+        self.addr == other.addr && self.len == other.len
+    }
+}
+
+/// The dtype a buffer format names, for the dtypes the store has.
+fn dtype_of(format: &str, itemsize: usize) -> Option<DType> {
+    let code = format.trim_start_matches(['@', '=', '<']);
+    if code.starts_with(['>', '!']) {
+        return None;
+    }
+    match (code, itemsize) {
+        ("f", 4) => Some(DType::F32),
+        ("d", 8) => Some(DType::F64),
+        ("e", 2) => Some(DType::F16),
+        ("i" | "l" | "q", 4) => Some(DType::I32),
+        ("i" | "l" | "q", 8) => Some(DType::I64),
+        ("B", 1) => Some(DType::U8),
+        _ => None,
+    }
+}
+
+/// numpy's name for a dtype.
+pub(crate) fn numpy_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        DType::F16 => "float16",
+        DType::I32 => "int32",
+        DType::I64 => "int64",
+        DType::U8 => "uint8",
+        _ => "bfloat16",
+    }
+}
+
+/// Takes a buffer export of `obj`, or `None` where it has none.
+fn export(obj: &Bound<'_, PyAny>, writable: bool) -> Option<Export> {
+    let mut view: Box<ffi::Py_buffer> = Box::new(ffi::Py_buffer::new());
+    let flags: c_int = if writable {
+        ffi::PyBUF_RECORDS
+    } else {
+        ffi::PyBUF_RECORDS_RO
+    };
+    // SAFETY: `obj` is a live object (the GIL is held, as its `Bound` proves) and `view`
+    // points to writable memory of the right type.
+    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+    if rc == 0 {
+        Some(Export { view })
+    } else {
+        // SAFETY: the GIL is held; the failed call set an exception, which is not wanted.
+        unsafe { ffi::PyErr_Clear() };
+        None
+    }
+}
+
+/// `obj` as an array over its own memory: for reading (a pushed value) or, `writable`, for
+/// writing (a pull's output).
+pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Lent> {
+    let py = obj.py();
+    let mut e = export(obj, writable);
+    if e.is_none() {
+        // DLPack and `__array_interface__` objects become numpy arrays over the same memory.
+        let np = numpy(py)?;
+        let converted = if obj.hasattr(intern!(py, "__dlpack__"))? {
+            Some(np.call_method1(intern!(py, "from_dlpack"), (obj,))?)
+        } else if obj.hasattr(intern!(py, "__array_interface__"))? {
+            Some(np.call_method1(intern!(py, "asarray"), (obj,))?)
+        } else {
+            None
+        };
+        if let Some(c) = converted {
+            e = export(&c, writable);
+        }
+    }
+    let Some(e) = e else {
+        if writable && export(obj, false).is_some() {
+            return Err(PyValueError::new_err(format!(
+                "{what} is read-only: a pull writes its output in place"
+            )));
+        }
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a numpy array (or support the buffer protocol, \
+             __array_interface__ or DLPack), not {}",
+            obj.get_type().name()?
+        )));
+    };
+    let v = &*e.view;
+    // SAFETY: the view was filled by `PyObject_GetBuffer` and is live.
+    if unsafe { ffi::PyBuffer_IsContiguous(v, b'C' as std::ffi::c_char) } != 1 {
+        return Err(PyValueError::new_err(format!(
+            "{what} is not C-contiguous: the store reads and writes arrays in place \
+             (np.ascontiguousarray makes a contiguous copy)"
+        )));
+    }
+    let format = if v.format.is_null() {
+        "B".to_string()
+    } else {
+        // SAFETY: a non-null format is a NUL-terminated string owned by the export.
+        unsafe { std::ffi::CStr::from_ptr(v.format) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    let itemsize = usize::try_from(v.itemsize).unwrap_or(0);
+    let Some(dtype) = dtype_of(&format, itemsize) else {
+        return Err(PyTypeError::new_err(format!(
+            "{what} has an unsupported dtype (buffer format {format:?}, {itemsize} bytes); \
+             the store takes float32, float64, float16, int32, int64 and uint8"
+        )));
+    };
+    let ndim = usize::try_from(v.ndim).unwrap_or(0);
+    let shape: Vec<usize> = if ndim == 0 || v.shape.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: with PyBUF_STRIDES the export fills `shape` with `ndim` entries.
+        unsafe { std::slice::from_raw_parts(v.shape, ndim) }
+            .iter()
+            .map(|&n| usize::try_from(n).unwrap_or(0))
+            .collect()
+    };
+    let len = usize::try_from(v.len).unwrap_or(0);
+    let addr = v.buf as usize;
+    let ptr = v.buf.cast::<u8>();
+    // SAFETY: the export names `len` bytes at `ptr`, C-contiguous, of `shape` and `dtype`,
+    // valid while the export is held, which the array's owner does; the buffer protocol
+    // keeps the object from resizing meanwhile. The store reads them (a value) or writes
+    // them in place during a call, and a peer never writes them (lent memory is written by
+    // this process only), so nothing lands in them after a call returns.
+    let array = unsafe { NDArray::from_raw_parts(ptr, &shape, dtype, Box::new(e)) }
+        .map_err(|err| PyValueError::new_err(format!("{what}: {err}")))?;
+    Ok(Lent { array, addr, len })
+}
+
+/// Memory of the store lent to Python for the length of an updater's call, as the buffer
+/// numpy views. If a view outlives the call, the memory stays with it (`keep`), and the store
+/// goes on with a copy.
+#[pyclass(frozen, module = "kvstore")]
+pub(crate) struct Memory {
+    ptr: usize,
+    len: isize,
+    readonly: bool,
+    pub(crate) keep: Mutex<Option<NDArray>>,
+}
+
+impl Memory {
+    pub(crate) fn new(ptr: *const u8, len: usize, readonly: bool) -> Memory {
+        Memory {
+            ptr: ptr as usize,
+            len: isize::try_from(len).unwrap_or(isize::MAX),
+            readonly,
+            keep: Mutex::new(None),
+        }
+    }
+}
+
+#[pymethods]
+impl Memory {
+    /// # Safety
+    /// Called by Python with a view to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let m = slf.get();
+        if m.readonly && flags & ffi::PyBUF_WRITABLE != 0 {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "the updater's input is read-only",
+            ));
+        }
+        // SAFETY: Python passes a view to fill; every field is set, `obj` holds a reference
+        // to this object (so the memory, kept by the store during the call and by `keep`
+        // after it, outlives the view), and `shape` points into this frozen object.
+        unsafe {
+            (*view).obj = slf.clone().into_any().into_ptr();
+            (*view).buf = m.ptr as *mut std::ffi::c_void;
+            (*view).len = m.len;
+            (*view).readonly = c_int::from(m.readonly);
+            (*view).itemsize = 1;
+            (*view).format = if flags & ffi::PyBUF_FORMAT != 0 {
+                c"B".as_ptr().cast_mut()
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).ndim = 1;
+            (*view).shape = if flags & ffi::PyBUF_ND != 0 {
+                (&m.len as *const isize).cast_mut()
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).strides = std::ptr::null_mut();
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by Python when a view is released; nothing was allocated for it.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}

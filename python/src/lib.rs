@@ -1,0 +1,125 @@
+//! `kvstore._native`: MXNet's KVStore API for Python, on numpy arrays, over the kvstore crate.
+//! The Python package (`kvstore/`) re-exports it and adds the optimizer classes.
+
+mod arrays;
+mod args;
+mod store;
+mod updater;
+
+use kvstore::KvError;
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PySystemExit, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    kvstore,
+    KVStoreError,
+    PyRuntimeError,
+    "A kvstore call failed (the base of kvstore's own errors)."
+);
+pyo3::create_exception!(
+    kvstore,
+    PeerLost,
+    KVStoreError,
+    "A peer of a distributed job (server, scheduler or worker) died or left: the store is \
+     unusable."
+);
+pyo3::create_exception!(
+    kvstore,
+    Timeout,
+    KVStoreError,
+    "A distributed call waited longer than the job's timeout (KVSTORE_TIMEOUT): the store is \
+     unusable."
+);
+
+/// A kvstore error as the Python exception it is: KeyError, ValueError, TypeError, or one of
+/// kvstore's own. An exception that a Python updater raised is raised as itself.
+pub(crate) fn to_py(e: KvError) -> PyErr {
+    if let KvError::Updater { .. } = e {
+        if let Some(raised) = updater::take_raised() {
+            return raised;
+        }
+    }
+    let text = e.to_string();
+    match e {
+        KvError::UnknownKey(_) => PyKeyError::new_err(text),
+        KvError::ShapeMismatch { .. }
+        | KvError::DTypeMismatch { .. }
+        | KvError::LengthMismatch { .. }
+        | KvError::EmptyValues(_)
+        | KvError::BadShape { .. }
+        | KvError::TooLarge { .. }
+        | KvError::DoubleInit(_)
+        | KvError::UnknownType { .. }
+        | KvError::Incompatible(_) => PyValueError::new_err(text),
+        KvError::MixedKeyTypes(_) | KvError::WrongElementType { .. } => {
+            PyTypeError::new_err(text)
+        }
+        KvError::PeerLost(_) | KvError::Aborted(_) => PeerLost::new_err(text),
+        KvError::Timeout { .. } => Timeout::new_err(text),
+        KvError::Interrupted(_) => match store::take_signal() {
+            Some(signal) => signal,
+            None => KVStoreError::new_err(text),
+        },
+        _ => KVStoreError::new_err(text),
+    }
+}
+
+/// MXNet's store names, and the kvstore type each is.
+const NAMES: [(&str, &str); 9] = [
+    ("local", "local"),
+    ("device", "device"),
+    ("local_allreduce_cpu", "local"),
+    ("local_allreduce_device", "device"),
+    ("local_update_cpu", "local"),
+    ("dist_sync", "dist_sync"),
+    ("dist_async", "dist_async"),
+    ("dist_device_sync", "dist_sync"),
+    ("dist_sync_device", "dist_sync"),
+];
+
+/// create(name='local')
+/// --
+///
+/// Creates a KVStore, as MXNet's `mx.kv.create`: 'local' and 'device' (one process, with
+/// MXNet's aliases 'local_allreduce_cpu', 'local_allreduce_device', 'local_update_cpu'), or
+/// 'dist_sync' and 'dist_async' (alias 'dist_device_sync', 'dist_sync_device') in a job
+/// started by kvrun. In a job's server and scheduler processes, create runs that role until
+/// the job ends and then raises SystemExit with the role's exit code, as MXNet's server
+/// role runs inside the user's script.
+#[pyfunction]
+#[pyo3(signature = (name = "local"))]
+fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
+    let Some(&(_, kind)) = NAMES.iter().find(|(n, _)| *n == name) else {
+        let valid: Vec<&str> = NAMES.iter().map(|(n, _)| *n).collect();
+        return Err(PyValueError::new_err(format!(
+            "unknown KVStore type {name:?}; valid types are: {}",
+            valid.join(", ")
+        )));
+    };
+    if kind.starts_with("dist") {
+        let sync = kind == "dist_sync";
+        match py.detach(|| kvstore::run_role(sync)) {
+            Ok(None) => {}
+            Ok(Some(_)) => return Err(PySystemExit::new_err(0)),
+            Err(e) => {
+                eprintln!("kvstore: {e}");
+                return Err(PySystemExit::new_err(1));
+            }
+        }
+    }
+    let kv = py.detach(|| kvstore::create(kind)).map_err(to_py)?;
+    Ok(store::KVStore::new(kv, name))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    updater::register();
+    m.add_function(wrap_pyfunction!(create, m)?)?;
+    m.add_class::<store::KVStore>()?;
+    m.add_class::<arrays::Memory>()?;
+    let py = m.py();
+    m.add("KVStoreError", py.get_type::<KVStoreError>())?;
+    m.add("PeerLost", py.get_type::<PeerLost>())?;
+    m.add("Timeout", py.get_type::<Timeout>())?;
+    Ok(())
+}

@@ -1,0 +1,405 @@
+//! The `KVStore` class: MXNet 1.9's Python `KVStore`, on the kvstore crate's store.
+
+use std::sync::Mutex;
+
+use kvstore::{Key, Keys, NDArray, Optimizer, Outputs, Values};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::args::{keys, per_key, plan_outputs, KeyArg};
+use crate::arrays::Lent;
+use crate::{to_py, updater};
+
+/// Calls moving more bytes than this release the GIL in a local store (a distributed store's
+/// calls always do: they wait on the network).
+const DETACH_BYTES: usize = 1 << 18;
+
+/// The signal (KeyboardInterrupt) that interrupted a distributed call, raised by that call.
+static SIGNAL: Mutex<Option<PyErr>> = Mutex::new(None);
+
+pub(crate) fn take_signal() -> Option<PyErr> {
+    SIGNAL.lock().ok().and_then(|mut s| s.take())
+}
+
+/// A key-value store with MXNet's KVStore API (create one with `kvstore.create`).
+///
+/// Calls from several threads are serialised; a blocking call releases the GIL, and Ctrl-C
+/// interrupts it (the store then refuses further calls). A child made by `fork` cannot use
+/// its parent's store.
+#[pyclass(module = "kvstore", frozen)]
+pub(crate) struct KVStore {
+    inner: Mutex<Option<kvstore::KVStore>>,
+    name: String,
+    pid: u32,
+    rank: usize,
+    num_workers: usize,
+    dist: bool,
+}
+
+impl KVStore {
+    pub(crate) fn new(mut kv: kvstore::KVStore, name: &str) -> KVStore {
+        let dist = kv.type_name().starts_with("dist");
+        if dist {
+            kv.set_interrupt_check(|| {
+                Python::attach(|py| match py.check_signals() {
+                    Ok(()) => false,
+                    Err(e) => {
+                        if let Ok(mut s) = SIGNAL.lock() {
+                            *s = Some(e);
+                        }
+                        true
+                    }
+                })
+            });
+        }
+        KVStore {
+            rank: kv.rank(),
+            num_workers: kv.num_workers(),
+            inner: Mutex::new(Some(kv)),
+            name: name.to_string(),
+            pid: std::process::id(),
+            dist,
+        }
+    }
+
+    /// Runs `f` on the store, locked for the call: without the GIL where it may wait or copy
+    /// much, or where another thread holds the store (it may need the GIL to finish).
+    fn call<R: Send>(
+        &self,
+        py: Python<'_>,
+        bytes: usize,
+        f: impl FnOnce(&mut kvstore::KVStore) -> kvstore::Result<R> + Send,
+    ) -> PyResult<R> {
+        if std::process::id() != self.pid {
+            return Err(PyRuntimeError::new_err(format!(
+                "this KVStore was created in process {}; a child made by fork cannot use its \
+                 parent's store (create one in the child)",
+                self.pid
+            )));
+        }
+        let run = |g: &mut Option<kvstore::KVStore>| match g.as_mut() {
+            Some(kv) => f(kv).map_err(Some),
+            None => Err(None),
+        };
+        let r = match self.inner.try_lock() {
+            Ok(mut g) if !self.dist && bytes <= DETACH_BYTES => run(&mut g),
+            Ok(g) => {
+                drop(g);
+                py.detach(|| run(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
+            }
+            Err(_) => {
+                py.detach(|| run(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
+            }
+        };
+        r.map_err(|e| match e {
+            Some(e) => to_py(e),
+            None => PyRuntimeError::new_err("this KVStore is closed"),
+        })
+    }
+}
+
+fn nbytes(lists: &[Vec<Lent>]) -> usize {
+    lists.iter().flatten().map(|l| l.len).sum()
+}
+
+fn refs(lists: &[Vec<Lent>]) -> Vec<Vec<&NDArray>> {
+    lists
+        .iter()
+        .map(|l| l.iter().map(|x| &x.array).collect())
+        .collect()
+}
+
+fn refs_mut(lists: &mut [Vec<Lent>]) -> Vec<Vec<&mut NDArray>> {
+    lists
+        .iter_mut()
+        .map(|l| l.iter_mut().map(|x| &mut x.array).collect())
+        .collect()
+}
+
+/// The optimizer a `kvstore.optimizer` object describes (`_kvstore_spec()`).
+fn optimizer_of(obj: &Bound<'_, PyAny>) -> PyResult<Optimizer> {
+    let spec = obj.call_method0("_kvstore_spec").map_err(|_| {
+        PyTypeError::new_err("set_optimizer takes a kvstore.optimizer object (SGD, Adam)")
+    })?;
+    let (name, p): (String, Bound<'_, PyDict>) = spec.extract()?;
+    let get = |k: &str, default: f64| -> PyResult<f64> {
+        match p.get_item(k)? {
+            Some(v) if !v.is_none() => v.extract(),
+            _ => Ok(default),
+        }
+    };
+    let opt = match name.as_str() {
+        "sgd" => Optimizer::sgd(get("learning_rate", 0.01)?).momentum(get("momentum", 0.0)?),
+        "adam" => Optimizer::adam(get("learning_rate", 0.001)?)
+            .beta1(get("beta1", 0.9)?)
+            .beta2(get("beta2", 0.999)?)
+            .epsilon(get("epsilon", 1e-8)?),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "optimizer {other:?} does not run in the store; it runs sgd and adam"
+            )))
+        }
+    };
+    Ok(opt
+        .wd(get("wd", 0.0)?)
+        .rescale_grad(get("rescale_grad", 1.0)?)
+        .clip_gradient(get("clip_gradient", 0.0)?))
+}
+
+#[pymethods]
+impl KVStore {
+    /// The store's type, as given to create.
+    #[getter(r#type)]
+    fn type_(&self) -> &str {
+        &self.name
+    }
+
+    /// This worker's rank (0 in a local store).
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of workers (1 in a local store).
+    #[getter]
+    fn num_workers(&self) -> usize {
+        self.num_workers
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<kvstore.KVStore type={:?} rank={} num_workers={}>",
+            self.name, self.rank, self.num_workers
+        )
+    }
+
+    /// Initialises keys with values (one per key); in a distributed store rank 0's values
+    /// are stored, and every worker waits for them.
+    fn init(&self, py: Python<'_>, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = keys(key)?;
+        let vals = per_key(&k, value, false, "value")?;
+        let n = nbytes(&vals);
+        let r = refs(&vals);
+        self.call(py, n, move |kv| kv.init(Keys::Many(k.keys), Values::Nested(r)))
+    }
+
+    /// Pushes values: a list of values for one key is summed, then merged into the stored value
+    /// by the updater (ASSIGN unless one is set). A larger priority is sent first.
+    #[pyo3(signature = (key, value, priority = 0))]
+    fn push(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        priority: i32,
+    ) -> PyResult<()> {
+        let k = keys(key)?;
+        let vals = per_key(&k, value, false, "value")?;
+        let n = nbytes(&vals);
+        let r = refs(&vals);
+        self.call(py, n, move |kv| {
+            kv.with_priority(priority)
+                .push(Keys::Many(k.keys), Values::Nested(r))
+        })
+    }
+
+    /// Pulls the stored values into `out` (an array, or a list: one per device, or one per
+    /// key), writing the arrays in place.
+    #[pyo3(signature = (key, out = None, priority = 0, ignore_sparse = true))]
+    fn pull(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+        ignore_sparse: bool,
+    ) -> PyResult<()> {
+        let _ = ignore_sparse;
+        let out = out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
+        let k = keys(key)?;
+        let mut outs = per_key(&k, out, true, "out")?;
+        self.pull_into(py, k, &mut outs, priority)
+    }
+
+    /// Pushes, then pulls the result into `out`; with no `out`, into the values themselves.
+    #[pyo3(signature = (key, value, out = None, priority = 0))]
+    fn pushpull(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+    ) -> PyResult<()> {
+        let k = keys(key)?;
+        let in_place = out.is_none();
+        let vals = per_key(&k, value, in_place, "value")?;
+        let mut outs = match out {
+            Some(o) => per_key(&k, o, true, "out")?,
+            None => Vec::new(),
+        };
+        let shared = plan_outputs(&mut outs)?;
+        let aliased = in_place
+            || outs
+                .iter()
+                .flatten()
+                .any(|o| vals.iter().flatten().any(|v| v.overlaps(o)));
+        for (list, vs) in outs.iter().zip(&vals) {
+            for o in list {
+                let v = &vs[0].array;
+                if o.array.shape() != v.shape() || o.array.dtype() != v.dtype() {
+                    return Err(PyValueError::new_err(format!(
+                        "out has shape {:?} and dtype {}, its value {:?} and {}",
+                        o.array.shape(),
+                        o.array.dtype(),
+                        v.shape(),
+                        v.dtype()
+                    )));
+                }
+            }
+        }
+        if aliased || shared {
+            // The results land in the store's memory first, and are copied into the outputs
+            // (or the values) once the call is over: a call never writes what it reads.
+            let mut tmp: Vec<NDArray> = vals
+                .iter()
+                .map(|l| NDArray::zeros_dtype(l[0].array.shape(), l[0].array.dtype()))
+                .collect();
+            let n = nbytes(&vals);
+            let r = refs(&vals);
+            let ks = k.keys.clone();
+            let tmp_refs: Vec<Vec<&mut NDArray>> = tmp.iter_mut().map(|t| vec![t]).collect();
+            self.call(py, n, move |kv| {
+                kv.with_priority(priority).pushpull(
+                    Keys::Many(ks),
+                    Values::Nested(r),
+                    Outputs::Nested(tmp_refs),
+                )
+            })?;
+            let targets = if in_place { &vals } else { &outs };
+            for (t, list) in tmp.iter().zip(targets) {
+                for o in list {
+                    o.fill_from(t);
+                }
+            }
+            return Ok(());
+        }
+        let n = nbytes(&vals) + nbytes(&outs);
+        let r = refs(&vals);
+        let o = refs_mut(&mut outs);
+        self.call(py, n, move |kv| {
+            kv.with_priority(priority).pushpull(
+                Keys::Many(k.keys),
+                Values::Nested(r),
+                Outputs::Nested(o),
+            )
+        })
+    }
+
+    /// Initialises keys with values (rank 0's, in a distributed store) and pulls them into
+    /// `out`.
+    #[pyo3(signature = (key, value, out, priority = 0))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        priority: i32,
+    ) -> PyResult<()> {
+        self.init(py, key, value)?;
+        self.pull(py, key, Some(out), priority, true)
+    }
+
+    /// Runs a built-in optimizer (`kvstore.optimizer.SGD`, `Adam`) as the updater; in a
+    /// distributed store it runs on the servers.
+    fn set_optimizer(&self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
+        let opt = optimizer_of(optimizer)?;
+        self.call(py, 0, move |kv| kv.set_optimizer(opt))
+    }
+
+    /// Sets the updater, `updater(key, input, stored)`, which merges `input` into `stored` (numpy
+    /// views of the store's memory) in place. In a distributed store it is pickled (by value,
+    /// with cloudpickle) and runs on the servers: unlike MXNet, which ignores a worker's
+    /// updater there.
+    fn _set_updater(&self, py: Python<'_>, updater: &Bound<'_, PyAny>) -> PyResult<()> {
+        if !updater.is_callable() {
+            return Err(PyTypeError::new_err("the updater must be callable"));
+        }
+        if self.dist {
+            let name = updater::ship(updater)?;
+            return self.call(py, 0, move |kv| kv.set_server_updater(&name));
+        }
+        let f = updater.clone().unbind();
+        self.call(py, 0, move |kv| {
+            kv.set_updater(move |k: &Key, i: &NDArray, s: &mut NDArray| updater::run(&f, k, i, s))
+        })
+    }
+
+    /// Waits until every worker reaches the barrier.
+    fn _barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, 0, |kv| kv.barrier())
+    }
+
+    /// Waits until every worker reaches the barrier (as `_barrier`).
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self._barrier(py)
+    }
+
+    /// Saves the built-in optimizer's state to a file (local stores).
+    #[pyo3(signature = (fname, dump_optimizer = false))]
+    fn save_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf, dump_optimizer: bool) -> PyResult<()> {
+        // The file always holds the optimizer's parameters with its state.
+        let _ = dump_optimizer;
+        self.call(py, 0, move |kv| kv.save_optimizer_states(&fname))
+    }
+
+    /// Loads the built-in optimizer's state from a file `save_optimizer_states` wrote.
+    fn load_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf) -> PyResult<()> {
+        self.call(py, 0, move |kv| kv.load_optimizer_states(&fname))
+    }
+
+    /// Whether the store can do `capability`: 'optimizer' (run an optimizer in the store).
+    fn is_capable(&self, capability: &str) -> PyResult<bool> {
+        match capability.to_ascii_lowercase().as_str() {
+            "optimizer" => Ok(true),
+            other => Err(PyValueError::new_err(format!("unknown capability {other:?}"))),
+        }
+    }
+}
+
+impl KVStore {
+    /// Pulls into lent outputs, key by key where keys share an output (the last key's value is
+    /// what it holds then, as in MXNet).
+    fn pull_into(&self, py: Python<'_>, k: KeyArg, outs: &mut [Vec<Lent>], priority: i32) -> PyResult<()> {
+        let shared = plan_outputs(outs)?;
+        let n = nbytes(outs);
+        if shared {
+            for (key, list) in k.keys.into_iter().zip(outs.iter_mut()) {
+                let o: Vec<&mut NDArray> = list.iter_mut().map(|x| &mut x.array).collect();
+                self.call(py, n, move |kv| {
+                    kv.with_priority(priority).pull(Keys::One(key), Outputs::List(o))
+                })?;
+            }
+            return Ok(());
+        }
+        let o = refs_mut(outs);
+        self.call(py, n, move |kv| {
+            kv.with_priority(priority)
+                .pull(Keys::Many(k.keys), Outputs::Nested(o))
+        })
+    }
+}
+
+impl Drop for KVStore {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child must not speak on its parent's links (a distributed store's
+            // destructor says goodbye to the servers and the scheduler).
+            if let Some(kv) = self.inner.get_mut().ok().and_then(Option::take) {
+                std::mem::forget(kv);
+            }
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! Python updaters, `update(key, input, stored)`, on numpy views of the store's memory: in a
+//! local store, and on the servers of a distributed one (shipped pickled, by value).
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use kvstore::{DType, Key, KvError, NDArray, SharedUpdater};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::{intern, IntoPyObjectExt};
+
+use crate::arrays::{numpy, numpy_name, Memory};
+
+/// The scheme of updaters shipped to servers: `python:<hex of the pickled function>`.
+pub(crate) const SCHEME: &str = "python";
+
+thread_local! {
+    /// The exception an updater raised in this thread, re-raised as itself by the call that
+    /// ran the updater.
+    static RAISED: RefCell<Option<PyErr>> = const { RefCell::new(None) };
+}
+
+/// The exception the last updater run in this thread raised, if any (taken).
+pub(crate) fn take_raised() -> Option<PyErr> {
+    RAISED.with(|r| r.borrow_mut().take())
+}
+
+/// A key as Python sees it.
+pub(crate) fn key_object(py: Python<'_>, key: &Key) -> PyResult<Py<PyAny>> {
+    match key {
+        Key::Int(i) => i.into_py_any(py),
+        Key::Str(s) => s.into_py_any(py),
+    }
+}
+
+/// A numpy array of `shape` and `dtype` over `mem`.
+fn view<'py>(mem: &Bound<'py, Memory>, shape: &[usize], dtype: DType) -> PyResult<Bound<'py, PyAny>> {
+    let py = mem.py();
+    let kw = PyDict::new(py);
+    kw.set_item(intern!(py, "dtype"), numpy_name(dtype))?;
+    let flat = numpy(py)?.call_method(intern!(py, "frombuffer"), (mem,), Some(&kw))?;
+    flat.call_method1(intern!(py, "reshape"), (PyTuple::new(py, shape)?,))
+}
+
+/// Runs `f(key, input, stored)` with numpy views: `stored` is written in place. A view kept
+/// past the call keeps its memory, and the store goes on with a copy of it.
+pub(crate) fn apply(
+    py: Python<'_>,
+    f: &Bound<'_, PyAny>,
+    key: &Key,
+    input: &NDArray,
+    stored: &mut NDArray,
+) -> PyResult<()> {
+    let in_mem = Bound::new(
+        py,
+        Memory::new(input.as_bytes().as_ptr(), input.nbytes(), true),
+    )?;
+    let (shape, dtype, nbytes) = (stored.shape().to_vec(), stored.dtype(), stored.nbytes());
+    let st_ptr = stored.as_bytes_mut().as_mut_ptr();
+    let st_mem = Bound::new(py, Memory::new(st_ptr, nbytes, false))?;
+    let result = (|| {
+        let a = view(&in_mem, input.shape(), input.dtype())?;
+        let b = view(&st_mem, &shape, dtype)?;
+        f.call1((key_object(py, key)?, a, b)).map(drop)
+    })();
+    // SAFETY: the GIL is held and the object is live.
+    if unsafe { pyo3::ffi::Py_REFCNT(in_mem.as_ptr()) } > 1 {
+        if let Ok(mut k) = in_mem.get().keep.lock() {
+            *k = Some(input.clone());
+        }
+    }
+    // SAFETY: as above.
+    if unsafe { pyo3::ffi::Py_REFCNT(st_mem.as_ptr()) } > 1 {
+        let copy = NDArray::from_bytes(&shape, dtype, stored.as_bytes())
+            .map(|c| c.on(stored.device()))
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        let old = std::mem::replace(stored, copy);
+        if let Ok(mut k) = st_mem.get().keep.lock() {
+            *k = Some(old);
+        }
+    }
+    result
+}
+
+/// Runs a Python updater for the store; an exception becomes the store's error, and is kept
+/// to be raised as itself by the call that ran it.
+pub(crate) fn run(f: &Py<PyAny>, key: &Key, input: &NDArray, stored: &mut NDArray) -> kvstore::Result<()> {
+    Python::attach(|py| {
+        apply(py, f.bind(py), key, input, stored).map_err(|e| {
+            let reason = e.to_string();
+            RAISED.with(|r| *r.borrow_mut() = Some(e));
+            KvError::Updater {
+                key: key.clone(),
+                reason,
+            }
+        })
+    })
+}
+
+/// Unpickles a shipped updater (on a worker, to check it, and on each server).
+fn unpickle(bytes: &[u8]) -> kvstore::Result<SharedUpdater> {
+    Python::attach(|py| {
+        let f = py
+            .import(intern!(py, "pickle"))
+            .and_then(|p| p.call_method1(intern!(py, "loads"), (PyBytes::new(py, bytes),)))
+            .map_err(|e| KvError::Unsupported(format!("the updater cannot be unpickled: {e}")))?;
+        if !f.is_callable() {
+            return Err(KvError::Unsupported("the shipped updater is not callable".into()));
+        }
+        let f = f.unbind();
+        Ok(Arc::new(move |k: &Key, i: &NDArray, s: &mut NDArray| run(&f, k, i, s)) as SharedUpdater)
+    })
+}
+
+/// Lets `set_server_updater("python:<hex>")` make Python updaters, in every process.
+pub(crate) fn register() {
+    kvstore::register_updater_factory(SCHEME, unpickle);
+}
+
+/// The name under which a worker ships `f` to the servers: cloudpickle pickles functions by
+/// value, so one defined in the script after `create` (which a server never reaches) works.
+pub(crate) fn ship(f: &Bound<'_, PyAny>) -> PyResult<String> {
+    let py = f.py();
+    let bytes = py
+        .import(intern!(py, "cloudpickle"))?
+        .call_method1(intern!(py, "dumps"), (f,))?;
+    let bytes: Vec<u8> = bytes.extract()?;
+    let mut name = String::with_capacity(SCHEME.len() + 1 + 2 * bytes.len());
+    name.push_str(SCHEME);
+    name.push(':');
+    for b in bytes {
+        name.push_str(&format!("{b:02x}"));
+    }
+    Ok(name)
+}
