@@ -1,8 +1,8 @@
 //! `kvstore._native`: MXNet's KVStore API for Python, on numpy arrays, over the kvstore crate.
 //! The Python package (`kvstore/`) re-exports it and adds the optimizer classes.
 
-mod arrays;
 mod args;
+mod arrays;
 mod store;
 mod updater;
 
@@ -51,9 +51,7 @@ pub(crate) fn to_py(e: KvError) -> PyErr {
         | KvError::DoubleInit(_)
         | KvError::UnknownType { .. }
         | KvError::Incompatible(_) => PyValueError::new_err(text),
-        KvError::MixedKeyTypes(_) | KvError::WrongElementType { .. } => {
-            PyTypeError::new_err(text)
-        }
+        KvError::MixedKeyTypes(_) | KvError::WrongElementType { .. } => PyTypeError::new_err(text),
         KvError::PeerLost(_) | KvError::Aborted(_) => PeerLost::new_err(text),
         KvError::Timeout { .. } => Timeout::new_err(text),
         KvError::Interrupted(_) => match store::take_signal() {

@@ -88,9 +88,7 @@ impl KVStore {
                 drop(g);
                 py.detach(|| run(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
             }
-            Err(_) => {
-                py.detach(|| run(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
-            }
+            Err(_) => py.detach(|| run(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()))),
         };
         r.map_err(|e| match e {
             Some(e) => to_py(e),
@@ -176,12 +174,19 @@ impl KVStore {
 
     /// Initialises keys with values (one per key); in a distributed store rank 0's values
     /// are stored, and every worker waits for them.
-    fn init(&self, py: Python<'_>, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn init(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let k = keys(key)?;
         let vals = per_key(&k, value, false, "value")?;
         let n = nbytes(&vals);
         let r = refs(&vals);
-        self.call(py, n, move |kv| kv.init(Keys::Many(k.keys), Values::Nested(r)))
+        self.call(py, n, move |kv| {
+            kv.init(Keys::Many(k.keys), Values::Nested(r))
+        })
     }
 
     /// Pushes values: a list of values for one key is summed, then merged into the stored value
@@ -216,7 +221,8 @@ impl KVStore {
         ignore_sparse: bool,
     ) -> PyResult<()> {
         let _ = ignore_sparse;
-        let out = out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
+        let out =
+            out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
         let k = keys(key)?;
         let mut outs = per_key(&k, out, true, "out")?;
         self.pull_into(py, k, &mut outs, priority)
@@ -349,7 +355,12 @@ impl KVStore {
 
     /// Saves the built-in optimizer's state to a file (local stores).
     #[pyo3(signature = (fname, dump_optimizer = false))]
-    fn save_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf, dump_optimizer: bool) -> PyResult<()> {
+    fn save_optimizer_states(
+        &self,
+        py: Python<'_>,
+        fname: std::path::PathBuf,
+        dump_optimizer: bool,
+    ) -> PyResult<()> {
         // The file always holds the optimizer's parameters with its state.
         let _ = dump_optimizer;
         self.call(py, 0, move |kv| kv.save_optimizer_states(&fname))
@@ -364,7 +375,9 @@ impl KVStore {
     fn is_capable(&self, capability: &str) -> PyResult<bool> {
         match capability.to_ascii_lowercase().as_str() {
             "optimizer" => Ok(true),
-            other => Err(PyValueError::new_err(format!("unknown capability {other:?}"))),
+            other => Err(PyValueError::new_err(format!(
+                "unknown capability {other:?}"
+            ))),
         }
     }
 }
@@ -372,14 +385,21 @@ impl KVStore {
 impl KVStore {
     /// Pulls into lent outputs, key by key where keys share an output (the last key's value is
     /// what it holds then, as in MXNet).
-    fn pull_into(&self, py: Python<'_>, k: KeyArg, outs: &mut [Vec<Lent>], priority: i32) -> PyResult<()> {
+    fn pull_into(
+        &self,
+        py: Python<'_>,
+        k: KeyArg,
+        outs: &mut [Vec<Lent>],
+        priority: i32,
+    ) -> PyResult<()> {
         let shared = plan_outputs(outs)?;
         let n = nbytes(outs);
         if shared {
             for (key, list) in k.keys.into_iter().zip(outs.iter_mut()) {
                 let o: Vec<&mut NDArray> = list.iter_mut().map(|x| &mut x.array).collect();
                 self.call(py, n, move |kv| {
-                    kv.with_priority(priority).pull(Keys::One(key), Outputs::List(o))
+                    kv.with_priority(priority)
+                        .pull(Keys::One(key), Outputs::List(o))
                 })?;
             }
             return Ok(());

@@ -34,7 +34,11 @@ pub(crate) fn key_object(py: Python<'_>, key: &Key) -> PyResult<Py<PyAny>> {
 }
 
 /// A numpy array of `shape` and `dtype` over `mem`.
-fn view<'py>(mem: &Bound<'py, Memory>, shape: &[usize], dtype: DType) -> PyResult<Bound<'py, PyAny>> {
+fn view<'py>(
+    mem: &Bound<'py, Memory>,
+    shape: &[usize],
+    dtype: DType,
+) -> PyResult<Bound<'py, PyAny>> {
     let py = mem.py();
     let kw = PyDict::new(py);
     kw.set_item(intern!(py, "dtype"), numpy_name(dtype))?;
@@ -84,7 +88,12 @@ pub(crate) fn apply(
 
 /// Runs a Python updater for the store; an exception becomes the store's error, and is kept
 /// to be raised as itself by the call that ran it.
-pub(crate) fn run(f: &Py<PyAny>, key: &Key, input: &NDArray, stored: &mut NDArray) -> kvstore::Result<()> {
+pub(crate) fn run(
+    f: &Py<PyAny>,
+    key: &Key,
+    input: &NDArray,
+    stored: &mut NDArray,
+) -> kvstore::Result<()> {
     Python::attach(|py| {
         apply(py, f.bind(py), key, input, stored).map_err(|e| {
             let reason = e.to_string();
@@ -105,10 +114,15 @@ fn unpickle(bytes: &[u8]) -> kvstore::Result<SharedUpdater> {
             .and_then(|p| p.call_method1(intern!(py, "loads"), (PyBytes::new(py, bytes),)))
             .map_err(|e| KvError::Unsupported(format!("the updater cannot be unpickled: {e}")))?;
         if !f.is_callable() {
-            return Err(KvError::Unsupported("the shipped updater is not callable".into()));
+            return Err(KvError::Unsupported(
+                "the shipped updater is not callable".into(),
+            ));
         }
         let f = f.unbind();
-        Ok(Arc::new(move |k: &Key, i: &NDArray, s: &mut NDArray| run(&f, k, i, s)) as SharedUpdater)
+        Ok(
+            Arc::new(move |k: &Key, i: &NDArray, s: &mut NDArray| run(&f, k, i, s))
+                as SharedUpdater,
+        )
     })
 }
 

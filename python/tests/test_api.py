@@ -1,0 +1,303 @@
+"""MXNet's KVStore API on numpy arrays: arrays in and out without copies, every error case,
+optimizers, threads and fork."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import optimizer as opt
+
+SHAPE = (2, 3)
+
+
+@pytest.fixture
+def kv():
+    kv = kvstore.create("local")
+    kv.init(3, np.ones(SHAPE, dtype=np.float32))
+    return kv
+
+
+def test_names_and_properties():
+    for name, kind in [("local", "local"), ("device", "device"),
+                       ("local_allreduce_cpu", "local"), ("local_allreduce_device", "device")]:
+        kv = kvstore.create(name)
+        assert (kv.type, kv.rank, kv.num_workers) == (name, 0, 1)
+    assert kvstore.create().type == "local"
+    with pytest.raises(ValueError, match="dist_device_sync"):
+        kvstore.create("nope")
+    assert kvstore.create().is_capable("optimizer")
+    assert kvstore.create().is_capable(kvstore.KVStore.__name__ and "OPTIMIZER")
+    with pytest.raises(ValueError):
+        kvstore.create().is_capable("teleport")
+
+
+def test_pull_writes_in_place_and_keeps_the_object(kv):
+    out = np.zeros(SHAPE, dtype=np.float32)
+    address = out.__array_interface__["data"][0]
+    kv.pull(3, out=out)
+    assert out.__array_interface__["data"][0] == address
+    assert (out == 1).all()
+    # A view of a bigger array is written in place too (rows of a C-contiguous array).
+    big = np.zeros((4, 3), dtype=np.float32)
+    kv.pull(3, out=big[1:3])
+    assert (big[1:3] == 1).all() and (big[0] == 0).all() and (big[3] == 0).all()
+
+
+def test_every_dtype_round_trips():
+    kv = kvstore.create("local")
+    for i, dt in enumerate([np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8]):
+        v = (np.arange(6).reshape(SHAPE) + 1).astype(dt)
+        kv.init(100 + i, v)
+        kv.push(100 + i, [v, v])
+        out = np.zeros(SHAPE, dtype=dt)
+        kv.pull(100 + i, out=out)
+        assert out.dtype == dt and (out == 2 * v).all(), dt
+
+
+def test_array_interface_and_dlpack_objects(kv):
+    class Interface:
+        def __init__(self, a):
+            self.a = a
+            self.__array_interface__ = a.__array_interface__
+
+    class DLPack:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    target = np.zeros(SHAPE, dtype=np.float32)
+    kv.push(3, Interface(np.full(SHAPE, 5, dtype=np.float32)))
+    kv.pull(3, out=Interface(target))
+    assert (target == 5).all()
+    kv.push(3, DLPack(np.full(SHAPE, 6, dtype=np.float32)))
+    target2 = np.zeros(SHAPE, dtype=np.float32)
+    kv.pull(3, out=DLPack(target2))
+    assert (target2 == 6).all()
+    # numpy's own from_dlpack sees the same memory.
+    assert np.from_dlpack(DLPack(target2)).__array_interface__["data"][0] == \
+        target2.__array_interface__["data"][0]
+
+
+def test_pushpull_broadcast_and_priority(kv):
+    v = np.full(SHAPE, 4, dtype=np.float32)
+    out = np.zeros(SHAPE, dtype=np.float32)
+    kv.pushpull(3, v, out=out, priority=5)
+    assert (out == 4).all()
+    # In place when out is None.
+    w = np.full(SHAPE, 7, dtype=np.float32)
+    kv.pushpull(3, w)
+    assert (w == 7).all()
+    # out=value explicitly, and a list of devices.
+    ws = [np.full(SHAPE, 1, dtype=np.float32), np.full(SHAPE, 2, dtype=np.float32)]
+    kv.pushpull(3, ws, out=ws)
+    assert all((x == 3).all() for x in ws)
+    b = np.zeros(SHAPE)
+    kv.broadcast(8, np.full(SHAPE, 9.0), out=b, priority=-1)
+    assert (b == 9).all()
+    kv.push([3, 8], [np.ones(SHAPE, dtype=np.float32), np.ones(SHAPE)], priority=2)
+    outs = [np.zeros(SHAPE, dtype=np.float32), np.zeros(SHAPE)]
+    kv.pull([3, 8], out=outs, priority=1)
+    assert (outs[0] == 1).all() and (outs[1] == 1).all()
+
+
+def test_string_keys():
+    kv = kvstore.create()
+    kv.init(["w", "b"], [np.ones(SHAPE), np.zeros(SHAPE)])
+    kv.push("b", np.full(SHAPE, 3.0))
+    out = np.zeros(SHAPE)
+    kv.pull("b", out=out)
+    assert (out == 3).all()
+    with pytest.raises(TypeError, match="integer keys or string keys"):
+        kv.push(1, np.ones(SHAPE))
+
+
+def test_errors_are_python_exceptions(kv):
+    with pytest.raises(KeyError):
+        kv.push(99, np.ones(SHAPE, dtype=np.float32))
+    with pytest.raises(KeyError):
+        kv.pull(99, out=np.zeros(SHAPE, dtype=np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        kv.push(3, np.ones((3, 2), dtype=np.float32))
+    with pytest.raises(ValueError, match="dtype"):
+        kv.push(3, np.ones(SHAPE, dtype=np.float64))
+    with pytest.raises(ValueError, match="shape"):
+        kv.pull(3, out=np.zeros((6,), dtype=np.float32))
+    with pytest.raises(ValueError, match="already initialised"):
+        kv.init(3, np.ones(SHAPE, dtype=np.float32))
+    with pytest.raises(ValueError, match="3 keys but 2"):
+        kv.push([3, 3, 3], [np.ones(SHAPE, dtype=np.float32)] * 2)
+    with pytest.raises(ValueError, match="needs out"):
+        kv.pull(3)
+    with pytest.raises(TypeError, match="key"):
+        kv.push(3.5, np.ones(SHAPE, dtype=np.float32))
+    with pytest.raises(TypeError, match="numpy array"):
+        kv.push(3, "not an array")
+    with pytest.raises(TypeError, match="numpy array"):
+        kv.push(3, [1.0, 2.0])
+    with pytest.raises(TypeError, match="dtype"):
+        kv.push(3, np.ones(SHAPE, dtype=np.complex64))
+    ro = np.zeros(SHAPE, dtype=np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        kv.pull(3, out=ro)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kv.pull(3, out=np.zeros((3, 2), dtype=np.float32).T)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kv.push(3, np.ones((3, 2), dtype=np.float32).T)
+    big = np.zeros(12, dtype=np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        kv.pull([3, 3], out=[big[:6].reshape(SHAPE), big[3:9].reshape(SHAPE)])
+    with pytest.raises(TypeError, match="callable"):
+        kv._set_updater(5)
+    with pytest.raises(TypeError, match="kvstore.optimizer"):
+        kv.set_optimizer("sgd")
+    # Nothing above changed the stored value.
+    out = np.zeros(SHAPE, dtype=np.float32)
+    kv.pull(3, out=out)
+    assert (out == 1).all()
+
+
+def test_updater_exceptions_propagate_as_themselves(kv):
+    class Boom(Exception):
+        pass
+
+    def update(key, input, stored):
+        raise Boom(f"no update for {key}")
+    kv._set_updater(update)
+    with pytest.raises(Boom, match="no update for 3"):
+        kv.push(3, np.ones(SHAPE, dtype=np.float32))
+
+
+def test_updater_views_are_in_place_and_may_outlive_the_call(kv):
+    kept = []
+
+    def update(key, input, stored):
+        assert not input.flags.writeable and stored.flags.writeable
+        assert stored.shape == SHAPE and stored.dtype == np.float32
+        stored += input * 2
+        kept.append((input, stored))
+    kv._set_updater(update)
+    kv.push(3, np.ones(SHAPE, dtype=np.float32))
+    out = np.zeros(SHAPE, dtype=np.float32)
+    kv.pull(3, out=out)
+    assert (out == 3).all()
+    # The kept view is its own memory now: writing it does not change the store.
+    kept[0][1][:] = -100
+    kv.pull(3, out=out)
+    assert (out == 3).all()
+    kv.push(3, np.ones(SHAPE, dtype=np.float32))
+    kv.pull(3, out=out)
+    assert (out == 5).all()
+    assert (kept[0][1] == -100).all()
+
+
+def test_optimizers_match_mxnet_rules():
+    kv = kvstore.create()
+    w0 = np.ones(4, dtype=np.float64)
+    kv.init(0, w0)
+    kv.set_optimizer(opt.SGD(learning_rate=0.5, momentum=0.9, wd=0.1, rescale_grad=0.5))
+    g = np.full(4, 2.0)
+    kv.push(0, g)
+    out = np.zeros(4)
+    kv.pull(0, out=out)
+    assert np.allclose(out, 0.45)
+    kv.push(0, g)
+    kv.pull(0, out=out)
+    assert np.allclose(out, 0.45 - 1.0175)
+
+    kv = kvstore.create()
+    kv.init(1, np.ones(2))
+    kv.set_optimizer(opt.create("adam", learning_rate=0.01))
+    kv.push(1, np.array([3.0, -0.5]))
+    out = np.zeros(2)
+    kv.pull(1, out=out)
+    assert np.allclose(out, [0.99, 1.01], atol=1e-6)
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        opt.SGD(lr_scheduler=object())
+    with pytest.raises(TypeError, match="unexpected"):
+        opt.Adam(betta1=0.5)
+    with pytest.raises(ValueError):
+        opt.create("rmsprop")
+    assert opt.SGD().learning_rate == 0.01 and opt.Adam().lr == 0.001
+
+
+def test_optimizer_states_save_and_load(tmp_path):
+    def store():
+        kv = kvstore.create()
+        kv.init(0, np.ones(4))
+        kv.set_optimizer(opt.SGD(learning_rate=0.1, momentum=0.9))
+        return kv
+    a = store()
+    a.push(0, np.ones(4))
+    a.save_optimizer_states(str(tmp_path / "s"), dump_optimizer=True)
+    b = store()
+    b.load_optimizer_states(tmp_path / "s")
+    out_a, out_b = np.zeros(4), np.zeros(4)
+    # b's weights differ (fresh), but the momentum it loaded is a's: the step is the same.
+    a.pull(0, out=out_a)
+    b.push(0, np.zeros(4))
+    a.push(0, np.zeros(4))
+    a_after, b_after = np.zeros(4), np.zeros(4)
+    a.pull(0, out=a_after)
+    b.pull(0, out=b_after)
+    assert np.allclose(out_a - a_after, 1.0 - b_after)
+    (tmp_path / "bad").write_bytes(b"garbage")
+    with pytest.raises(kvstore.KVStoreError, match="optimizer states"):
+        b.load_optimizer_states(tmp_path / "bad")
+    with pytest.raises(kvstore.KVStoreError):
+        kvstore.create().save_optimizer_states(str(tmp_path / "none"))
+
+
+def test_threads_share_a_store_safely():
+    kv = kvstore.create()
+    kv.init(0, np.zeros(1000))
+
+    def add(key, input, stored):
+        stored += input
+    kv._set_updater(add)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(200):
+                kv.push(0, np.ones(1000))
+                kv.pull(0, out=np.zeros(1000))
+        except Exception as e:  # noqa: BLE001 - any error fails the test
+            errors.append(e)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    out = np.zeros(1000)
+    kv.pull(0, out=out)
+    assert (out == 800).all()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_is_told_it_cannot_use_the_store(kv):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            kv.push(3, np.ones(SHAPE, dtype=np.float32))
+            msg = b"no error"
+        except RuntimeError as e:
+            msg = str(e).encode()
+        os.write(w, msg)
+        os._exit(0)
+    os.close(w)
+    msg = os.read(r, 4096).decode()
+    os.waitpid(pid, 0)
+    assert "fork" in msg and f"process {os.getpid()}" in msg, msg
+    kv.push(3, np.ones(SHAPE, dtype=np.float32))

@@ -1,0 +1,146 @@
+"""Distributed jobs of Python workers and servers under kvrun: the same script in every
+process, as MXNet's server role runs inside the user's script."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def kvrun():
+    env = os.environ.get("KVRUN")
+    if env:
+        return env
+    for profile in ("release", "debug"):
+        p = ROOT / "target" / profile / "kvrun"
+        if p.exists():
+            return str(p)
+    pytest.skip("kvrun is not built (cargo build --release -p kvstore-launcher)")
+
+
+def run_job(tmp_path, body, workers=2, servers=2, env=None, timeout=120, wait=True):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""\
+        import os, sys, time
+        import numpy as np
+        import kvstore
+        ROLE = os.environ.get("DMLC_ROLE", "worker")
+        DIR = sys.argv[1]
+        open(os.path.join(DIR, f"{ROLE}.{os.getpid()}"), "w").close()
+        try:
+            kv = kvstore.create("dist_sync")
+        except SystemExit as e:
+            print(f"{ROLE} ends with SystemExit({e.code})", flush=True)
+            raise
+        """) + textwrap.dedent(body))
+    cmd = [kvrun(), "-n", str(workers), "-s", str(servers), sys.executable, str(script),
+           str(tmp_path)]
+    e = dict(os.environ, KVSTORE_TIMEOUT="30", **(env or {}))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
+    if not wait:
+        return p
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
+    code, out = run_job(tmp_path, """
+        shape = (2, 3)
+        big = (600, 1000)      # sliced over both servers (bound 100000)
+        kv.init(3, np.ones(shape) * 2)
+        kv.init(4, np.zeros(big, dtype=np.float32))
+
+        def update(key, input, stored):
+            print("update on key: %d" % key, flush=True)
+            stored += input * 2
+
+        kv._set_updater(update)
+        kv.push(3, np.ones(shape))
+        a = np.zeros(shape)
+        kv.pull(3, out=a)
+        assert (a == 6).all(), a          # 2 + (1 + 1) * 2
+        g = np.full(big, kv.rank + 1, dtype=np.float32)
+        out = np.zeros(big, dtype=np.float32)
+        kv.pushpull(4, g, out=out)
+        assert (out == 6).all(), out       # 0 + (1 + 2) * 2
+        kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1))
+        kv.push(4, g)
+        kv.pull(4, out=out)
+        assert np.allclose(out, 6 - 0.1 * 3), out
+        print(f"worker {kv.rank} of {kv.num_workers} done", flush=True)
+        """, env={"KVSTORE_BIGARRAY_BOUND": "100000"})
+    assert code == 0, out
+    for w in range(2):
+        assert f"worker {w} of 2 done" in out, out
+    assert out.count("update on key: 3") == 1, out
+    # Key 4 is sliced: each server ran the updater on its slice.
+    assert out.count("update on key: 4") == 2, out
+    assert out.count("server ends with SystemExit(0)") == 2, out
+
+
+def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path):
+    p = run_job(tmp_path, """
+        kv.init(1, np.zeros(4))
+        if kv.rank == 1:
+            time.sleep(8)            # never pushes: rank 0's round waits
+            sys.exit(0)
+        with open(os.path.join(DIR, "waiting.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(DIR, "waiting.tmp"), os.path.join(DIR, "waiting"))
+        try:
+            kv.push(1, np.ones(4))
+            print("push returned", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        try:
+            kv.push(1, np.ones(4))
+        except kvstore.KVStoreError as e:
+            print(f"refused after: {e}", flush=True)
+        """, wait=False)
+    deadline = time.time() + 60
+    while not (tmp_path / "waiting").exists():
+        assert time.time() < deadline and p.poll() is None, p.communicate()[0]
+        time.sleep(0.05)
+    time.sleep(0.5)
+    pid = int((tmp_path / "waiting").read_text())
+    os.kill(pid, signal.SIGINT)
+    out, _ = p.communicate(timeout=60)
+    assert "interrupted" in out, out
+    assert "refused after: job aborted" in out and "interrupted" in out.split("refused after")[1], out
+    assert "push returned" not in out, out
+
+
+def test_a_dead_server_is_peer_lost(tmp_path):
+    p = run_job(tmp_path, """
+        kv.init(1, np.zeros(4))
+        kv.barrier()
+        if kv.rank == 0:
+            open(os.path.join(DIR, "ready"), "w").close()
+            while not os.path.exists(os.path.join(DIR, "go")):
+                time.sleep(0.05)
+            try:
+                for _ in range(100):
+                    kv.push(1, np.ones(4))
+                    time.sleep(0.05)
+                print("no error", flush=True)
+            except kvstore.PeerLost as e:
+                print(f"PeerLost: {e}", flush=True)
+        """, workers=1, servers=1, wait=False)
+    deadline = time.time() + 60
+    while not (tmp_path / "ready").exists():
+        assert time.time() < deadline and p.poll() is None, p.communicate()[0]
+        time.sleep(0.05)
+    server = next(int(f.name.split(".")[1]) for f in tmp_path.iterdir()
+                  if f.name.startswith("server."))
+    os.kill(server, signal.SIGKILL)
+    (tmp_path / "go").touch()
+    out, _ = p.communicate(timeout=60)
+    assert "PeerLost: " in out, out
+    assert "no error" not in out, out
