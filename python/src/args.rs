@@ -13,11 +13,11 @@ pub(crate) struct KeyArg {
     pub(crate) list: bool,
 }
 
-fn is_list(obj: &Bound<'_, PyAny>) -> bool {
+pub(crate) fn is_list(obj: &Bound<'_, PyAny>) -> bool {
     obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()
 }
 
-fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
+pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(Key::Str(s.to_str()?.to_string()));
     }

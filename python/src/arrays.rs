@@ -21,7 +21,8 @@ pub(crate) fn numpy(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
 
 /// A buffer export, released (with the GIL) when the last array over it is dropped.
 struct Export {
-    view: Box<ffi::Py_buffer>,
+    view: ffi::Py_buffer,
+    filled: bool,
 }
 
 // SAFETY: the export's fields are only read (by `borrow`, with the GIL) and it is released
@@ -33,11 +34,13 @@ unsafe impl Sync for Export {}
 
 impl Drop for Export {
     fn drop(&mut self) {
-        Python::attach(|_| {
-            // SAFETY: the view was filled by a successful `PyObject_GetBuffer` and is released
-            // once, here, with the GIL held.
-            unsafe { ffi::PyBuffer_Release(&mut *self.view) }
-        });
+        if self.filled {
+            Python::attach(|_| {
+                // SAFETY: the view was filled by a successful `PyObject_GetBuffer` and is
+                // released once, here, with the GIL held.
+                unsafe { ffi::PyBuffer_Release(&mut self.view) }
+            });
+        }
     }
 }
 
@@ -105,8 +108,12 @@ pub(crate) fn numpy_name(d: DType) -> &'static str {
 }
 
 /// Takes a buffer export of `obj`, or `None` where it has none.
-fn export(obj: &Bound<'_, PyAny>, writable: bool) -> Option<Export> {
-    let mut view: Box<ffi::Py_buffer> = Box::new(ffi::Py_buffer::new());
+fn export(obj: &Bound<'_, PyAny>, writable: bool) -> Option<Box<Export>> {
+    // Boxed before it is filled: an exporter may point the view's fields into the view.
+    let mut e = Box::new(Export {
+        view: ffi::Py_buffer::new(),
+        filled: false,
+    });
     let flags: c_int = if writable {
         ffi::PyBUF_RECORDS
     } else {
@@ -114,9 +121,10 @@ fn export(obj: &Bound<'_, PyAny>, writable: bool) -> Option<Export> {
     };
     // SAFETY: `obj` is a live object (the GIL is held, as its `Bound` proves) and `view`
     // points to writable memory of the right type.
-    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut e.view, flags) };
     if rc == 0 {
-        Some(Export { view })
+        e.filled = true;
+        Some(e)
     } else {
         // SAFETY: the GIL is held; the failed call set an exception, which is not wanted.
         unsafe { ffi::PyErr_Clear() };
@@ -155,7 +163,7 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
             obj.get_type().name()?
         )));
     };
-    let v = &*e.view;
+    let v = &e.view;
     // SAFETY: the view was filled by `PyObject_GetBuffer` and is live.
     if unsafe { ffi::PyBuffer_IsContiguous(v, b'C' as std::ffi::c_char) } != 1 {
         return Err(PyValueError::new_err(format!(
@@ -163,30 +171,41 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
              (np.ascontiguousarray makes a contiguous copy)"
         )));
     }
-    let format = if v.format.is_null() {
-        "B".to_string()
+    let format: &str = if v.format.is_null() {
+        "B"
     } else {
-        // SAFETY: a non-null format is a NUL-terminated string owned by the export.
+        // SAFETY: a non-null format is a NUL-terminated string owned by the export, which
+        // lives to the end of this function at least.
         unsafe { std::ffi::CStr::from_ptr(v.format) }
-            .to_string_lossy()
-            .into_owned()
+            .to_str()
+            .unwrap_or("?")
     };
     let itemsize = usize::try_from(v.itemsize).unwrap_or(0);
-    let Some(dtype) = dtype_of(&format, itemsize) else {
+    let Some(dtype) = dtype_of(format, itemsize) else {
         return Err(PyTypeError::new_err(format!(
             "{what} has an unsupported dtype (buffer format {format:?}, {itemsize} bytes); \
              the store takes float32, float64, float16, int32, int64 and uint8"
         )));
     };
     let ndim = usize::try_from(v.ndim).unwrap_or(0);
-    let shape: Vec<usize> = if ndim == 0 || v.shape.is_null() {
-        Vec::new()
+    let dims: &[isize] = if ndim == 0 || v.shape.is_null() {
+        &[]
     } else {
-        // SAFETY: with PyBUF_STRIDES the export fills `shape` with `ndim` entries.
+        // SAFETY: with PyBUF_STRIDES the export fills `shape` with `ndim` entries, which live
+        // as long as the export.
         unsafe { std::slice::from_raw_parts(v.shape, ndim) }
-            .iter()
-            .map(|&n| usize::try_from(n).unwrap_or(0))
-            .collect()
+    };
+    // Most arrays have few dimensions: their shape is converted on the stack.
+    let mut small = [0usize; 8];
+    let large: Vec<usize>;
+    let shape: &[usize] = if dims.len() <= small.len() {
+        for (d, &n) in small.iter_mut().zip(dims) {
+            *d = usize::try_from(n).unwrap_or(0);
+        }
+        &small[..dims.len()]
+    } else {
+        large = dims.iter().map(|&n| usize::try_from(n).unwrap_or(0)).collect();
+        &large
     };
     let len = usize::try_from(v.len).unwrap_or(0);
     let addr = v.buf as usize;
@@ -196,7 +215,7 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
     // keeps the object from resizing meanwhile. The store reads them (a value) or writes
     // them in place during a call, and a peer never writes them (lent memory is written by
     // this process only), so nothing lands in them after a call returns.
-    let array = unsafe { NDArray::from_raw_parts(ptr, &shape, dtype, Box::new(e)) }
+    let array = unsafe { NDArray::from_raw_parts(ptr, shape, dtype, e) }
         .map_err(|err| PyValueError::new_err(format!("{what}: {err}")))?;
     Ok(Lent { array, addr, len })
 }

@@ -112,6 +112,7 @@ fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     updater::register();
+    store::watch_forks();
     m.add_function(wrap_pyfunction!(create, m)?)?;
     m.add_class::<store::KVStore>()?;
     m.add_class::<arrays::Memory>()?;

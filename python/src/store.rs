@@ -1,5 +1,6 @@
 //! The `KVStore` class: MXNet 1.9's Python `KVStore`, on the kvstore crate's store.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use kvstore::{Key, Keys, NDArray, Optimizer, Outputs, Values};
@@ -7,13 +8,29 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::args::{keys, per_key, plan_outputs, KeyArg};
+use crate::args::{is_list, keys, per_key, plan_outputs, KeyArg};
 use crate::arrays::Lent;
 use crate::{to_py, updater};
 
 /// Calls moving more bytes than this release the GIL in a local store (a distributed store's
 /// calls always do: they wait on the network).
 const DETACH_BYTES: usize = 1 << 18;
+
+/// How many times this process is a child made by fork, counted by a `pthread_atfork` handler
+/// (a store remembers the count it was made in: reading the pid on every call is a system
+/// call).
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn forked() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts forks from now on (once, when the module loads).
+pub(crate) fn watch_forks() {
+    // SAFETY: registers a handler that only increments an atomic, which is safe in a child
+    // after fork.
+    unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+}
 
 /// The signal (KeyboardInterrupt) that interrupted a distributed call, raised by that call.
 static SIGNAL: Mutex<Option<PyErr>> = Mutex::new(None);
@@ -32,6 +49,7 @@ pub(crate) struct KVStore {
     inner: Mutex<Option<kvstore::KVStore>>,
     name: String,
     pid: u32,
+    forks: u64,
     rank: usize,
     num_workers: usize,
     dist: bool,
@@ -59,6 +77,7 @@ impl KVStore {
             inner: Mutex::new(Some(kv)),
             name: name.to_string(),
             pid: std::process::id(),
+            forks: FORKS.load(Ordering::Relaxed),
             dist,
         }
     }
@@ -71,7 +90,7 @@ impl KVStore {
         bytes: usize,
         f: impl FnOnce(&mut kvstore::KVStore) -> kvstore::Result<R> + Send,
     ) -> PyResult<R> {
-        if std::process::id() != self.pid {
+        if FORKS.load(Ordering::Relaxed) != self.forks {
             return Err(PyRuntimeError::new_err(format!(
                 "this KVStore was created in process {}; a child made by fork cannot use its \
                  parent's store (create one in the child)",
@@ -199,6 +218,14 @@ impl KVStore {
         value: &Bound<'_, PyAny>,
         priority: i32,
     ) -> PyResult<()> {
+        if !is_list(key) && !is_list(value) {
+            // One key, one array: the common call, with nothing to group.
+            let key = crate::args::key(key)?;
+            let v = crate::arrays::lend(value, false, "value")?;
+            return self.call(py, v.len, move |kv| {
+                kv.with_priority(priority).push(key, &v.array)
+            });
+        }
         let k = keys(key)?;
         let vals = per_key(&k, value, false, "value")?;
         let n = nbytes(&vals);
@@ -223,6 +250,13 @@ impl KVStore {
         let _ = ignore_sparse;
         let out =
             out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
+        if !is_list(key) && !is_list(out) {
+            let key = crate::args::key(key)?;
+            let mut o = crate::arrays::lend(out, true, "out")?;
+            return self.call(py, o.len, move |kv| {
+                kv.with_priority(priority).pull(key, &mut o.array)
+            });
+        }
         let k = keys(key)?;
         let mut outs = per_key(&k, out, true, "out")?;
         self.pull_into(py, k, &mut outs, priority)
@@ -371,6 +405,33 @@ impl KVStore {
         self.call(py, 0, move |kv| kv.load_optimizer_states(&fname))
     }
 
+    /// Does nothing: the cost of an empty method call, the reference of `bench.py`.
+    fn _nop(&self) {}
+
+    /// The same push + pull loop in Rust, for `bench.py`: `iters` pushes of a copy of `value`
+    /// to `key` and pulls into a copy of `out`, in the store's own arrays; the seconds it took.
+    fn _rust_push_pull_loop(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        iters: usize,
+    ) -> PyResult<f64> {
+        let k = keys(key)?.keys.remove(0);
+        let copy = |l: Lent| NDArray::from_bytes(l.array.shape(), l.array.dtype(), l.array.as_bytes());
+        let v = copy(crate::arrays::lend(value, false, "value")?).map_err(to_py)?;
+        let mut o = copy(crate::arrays::lend(out, true, "out")?).map_err(to_py)?;
+        self.call(py, usize::MAX, move |kv| {
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                kv.push(k.clone(), &v)?;
+                kv.pull(k.clone(), &mut o)?;
+            }
+            Ok(t.elapsed().as_secs_f64())
+        })
+    }
+
     /// Whether the store can do `capability`: 'optimizer' (run an optimizer in the store).
     fn is_capable(&self, capability: &str) -> PyResult<bool> {
         match capability.to_ascii_lowercase().as_str() {
@@ -414,7 +475,7 @@ impl KVStore {
 
 impl Drop for KVStore {
     fn drop(&mut self) {
-        if std::process::id() != self.pid {
+        if FORKS.load(Ordering::Relaxed) != self.forks {
             // A forked child must not speak on its parent's links (a distributed store's
             // destructor says goodbye to the servers and the scheduler).
             if let Some(kv) = self.inner.get_mut().ok().and_then(Option::take) {
