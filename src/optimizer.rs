@@ -138,7 +138,7 @@ impl Optimizer {
     }
 
     /// Encodes the optimizer as 8 f64 words (kind first), for the wire.
-    pub fn encode(&self) -> [f64; 8] {
+    pub(crate) fn encode(&self) -> [f64; 8] {
         match *self {
             Optimizer::Sgd {
                 lr,
@@ -169,7 +169,7 @@ impl Optimizer {
     }
 
     /// Decodes [`Optimizer::encode`]'s words.
-    pub fn decode(w: &[f64]) -> Result<Optimizer> {
+    pub(crate) fn decode(w: &[f64]) -> Result<Optimizer> {
         if w.len() != 8 || w.iter().any(|v| !v.is_finite()) {
             return Err(KvError::Protocol("malformed optimizer parameters".into()));
         }

@@ -191,33 +191,26 @@ impl KVStore {
     }
 
     /// Writes the built-in optimizer's state (momentum, moments, step counts) to `path`
-    /// (MXNet's `save_optimizer_states`). Local stores only, for now: for a distributed store
-    /// the state lives on the servers and this is an error.
-    pub fn save_optimizer_states(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        match &self.inner {
-            Inner::Local(s) => {
-                let bytes = s.optimizer()?.save_states();
-                std::fs::write(path, bytes)?;
-                Ok(())
-            }
-            Inner::Dist(_) => Err(KvError::Unsupported(
-                "saving optimizer states of a distributed store (they live on the servers)".into(),
-            )),
-        }
+    /// (MXNet's `save_optimizer_states`). For a distributed store the state is the servers':
+    /// each sends its part to this worker, which writes them to one file (MXNet refuses this).
+    /// Call it on one worker; no barrier is implied.
+    pub fn save_optimizer_states(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let bytes = match &mut self.inner {
+            Inner::Local(s) => s.optimizer()?.save_states(),
+            Inner::Dist(d) => d.save_states()?,
+        };
+        std::fs::write(path, bytes)?;
+        Ok(())
     }
 
     /// Restores what [`KVStore::save_optimizer_states`] wrote into the built-in optimizer
-    /// (MXNet's `load_optimizer_states`): it must be of the same kind.
+    /// (MXNet's `load_optimizer_states`): it must be of the same kind, and for a distributed
+    /// store the job must have as many servers and the same keys. Call it on one worker.
     pub fn load_optimizer_states(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let bytes = std::fs::read(path)?;
         match &mut self.inner {
-            Inner::Local(s) => {
-                let bytes = std::fs::read(path)?;
-                s.optimizer()?.load_states(&bytes)
-            }
-            Inner::Dist(_) => Err(KvError::Unsupported(
-                "loading optimizer states into a distributed store (they live on the servers)"
-                    .into(),
-            )),
+            Inner::Local(s) => s.optimizer()?.load_states(&bytes),
+            Inner::Dist(d) => d.load_states(&bytes),
         }
     }
 

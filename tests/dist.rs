@@ -80,6 +80,21 @@ fn server_optimizers_match_a_local_reference() {
 }
 
 #[test]
+fn the_servers_optimizer_state_is_saved_and_loaded_by_a_worker() {
+    for t in TRANSPORTS {
+        for (w, s) in [(1, 1), (2, 2)] {
+            let env = [("KVSTORE_BIGARRAY_BOUND", "100"), ("KVSTORE_TRANSPORT", t)];
+            let r = kvrun_check(w, s, "states", "dist_sync", &env);
+            assert_jobs_ok(&r, w, "states");
+            for r in &r {
+                assert!(r.stdout.contains("refused truncated states"), "{}", r.all());
+                assert!(r.stdout.contains("states reloaded exactly"), "{}", r.all());
+            }
+        }
+    }
+}
+
+#[test]
 fn registered_updaters_run_on_the_servers_in_both_modes() {
     for kind in ["dist_sync", "dist_async"] {
         for (w, s) in [(1, 1), (3, 2)] {

@@ -41,7 +41,14 @@ fn the_python_package_passes_its_tests() {
     );
     run(
         Command::new(&py)
-            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "python/tests"])
+            .args([
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "python/tests",
+            ])
             .env("KVRUN", util::bin("kvrun"))
             .env("OPENBLAS_NUM_THREADS", "1")
             .current_dir(root),

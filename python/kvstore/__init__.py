@@ -16,7 +16,8 @@ differences from MXNet, each documented in README.md:
   ignores it there); it is pickled by value with cloudpickle.
 * ``row_sparse_pull`` and ``set_gradient_compression`` are absent (no sparse arrays, no
   gradient compression).
-* Saving and loading optimizer states works for local stores only, for now.
+* ``save_optimizer_states`` of a distributed store saves the servers' state (MXNet refuses
+  it); call it on one worker.
 """
 
 from . import optimizer

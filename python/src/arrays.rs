@@ -204,7 +204,10 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
         }
         &small[..dims.len()]
     } else {
-        large = dims.iter().map(|&n| usize::try_from(n).unwrap_or(0)).collect();
+        large = dims
+            .iter()
+            .map(|&n| usize::try_from(n).unwrap_or(0))
+            .collect();
         &large
     };
     let len = usize::try_from(v.len).unwrap_or(0);

@@ -419,7 +419,8 @@ impl KVStore {
         iters: usize,
     ) -> PyResult<f64> {
         let k = keys(key)?.keys.remove(0);
-        let copy = |l: Lent| NDArray::from_bytes(l.array.shape(), l.array.dtype(), l.array.as_bytes());
+        let copy =
+            |l: Lent| NDArray::from_bytes(l.array.shape(), l.array.dtype(), l.array.as_bytes());
         let v = copy(crate::arrays::lend(value, false, "value")?).map_err(to_py)?;
         let mut o = copy(crate::arrays::lend(out, true, "out")?).map_err(to_py)?;
         self.call(py, usize::MAX, move |kv| {

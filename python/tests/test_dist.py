@@ -74,6 +74,11 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
         kv.push(4, g)
         kv.pull(4, out=out)
         assert np.allclose(out, 6 - 0.1 * 3), out
+        if kv.rank == 0:
+            states = os.path.join(DIR, "states")
+            kv.save_optimizer_states(states)
+            kv.load_optimizer_states(states)
+            print(f"saved and loaded {os.path.getsize(states)} bytes of state", flush=True)
         print(f"worker {kv.rank} of {kv.num_workers} done", flush=True)
         """, env={"KVSTORE_BIGARRAY_BOUND": "100000"})
     assert code == 0, out
@@ -83,6 +88,7 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
     # Key 4 is sliced: each server ran the updater on its slice.
     assert out.count("update on key: 4") == 2, out
     assert out.count("server ends with SystemExit(0)") == 2, out
+    assert "saved and loaded" in out, out
 
 
 def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path):

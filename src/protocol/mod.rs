@@ -69,6 +69,13 @@ pub enum Op {
     Proof = 19,
     /// Node to scheduler: this process lives ([`crate::roles`]'s heartbeat).
     Heartbeat = 20,
+    /// Worker to server: its built-in optimizer's state, answered into the request's grant:
+    /// `key` 0 snapshots it and answers its length (8 bytes), `key` 1 answers the snapshot
+    /// (`len` bytes).
+    States = 21,
+    /// Worker to server: replace the built-in optimizer's state (data: the bytes a
+    /// [`Op::States`] answered).
+    LoadStates = 22,
 }
 
 impl Op {
@@ -88,6 +95,8 @@ impl Op {
             11 => Pull,
             12 => PushPull,
             13 => Reply,
+            21 => States,
+            22 => LoadStates,
             14 => SetOptimizer,
             15 => SetUpdater,
             16 => Bye,
@@ -101,7 +110,7 @@ impl Op {
 
     /// Whether the payload of this op is tensor data of the header's dtype and range.
     pub fn carries_data(self) -> bool {
-        matches!(self, Op::Init | Op::Push | Op::PushPull)
+        matches!(self, Op::Init | Op::Push | Op::PushPull | Op::LoadStates)
     }
 }
 

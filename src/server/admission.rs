@@ -18,7 +18,7 @@ pub fn admission(sizes: Sizes) -> Box<kvstore_transport::tcp::Admission> {
         let (m, _) = Msg::from_body(body).map_err(|e| e.to_string())?;
         let claims = m.data_bytes();
         let fits = match m.op {
-            Op::Init => claims == Some(data as u64),
+            Op::Init | Op::LoadStates => claims == Some(data as u64),
             Op::Push | Op::PushPull => {
                 let known = sizes
                     .lock()

@@ -275,7 +275,7 @@ impl Workers {
             o.to = addr.id();
             state.outbox.push(o);
         };
-        if matches!(m.op, Op::Pull | Op::PushPull) {
+        if matches!(m.op, Op::Pull | Op::PushPull | Op::States) {
             match RemoteRegion::from_bytes(rest) {
                 Some(g) if Some(g.len() as u64) == m.data_bytes() => {
                     self.grants.insert((addr.id(), m.req_id), g);

@@ -170,6 +170,8 @@ pub struct ServerState {
     /// ([`admission`]).
     sizes: Option<Sizes>,
     alloc: Option<Alloc>,
+    /// Snapshots of the optimizer's state, by the connection that asked ([`Op::States`]).
+    snapshots: FxHashMap<PeerId, Vec<u8>>,
     /// Frames to send, in order.
     pub outbox: Vec<Out>,
 }
@@ -196,6 +198,7 @@ impl ServerState {
             gone: Vec::new(),
             sizes: None,
             alloc: None,
+            snapshots: FxHashMap::default(),
             outbox: Vec::new(),
         }
     }
@@ -260,6 +263,8 @@ impl ServerState {
             Op::Init => self.init(peer, m, &payload),
             Op::Push | Op::PushPull => self.push(peer, worker, m, payload),
             Op::Pull => self.pull(peer, m),
+            Op::States => self.states(peer, m),
+            Op::LoadStates => self.load_states(peer, m, &payload),
             Op::SetOptimizer => {
                 let bytes = match payload.bytes() {
                     Ok(b) => b,
@@ -591,6 +596,8 @@ fn apply(
         }
     }
 }
+
+mod states;
 
 #[cfg(test)]
 #[path = "state_tests.rs"]

@@ -11,6 +11,7 @@ pub(crate) mod calls;
 mod exchange;
 mod order;
 pub(crate) mod requests;
+mod states;
 
 pub(crate) use requests::Ticket;
 

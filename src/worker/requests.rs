@@ -246,7 +246,7 @@ impl DistWorker {
     }
 
     /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
-    fn run(&mut self, reqs: Vec<Request>, outs: &mut [&mut NDArray]) -> Result<()> {
+    pub(crate) fn run(&mut self, reqs: Vec<Request>, outs: &mut [&mut NDArray]) -> Result<()> {
         self.checked()?;
         let mut owned: Vec<NDArray> = outs.iter_mut().map(|o| take_array(o)).collect();
         let staged = self.stage(&mut owned);

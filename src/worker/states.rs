@@ -1,0 +1,114 @@
+//! The servers' optimizer state, saved to a worker's file and loaded back
+//! (`KVStore::save_optimizer_states` for distributed stores).
+
+use crate::protocol::{Msg, Op};
+use crate::worker::calls::Request;
+use crate::worker::DistWorker;
+use crate::{DType, KvError, NDArray, Result};
+
+/// The first bytes of a distributed store's saved optimizer state.
+const MAGIC: &[u8; 8] = b"KVDSTAT1";
+
+/// A request about `len` bytes of optimizer state at server `server` (`step`: see
+/// [`Op::States`]).
+fn request(op: Op, server: usize, step: u64, len: usize, data: Option<NDArray>) -> Request {
+    let mut m = Msg::new(op);
+    m.dtype = DType::U8;
+    m.ndim = 1;
+    m.shape[0] = len as u64;
+    m.total = len as u64;
+    m.key = step;
+    m.len = len as u64;
+    let dest = data.is_none().then_some((server, 0..len));
+    Request {
+        server,
+        msg: m,
+        data: data.map(|d| (d, 0..len)),
+        text: Vec::new(),
+        dest,
+    }
+}
+
+impl DistWorker {
+    /// Every server's optimizer state, as one file's bytes: each server snapshots its state,
+    /// says how long it is, and puts it into this worker's memory.
+    pub(crate) fn save_states(&mut self) -> Result<Vec<u8>> {
+        let n = self.num_servers;
+        let mut lens: Vec<NDArray> = (0..n)
+            .map(|_| NDArray::zeros_dtype(&[8], DType::U8))
+            .collect();
+        let reqs = (0..n).map(|s| request(Op::States, s, 0, 8, None)).collect();
+        self.run(reqs, &mut lens.iter_mut().collect::<Vec<_>>())?;
+        let mut sizes = Vec::with_capacity(n);
+        for l in &lens {
+            let b: [u8; 8] = l.as_bytes().try_into().map_err(|_| {
+                KvError::Protocol("a server's optimizer state length is not 8 bytes".into())
+            })?;
+            sizes.push(
+                usize::try_from(u64::from_le_bytes(b)).map_err(|_| {
+                    KvError::Protocol("a server's optimizer state is too long".into())
+                })?,
+            );
+        }
+        let mut states: Vec<NDArray> = sizes
+            .iter()
+            .map(|&len| NDArray::try_zeros_dtype(&[len], DType::U8))
+            .collect::<Result<_>>()?;
+        let reqs = sizes
+            .iter()
+            .enumerate()
+            .map(|(s, &len)| request(Op::States, s, 1, len, None))
+            .collect();
+        self.run(reqs, &mut states.iter_mut().collect::<Vec<_>>())?;
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&(n as u64).to_le_bytes());
+        for st in &states {
+            out.extend_from_slice(&(st.nbytes() as u64).to_le_bytes());
+            out.extend_from_slice(st.as_bytes());
+        }
+        Ok(out)
+    }
+
+    /// Gives each server its part of what [`DistWorker::save_states`] saved (a job with as
+    /// many servers, running the same kind of optimizer).
+    pub(crate) fn load_states(&mut self, bytes: &[u8]) -> Result<()> {
+        let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
+        let rest = bytes
+            .strip_prefix(MAGIC)
+            .ok_or_else(|| bad("not a distributed store's saved optimizer states"))?;
+        let (n, mut rest) = take_u64(rest).ok_or_else(|| bad("truncated"))?;
+        if n != self.num_servers as u64 {
+            return Err(bad(&format!(
+                "saved by a job with {n} servers, loaded into one with {}",
+                self.num_servers
+            )));
+        }
+        let mut parts = Vec::with_capacity(self.num_servers);
+        for _ in 0..self.num_servers {
+            let (len, r) = take_u64(rest).ok_or_else(|| bad("truncated"))?;
+            let len = usize::try_from(len).map_err(|_| bad("truncated"))?;
+            if len > r.len() {
+                return Err(bad("truncated"));
+            }
+            parts.push(NDArray::from_bytes(&[len], DType::U8, &r[..len])?);
+            rest = &r[len..];
+        }
+        if !rest.is_empty() {
+            return Err(bad("bytes after the last server's part"));
+        }
+        let reqs = parts
+            .into_iter()
+            .enumerate()
+            .map(|(s, p)| {
+                let len = p.nbytes();
+                request(Op::LoadStates, s, 0, len, Some(p))
+            })
+            .collect();
+        self.run(reqs, &mut [])
+    }
+}
+
+fn take_u64(b: &[u8]) -> Option<(u64, &[u8])> {
+    let (h, t) = b.split_first_chunk::<8>()?;
+    Some((u64::from_le_bytes(*h), t))
+}
