@@ -62,6 +62,16 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
             stored += input * 2
 
         kv._set_updater(update)
+        if kv.rank == 0:
+            # A child made by fork is refused, and its exit does not end its parent's part.
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    kv.push(3, np.ones(shape))
+                except RuntimeError as e:
+                    print(f"child refused: {'fork' in str(e)}", flush=True)
+                sys.exit(0)
+            os.waitpid(pid, 0)
         kv.push(3, np.ones(shape))
         a = np.zeros(shape)
         kv.pull(3, out=a)
@@ -89,6 +99,7 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
     assert out.count("update on key: 4") == 2, out
     assert out.count("server ends with SystemExit(0)") == 2, out
     assert "saved and loaded" in out, out
+    assert "child refused: True" in out, out
 
 
 def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path):

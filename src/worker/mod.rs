@@ -413,7 +413,9 @@ mod at_exit {
 
     use crate::protocol::{Msg, Op};
 
-    type Link = (u64, TcpStream, Arc<Mutex<()>>);
+    /// A worker's number, its link to the scheduler, the lock of that link's writes, and the
+    /// process that made it (a child made by fork inherits the list but must not speak).
+    type Link = (u64, TcpStream, Arc<Mutex<()>>, u32);
     static LINKS: Mutex<Vec<Link>> = Mutex::new(Vec::new());
     static REGISTER: Once = Once::new();
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -423,7 +425,11 @@ mod at_exit {
         let Ok(mut links) = LINKS.try_lock() else {
             return;
         };
-        for (_, mut s, lock) in links.drain(..) {
+        let me = std::process::id();
+        for (_, mut s, lock, pid) in links.drain(..) {
+            if pid != me {
+                continue;
+            }
             let Ok(_g) = lock.try_lock() else { continue };
             let h = FrameHeader::new(Msg::new(Op::Finish).encode(), 0);
             let _ = write_frame(&mut s, &h, &[]);
@@ -441,7 +447,7 @@ mod at_exit {
         LINKS
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push((id, sched, lock));
+            .push((id, sched, lock, std::process::id()));
         id
     }
 
