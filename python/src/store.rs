@@ -405,10 +405,10 @@ impl KVStore {
         self.call(py, 0, move |kv| kv.load_optimizer_states(&fname))
     }
 
-    /// Does nothing: the cost of an empty method call, the reference of `bench.py`.
+    /// Does nothing: the cost of an empty method call, the reference of `benches/layer_cost.py`.
     fn _nop(&self) {}
 
-    /// The same push + pull loop in Rust, for `bench.py`: `iters` pushes of a copy of `value`
+    /// The same push + pull loop in Rust, for `benches/layer_cost.py`: `iters` pushes of a copy of `value`
     /// to `key` and pulls into a copy of `out`, in the store's own arrays; the seconds it took.
     fn _rust_push_pull_loop(
         &self,

@@ -50,6 +50,14 @@ def run_job(tmp_path, body, workers=2, servers=2, env=None, timeout=120, wait=Tr
     return p.returncode, out
 
 
+def wait_for(p, path, secs=60):
+    """Waits until the job `p` makes `path` (failing if it ends first, or takes too long)."""
+    deadline = time.time() + secs
+    while not path.exists():
+        assert time.time() < deadline and p.poll() is None, p.communicate()[0]
+        time.sleep(0.05)
+
+
 def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
     code, out = run_job(tmp_path, """
         shape = (2, 3)
@@ -121,10 +129,7 @@ def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path):
         except kvstore.KVStoreError as e:
             print(f"refused after: {e}", flush=True)
         """, wait=False)
-    deadline = time.time() + 60
-    while not (tmp_path / "waiting").exists():
-        assert time.time() < deadline and p.poll() is None, p.communicate()[0]
-        time.sleep(0.05)
+    wait_for(p, tmp_path / "waiting")
     time.sleep(0.5)
     pid = int((tmp_path / "waiting").read_text())
     os.kill(pid, signal.SIGINT)
@@ -150,10 +155,7 @@ def test_a_dead_server_is_peer_lost(tmp_path):
             except kvstore.PeerLost as e:
                 print(f"PeerLost: {e}", flush=True)
         """, workers=1, servers=1, wait=False)
-    deadline = time.time() + 60
-    while not (tmp_path / "ready").exists():
-        assert time.time() < deadline and p.poll() is None, p.communicate()[0]
-        time.sleep(0.05)
+    wait_for(p, tmp_path / "ready")
     server = next(int(f.name.split(".")[1]) for f in tmp_path.iterdir()
                   if f.name.startswith("server."))
     os.kill(server, signal.SIGKILL)
