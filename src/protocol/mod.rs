@@ -128,6 +128,21 @@ pub mod status {
     pub const MISMATCH: u16 = 4;
     /// A peer of the server was lost.
     pub const PEER_LOST: u16 = 5;
+
+    /// The error a server's answer with a non-zero status stands for.
+    pub(crate) fn to_error(status: u16, key: u64, server: usize, text: String) -> crate::KvError {
+        use crate::KvError;
+        let key = crate::Key::Int(key as i64);
+        match status {
+            UNKNOWN_KEY => KvError::UnknownKey(key),
+            DOUBLE_INIT => KvError::DoubleInit(key),
+            PEER_LOST => KvError::PeerLost(format!("server {server}: {text}")),
+            _ => KvError::Remote {
+                server,
+                message: text,
+            },
+        }
+    }
 }
 
 /// Bits of [`Msg::flags`].

@@ -39,55 +39,7 @@ pub struct Out {
     pub payload: Payload,
 }
 
-/// A request's payload, as the I/O layer received it.
-pub enum Input<'a> {
-    /// In this server's own receive buffer: it may become the stored or merged value without
-    /// a copy (another buffer is left in its place).
-    Owned(&'a mut NDArray),
-    /// Lent by the transport, possibly in a peer's pages: read through copies or in-place
-    /// sums only.
-    Peer(&'a PeerData<'a>),
-}
-
-impl<'a> From<&'a mut NDArray> for Input<'a> {
-    fn from(a: &'a mut NDArray) -> Self {
-        Input::Owned(a)
-    }
-}
-
-impl Input<'_> {
-    fn bytes(&self) -> crate::Result<Vec<u8>> {
-        match self {
-            Input::Owned(a) => Ok(a.as_bytes().to_vec()),
-            Input::Peer(p) => Ok(p.to_bytes()),
-        }
-    }
-
-    fn copy_into(&self, dst: &mut NDArray) -> crate::Result<()> {
-        match self {
-            Input::Owned(a) => dst.copy_from(a),
-            Input::Peer(p) => p.copy_into(dst),
-        }
-    }
-
-    fn add_into(&self, dst: &mut NDArray) -> crate::Result<()> {
-        match self {
-            Input::Owned(a) => dst.add_assign(a),
-            Input::Peer(p) => p.add_into(dst),
-        }
-    }
-
-    /// The payload as an array of this process: taken from the receive buffer, or copied.
-    fn take(self) -> crate::Result<NDArray> {
-        match self {
-            Input::Owned(a) => {
-                let dtype = a.dtype();
-                Ok(std::mem::replace(a, NDArray::zeros_dtype(&[0], dtype)))
-            }
-            Input::Peer(p) => p.to_array(),
-        }
-    }
-}
+pub use input::Input;
 
 enum Updater {
     Assign,
@@ -597,6 +549,7 @@ fn apply(
     }
 }
 
+mod input;
 mod states;
 
 #[cfg(test)]

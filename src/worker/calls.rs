@@ -28,7 +28,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::protocol::{status, Msg, Op, IMM_FOLLOWS, MAX_REQ_ID};
-use crate::{Key, KvError, NDArray, Result};
+use crate::{KvError, NDArray, Result};
 
 /// One request of a call.
 pub(crate) struct Request {
@@ -123,20 +123,6 @@ pub(crate) struct Calls<G> {
     broken: Option<String>,
     /// Receive slots whose credit this worker holds, by (server, key, slice start).
     slots: FxHashMap<(usize, u64, u64), G>,
-}
-
-/// The error a server's answer with a non-zero status stands for.
-pub(crate) fn remote_error(status: u16, key: u64, server: usize, text: String) -> KvError {
-    let key = Key::Int(key as i64);
-    match status {
-        status::UNKNOWN_KEY => KvError::UnknownKey(key),
-        status::DOUBLE_INIT => KvError::DoubleInit(key),
-        status::PEER_LOST => KvError::PeerLost(format!("server {server}: {text}")),
-        _ => KvError::Remote {
-            server,
-            message: text,
-        },
-    }
 }
 
 impl<G: Clone> Calls<G> {
@@ -403,7 +389,7 @@ impl<G: Clone> Calls<G> {
         }
         if st != status::OK && c.first_err.is_none() {
             let text = String::from_utf8_lossy(text).into_owned();
-            c.first_err = Some(remote_error(st, c.reqs[i].msg.key, server, text));
+            c.first_err = Some(status::to_error(st, c.reqs[i].msg.key, server, text));
         }
         self.finish_if_complete(id);
     }
