@@ -107,18 +107,13 @@ pub(crate) fn numpy_name(d: DType) -> &'static str {
     }
 }
 
-/// Takes a buffer export of `obj`, or `None` where it has none.
-fn export(obj: &Bound<'_, PyAny>, writable: bool) -> Option<Box<Export>> {
+/// Takes a buffer export of `obj` with `flags`, or `None` where it gives none.
+fn export_with(obj: &Bound<'_, PyAny>, flags: c_int) -> Option<Box<Export>> {
     // Boxed before it is filled: an exporter may point the view's fields into the view.
     let mut e = Box::new(Export {
         view: ffi::Py_buffer::new(),
         filled: false,
     });
-    let flags: c_int = if writable {
-        ffi::PyBUF_RECORDS
-    } else {
-        ffi::PyBUF_RECORDS_RO
-    };
     // SAFETY: `obj` is a live object (the GIL is held, as its `Bound` proves) and `view`
     // points to writable memory of the right type.
     let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut e.view, flags) };
@@ -132,45 +127,75 @@ fn export(obj: &Bound<'_, PyAny>, writable: bool) -> Option<Box<Export>> {
     }
 }
 
+/// A C-contiguous export of `obj` with its shape and format (no strides: the exporter
+/// refuses what is not contiguous, and skips computing them), writable if asked.
+fn export(obj: &Bound<'_, PyAny>, writable: bool) -> Option<Box<Export>> {
+    let flags = ffi::PyBUF_ND | ffi::PyBUF_FORMAT;
+    export_with(
+        obj,
+        if writable {
+            flags | ffi::PyBUF_WRITABLE
+        } else {
+            flags
+        },
+    )
+}
+
+/// Whether an export's memory is C-contiguous.
+fn contiguous(e: &Export) -> bool {
+    // SAFETY: the view was filled by `PyObject_GetBuffer` and is live.
+    unsafe { ffi::PyBuffer_IsContiguous(&e.view, b'C' as std::ffi::c_char) == 1 }
+}
+
 /// `obj` as an array over its own memory: for reading (a pushed value) or, `writable`, for
 /// writing (a pull's output).
 pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Lent> {
     let py = obj.py();
-    let mut e = export(obj, writable);
+    let e = export(obj, writable);
     if e.is_none() {
-        // DLPack and `__array_interface__` objects become numpy arrays over the same memory.
-        let np = numpy(py)?;
-        let converted = if obj.hasattr(intern!(py, "__dlpack__"))? {
-            Some(np.call_method1(intern!(py, "from_dlpack"), (obj,))?)
-        } else if obj.hasattr(intern!(py, "__array_interface__"))? {
-            Some(np.call_method1(intern!(py, "asarray"), (obj,))?)
+        // Why not: an export with strides says whether the object has the buffer protocol at
+        // all, and then what is wrong with it.
+        if let Some(any) = export_with(obj, ffi::PyBUF_RECORDS_RO) {
+            if !contiguous(&any) {
+                return Err(PyValueError::new_err(format!(
+                    "{what} is not C-contiguous: the store reads and writes arrays in place \
+                     (np.ascontiguousarray makes a contiguous copy)"
+                )));
+            }
+            if writable {
+                return Err(PyValueError::new_err(format!(
+                    "{what} is read-only: a pull writes its output in place"
+                )));
+            }
         } else {
-            None
-        };
-        if let Some(c) = converted {
-            e = export(&c, writable);
+            // DLPack and `__array_interface__` objects become numpy arrays over the same
+            // memory.
+            let np = numpy(py)?;
+            let converted = if obj.hasattr(intern!(py, "__dlpack__"))? {
+                Some(np.call_method1(intern!(py, "from_dlpack"), (obj,))?)
+            } else if obj.hasattr(intern!(py, "__array_interface__"))? {
+                Some(np.call_method1(intern!(py, "asarray"), (obj,))?)
+            } else {
+                None
+            };
+            if let Some(c) = converted {
+                return lend(&c, writable, what);
+            }
         }
     }
     let Some(e) = e else {
-        if writable && export(obj, false).is_some() {
-            return Err(PyValueError::new_err(format!(
-                "{what} is read-only: a pull writes its output in place"
-            )));
-        }
         return Err(PyTypeError::new_err(format!(
             "{what} must be a numpy array (or support the buffer protocol, \
              __array_interface__ or DLPack), not {}",
             obj.get_type().name()?
         )));
     };
-    let v = &e.view;
-    // SAFETY: the view was filled by `PyObject_GetBuffer` and is live.
-    if unsafe { ffi::PyBuffer_IsContiguous(v, b'C' as std::ffi::c_char) } != 1 {
+    if !contiguous(&e) {
         return Err(PyValueError::new_err(format!(
-            "{what} is not C-contiguous: the store reads and writes arrays in place \
-             (np.ascontiguousarray makes a contiguous copy)"
+            "{what} is not C-contiguous: the store reads and writes arrays in place"
         )));
     }
+    let v = &e.view;
     let format: &str = if v.format.is_null() {
         "B"
     } else {
