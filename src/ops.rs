@@ -30,6 +30,21 @@ pub unsafe fn add_from_raw<T: Element>(dst: &mut [T], src: *const T) {
     }
 }
 
+/// `dst[i] = a[i] + b[i]`, where `a` and `b` may be memory another process writes: each
+/// element read once, through the pointers.
+///
+/// # Safety
+/// `a` and `b` must be valid for reads of `dst.len()` elements, aligned for `T`, and must not
+/// overlap `dst`.
+#[inline]
+pub unsafe fn sum2_from_raw<T: Element>(dst: &mut [T], a: *const T, b: *const T) {
+    for (i, d) in dst.iter_mut().enumerate() {
+        // SAFETY: `i < dst.len()`, and the caller vouches for `dst.len()` readable elements
+        // at both.
+        *d = unsafe { a.add(i).read().add(b.add(i).read()) };
+    }
+}
+
 /// `dst[i] += alpha * src[i]`.
 #[inline]
 pub fn axpy_into<T: Element>(dst: &mut [T], alpha: f64, src: &[T]) {

@@ -375,12 +375,14 @@ impl Job {
         }
         let srv = &mut self.servers[s];
         let slot_data;
+        let mut slot_id = None;
         let data = if msg.flags & flags::SLOT != 0 {
-            let mem = *srv
+            let (id, mem) = srv
                 .slots
                 .on_slot_msg(w, &msg)
                 .unwrap_or_else(|e| panic!("a worker broke the slot protocol: {e}"));
-            slot_data = srv.slot_mem[&mem].clone();
+            slot_id = Some(id);
+            slot_data = srv.slot_mem[mem].clone();
             Some(&slot_data)
         } else {
             srv.slots.on_push(w, &msg);
@@ -394,6 +396,9 @@ impl Job {
         self.servers[s]
             .state
             .handle(w, w, &msg, Input::Owned(&mut input));
+        if let Some(id) = slot_id {
+            self.servers[s].slots.give_back(id);
+        }
         if data.is_some() && msg.flags & flags::SLOT == 0 {
             self.send(w, s, false, Packet::SendDone { w, token });
         }
@@ -407,7 +412,7 @@ impl Job {
             return;
         }
         let srv = &mut self.servers[s];
-        let (action, mem) = srv
+        let (action, id, mem) = srv
             .slots
             .on_put(w, grant, 0, bytes.len(), imm)
             .unwrap_or_else(|e| panic!("a worker broke the slot protocol: {e}"));
@@ -421,6 +426,8 @@ impl Job {
             srv.state.handle(w, w, &m, Input::Owned(&mut input));
             self.route(s);
         }
+        // The harness hands slot data over as a copy: the slot is free at once.
+        self.servers[s].slots.give_back(id);
     }
 
     /// Sends what server `s` answered: a value's put into its grant, then the reply.

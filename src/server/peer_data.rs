@@ -65,6 +65,30 @@ impl<'a> PeerData<'a> {
         crate::dtype::with_dtype!(self.dtype, T => add_lent::<T>(dst, self.ptr))
     }
 
+    /// `dst = self + other` in one pass (the order of the additions is the round's: `self`
+    /// came first). Unaligned data is summed by a copy and an add instead.
+    pub fn sum_with(&self, other: &PeerData<'_>, dst: &mut NDArray) -> Result<()> {
+        self.check_like(dst)?;
+        other.check_like(dst)?;
+        let size = self.dtype.size();
+        if (self.ptr as usize) % size != 0 || (other.ptr as usize) % size != 0 {
+            self.copy_into(dst)?;
+            return other.add_into(dst);
+        }
+        crate::dtype::with_dtype!(self.dtype, T => {
+            let d: &mut [T] = bytemuck::cast_slice_mut(dst.as_bytes_mut());
+            // SAFETY: both address `d.len()` elements (checked against the array), aligned
+            // for `T` (checked above), and cannot overlap `d`, this process's own memory.
+            unsafe { crate::ops::sum2_from_raw(d, self.ptr as *const T, other.ptr as *const T) };
+        });
+        Ok(())
+    }
+
+    /// The raw parts, for a state machine that keeps the data where it lies.
+    pub(crate) fn raw(&self) -> (*const u8, usize, DType) {
+        (self.ptr, self.len, self.dtype)
+    }
+
     fn check_like(&self, dst: &NDArray) -> Result<()> {
         if dst.dtype() != self.dtype || dst.size() != self.len {
             return Err(KvError::Protocol(format!(

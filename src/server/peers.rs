@@ -180,6 +180,17 @@ impl Workers {
         }
     }
 
+    /// A request whose data lay in receive slot `id` was handled: the slot is free unless
+    /// the state machine kept its data (until it releases it, [`ServerState::take_released`]).
+    fn after_slot(&mut self, state: &mut ServerState, id: usize) {
+        if state.take_kept() != Some(id) {
+            self.slots.give_back(id);
+        }
+        for id in state.take_released() {
+            self.slots.give_back(id);
+        }
+    }
+
     /// A push put into a receive slot: handled where it landed.
     fn slot_put(
         &mut self,
@@ -193,10 +204,11 @@ impl Workers {
         let Some(rank) = self.peers.get(&addr).and_then(|w| w.rank) else {
             return Err("a put before the hello".into());
         };
-        let (action, mem) = self.slots.on_put(addr.id(), grant, offset, len, imm)?;
+        let (action, id, mem) = self.slots.on_put(addr.id(), grant, offset, len, imm)?;
         if let PutAction::Push(m) = action {
             let p = slot_data(mem, &m)?;
-            state.handle(addr.id(), rank, &m, Input::Peer(&p));
+            state.handle(addr.id(), rank, &m, Input::Peer(&p, Some(id)));
+            self.after_slot(state, id);
         }
         Ok(())
     }
@@ -290,9 +302,10 @@ impl Workers {
             if data.is_some() {
                 return Err("a slot push with data of its own".into());
             }
-            let mem = self.slots.on_slot_msg(addr.id(), &m)?;
+            let (id, mem) = self.slots.on_slot_msg(addr.id(), &m)?;
             let p = slot_data(mem, &m)?;
-            state.handle(addr.id(), rank, &m, Input::Peer(&p));
+            state.handle(addr.id(), rank, &m, Input::Peer(&p, Some(id)));
+            self.after_slot(state, id);
         } else if m.op.carries_data() {
             self.slots.on_push(addr.id(), &m);
             let Some(d) = data.filter(|d| Some(d.len() as u64) == m.data_bytes()) else {
@@ -303,7 +316,7 @@ impl Workers {
             // SAFETY: the backend lends `d.len()` bytes at `d.as_ptr()` for this callback, which
             // the state machine's call does not outlive.
             let p = unsafe { PeerData::new(d.as_ptr(), m.len as usize, m.dtype) };
-            state.handle(addr.id(), rank, &m, Input::Peer(&p));
+            state.handle(addr.id(), rank, &m, Input::Peer(&p, None));
         } else {
             self.control(state, addr, rank, &m, rest)?;
         }
@@ -368,7 +381,7 @@ impl Workers {
                     let p = unsafe {
                         PeerData::new(d.as_ptr().add(r.start), e.msg.len as usize, e.msg.dtype)
                     };
-                    state.handle(addr.id(), rank, &e.msg, Input::Peer(&p));
+                    state.handle(addr.id(), rank, &e.msg, Input::Peer(&p, None));
                 }
                 _ => self.control(state, addr, rank, &e.msg, &[])?,
             }
@@ -495,6 +508,9 @@ impl Workers {
     /// it; pauses the workers whose answers back up, and resumes the ones whose answers
     /// drained.
     pub(super) fn route(&mut self, state: &mut ServerState, net: &mut Net) {
+        for id in state.take_released() {
+            self.slots.give_back(id);
+        }
         self.fence(net);
         for mut out in std::mem::take(&mut state.outbox) {
             let batched = self.batched.remove(&(out.to, out.msg.req_id));

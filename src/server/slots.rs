@@ -224,6 +224,13 @@ impl<S: Clone, G: Clone> Slots<S, G> {
 
     /// Buffer `id` is consumed (or was never credited): back to the pool.
     fn release(&mut self, id: usize) {
+        self.consume(id);
+        self.give_back(id);
+    }
+
+    /// Buffer `id`'s credit is used up: no worker holds it, and it is not in the pool until
+    /// [`Slots::give_back`] (its data is still being read).
+    fn consume(&mut self, id: usize) {
         let Some(b) = self.bufs.get_mut(id).and_then(Option::as_mut) else {
             return;
         };
@@ -231,7 +238,19 @@ impl<S: Clone, G: Clone> Slots<S, G> {
             self.held
                 .remove(&(h.peer, h.slice.tmpl.key, h.slice.tmpl.start));
         }
-        self.free.entry((b.domain, b.bytes)).or_default().push(id);
+    }
+
+    /// A consumed buffer's data was read (summed, copied, or kept by the state machine until
+    /// its round completed): back to the pool.
+    pub(crate) fn give_back(&mut self, id: usize) {
+        if let Some(b) = self.bufs.get(id).and_then(Option::as_ref) {
+            if b.hold.is_none() {
+                let free = self.free.entry((b.domain, b.bytes)).or_default();
+                if !free.contains(&id) {
+                    free.push(id);
+                }
+            }
+        }
     }
 
     fn mem(&self, id: usize) -> Option<&S> {
@@ -239,8 +258,8 @@ impl<S: Clone, G: Clone> Slots<S, G> {
     }
 
     /// `peer` put `len` bytes at `offset` into the buffer granted to it as `grant`, with `imm`.
-    /// A push's buffer is back in the pool when this returns: the caller consumes the data
-    /// (sums or copies it) before anything else touches the slots.
+    /// A push's buffer (its number comes back) is out of the pool until the caller gives it
+    /// back ([`Slots::give_back`]), once its data was read.
     pub(crate) fn on_put(
         &mut self,
         peer: PeerId,
@@ -248,7 +267,7 @@ impl<S: Clone, G: Clone> Slots<S, G> {
         offset: usize,
         len: usize,
         imm: u32,
-    ) -> Result<(PutAction, &S), String> {
+    ) -> Result<(PutAction, usize, &S), String> {
         let Some(&id) = self.by_grant.get(&(peer, grant)) else {
             return Err(format!(
                 "a put into grant {grant}, which is no slot granted to this worker"
@@ -283,17 +302,18 @@ impl<S: Clone, G: Clone> Slots<S, G> {
             None => PutAction::Wait,
             Some((m, slice)) => {
                 self.pending.insert((peer, req_id), slice);
-                self.release(id);
+                self.consume(id);
                 PutAction::Push(m)
             }
         };
         let mem = self.mem(id).ok_or("a slot that is gone")?;
-        Ok((action, mem))
+        Ok((action, id, mem))
     }
 
     /// A pushpull message with [`crate::protocol::flags::SLOT`]: its data, put before it, is in
-    /// this buffer, which is back in the pool when this returns (as for [`Slots::on_put`]).
-    pub(crate) fn on_slot_msg(&mut self, peer: PeerId, m: &Msg) -> Result<&S, String> {
+    /// this buffer (number and memory), out of the pool until given back (as for
+    /// [`Slots::on_put`]).
+    pub(crate) fn on_slot_msg(&mut self, peer: PeerId, m: &Msg) -> Result<(usize, &S), String> {
         let Some(&id) = self.held.get(&(peer, m.key, m.start)) else {
             return Err(format!("key {} has no slot for this worker", m.key));
         };
@@ -311,8 +331,10 @@ impl<S: Clone, G: Clone> Slots<S, G> {
             return Err(format!("a message for slot {id} names another slice"));
         }
         self.pending.insert((peer, m.req_id), h.slice.clone());
-        self.release(id);
-        self.mem(id).ok_or_else(|| "a slot that is gone".into())
+        self.consume(id);
+        self.mem(id)
+            .map(|mem| (id, mem))
+            .ok_or_else(|| "a slot that is gone".into())
     }
 
     /// `peer` is gone: the buffers it held a credit for leave the pool (their memory, and every

@@ -44,8 +44,11 @@ fn grant_no(mem: u32, peer: PeerId) -> u64 {
 }
 
 fn put(s: &mut T, g: (u32, PeerId), req: u64, follows: bool) -> Result<Option<Msg>, String> {
-    let (a, mem) = s.on_put(g.1, grant_no(g.0, g.1), 0, 40, slot_imm(req, follows))?;
+    let (a, id, mem) = s.on_put(g.1, grant_no(g.0, g.1), 0, 40, slot_imm(req, follows))?;
     assert_eq!(*mem, g.0);
+    // The loop gives the buffer back once its data was read (a no-op while it waits for its
+    // message).
+    s.give_back(id);
     Ok(match a {
         PutAction::Push(m) => Some(m),
         PutAction::Wait => None,
@@ -147,9 +150,17 @@ fn a_pushpull_put_waits_for_its_message_and_bad_puts_are_refused() {
     msg.total = 9;
     assert!(s.on_slot_msg(0, &msg).is_err(), "another slice");
     let msg = push(Op::PushPull, 5, 10, 2);
-    assert_eq!(s.on_slot_msg(0, &msg), Ok(&g.0));
+    let (id, mem) = s.on_slot_msg(0, &msg).expect("the slot's message");
+    assert_eq!(*mem, g.0);
     assert!(s.on_slot_msg(0, &msg).is_err(), "the slot was consumed");
-    assert_eq!(credit(&mut s, 0, 0, &msg), Some(g));
+    // Kept (not given back): no one is credited with it, so another buffer is made.
+    s.on_push(0, &msg);
+    let other = credit(&mut s, 0, 0, &msg);
+    assert!(other.is_some() && other != Some(g), "{other:?}");
+    // Given back, it is credited again.
+    s.give_back(id);
+    s.on_push(5, &msg);
+    assert_eq!(credit(&mut s, 5, 0, &msg), Some((g.0, 5)));
 }
 
 #[test]

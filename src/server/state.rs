@@ -66,6 +66,48 @@ struct Slot {
     /// The other buffer of the double buffer: a value an answer's put still reads stays
     /// there, untouched, while the update writes this one.
     spare: Option<NDArray>,
+    /// A sync round's first push, kept where it lies in a receive slot until the next push
+    /// is summed with it in one pass (rather than copied, then summed with).
+    first: Option<Kept>,
+}
+
+/// A push's data kept in receive slot `id` of the loop's pool: the loop keeps that slot's
+/// memory alive and out of the pool (no worker is credited with it) until the state machine
+/// names it in [`ServerState::take_released`].
+struct Kept {
+    id: usize,
+    ptr: usize,
+    len: usize,
+    dtype: DType,
+}
+
+impl Kept {
+    fn of(p: &PeerData<'_>, id: usize) -> Kept {
+        let (ptr, len, dtype) = p.raw();
+        Kept {
+            id,
+            ptr: ptr as usize,
+            len,
+            dtype,
+        }
+    }
+
+    /// `dst = kept + next`.
+    fn sum_with(&self, next: &Input<'_>, dst: &mut NDArray) -> crate::Result<()> {
+        // SAFETY: the loop keeps the slot's memory, `len` elements of `dtype` at `ptr`, alive
+        // and uncredited until this machine releases it (`Kept`'s contract); it is read only
+        // through copies and sums, since a peer could still write it.
+        let first = unsafe { PeerData::new(self.ptr as *const u8, self.len, self.dtype) };
+        match next {
+            Input::Peer(p, _) => first.sum_with(p, dst),
+            Input::Owned(a) => {
+                let b = a.as_bytes();
+                // SAFETY: `a` is this process's array, valid for its bytes while borrowed here.
+                let next = unsafe { PeerData::new(b.as_ptr(), a.size(), a.dtype()) };
+                first.sum_with(&next, dst)
+            }
+        }
+    }
 }
 
 /// Makes the server's arrays (stored values, merge and spare buffers), zeroed: the loop puts
@@ -124,6 +166,10 @@ pub struct ServerState {
     alloc: Option<Alloc>,
     /// Snapshots of the optimizer's state, by the connection that asked ([`Op::States`]).
     snapshots: FxHashMap<PeerId, Vec<u8>>,
+    /// The receive slot the last request's data was kept in ([`ServerState::take_kept`]).
+    kept: Option<usize>,
+    /// Receive slots kept earlier whose data was consumed ([`ServerState::take_released`]).
+    released: Vec<usize>,
     /// Frames to send, in order.
     pub outbox: Vec<Out>,
 }
@@ -151,6 +197,8 @@ impl ServerState {
             sizes: None,
             alloc: None,
             snapshots: FxHashMap::default(),
+            kept: None,
+            released: Vec::new(),
             outbox: Vec::new(),
         }
     }
@@ -163,6 +211,18 @@ impl ServerState {
     /// Makes the server's arrays with `alloc` from now on.
     pub fn set_alloc(&mut self, alloc: Alloc) {
         self.alloc = Some(alloc);
+    }
+
+    /// The receive slot whose data the last [`ServerState::handle`] kept (its
+    /// [`Input::Peer`] named it): the loop keeps it out of the pool until it is released.
+    /// Any other slot's data was read in full, and the slot is free.
+    pub fn take_kept(&mut self) -> Option<usize> {
+        self.kept.take()
+    }
+
+    /// Receive slots kept earlier whose data is consumed (summed, or its round failed): free.
+    pub fn take_released(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.released)
     }
 
     /// Why the server stopped serving, if it did.
@@ -297,6 +357,7 @@ impl ServerState {
                 total: m.total,
                 start: m.start,
                 spare: None,
+                first: None,
             },
         );
         self.ok(peer, m, Payload::None);
@@ -365,7 +426,7 @@ impl ServerState {
             let owned;
             let input: &NDArray = match payload {
                 Input::Owned(a) => a,
-                Input::Peer(p) => match p.to_array() {
+                Input::Peer(p, _) => match p.to_array() {
                     Ok(a) => {
                         owned = a;
                         &owned
@@ -404,25 +465,51 @@ impl ServerState {
         slot.count += 1;
         // Shapes and dtypes were checked against the slot, so these cannot fail but for a
         // payload region the pool refused, which fails the request.
+        let keep_first = self.num_workers > 1;
         let res = match &mut slot.merge {
+            // The round's second push, its first kept in a slot: one pass sums both.
+            Some(merge) if slot.count > 1 && slot.first.is_some() => {
+                match unpin(merge, &mut slot.spare, false, &mut self.alloc) {
+                    Ok(()) => match slot.first.take() {
+                        Some(k) => {
+                            self.released.push(k.id);
+                            k.sum_with(&payload, merge)
+                        }
+                        None => Ok(()),
+                    },
+                    Err(e) => Err(e),
+                }
+            }
             Some(merge) if slot.count > 1 => unpin(merge, &mut slot.spare, true, &mut self.alloc)
                 .and_then(|()| payload.add_into(merge)),
             // The round's first push: a received buffer becomes the merge buffer (no copy), and
-            // the connection receives into the old merge buffer next time; a peer's pages are
-            // read where they lie into the merge buffer (the worker reuses them).
+            // the connection receives into the old merge buffer next time; data in a receive
+            // slot stays there until the next push (when more are due); a peer's other pages
+            // are read where they lie into the merge buffer (the worker reuses them).
             Some(merge) => match payload {
                 Input::Owned(a) => {
                     std::mem::swap(merge, a);
                     Ok(())
                 }
-                Input::Peer(p) => unpin(merge, &mut slot.spare, false, &mut self.alloc)
+                Input::Peer(p, Some(id)) if keep_first => {
+                    slot.first = Some(Kept::of(p, id));
+                    self.kept = Some(id);
+                    Ok(())
+                }
+                Input::Peer(p, _) => unpin(merge, &mut slot.spare, false, &mut self.alloc)
                     .and_then(|()| p.copy_into(merge)),
             },
             // The first round: a received buffer becomes the merge buffer; a peer's pages are
-            // copied into a new one.
+            // kept (as above) or copied into a new one.
             None => match payload {
                 Input::Owned(_) => payload.take().map(|a| slot.merge = Some(a)),
-                Input::Peer(p) => {
+                Input::Peer(p, Some(id)) if keep_first => {
+                    slot.merge = Some(new_array(&mut self.alloc, &[m.len as usize], m.dtype));
+                    slot.first = Some(Kept::of(p, id));
+                    self.kept = Some(id);
+                    Ok(())
+                }
+                Input::Peer(p, _) => {
                     let mut a = new_array(&mut self.alloc, &[m.len as usize], m.dtype);
                     p.copy_into(&mut a).map(|()| slot.merge = Some(a))
                 }
@@ -486,6 +573,7 @@ impl ServerState {
             if slot.count > 0 && !slot.pushed[rank] {
                 slot.count = 0;
                 slot.pushed.iter_mut().for_each(|p| *p = false);
+                self.released.extend(slot.first.take().map(|k| k.id));
                 failed.extend(slot.held.drain(..).map(|h| (*key, h)));
             }
         }
@@ -505,6 +593,7 @@ impl ServerState {
             held.append(&mut slot.held);
             slot.count = 0;
             slot.pushed.iter_mut().for_each(|p| *p = false);
+            self.released.extend(slot.first.take().map(|k| k.id));
         }
         for h in held {
             self.err(h.peer, &h.req, status::PEER_LOST, reason.to_string());

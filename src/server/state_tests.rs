@@ -265,3 +265,98 @@ fn an_update_never_touches_pool_pages_a_send_by_reference_still_holds() {
     unsafe { r.read(0, &mut got) }.unwrap();
     assert_eq!(got, data(*want, 8).as_bytes());
 }
+
+/// Data in a receive slot, as the loop lends it.
+fn lent(a: &NDArray) -> PeerData<'_> {
+    let b = a.as_bytes();
+    // SAFETY: the array's bytes, valid while it is borrowed.
+    unsafe { PeerData::new(b.as_ptr(), a.size(), a.dtype()) }
+}
+
+#[test]
+fn a_rounds_first_push_stays_in_its_slot_until_the_next_is_summed_with_it() {
+    let mut s = ServerState::new(3, true);
+    s.handle(0, 0, &req(Op::Init, 3, 4, 1), &mut data(0.0, 4));
+    replies(&mut s);
+    for round in 1..=2u64 {
+        let (a, b, c) = (data(1.0, 4), data(2.5, 4), data(4.0, 4));
+        s.handle(
+            0,
+            0,
+            &req(Op::Push, 3, 4, 10 * round),
+            Input::Peer(&lent(&a), Some(7)),
+        );
+        assert_eq!(s.take_kept(), Some(7), "the first push is kept in its slot");
+        assert!(s.take_released().is_empty());
+        s.handle(
+            1,
+            1,
+            &req(Op::Push, 3, 4, 10 * round + 1),
+            Input::Peer(&lent(&b), Some(8)),
+        );
+        assert_eq!(s.take_kept(), None, "a later push is read in full");
+        assert_eq!(s.take_released(), vec![7], "the first is summed and let go");
+        s.handle(
+            2,
+            2,
+            &req(Op::Push, 3, 4, 10 * round + 2),
+            Input::Peer(&lent(&c), None),
+        );
+        assert_eq!(s.stored(3).unwrap().to_vec::<f32>().unwrap(), vec![7.5; 4]);
+        assert_eq!(replies(&mut s).len(), 3);
+    }
+}
+
+#[test]
+fn a_kept_first_push_is_let_go_when_its_round_fails() {
+    let mut s = ServerState::new(2, true);
+    s.handle(0, 0, &req(Op::Init, 3, 4, 1), &mut data(0.0, 4));
+    let a = data(1.0, 4);
+    s.handle(
+        0,
+        0,
+        &req(Op::Push, 3, 4, 2),
+        Input::Peer(&lent(&a), Some(3)),
+    );
+    assert_eq!(s.take_kept(), Some(3));
+    s.worker_gone(1, "disconnected");
+    assert_eq!(s.take_released(), vec![3]);
+    s.handle(
+        0,
+        0,
+        &req(Op::Push, 3, 4, 4),
+        Input::Peer(&lent(&a), Some(4)),
+    );
+    s.fail("stopping");
+    assert_eq!(
+        s.take_released(),
+        Vec::<usize>::new(),
+        "worker 1 is gone: nothing kept"
+    );
+    // With one worker nothing is kept: the round completes at once.
+    let mut one = ServerState::new(1, true);
+    one.handle(0, 0, &req(Op::Init, 3, 4, 1), &mut data(0.0, 4));
+    one.handle(
+        0,
+        0,
+        &req(Op::Push, 3, 4, 2),
+        Input::Peer(&lent(&a), Some(5)),
+    );
+    assert_eq!(one.take_kept(), None);
+    assert_eq!(
+        one.stored(3).unwrap().to_vec::<f32>().unwrap(),
+        vec![1.0; 4]
+    );
+    // A round that fails with its first push kept lets it go.
+    let mut two = ServerState::new(2, true);
+    two.handle(0, 0, &req(Op::Init, 3, 4, 1), &mut data(0.0, 4));
+    two.handle(
+        0,
+        0,
+        &req(Op::Push, 3, 4, 2),
+        Input::Peer(&lent(&a), Some(6)),
+    );
+    assert_eq!(two.take_kept(), Some(6));
+    two.fail("stopping");
+    assert_eq!(two.take_released(), vec![6]);
+}

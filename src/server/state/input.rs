@@ -9,8 +9,10 @@ pub enum Input<'a> {
     /// a copy (another buffer is left in its place).
     Owned(&'a mut NDArray),
     /// Lent by the transport, possibly in a peer's pages: read through copies or in-place
-    /// sums only.
-    Peer(&'a PeerData<'a>),
+    /// sums only. With the number of the receive slot it lies in, if it does: a sync round's
+    /// first push may be kept there until the round's next push is summed with it
+    /// ([`super::ServerState::take_kept`]).
+    Peer(&'a PeerData<'a>, Option<usize>),
 }
 
 impl<'a> From<&'a mut NDArray> for Input<'a> {
@@ -23,21 +25,21 @@ impl Input<'_> {
     pub(super) fn bytes(&self) -> crate::Result<Vec<u8>> {
         match self {
             Input::Owned(a) => Ok(a.as_bytes().to_vec()),
-            Input::Peer(p) => Ok(p.to_bytes()),
+            Input::Peer(p, _) => Ok(p.to_bytes()),
         }
     }
 
     pub(super) fn copy_into(&self, dst: &mut NDArray) -> crate::Result<()> {
         match self {
             Input::Owned(a) => dst.copy_from(a),
-            Input::Peer(p) => p.copy_into(dst),
+            Input::Peer(p, _) => p.copy_into(dst),
         }
     }
 
     pub(super) fn add_into(&self, dst: &mut NDArray) -> crate::Result<()> {
         match self {
             Input::Owned(a) => dst.add_assign(a),
-            Input::Peer(p) => p.add_into(dst),
+            Input::Peer(p, _) => p.add_into(dst),
         }
     }
 
@@ -48,7 +50,7 @@ impl Input<'_> {
                 let dtype = a.dtype();
                 Ok(std::mem::replace(a, NDArray::zeros_dtype(&[0], dtype)))
             }
-            Input::Peer(p) => p.to_array(),
+            Input::Peer(p, _) => p.to_array(),
         }
     }
 }
