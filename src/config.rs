@@ -79,6 +79,8 @@ pub struct Config {
     pub slot_bytes: usize,
     /// Which RDMA device, port and paths (`KVSTORE_RDMA_*`), where RDMA is built.
     pub rdma: RdmaSettings,
+    /// The log filter: `KVSTORE_LOG`, else `RUST_LOG` (see [`crate::init_logging`]).
+    pub log: Option<String>,
 }
 
 /// The RDMA variables (`KVSTORE_RDMA_DEVICE`, `_PORT`, `_GID_INDEX`, `_SL`, `_TC`,
@@ -405,6 +407,7 @@ impl Config {
             rdma,
             shm_pool_bytes,
             slot_bytes,
+            log: get(env, "KVSTORE_LOG").or_else(|| get(env, "RUST_LOG")),
             role: p.role,
             root: p.root,
             num_servers: p.num_servers,

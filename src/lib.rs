@@ -38,6 +38,7 @@ mod format;
 #[doc(hidden)]
 pub mod fuzz;
 mod local;
+mod logging;
 mod ndarray;
 mod net;
 pub mod ops;
@@ -65,6 +66,7 @@ pub use args::{Key, Keys, Outputs, Values};
 pub use config::{Config, RdmaSettings, Role, TransportChoice};
 pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};
+pub use logging::{init_logging, DEFAULT_FILTER};
 pub use ndarray::NDArray;
 pub use optimizer::{Optimizer, OptimizerUpdater};
 pub use prioritized::Prioritized;

@@ -136,7 +136,7 @@ mod verbs {
         });
         match opened {
             Ok((b, at)) => {
-                eprintln!("kvstore server: RDMA on {} at {at}", b.device());
+                tracing::info!("RDMA on {} at {at}", b.device());
                 net.rdma = Some(Box::new(b));
                 Ok(Some(at))
             }
@@ -144,7 +144,7 @@ mod verbs {
                 "KVSTORE_TRANSPORT=rdma, but this server has no RDMA: {why}"
             ))),
             Err(why) => {
-                eprintln!("kvstore server: no RDMA ({why}); workers on other hosts use TCP");
+                tracing::info!("no RDMA ({why}); workers on other hosts use TCP");
                 Ok(None)
             }
         }

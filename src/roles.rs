@@ -275,6 +275,7 @@ pub(crate) fn join(
 /// returns a connected worker otherwise.
 pub(crate) fn start_worker_or_run_role(sync: bool) -> crate::Result<worker::DistWorker> {
     let cfg = Config::from_env()?;
+    crate::init_logging(cfg.log.as_deref());
     match cfg.role {
         Role::Worker => worker::DistWorker::connect(cfg),
         role => {
@@ -321,6 +322,7 @@ pub fn run_role(sync: bool) -> crate::Result<Option<Role>> {
     match Config::role_from_env() {
         Some(role @ (Role::Server | Role::Scheduler)) => {
             let cfg = Config::from_env()?;
+            crate::init_logging(cfg.log.as_deref());
             run_other_role(&cfg, sync)?;
             Ok(Some(role))
         }

@@ -120,8 +120,21 @@ fn timeout(opts: &Options) -> Result<f64, String> {
     Ok(t)
 }
 
+/// The log filter of kvrun's environment (`KVSTORE_LOG`, else `RUST_LOG`): kvrun's own
+/// scheduler logs with it, and every process of the job gets it.
+fn log_filter() -> Option<(&'static str, String)> {
+    ["KVSTORE_LOG", "RUST_LOG"].into_iter().find_map(|k| {
+        std::env::var(k)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .map(|v| (k, v))
+    })
+}
+
 fn run_job(opts: &Options) -> Result<i32, String> {
     let job_timeout = timeout(opts)?;
+    let log = log_filter();
+    kvstore::init_logging(log.as_ref().map(|(_, v)| v.as_str()));
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [
         signal_hook::consts::SIGINT,
@@ -190,6 +203,9 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         ("KVSTORE_SECRET".into(), secret),
         ("KVSTORE_TIMEOUT".into(), job_timeout.to_string()),
     ];
+    if let Some((k, v)) = log {
+        env.push((k.to_string(), v));
+    }
     for x in &opts.env {
         match x.split_once('=') {
             Some((k, v)) => env.push((k.to_string(), v.to_string())),

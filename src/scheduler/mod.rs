@@ -280,6 +280,11 @@ fn serve(
         }
     }
 
+    tracing::info!(
+        "scheduler: {} workers and {} servers joined",
+        opts.num_workers,
+        opts.num_servers
+    );
     // The job.
     let mut at_barrier: HashSet<usize> = HashSet::new();
     // Workers that finished and closed, by name (a barrier waits for them in vain).

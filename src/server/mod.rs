@@ -77,7 +77,7 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         match shm.listen(&name) {
             Ok(()) => shm_name = Some(name),
             Err(e) => {
-                eprintln!("kvstore server: no shared-memory listener ({e}); workers use TCP");
+                tracing::warn!("no shared-memory listener ({e}); workers use TCP");
                 net.shm = None;
             }
         }
@@ -97,6 +97,16 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut sched_frames = FrameQueue::default();
     // The job's processes on this host (the scheduler counts them) share its cores.
     net.set_local_processes(roster.local_processes);
+    tracing::info!(
+        "server {} of {}: {} workers, {}, at {addr}{}",
+        roster.rank,
+        roster.num_servers,
+        roster.num_workers,
+        if sync { "dist_sync" } else { "dist_async" },
+        shm_name
+            .as_deref()
+            .map_or(String::new(), |n| format!(" and shared memory {n}"))
+    );
     let mut state = ServerState::new(roster.num_workers, sync);
     // Messages over TCP are judged by their header before their data takes memory.
     let sizes = admission::Sizes::default();

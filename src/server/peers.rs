@@ -175,7 +175,7 @@ impl Workers {
     /// A worker that broke the protocol: its link is closed once the backends are free.
     fn close_on_error(&mut self, addr: Addr, r: Result<(), String>) {
         if let Err(why) = r {
-            eprintln!("kvstore server: closing a link: {why}");
+            tracing::warn!("closing a link: {why}");
             self.close.push(addr);
         }
     }
@@ -257,6 +257,7 @@ impl Workers {
                     }
                     self.taken[r] = true;
                     w.rank = Some(r);
+                    tracing::debug!("worker {r} connected over {}", addr.medium.name());
                     // A proven worker may send what the job's limit allows.
                     self.trusted.push(addr);
                     reply.op = Op::HelloAck;
@@ -394,6 +395,14 @@ impl Workers {
             return;
         };
         if let Some(r) = w.rank {
+            tracing::debug!(
+                "worker {r}'s link closed ({}): {error}",
+                if w.bye {
+                    "it said goodbye"
+                } else {
+                    "unannounced"
+                }
+            );
             self.taken[r] = false;
             if !w.bye {
                 // Whether the job goes on is the scheduler's to say (a process that exited 0
@@ -444,7 +453,7 @@ impl Workers {
                 Ok(b) => match alloc(b, bytes, kvstore_transport::Access::Land) {
                     Ok(r) => (self.slots.made(r.clone(), domain, bytes), r),
                     Err(e) => {
-                        eprintln!("kvstore server: no receive slot of {bytes} bytes: {e}");
+                        tracing::warn!("no receive slot of {bytes} bytes: {e}");
                         self.slots.not_made(bytes);
                         return None;
                     }

@@ -531,6 +531,7 @@ impl ServerState {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
+        tracing::debug!("key {key}: round of {} pushes complete", slot.count);
         let res = match (&mut self.updater, &mut slot.merge) {
             // ASSIGN: the round's sum becomes the stored value; swap the buffers, copy nothing.
             (Updater::Assign, Some(merge)) => {

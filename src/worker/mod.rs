@@ -166,9 +166,13 @@ fn connect_servers(
             (m, _) => format!("server {i} {}", m.name()),
         })
         .collect();
-    eprintln!("kvstore worker {rank}: {}", pairs.join(", "));
+    tracing::info!(
+        "worker {rank} of {}: {}",
+        roster.num_workers,
+        pairs.join(", ")
+    );
     for n in notes {
-        eprintln!("kvstore worker {rank}: {n}");
+        tracing::info!("worker {rank}: {n}");
     }
     Ok((net, links))
 }

@@ -250,11 +250,18 @@ impl DistWorker {
         self.checked()?;
         let mut owned: Vec<NDArray> = outs.iter_mut().map(|o| take_array(o)).collect();
         let staged = self.stage(&mut owned);
+        let n = reqs.len();
         let id = self.net.start(reqs, owned, self.priority);
+        tracing::debug!("call {}: {n} requests", id.0);
         let Finished {
             result,
             mut outputs,
         } = self.net.wait(id);
+        tracing::debug!(
+            "call {}: {}",
+            id.0,
+            if result.is_ok() { "done" } else { "failed" }
+        );
         unstage(&mut outputs, staged, result.is_ok());
         for (o, a) in outs.iter_mut().zip(outputs) {
             **o = a;

@@ -1,0 +1,71 @@
+//! Logs: what a job prints at each level, with the filter in kvrun's environment
+//! (`KVSTORE_LOG`, or `RUST_LOG`), which kvrun passes to every process.
+
+mod util;
+
+use std::process::Command;
+use std::time::Duration;
+
+/// A W=2 S=1 job of `dist_check seed`, kvrun's environment given `env`.
+fn job(env: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new(util::bin("kvrun"));
+    cmd.args(["-n", "2", "-s", "1", "--timeout", "30"])
+        .arg(util::bin("examples/dist_check"))
+        .args(["seed", "dist_sync"])
+        .env_remove("KVSTORE_LOG")
+        .env_remove("RUST_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let r = util::run_limited(&mut cmd, Duration::from_secs(90));
+    util::assert_job_ok(&r, 2, "seed");
+    format!("{}{}", r.stdout, r.stderr)
+}
+
+#[test]
+fn info_by_default_says_roles_ranks_and_transports_once() {
+    let out = job(&[]);
+    for want in [
+        "INFO kvstore::server: server 0 of 1: 2 workers, dist_sync",
+        "INFO kvstore::scheduler: scheduler: 2 workers and 1 servers joined",
+        "INFO kvstore::worker: worker 0 of 2: server 0 shm",
+        "INFO kvstore::worker: worker 1 of 2: server 0 shm",
+    ] {
+        assert_eq!(out.matches(want).count(), 1, "{want:?} once\n{out}");
+    }
+    assert!(!out.contains("DEBUG"), "{out}");
+}
+
+#[test]
+fn debug_adds_connections_rounds_and_calls() {
+    for var in ["KVSTORE_LOG", "RUST_LOG"] {
+        let out = job(&[(var, "debug")]);
+        for want in [
+            "DEBUG kvstore::server::peers: worker 0 connected over shm",
+            "DEBUG kvstore::server::peers: worker 1 connected over shm",
+            "DEBUG kvstore::server::state: key 3: round of 2 pushes complete",
+            "DEBUG kvstore::worker::requests: call 1: 1 requests",
+            "DEBUG kvstore::worker::requests: call 1: done",
+            "it said goodbye",
+        ] {
+            assert!(out.contains(want), "{var}: {want:?}\n{out}");
+        }
+    }
+}
+
+#[test]
+fn warn_and_module_filters_quiet_the_rest() {
+    let out = job(&[("KVSTORE_LOG", "warn")]);
+    assert!(!out.contains(" INFO ") && !out.contains("DEBUG"), "{out}");
+    // A filter by module: the servers' connections only.
+    let out = job(&[("KVSTORE_LOG", "warn,kvstore::server::peers=debug")]);
+    assert!(out.contains("worker 0 connected over shm"), "{out}");
+    assert!(
+        !out.contains("kvstore::worker") && !out.contains("round of"),
+        "{out}"
+    );
+    // A filter that does not parse: the default, and a warning.
+    let out = job(&[("KVSTORE_LOG", "kvstore=notalevel")]);
+    assert!(out.contains("does not parse"), "{out}");
+    assert!(out.contains("INFO kvstore::worker: worker 0 of 2"), "{out}");
+}
