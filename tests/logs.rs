@@ -69,3 +69,28 @@ fn warn_and_module_filters_quiet_the_rest() {
     assert!(out.contains("does not parse"), "{out}");
     assert!(out.contains("INFO kvstore::worker: worker 0 of 2"), "{out}");
 }
+
+#[test]
+fn kvrun_says_its_version_and_a_jobs_start_and_end() {
+    let r = util::run_limited(
+        Command::new(util::bin("kvrun")).arg("--version"),
+        Duration::from_secs(30),
+    );
+    assert_eq!(r.code, Some(0), "{}", r.all());
+    assert_eq!(
+        r.stdout.trim(),
+        format!("kvrun {}", env!("CARGO_PKG_VERSION")),
+        "{}",
+        r.all()
+    );
+    let out = job(&[]);
+    assert!(
+        out.contains("kvrun: 2 workers and 1 server of ")
+            && out.contains(" on this host; scheduler at 127.0.0.1:"),
+        "{out}"
+    );
+    assert!(
+        out.contains("ended with status 0") && out.contains("kvrun: done in "),
+        "{out}"
+    );
+}

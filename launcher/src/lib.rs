@@ -25,6 +25,7 @@ pub use hosts::{Host, MapBy};
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "kvrun",
+    version,
     about = "Run a kvstore job: a scheduler, S servers and W workers of PROGRAM",
     override_usage = "kvrun -n WORKERS -s SERVERS [OPTIONS] [--] PROGRAM [ARGS]..."
 )]
@@ -87,6 +88,15 @@ pub fn make_secret() -> std::io::Result<String> {
     let mut b = [0u8; 16];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// `n` and a noun, plural where it is.
+fn count(n: u32, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 fn say(msg: &str) {
@@ -237,7 +247,36 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         }
     }
 
+    let places: Vec<String> = hosts
+        .iter()
+        .map(|h| match remote.iter().flatten().find(|r| **r == h.name) {
+            Some(r) => r.to_string(),
+            None => "this host".to_string(),
+        })
+        .collect();
+    let mut places_once: Vec<String> = Vec::new();
+    for p in places {
+        if !places_once.contains(&p) {
+            places_once.push(p);
+        }
+    }
+    say(&format!(
+        "{} and {} of {} on {}; scheduler at {root}; job timeout {job_timeout} s",
+        count(opts.workers, "worker"),
+        count(opts.servers, "server"),
+        opts.program.display(),
+        places_once.join(", ")
+    ));
+    let started = Instant::now();
     let code = supervise(&mut children, &stop, &sched_rx, opts);
+    if code == 0 {
+        say(&format!(
+            "done in {:.2} s: the scheduler, {} and {} ended with status 0",
+            started.elapsed().as_secs_f64(),
+            count(opts.servers, "server"),
+            count(opts.workers, "worker")
+        ));
+    }
     child::stop_all(&mut children);
     child::flush_output(&mut children);
     shepherd.done();
