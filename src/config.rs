@@ -81,6 +81,8 @@ pub struct Config {
     pub rdma: RdmaSettings,
     /// The log filter: `KVSTORE_LOG`, else `RUST_LOG` (see [`crate::init_logging`]).
     pub log: Option<String>,
+    /// Where the launcher listens for reports (`KVSTORE_REPORT`, see [`crate::report`]).
+    pub report: Option<SocketAddr>,
 }
 
 /// The RDMA variables (`KVSTORE_RDMA_DEVICE`, `_PORT`, `_GID_INDEX`, `_SL`, `_TC`,
@@ -408,6 +410,12 @@ impl Config {
             shm_pool_bytes,
             slot_bytes,
             log: get(env, "KVSTORE_LOG").or_else(|| get(env, "RUST_LOG")),
+            report: match get(env, crate::report::VAR) {
+                Some(v) if !v.is_empty() => Some(v.parse().map_err(|_| {
+                    KvError::Config(format!("{}={v:?} is not an address", crate::report::VAR))
+                })?),
+                _ => None,
+            },
             role: p.role,
             root: p.root,
             num_servers: p.num_servers,

@@ -54,6 +54,7 @@ mod protocol;
 pub mod protocol;
 mod rdma;
 mod registry;
+pub mod report;
 mod roles;
 pub mod scheduler;
 mod secret;

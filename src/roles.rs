@@ -191,6 +191,19 @@ pub(crate) fn join(
         &FrameHeader::new(hello.encode(), payload.len() as u64),
         payload.as_bytes(),
     )?;
+    // This process took its role: the launcher hears so (if it listens).
+    crate::report::start(cfg.report, &cfg.secret);
+    if let Some(rank) = cfg.rank_hint {
+        let role = if role == crate::protocol::role::SERVER {
+            "server"
+        } else {
+            "worker"
+        };
+        crate::report::send(&crate::report::Report::Joined {
+            role: role.into(),
+            rank: rank as usize,
+        });
+    }
     let deadline = Instant::now() + cfg.timeout;
     let read = |sched: &mut TcpStream| {
         read_frame(sched, 1 << 20, Some(deadline)).map_err(|e| match e {

@@ -94,3 +94,71 @@ fn kvrun_says_its_version_and_a_jobs_start_and_end() {
         "{out}"
     );
 }
+
+#[test]
+fn kvrun_shows_transports_and_progress_from_the_processes_reports() {
+    let mut cmd = Command::new(util::bin("kvrun"));
+    // A small model, many steps: a job of a few seconds.
+    cmd.args([
+        "--progress",
+        "0.5",
+        "-x",
+        "TRAIN_OUTPUTS=256",
+        "-x",
+        "TRAIN_STEPS=150",
+    ])
+    .args(["-n", "2", "-s", "2"])
+    .arg(util::bin("examples/train"));
+    let r = util::run_limited(&mut cmd, Duration::from_secs(120));
+    assert_eq!(r.code, Some(0), "{}", r.all());
+    let out = r.all();
+    assert_eq!(
+        out.matches("kvrun: transports: worker 0: server 0 shm, server 1 shm; worker 1: server 0 shm, server 1 shm")
+            .count(),
+        1,
+        "{out}"
+    );
+    // A heartbeat every half second; once the workers reported, with their calls.
+    assert!(out.matches("kvrun: ").count() >= 4, "{out}");
+    assert!(
+        out.contains(" calls, ")
+            && out.contains("GB (10^9 bytes) pushed and pulled; slowest worker "),
+        "{out}"
+    );
+}
+
+#[test]
+fn kvrun_warns_of_a_process_that_never_took_its_role() {
+    let dir = std::env::temp_dir().join(format!("kvstore-nojoin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("job.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n# Worker 1 never creates a store.\n\
+             if [ \"$DMLC_ROLE\" = worker ] && [ \"$KVSTORE_RANK\" = 1 ]; then exit 0; fi\n\
+             exec {} seed dist_sync\n",
+            util::bin("examples/dist_check").display()
+        ),
+    )
+    .unwrap();
+    let mut perm = std::fs::metadata(&script).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&script, perm).unwrap();
+    let mut cmd = Command::new(util::bin("kvrun"));
+    cmd.args(["--timeout", "4", "-n", "2", "-s", "1"])
+        .arg(&script);
+    let r = util::run_limited(&mut cmd, Duration::from_secs(60));
+    std::fs::remove_dir_all(&dir).unwrap();
+    let out = r.all();
+    assert_ne!(r.code, Some(0), "{out}");
+    assert!(
+        out.contains("kvrun: warning: worker 1 (pid ")
+            && out.contains("ended without taking its role"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("warning: worker 0") && !out.contains("warning: server"),
+        "{out}"
+    );
+}

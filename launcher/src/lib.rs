@@ -7,6 +7,7 @@
 mod child;
 pub mod hosts;
 pub mod shepherd;
+mod view;
 
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -48,6 +49,10 @@ pub struct Options {
     /// Seconds the servers get to exit after the workers are done.
     #[arg(long, default_value_t = 30.0)]
     pub grace: f64,
+    /// Print a line every SECS seconds while the job runs: calls and bytes so far, and the
+    /// slowest worker.
+    #[arg(long, value_name = "SECS")]
+    pub progress: Option<f64>,
     /// Environment variables to set for every process (NAME=VALUE or NAME to pass ours on).
     #[arg(short = 'x', value_name = "VAR[=VALUE]")]
     pub env: Vec<String>,
@@ -200,6 +205,11 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         secret: secret.clone(),
         timeout: Duration::from_secs_f64(job_timeout),
     };
+    // The processes' reports come to a listener of kvrun's own, beside the scheduler's.
+    let (report_at, mut view) =
+        view::listen(bind, secret.clone(), opts.workers as usize, opts.progress)
+            .map_err(|e| format!("cannot listen for reports on {bind}: {e}"))?;
+    let report_at = SocketAddr::new(root.ip(), report_at.port());
     let (sched_tx, sched_rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = sched_tx.send(run_scheduler(listener, &sched_opts));
@@ -211,6 +221,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         ("DMLC_NUM_SERVER".into(), opts.servers.to_string()),
         ("DMLC_NUM_WORKER".into(), opts.workers.to_string()),
         ("KVSTORE_SECRET".into(), secret),
+        (kvstore::report::VAR.into(), report_at.to_string()),
         ("KVSTORE_TIMEOUT".into(), job_timeout.to_string()),
     ];
     if let Some((k, v)) = log {
@@ -268,7 +279,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         places_once.join(", ")
     ));
     let started = Instant::now();
-    let code = supervise(&mut children, &stop, &sched_rx, opts);
+    let code = supervise(&mut children, &stop, &sched_rx, opts, &mut view);
     if code == 0 {
         say(&format!(
             "done in {:.2} s: the scheduler, {} and {} ended with status 0",
@@ -308,6 +319,7 @@ fn supervise(
     stop: &AtomicBool,
     sched_rx: &mpsc::Receiver<kvstore::Result<()>>,
     opts: &Options,
+    view: &mut view::View,
 ) -> i32 {
     let mut workers_done_at: Option<Instant> = None;
     let mut sched_result: Option<kvstore::Result<()>> = None;
@@ -321,6 +333,10 @@ fn supervise(
                 sched_result = Some(r);
             }
         }
+        for c in children.iter_mut() {
+            c.poll();
+        }
+        view.update(children, say);
         // Failures seen now; of several seen at once, one killed by a signal is the likelier
         // cause (the others ended because of it).
         let mut failed: Vec<(bool, String)> = Vec::new();

@@ -174,6 +174,11 @@ fn connect_servers(
     for n in notes {
         tracing::info!("worker {rank}: {n}");
     }
+    crate::report::send(&crate::report::Report::Transports {
+        rank,
+        text: pairs.join(", "),
+    });
+    crate::report::progress_every_second(rank);
     Ok((net, links))
 }
 

@@ -97,6 +97,17 @@ fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
     }
 }
 
+/// The bytes of values a call's requests push and pull.
+fn moved_bytes(reqs: &[Request]) -> u64 {
+    reqs.iter()
+        .map(|r| {
+            let pushed = r.data.as_ref().map_or(0, |(_, b)| b.len());
+            let pulled = r.dest.as_ref().map_or(0, |(_, b)| b.len());
+            (pushed + pulled) as u64
+        })
+        .sum()
+}
+
 /// After a key's first output was filled, copies it into the key's other outputs.
 fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
     let mut filled: FxHashMap<Key, NDArray> = FxHashMap::default();
@@ -251,6 +262,7 @@ impl DistWorker {
         let mut owned: Vec<NDArray> = outs.iter_mut().map(|o| take_array(o)).collect();
         let staged = self.stage(&mut owned);
         let n = reqs.len();
+        let moved = moved_bytes(&reqs);
         let id = self.net.start(reqs, owned, self.priority);
         tracing::debug!("call {}: {n} requests", id.0);
         let Finished {
@@ -262,6 +274,7 @@ impl DistWorker {
             id.0,
             if result.is_ok() { "done" } else { "failed" }
         );
+        crate::report::count_call(moved);
         unstage(&mut outputs, staged, result.is_ok());
         for (o, a) in outs.iter_mut().zip(outputs) {
             **o = a;
@@ -390,6 +403,7 @@ impl DistWorker {
             true
         });
         let lent = self.stage(&mut outputs);
+        crate::report::count_call(moved_bytes(&reqs));
         let id = self.net.start(reqs, outputs, self.priority);
         if !lent.is_empty() {
             self.staged.insert(id, lent);

@@ -1,0 +1,181 @@
+//! The job as kvrun shows it while it runs, from what its processes report over a listener of
+//! kvrun's own ([`kvstore::report`]): which processes took their roles, the transport of every
+//! worker-server pair once known, and (with `--progress`) a heartbeat line.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead, BufReader, Read};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvstore::report::{check_hello, Report};
+
+use crate::child::{Child, RoleName};
+
+/// The longest report line read.
+const MAX_LINE: u64 = 64 * 1024;
+
+/// What the processes said so far.
+pub(crate) struct View {
+    rx: mpsc::Receiver<Report>,
+    workers: usize,
+    joined: HashSet<(String, usize)>,
+    transports: BTreeMap<usize, String>,
+    progress: BTreeMap<usize, (u64, u64)>,
+    said_transports: bool,
+    started: Instant,
+    every: Option<Duration>,
+    next_beat: Instant,
+    /// Children seen ended, and when, until they are judged (a last report may be in flight).
+    ended: BTreeMap<String, Instant>,
+    warned: HashSet<String>,
+}
+
+/// Listens on `ip` for the job's reports, checking each connection's proof of `secret`.
+pub(crate) fn listen(
+    ip: IpAddr,
+    secret: String,
+    workers: usize,
+    every: Option<f64>,
+) -> std::io::Result<(SocketAddr, View)> {
+    let l = TcpListener::bind(SocketAddr::new(ip, 0))?;
+    let addr = l.local_addr()?;
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("kvrun-reports".into())
+        .spawn(move || {
+            for s in l.incoming().flatten() {
+                let (tx, secret) = (tx.clone(), secret.clone());
+                let _ = std::thread::Builder::new()
+                    .name("kvrun-report".into())
+                    .spawn(move || read_reports(s, &secret, &tx));
+            }
+        })?;
+    let now = Instant::now();
+    let every = every.filter(|s| *s > 0.0).map(Duration::from_secs_f64);
+    Ok((
+        addr,
+        View {
+            rx,
+            workers,
+            joined: HashSet::new(),
+            transports: BTreeMap::new(),
+            progress: BTreeMap::new(),
+            said_transports: false,
+            started: now,
+            every,
+            next_beat: now + every.unwrap_or_default(),
+            ended: BTreeMap::new(),
+            warned: HashSet::new(),
+        },
+    ))
+}
+
+/// One process's reports: a proof of the secret first (within 5 s), then report lines;
+/// anything else ends the connection.
+fn read_reports(s: TcpStream, secret: &str, tx: &mpsc::Sender<Report>) {
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    let ok = matches!(r.by_ref().take(MAX_LINE).read_line(&mut line), Ok(n) if n > 0)
+        && check_hello(secret, line.trim_end());
+    if !ok {
+        return;
+    }
+    let _ = r.get_ref().set_read_timeout(None);
+    loop {
+        line.clear();
+        match r.by_ref().take(MAX_LINE).read_line(&mut line) {
+            Ok(n) if n > 0 && line.ends_with('\n') => match Report::parse(line.trim_end()) {
+                Some(rep) => {
+                    if tx.send(rep).is_err() {
+                        return;
+                    }
+                }
+                None => return,
+            },
+            _ => return,
+        }
+    }
+}
+
+fn key(role: &RoleName) -> (String, usize) {
+    match role {
+        RoleName::Server(r) => ("server".into(), *r),
+        RoleName::Worker(r) => ("worker".into(), *r),
+    }
+}
+
+impl View {
+    /// Takes in the reports that came, and says what there is to say now: the transports once
+    /// every worker gave them, a heartbeat when one is due, and a warning for a process that
+    /// ended without taking its role.
+    pub(crate) fn update(&mut self, children: &[Child], say: impl Fn(&str)) {
+        while let Ok(r) = self.rx.try_recv() {
+            match r {
+                Report::Joined { role, rank } => {
+                    self.joined.insert((role, rank));
+                }
+                Report::Transports { rank, text } => {
+                    self.transports.insert(rank, text);
+                }
+                Report::Progress { rank, calls, bytes } => {
+                    self.progress.insert(rank, (calls, bytes));
+                }
+            }
+        }
+        if !self.said_transports && self.workers > 0 && self.transports.len() >= self.workers {
+            self.said_transports = true;
+            let all: Vec<String> = self
+                .transports
+                .iter()
+                .map(|(r, t)| format!("worker {r}: {t}"))
+                .collect();
+            say(&format!("transports: {}", all.join("; ")));
+        }
+        if let Some(every) = self.every {
+            if Instant::now() >= self.next_beat {
+                self.next_beat += every;
+                say(&self.heartbeat());
+            }
+        }
+        for c in children {
+            if !c.exited() || self.joined.contains(&key(&c.role)) {
+                continue;
+            }
+            let name = c.role.to_string();
+            let seen = *self.ended.entry(name.clone()).or_insert_with(Instant::now);
+            if seen.elapsed() > Duration::from_millis(300) && self.warned.insert(name.clone()) {
+                say(&format!(
+                    "warning: {name} (pid {}) ended without taking its role: its program \
+                     never created a dist_sync or dist_async store",
+                    c.pid
+                ));
+            }
+        }
+    }
+
+    /// "12.0 s: 340 calls, 1.20 GB; slowest worker 1 (150 calls)".
+    fn heartbeat(&self) -> String {
+        let t = self.started.elapsed().as_secs_f64();
+        if self.progress.is_empty() {
+            return format!("{t:.1} s: no calls reported yet");
+        }
+        let calls: u64 = self.progress.values().map(|p| p.0).sum();
+        let bytes: u64 = self.progress.values().map(|p| p.1).sum();
+        let mut line = format!(
+            "{t:.1} s: {calls} calls, {:.2} GB (10^9 bytes) pushed and pulled",
+            bytes as f64 / 1e9
+        );
+        let reported = self.progress.len();
+        if reported < self.workers {
+            line.push_str(&format!(
+                "; {} of {} workers reported",
+                reported, self.workers
+            ));
+        } else if let Some((r, (c, _))) = self.progress.iter().min_by_key(|(_, p)| p.0) {
+            line.push_str(&format!("; slowest worker {r} ({c} calls)"));
+        }
+        line
+    }
+}

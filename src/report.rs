@@ -1,0 +1,208 @@
+//! What the processes of a job tell their launcher (kvrun) over a channel of its own, named by
+//! `KVSTORE_REPORT` (an address kvrun listens on): that a process took its role, the transport
+//! a worker reaches each server by, and every second a worker's calls and bytes so far. Lines
+//! of text; the first proves the job's secret. Best effort: a report that cannot be written is
+//! dropped, and nothing of the job ever waits on the launcher.
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use crate::auth;
+
+/// The variable that names the launcher's address.
+pub const VAR: &str = "KVSTORE_REPORT";
+
+const LABEL: &[u8] = b"kvstore report v1";
+
+/// The first line a process writes: it knows `secret`.
+pub fn hello(secret: &str) -> String {
+    format!(
+        "kvstore-report {}",
+        auth::hex(&auth::plain_mac(secret.as_bytes(), LABEL))
+    )
+}
+
+/// Whether `line` is [`hello`] for `secret` (compared in constant time).
+pub fn check_hello(secret: &str, line: &str) -> bool {
+    line.strip_prefix("kvstore-report ")
+        .and_then(auth::unhex::<{ auth::MAC }>)
+        .is_some_and(|got| auth::plain_check(secret.as_bytes(), LABEL, &got))
+}
+
+/// One report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// A process took its role (`"server"`, `"worker"`) with this rank.
+    Joined {
+        /// The role.
+        role: String,
+        /// The rank.
+        rank: usize,
+    },
+    /// How worker `rank` reaches each server.
+    Transports {
+        /// The worker.
+        rank: usize,
+        /// "server 0 shm, server 1 tcp", ...
+        text: String,
+    },
+    /// Worker `rank`'s calls completed and bytes moved (pushed and pulled) so far.
+    Progress {
+        /// The worker.
+        rank: usize,
+        /// Calls completed.
+        calls: u64,
+        /// Bytes of values pushed and pulled.
+        bytes: u64,
+    },
+}
+
+impl Report {
+    /// The report as one line (no newline).
+    pub fn line(&self) -> String {
+        match self {
+            Report::Joined { role, rank } => format!("joined {role} {rank}"),
+            Report::Transports { rank, text } => format!("transports {rank} {text}"),
+            Report::Progress { rank, calls, bytes } => format!("progress {rank} {calls} {bytes}"),
+        }
+    }
+
+    /// A report from its line; `None` for anything else.
+    pub fn parse(line: &str) -> Option<Report> {
+        let mut w = line.splitn(3, ' ');
+        let kind = w.next()?;
+        let a = w.next()?;
+        let rest = w.next();
+        match kind {
+            "joined" if matches!(a, "server" | "worker") => Some(Report::Joined {
+                role: a.to_string(),
+                rank: rest?.parse().ok()?,
+            }),
+            "transports" => Some(Report::Transports {
+                rank: a.parse().ok()?,
+                text: rest?.to_string(),
+            }),
+            "progress" => {
+                let (c, b) = rest?.split_once(' ')?;
+                Some(Report::Progress {
+                    rank: a.parse().ok()?,
+                    calls: c.parse().ok()?,
+                    bytes: b.parse().ok()?,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+static LINK: OnceLock<Mutex<Option<TcpStream>>> = OnceLock::new();
+static CALLS: AtomicU64 = AtomicU64::new(0);
+static BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Connects to the launcher at `addr` (once per process), proving `secret`.
+pub(crate) fn start(addr: Option<SocketAddr>, secret: &str) {
+    LINK.get_or_init(|| {
+        let s = addr.and_then(|a| {
+            let mut s = TcpStream::connect_timeout(&a, Duration::from_secs(1)).ok()?;
+            s.set_write_timeout(Some(Duration::from_millis(200))).ok()?;
+            s.set_nodelay(true).ok()?;
+            writeln!(s, "{}", hello(secret)).ok()?;
+            Some(s)
+        });
+        Mutex::new(s)
+    });
+}
+
+/// Sends a report, if the launcher listens.
+pub(crate) fn send(r: &Report) {
+    let Some(link) = LINK.get() else { return };
+    let mut g = link.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = g.as_mut() {
+        if writeln!(s, "{}", r.line()).is_err() {
+            *g = None;
+        }
+    }
+}
+
+/// Whether the launcher listens.
+pub(crate) fn listening() -> bool {
+    LINK.get()
+        .is_some_and(|l| l.lock().unwrap_or_else(|p| p.into_inner()).is_some())
+}
+
+/// A worker's call completed, moving `bytes` of values.
+pub(crate) fn count_call(bytes: u64) {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    BYTES.fetch_add(bytes, Ordering::Relaxed);
+}
+
+/// Sends worker `rank`'s progress every second from a thread of its own, while the launcher
+/// listens.
+pub(crate) fn progress_every_second(rank: usize) {
+    if !listening() {
+        return;
+    }
+    let _ = std::thread::Builder::new()
+        .name("kvstore-report".into())
+        .spawn(move || {
+            let mut last = (u64::MAX, 0);
+            while listening() {
+                std::thread::sleep(Duration::from_secs(1));
+                let now = (CALLS.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed));
+                if now != last {
+                    send(&Report::Progress {
+                        rank,
+                        calls: now.0,
+                        bytes: now.1,
+                    });
+                    last = now;
+                }
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_round_trip_and_garbage_is_refused() {
+        for r in [
+            Report::Joined {
+                role: "worker".into(),
+                rank: 3,
+            },
+            Report::Transports {
+                rank: 1,
+                text: "server 0 shm, server 1 tcp".into(),
+            },
+            Report::Progress {
+                rank: 0,
+                calls: 12,
+                bytes: 1 << 40,
+            },
+        ] {
+            assert_eq!(Report::parse(&r.line()), Some(r));
+        }
+        for bad in [
+            "",
+            "joined",
+            "joined scheduler 0",
+            "progress 1 2",
+            "progress x 1 2",
+            "x 1 2",
+        ] {
+            assert_eq!(Report::parse(bad), None, "{bad:?}");
+        }
+        let h = hello("a secret of enough bytes");
+        assert!(check_hello("a secret of enough bytes", &h));
+        assert!(!check_hello("another secret entirely!", &h));
+        assert!(!check_hello(
+            "a secret of enough bytes",
+            "kvstore-report 00"
+        ));
+    }
+}
