@@ -88,6 +88,7 @@ impl NDArray {
         let bytes = shape
             .iter()
             .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
+            .filter(|&b| b <= isize::MAX as usize)
             .ok_or_else(|| KvError::TooLarge {
                 shape: shape.to_vec(),
                 dtype,

@@ -88,6 +88,7 @@ fn the_servers_optimizer_state_is_saved_and_loaded_by_a_worker() {
             assert_jobs_ok(&r, w, "states");
             for r in &r {
                 assert!(r.stdout.contains("refused truncated states"), "{}", r.all());
+                assert!(r.stdout.contains("refused another layout"), "{}", r.all());
                 assert!(r.stdout.contains("states reloaded exactly"), "{}", r.all());
             }
         }

@@ -63,6 +63,17 @@ pub(crate) fn states(kv: &mut KVStore) {
         println!("refused truncated states");
     }
     ok("barrier", kv.barrier());
+    // Another key: the saved state no longer matches the job's keys, and is refused.
+    ok("init 2", kv.init(2, &ones[0]));
+    if kv.rank() == 0 {
+        match kv.load_optimizer_states(&path) {
+            Err(e) if e.to_string().contains("keys differ") => println!("refused another layout"),
+            other => fail(format!(
+                "a state saved with other keys was loaded: {other:?}"
+            )),
+        }
+    }
+    ok("barrier", kv.barrier());
     step(kv, &mut local, 3.0);
     ok("barrier", kv.barrier());
     for (key, sh) in shapes.iter().enumerate() {

@@ -236,6 +236,15 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
         &large
     };
     let len = usize::try_from(v.len).unwrap_or(0);
+    let claimed = shape
+        .iter()
+        .try_fold(itemsize, |acc, &n| acc.checked_mul(n));
+    if claimed != Some(len) {
+        return Err(PyValueError::new_err(format!(
+            "{what}: its buffer's shape {shape:?} of {itemsize}-byte items does not fill its \
+             {len} bytes"
+        )));
+    }
     let addr = v.buf as usize;
     let ptr = v.buf.cast::<u8>();
     // SAFETY: the export names `len` bytes at `ptr`, C-contiguous, of `shape` and `dtype`,

@@ -58,6 +58,7 @@ pub(crate) fn to_py(e: KvError) -> PyErr {
             Some(signal) => signal,
             None => KVStoreError::new_err(text),
         },
+        KvError::Io(_) => pyo3::exceptions::PyOSError::new_err(text),
         _ => KVStoreError::new_err(text),
     }
 }

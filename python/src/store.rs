@@ -479,7 +479,11 @@ impl Drop for KVStore {
         if FORKS.load(Ordering::Relaxed) != self.forks {
             // A forked child must not speak on its parent's links (a distributed store's
             // destructor says goodbye to the servers and the scheduler).
-            if let Some(kv) = self.inner.get_mut().ok().and_then(Option::take) {
+            let inner = self
+                .inner
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(kv) = inner.take() {
                 std::mem::forget(kv);
             }
         }

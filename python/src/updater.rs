@@ -14,6 +14,9 @@ use crate::arrays::{numpy, numpy_name, Memory};
 /// The scheme of updaters shipped to servers: `python:<hex of the pickled function>`.
 pub(crate) const SCHEME: &str = "python";
 
+/// The largest pickled updater: its hex name must fit a control message (60 KiB).
+const MAX_PICKLE: usize = 28 * 1024;
+
 thread_local! {
     /// The exception an updater raised in this thread, re-raised as itself by the call that
     /// ran the updater.
@@ -139,6 +142,13 @@ pub(crate) fn ship(f: &Bound<'_, PyAny>) -> PyResult<String> {
         .import(intern!(py, "cloudpickle"))?
         .call_method1(intern!(py, "dumps"), (f,))?;
     let bytes: Vec<u8> = bytes.extract()?;
+    if bytes.len() > MAX_PICKLE {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "the updater pickles to {} bytes, more than the {MAX_PICKLE} a server takes: \
+             keep large data out of its closure (load it on the servers instead)",
+            bytes.len()
+        )));
+    }
     let mut name = String::with_capacity(SCHEME.len() + 1 + 2 * bytes.len());
     name.push_str(SCHEME);
     name.push(':');

@@ -110,7 +110,8 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
     assert "child refused: True" in out, out
 
 
-def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path):
+@pytest.mark.parametrize("call", ["kv.push(1, np.ones(4))", "kv.barrier()"])
+def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path, call):
     p = run_job(tmp_path, """
         kv.init(1, np.zeros(4))
         if kv.rank == 1:
@@ -120,15 +121,15 @@ def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path):
             f.write(str(os.getpid()))
         os.rename(os.path.join(DIR, "waiting.tmp"), os.path.join(DIR, "waiting"))
         try:
-            kv.push(1, np.ones(4))
-            print("push returned", flush=True)
+            CALL
+            print("call returned", flush=True)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
         try:
             kv.push(1, np.ones(4))
         except kvstore.KVStoreError as e:
             print(f"refused after: {e}", flush=True)
-        """, wait=False)
+        """.replace("CALL", call), wait=False)
     wait_for(p, tmp_path / "waiting")
     time.sleep(0.5)
     pid = int((tmp_path / "waiting").read_text())
@@ -136,7 +137,7 @@ def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path):
     out, _ = p.communicate(timeout=60)
     assert "interrupted" in out, out
     assert "refused after: job aborted" in out and "interrupted" in out.split("refused after")[1], out
-    assert "push returned" not in out, out
+    assert "call returned" not in out, out
 
 
 def test_a_dead_server_is_peer_lost(tmp_path):

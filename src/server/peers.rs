@@ -206,7 +206,13 @@ impl Workers {
         };
         let (action, id, mem) = self.slots.on_put(addr.id(), grant, offset, len, imm)?;
         if let PutAction::Push(m) = action {
-            let p = slot_data(mem, &m)?;
+            let p = match slot_data(mem, &m) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.slots.give_back(id);
+                    return Err(e);
+                }
+            };
             state.handle(addr.id(), rank, &m, Input::Peer(&p, Some(id)));
             self.after_slot(state, id);
         }
@@ -304,7 +310,13 @@ impl Workers {
                 return Err("a slot push with data of its own".into());
             }
             let (id, mem) = self.slots.on_slot_msg(addr.id(), &m)?;
-            let p = slot_data(mem, &m)?;
+            let p = match slot_data(mem, &m) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.slots.give_back(id);
+                    return Err(e);
+                }
+            };
             state.handle(addr.id(), rank, &m, Input::Peer(&p, Some(id)));
             self.after_slot(state, id);
         } else if m.op.carries_data() {

@@ -604,6 +604,7 @@ impl ServerState {
     /// Drops what is addressed to a closed connection.
     pub fn forget_peer(&mut self, peer: PeerId) {
         self.outbox.retain(|o| o.to != peer);
+        self.snapshots.remove(&peer);
     }
 }
 

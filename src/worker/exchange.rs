@@ -109,6 +109,11 @@ impl Links {
         e
     }
 
+    /// Whether the program asks to interrupt (its check, `KVStore::set_interrupt_check`).
+    pub(crate) fn interrupted(&mut self) -> bool {
+        self.interrupt.as_mut().is_some_and(|f| f())
+    }
+
     /// Starts a call and posts what its links have room for.
     pub(crate) fn start(
         &mut self,

@@ -17,7 +17,7 @@ pub(crate) use requests::Ticket;
 
 use rustc_hash::FxHashMap;
 use std::net::TcpStream as StdStream;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvstore_transport::tcp::blocking::{read_frame, write_frame};
 use kvstore_transport::tcp::connect_retry;
@@ -336,6 +336,14 @@ impl DistWorker {
         };
         w.map_err(|e| self.net.fail(KvError::PeerLost(format!("scheduler: {e}"))))?;
         let deadline = Instant::now() + self.cfg.timeout;
+        // The interrupt check (Ctrl-C in Python) is heard while the barrier waits.
+        while Instant::now() < deadline && !readable(&self.sched, Duration::from_millis(50)) {
+            if self.net.interrupted() {
+                return Err(self.net.fail(KvError::Interrupted(
+                    "a barrier was interrupted; the store refuses further calls".into(),
+                )));
+            }
+        }
         let (h, text) = read_frame(&mut self.sched, 1 << 20, Some(deadline)).map_err(|e| {
             let e = match e {
                 TransportError::Timeout(_) => KvError::Timeout {
@@ -407,6 +415,22 @@ impl Drop for DistWorker {
         let _ = write_frame(&mut self.sched, &FrameHeader::new(fin.encode(), 0), &[]);
         at_exit::forget(self.exit_id);
     }
+}
+
+/// Whether `s` has something to read within `wait` (or an error to report: it is then read).
+/// A signal that cuts the wait short is no data (the caller asks whether to stop).
+fn readable(s: &StdStream, wait: Duration) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::from_borrowed_fd(s.as_fd(), PollFlags::IN)];
+    let ts = Timespec {
+        tv_sec: wait.as_secs() as i64,
+        tv_nsec: wait.subsec_nanos() as i64,
+    };
+    !matches!(
+        poll(&mut fds, Some(&ts)),
+        Ok(0) | Err(rustix::io::Errno::INTR)
+    )
 }
 
 /// A worker that ends its process with `std::process::exit` runs no destructor: the links of

@@ -7,7 +7,7 @@ use crate::worker::DistWorker;
 use crate::{DType, KvError, NDArray, Result};
 
 /// The first bytes of a distributed store's saved optimizer state.
-const MAGIC: &[u8; 8] = b"KVDSTAT1";
+const MAGIC: &[u8; 8] = b"KVDSTAT2";
 
 /// A request about `len` bytes of optimizer state at server `server` (`step`: see
 /// [`Op::States`]).
@@ -30,6 +30,29 @@ fn request(op: Op, server: usize, step: u64, len: usize, data: Option<NDArray>) 
 }
 
 impl DistWorker {
+    /// The keys as the servers know them: each key's name, number on the wire, dtype, shape
+    /// and slices. A state saved under one layout means nothing under another.
+    fn layout(&self) -> String {
+        let mut keys: Vec<_> = self.keys.iter().collect();
+        keys.sort_by_key(|(_, info)| info.id);
+        let mut out = String::new();
+        for (k, info) in keys {
+            let parts: Vec<String> = info
+                .parts
+                .iter()
+                .map(|p| format!("{}:{}+{}", p.server, p.start, p.len))
+                .collect();
+            out.push_str(&format!(
+                "{k:?} {} {} {:?} {}\n",
+                info.id,
+                info.dtype,
+                info.shape,
+                parts.join(",")
+            ));
+        }
+        out
+    }
+
     /// Every server's optimizer state, as one file's bytes: each server snapshots its state,
     /// says how long it is, and puts it into this worker's memory.
     pub(crate) fn save_states(&mut self) -> Result<Vec<u8>> {
@@ -62,6 +85,9 @@ impl DistWorker {
         self.run(reqs, &mut states.iter_mut().collect::<Vec<_>>())?;
         let mut out = MAGIC.to_vec();
         out.extend_from_slice(&(n as u64).to_le_bytes());
+        let layout = self.layout();
+        out.extend_from_slice(&(layout.len() as u64).to_le_bytes());
+        out.extend_from_slice(layout.as_bytes());
         for st in &states {
             out.extend_from_slice(&(st.nbytes() as u64).to_le_bytes());
             out.extend_from_slice(st.as_bytes());
@@ -83,6 +109,17 @@ impl DistWorker {
                 self.num_servers
             )));
         }
+        let (len, r) = take_u64(rest).ok_or_else(|| bad("truncated"))?;
+        let len = usize::try_from(len).map_err(|_| bad("truncated"))?;
+        let saved = r.get(..len).ok_or_else(|| bad("truncated"))?;
+        if saved != self.layout().as_bytes() {
+            return Err(bad(
+                "saved by a job whose keys differ (their names, the order they were \
+                 initialised in, their shapes or dtypes, or how they are sliced over the \
+                 servers)",
+            ));
+        }
+        rest = &r[len..];
         let mut parts = Vec::with_capacity(self.num_servers);
         for _ in 0..self.num_servers {
             let (len, r) = take_u64(rest).ok_or_else(|| bad("truncated"))?;
