@@ -264,7 +264,8 @@ fn update_typed<T: Element>(opt: &Optimizer, st: &mut KeyState, grad: &[T], weig
                 .zip(st.v.iter_mut())
             {
                 let wf = w.to_f64();
-                let g = prep(g.to_f64(), rescale_grad, clip_gradient) + wd * wf;
+                // MXNet's adam_update: weight decay joins the gradient before the clip.
+                let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
                 *m = beta1 * *m + (1.0 - beta1) * g;
                 *v = beta2 * *v + (1.0 - beta2) * g * g;
                 *w = T::from_f64(wf - lr_t * *m / (v.sqrt() + epsilon));
