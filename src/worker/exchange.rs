@@ -342,8 +342,10 @@ impl Links {
         };
         let b = self.net.backend(addr.medium)?;
         let imm = slot_imm(msg.req_id, msg.op == Op::PushPull);
-        // SAFETY: the value is read only: the call holds a clone of it until the token
-        // completes, so a write by the caller goes to a copy.
+        // SAFETY: the value is only read, and stays alive: the call holds a clone of it until
+        // the token completes. A write by the caller goes to a copy, except into memory it
+        // lent (`NDArray::from_raw_parts`), whose owner keeps it alive; a send of it that
+        // outlives a failed call may then carry what the caller wrote since (reads only).
         match unsafe { b.put(addr.peer, &src, range, &slot, 0, imm, Token(token)) }? {
             Sent::WouldBlock => Ok(SlotPut::Full),
             Sent::Posted => {
@@ -395,8 +397,10 @@ impl Links {
         let d = data
             .as_ref()
             .map(|(g, range)| (g, range.clone(), Token(token)));
-        // SAFETY: the value is read only: the call holds a clone of it until the token
-        // completes, so a write by the caller goes to a copy.
+        // SAFETY: the value is only read, and stays alive: the call holds a clone of it until
+        // the token completes. A write by the caller goes to a copy, except into memory it
+        // lent (`NDArray::from_raw_parts`), whose owner keeps it alive; a send of it that
+        // outlives a failed call may then carry what the caller wrote since (reads only).
         match unsafe { b.send(addr.peer, body, d) }? {
             Sent::Posted => {
                 self.calls.on_sent(call, req, grant, token);
