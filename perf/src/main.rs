@@ -245,6 +245,11 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
     report(test, name, &a, &results)
 }
 
+/// A JSON number, or null where there is none (JSON has no NaN).
+fn num(x: f64) -> serde_json::Value {
+    serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into)
+}
+
 fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), String> {
     let mut out = std::io::stdout().lock();
     let mode = format!("{:?}", a.mode).to_lowercase();
@@ -276,13 +281,28 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                 };
                 points.push((r.size as f64, r.us[1]));
                 if a.json {
-                    let refj =
-                        reference.map_or(String::new(), |x| format!(",\"ref_p50_us\":{x:.3}"));
-                    let _ = writeln!(
-                        out,
-                        "{{\"test\":\"lat\",\"transport\":\"{name}\",\"mode\":\"{mode}\",\"size\":{},\"iters\":{},\"min_us\":{:.3},\"p50_us\":{:.3},\"p90_us\":{:.3},\"p99_us\":{:.3},\"p999_us\":{:.3},\"max_us\":{:.3}{refj}}}",
-                        r.size, r.iters, r.us[0], r.us[1], r.us[2], r.us[3], r.us[4], r.us[5]
-                    );
+                    let row = serde_json::json!({
+                        "test": "lat",
+                        "op": "lat",
+                        "transport": name,
+                        "mode": mode,
+                        "workers": 1,
+                        "servers": 1,
+                        "size": r.size,
+                        "iters": r.iters,
+                        "min_us": num(r.us[0]),
+                        "p50_us": num(r.us[1]),
+                        "p90_us": num(r.us[2]),
+                        "p99_us": num(r.us[3]),
+                        "p999_us": num(r.us[4]),
+                        "max_us": num(r.us[5]),
+                        "ref_p50_us": reference.map_or(serde_json::Value::Null, num),
+                        "units": {
+                            "size": "bytes",
+                            "latency": "microseconds, one way (half the round trip)",
+                        },
+                    });
+                    let _ = writeln!(out, "{row}");
                 } else {
                     let refs = reference.map_or(String::new(), |x| {
                         format!(" {:>9.2} {:>6.2}", x, r.us[1] / x)
@@ -340,18 +360,27 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                 };
                 points.push((r.size as f64, r.bytes_per_s / 1e9));
                 if a.json {
-                    let refj = reference.map_or(String::new(), |x| {
-                        format!(",\"ref_gbytes_per_s\":{:.4}", x / 1e9)
+                    let row = serde_json::json!({
+                        "test": "bw",
+                        "op": "bw",
+                        "transport": name,
+                        "mode": mode,
+                        "workers": 1,
+                        "servers": 1,
+                        "size": r.size,
+                        "iters": r.iters,
+                        "gbytes_per_s": num(r.bytes_per_s / 1e9),
+                        "gbits_per_s": num(r.bytes_per_s * 8.0 / 1e9),
+                        "msgs_per_s": num(r.msgs_per_s),
+                        "ref_gbytes_per_s": reference.map_or(serde_json::Value::Null, |x| num(x / 1e9)),
+                        "units": {
+                            "size": "bytes",
+                            "gbytes_per_s": "10^9 bytes per second",
+                            "gbits_per_s": "10^9 bits per second",
+                            "msgs_per_s": "messages per second",
+                        },
                     });
-                    let _ = writeln!(
-                        out,
-                        "{{\"test\":\"bw\",\"transport\":\"{name}\",\"mode\":\"{mode}\",\"size\":{},\"iters\":{},\"gbytes_per_s\":{:.4},\"gbits_per_s\":{:.4},\"msgs_per_s\":{:.1}{refj}}}",
-                        r.size,
-                        r.iters,
-                        r.bytes_per_s / 1e9,
-                        r.bytes_per_s * 8.0 / 1e9,
-                        r.msgs_per_s
-                    );
+                    let _ = writeln!(out, "{row}");
                 } else {
                     let refs = reference.map_or(String::new(), |x| {
                         format!(" {:>10.3} {:>6.2}", x / 1e9, r.bytes_per_s / x)

@@ -158,15 +158,6 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
     Ok(())
 }
 
-/// A number for JSON: `null` where there is none (JSON has no NaN).
-fn json_num(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:.4}")
-    } else {
-        "null".into()
-    }
-}
-
 /// A table cell: `-` where there is no figure.
 fn cell(x: f64, prec: usize) -> String {
     if x.is_finite() {
@@ -176,13 +167,20 @@ fn cell(x: f64, prec: usize) -> String {
     }
 }
 
+/// A number of a child's JSON line (NaN where there is none).
 fn field(line: &str, name: &str) -> f64 {
-    let key = format!("\"{name}\":");
-    line.split(&key)
-        .nth(1)
-        .and_then(|r| r.split([',', '}']).next())
-        .and_then(|v| v.parse().ok())
+    serde_json::from_str::<serde_json::Value>(line)
+        .ok()
+        .and_then(|v| v.get(name).and_then(serde_json::Value::as_f64))
         .unwrap_or(f64::NAN)
+}
+
+/// A string of a child's JSON line ("-" where there is none).
+fn text_field(line: &str, name: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(line)
+        .ok()
+        .and_then(|v| v.get(name).and_then(|s| s.as_str().map(str::to_string)))
+        .unwrap_or_else(|| "-".into())
 }
 
 pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
@@ -272,13 +270,7 @@ fn print_header(
             }
             _ => {}
         }
-        let transport = text.lines().next().map(|l| {
-            l.split("\"transport\":\"")
-                .nth(1)
-                .and_then(|r| r.split('"').next())
-                .unwrap_or("-")
-                .to_string()
-        });
+        let transport = text.lines().next().map(|l| text_field(l, "transport"));
         let _ = writeln!(
             stdout,
             "W={} S={} keys/call={} transport={} arrays={} op={}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11} {:>9} {:>7}",
@@ -356,20 +348,37 @@ fn print_row(
     let limit_us = limit.map_or(f64::NAN, |l| l * 1e6);
     let x_limit = limit.map_or(f64::NAN, |l| per_iter / l);
     if p.json {
-        let _ = writeln!(
-            stdout,
-            "{{\"size\":{size},\"keys\":{keys},\"iters\":{iters},\"us_per_iter\":{:.3},\"gbps_per_worker\":{:.4},\"gbps_all\":{:.4},\"op\":\"{}\",\"call_p50_us\":{p50:.3},\"call_p99_us\":{p99:.3},\"ratio_memcpy\":{},\"ratio_iperf3\":{},\"ratio_stream\":{},\"key_ops_per_s\":{:.1},\"limit_us\":{},\"ratio_limit\":{}}}",
-            per_iter * 1e6,
-            gbs(per_worker),
-            gbs(all),
-            p.op,
-            json_num(x_memcpy),
-            json_num(ratio(iperf_ref)),
-            json_num(ratio(stream_ref)),
-            ops,
-            json_num(limit_us),
-            json_num(x_limit),
-        );
+        let num =
+            |x: f64| serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into);
+        let row = serde_json::json!({
+            "test": "pushpull",
+            "op": p.op,
+            "transport": text_field(line, "transport"),
+            "workers": w as u64,
+            "servers": p.servers,
+            "size": size as u64,
+            "keys": keys as u64,
+            "iters": iters as u64,
+            "us_per_iter": num(per_iter * 1e6),
+            "gbps_per_worker": num(gbs(per_worker)),
+            "gbps_all": num(gbs(all)),
+            "call_p50_us": num(p50),
+            "call_p99_us": num(p99),
+            "ratio_memcpy": num(x_memcpy),
+            "ratio_iperf3": num(ratio(iperf_ref)),
+            "ratio_stream": num(ratio(stream_ref)),
+            "key_ops_per_s": num(ops),
+            "limit_us": num(limit_us),
+            "ratio_limit": num(x_limit),
+            "units": {
+                "size": "bytes per key",
+                "us_per_iter": "microseconds per iteration",
+                "gbps": "GB/s, 10^9 bytes per second",
+                "call_us": "microseconds",
+                "key_ops_per_s": "key operations per second, all workers",
+            },
+        });
+        let _ = writeln!(stdout, "{row}");
     } else {
         let _ = writeln!(
             stdout,

@@ -15,21 +15,39 @@ fn kvperf(args: &[&str]) -> (Option<i32>, String, String) {
     )
 }
 
-/// The number after `"name":` in a JSON line.
+/// The number `name` of a JSON row.
 fn field(line: &str, name: &str) -> f64 {
-    let key = format!("\"{name}\":");
-    line.split(&key)
-        .nth(1)
-        .and_then(|r| r.split([',', '}']).next())
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {line}"))
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    v.get(name)
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or_else(|| panic!("no number {name} in {line}"))
 }
 
+/// Every line of `--json` output: each is strict JSON (a parser refuses NaN) and says its
+/// transport, W, S, op and units.
 fn json_lines(stdout: &str) -> Vec<&str> {
-    stdout
-        .lines()
-        .filter(|l| l.starts_with('{') && l.ends_with('}'))
-        .collect()
+    let rows: Vec<&str> = stdout.lines().filter(|l| !l.trim().is_empty()).collect();
+    for r in &rows {
+        let v: serde_json::Value =
+            serde_json::from_str(r).unwrap_or_else(|e| panic!("not JSON ({e}): {r}"));
+        for k in ["transport", "op"] {
+            assert!(
+                v.get(k).is_some_and(serde_json::Value::is_string),
+                "{k} in {r}"
+            );
+        }
+        for k in ["workers", "servers"] {
+            assert!(
+                v.get(k).is_some_and(serde_json::Value::is_u64),
+                "{k} in {r}"
+            );
+        }
+        assert!(
+            v.get("units").is_some_and(serde_json::Value::is_object),
+            "units in {r}"
+        );
+    }
+    rows
 }
 
 #[test]
