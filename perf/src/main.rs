@@ -94,7 +94,8 @@ struct RawArgs {
     /// Start the server side here too (a second process).
     #[arg(long)]
     local: bool,
-    /// The server's host (client side, tcp).
+    /// The server's host (the client side; over shm any word, such as localhost). With no host
+    /// and no --local, this is the server, as perftest's tools are.
     host: Option<String>,
     /// TCP port, or the shm rendezvous name.
     #[arg(long, default_value_t = 18515)]
@@ -188,7 +189,15 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
         return Err(NO_RDMA.into());
     }
     let timeout = Duration::from_secs_f64(a.timeout);
-    if a.server {
+    if a.server || (a.host.is_none() && !a.local) {
+        if !a.server {
+            let t = format!("{:?}", a.transport).to_lowercase();
+            eprintln!(
+                "kvperf {test}: no host given, so this is the server ({t}, port or name {}); \
+                 run `kvperf {test} --transport {t} --port {} HOST` on the client side",
+                a.port, a.port
+            );
+        }
         let mut c = connect(a, true)?;
         return raw::server(&mut c, timeout);
     }

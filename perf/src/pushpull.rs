@@ -29,8 +29,18 @@ pub(crate) struct PushPull {
     #[arg(long, default_value_t = 1)]
     keys: usize,
     /// Timed iterations per size (default: enough to move about 1 GiB, 5 to 2000).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "duration")]
     iters: Option<usize>,
+    /// Seconds per size instead of a count (rank 0 times the warmup and picks the count that
+    /// every worker then runs).
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Seconds any blocking wait of the job may take (kvrun's --timeout).
+    #[arg(long, default_value_t = 120.0)]
+    timeout: f64,
+    /// Write a chart (GB/s per worker against size) as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
     /// Untimed iterations first.
     #[arg(long, default_value_t = 3)]
     warmup: usize,
@@ -105,8 +115,30 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             kv.pull(keys.clone(), &mut outs)
                 .map_err(|e| e.to_string())?;
         }
-        kv.barrier().map_err(|e| e.to_string())?;
-        let iters = iters_for(p, size);
+        let iters = match p.duration {
+            None => {
+                kv.barrier().map_err(|e| e.to_string())?;
+                iters_for(p, size)
+            }
+            // Every worker runs the count rank 0 picks from its warmup's pace (an init stores
+            // rank 0's value): a sync job's workers must run the same rounds.
+            Some(secs) => {
+                let t = Instant::now();
+                for _ in 0..p.warmup.max(1) {
+                    kv.push(keys.clone(), &vals).map_err(|e| e.to_string())?;
+                    kv.pull(keys.clone(), &mut outs)
+                        .map_err(|e| e.to_string())?;
+                }
+                let per = t.elapsed().as_secs_f64() / p.warmup.max(1) as f64;
+                let n = (secs / per.max(1e-9)).clamp(1.0, 1e9) as i64;
+                let key = -1 - i as i64;
+                let mine = NDArray::from_vec(&[1], vec![n]).map_err(|e| e.to_string())?;
+                kv.init(key, &mine).map_err(|e| e.to_string())?;
+                let mut agreed = NDArray::zeros_dtype(&[1], kvstore::DType::I64);
+                kv.pull(key, &mut agreed).map_err(|e| e.to_string())?;
+                agreed.to_vec::<i64>().map_err(|e| e.to_string())?[0].max(1) as usize
+            }
+        };
         // Each push (request and acknowledgement) is timed too.
         let mut push_lat = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3)
             .map_err(|e| e.to_string())?;
@@ -188,6 +220,16 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
     if p.keys == 0 {
         return Err("--keys must be at least 1".into());
     }
+    if !(p.timeout > 0.0 && p.timeout.is_finite()) {
+        return Err("--timeout must be a positive number of seconds".into());
+    }
+    if p.duration.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
+        return Err("--duration must be positive".into());
+    }
+    #[cfg(not(feature = "rdma"))]
+    if p.transport == "rdma" {
+        return Err(crate::NO_RDMA.into());
+    }
     let (mut stream_ref, mut iperf_ref) = (None, None);
     if p.reference {
         stream_ref = Some(
@@ -204,6 +246,8 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
         p.workers.to_string(),
         "-s".into(),
         p.servers.to_string(),
+        "--timeout".into(),
+        p.timeout.to_string(),
         "-x".into(),
         format!("KVPERF_OUT={}", out.display()),
         "-x".into(),
@@ -227,8 +271,32 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
     }
     let mut stdout = std::io::stdout().lock();
     print_header(p, &text, stream_ref, iperf_ref, &mut stdout);
+    let mut points = Vec::new();
     for line in text.lines() {
         print_row(p, line, stream_ref, iperf_ref, &mut stdout)?;
+        let (size, keys, iters, secs) = (
+            field(line, "size"),
+            field(line, "keys"),
+            field(line, "iters"),
+            field(line, "secs"),
+        );
+        let ways = if matches!(p.op.as_str(), "push" | "pull") {
+            1.0
+        } else {
+            2.0
+        };
+        points.push((size, ways * size * keys * iters / secs / 1e9));
+    }
+    if let Some(path) = &p.plot {
+        let svg = kvstore_perf::raw::svg_chart(
+            &format!(
+                "kvperf pushpull W={} S={} {} {}: GB/s per worker",
+                p.workers, p.servers, p.transport, p.op
+            ),
+            "GB/s",
+            &points,
+        );
+        std::fs::write(path, svg).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     if !p.json && p.reference {
         let _ = writeln!(stdout, "call p50/p99: one call of the op (request and answer), us; x memcpy: GB/s/wkr over single-threaded memcpy of the size");

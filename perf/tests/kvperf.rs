@@ -308,3 +308,89 @@ fn a_peer_that_vanishes_ends_the_run_with_an_error() {
         assert!(err.contains("kvperf:"), "{t}: {err}");
     }
 }
+
+#[test]
+fn lat_with_no_host_is_the_server_as_perftest_is() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let server = Command::new(env!("CARGO_BIN_EXE_kvperf"))
+        .args([
+            "lat",
+            "--port",
+            &port,
+            "--size",
+            "8",
+            "--iters",
+            "20",
+            "--timeout",
+            "20",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (code, out, err) = kvperf(&[
+        "lat",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--size",
+        "8",
+        "--iters",
+        "20",
+        "--json",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(json_lines(&out).len(), 1, "{out}");
+    let s = server.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&s.stderr);
+    assert!(
+        said.contains("no host given, so this is the server (tcp"),
+        "{said}"
+    );
+}
+
+#[test]
+fn pushpull_takes_a_duration_a_timeout_and_a_chart_and_explains_rdma() {
+    let svg = std::env::temp_dir().join(format!("kvperf-pp-{}.svg", std::process::id()));
+    let (code, out, err) = kvperf(&[
+        "pushpull",
+        "-n",
+        "2",
+        "-s",
+        "1",
+        "--sizes",
+        "4K:8K",
+        "--duration",
+        "0.3",
+        "--timeout",
+        "30",
+        "--plot",
+        svg.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let rows = json_lines(&out);
+    assert_eq!(rows.len(), 2, "{out}");
+    for r in rows {
+        assert!(field(r, "iters") >= 1.0, "{r}");
+    }
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    std::fs::remove_file(&svg).unwrap();
+    assert!(
+        chart.starts_with("<svg") && chart.contains("GB/s"),
+        "{chart}"
+    );
+    if !cfg!(feature = "rdma") {
+        let (code, _, err) = kvperf(&["pushpull", "--transport", "rdma", "--size", "4K"]);
+        assert_ne!(code, Some(0));
+        assert!(
+            err.contains("no RDMA") && err.contains("--features rdma"),
+            "{err}"
+        );
+    }
+}
