@@ -330,6 +330,13 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     );
                 }
             }
+            if !a.json {
+                let _ = writeln!(
+                    out,
+                    "size: bytes per message; min ... max: one-way latency (half the round \
+                     trip), microseconds, at those percentiles"
+                );
+            }
             if !a.json && a.reference {
                 let what = match a.transport {
                     TransportKind::Tcp => "reference: a plain blocking-socket ping-pong over loopback (half its median round trip)",
@@ -404,6 +411,13 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                         r.msgs_per_s / 1e6
                     );
                 }
+            }
+            if !a.json {
+                let _ = writeln!(
+                    out,
+                    "size: bytes per message; GB/s: 10^9 bytes per second; Gb/s: 10^9 bits per \
+                     second; Mmsg/s: 10^6 messages per second"
+                );
             }
             if !a.json && a.reference {
                 let what = match a.transport {
