@@ -7,12 +7,11 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::local::check_updater_kept_shape;
 use crate::optimizer::{Optimizer, OptimizerUpdater};
 use crate::protocol::{status, Msg, Op};
-use crate::registry::{self, SharedUpdater};
+use crate::registry;
 pub use crate::server::peer_data::PeerData;
-use crate::{DType, Key, KvError, NDArray};
+use crate::{DType, NDArray};
 
 /// A connection, as the I/O layer numbers them.
 pub type PeerId = usize;
@@ -41,12 +40,6 @@ pub struct Out {
 
 pub use input::Input;
 
-enum Updater {
-    Assign,
-    Optimizer(OptimizerUpdater),
-    Named(String, SharedUpdater),
-}
-
 /// A push waiting for its round to complete.
 struct Held {
     peer: PeerId,
@@ -69,45 +62,6 @@ struct Slot {
     /// A sync round's first push, kept where it lies in a receive slot until the next push
     /// is summed with it in one pass (rather than copied, then summed with).
     first: Option<Kept>,
-}
-
-/// A push's data kept in receive slot `id` of the loop's pool: the loop keeps that slot's
-/// memory alive and out of the pool (no worker is credited with it) until the state machine
-/// names it in [`ServerState::take_released`].
-struct Kept {
-    id: usize,
-    ptr: usize,
-    len: usize,
-    dtype: DType,
-}
-
-impl Kept {
-    fn of(p: &PeerData<'_>, id: usize) -> Kept {
-        let (ptr, len, dtype) = p.raw();
-        Kept {
-            id,
-            ptr: ptr as usize,
-            len,
-            dtype,
-        }
-    }
-
-    /// `dst = kept + next`.
-    fn sum_with(&self, next: &Input<'_>, dst: &mut NDArray) -> crate::Result<()> {
-        // SAFETY: the loop keeps the slot's memory, `len` elements of `dtype` at `ptr`, alive
-        // and uncredited until this machine releases it (`Kept`'s contract); it is read only
-        // through copies and sums, since a peer could still write it.
-        let first = unsafe { PeerData::new(self.ptr as *const u8, self.len, self.dtype) };
-        match next {
-            Input::Peer(p, _) => first.sum_with(p, dst),
-            Input::Owned(a) => {
-                let b = a.as_bytes();
-                // SAFETY: `a` is this process's array, valid for its bytes while borrowed here.
-                let next = unsafe { PeerData::new(b.as_ptr(), a.size(), a.dtype()) };
-                first.sum_with(&next, dst)
-            }
-        }
-    }
 }
 
 /// Makes the server's arrays (stored values, merge and spare buffers), zeroed: the loop puts
@@ -608,40 +562,13 @@ impl ServerState {
     }
 }
 
-fn apply(
-    up: &mut Updater,
-    sync: bool,
-    key: u64,
-    input: &NDArray,
-    stored: &mut NDArray,
-) -> crate::Result<()> {
-    let k = Key::Int(key as i64);
-    match up {
-        Updater::Assign if sync => stored.copy_from(input),
-        Updater::Assign => Err(KvError::Unsupported(
-            "dist_async needs an updater on the servers: call set_optimizer or \
-             set_server_updater before pushing"
-                .into(),
-        )),
-        Updater::Optimizer(o) => o.update(&k, input, stored),
-        Updater::Named(name, f) => {
-            let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
-            f(&k, input, stored).map_err(|e| KvError::Updater {
-                key: k.clone(),
-                // An updater that fails with an updater error says the key already: its
-                // reason is kept, not wrapped again.
-                reason: match e {
-                    KvError::Updater { reason, .. } => format!("{name}: {reason}"),
-                    other => format!("{name}: {other}"),
-                },
-            })?;
-            check_updater_kept_shape(&k, stored, &shape, dtype)
-        }
-    }
-}
-
 mod input;
+mod kept;
 mod states;
+mod updater;
+
+use kept::Kept;
+use updater::{apply, Updater};
 
 #[cfg(test)]
 #[path = "state_tests.rs"]

@@ -1,0 +1,46 @@
+//! The updater a server runs on each round's sum (or each async push).
+
+use crate::local::check_updater_kept_shape;
+use crate::optimizer::OptimizerUpdater;
+use crate::registry::SharedUpdater;
+use crate::{Key, KvError, NDArray};
+
+/// What a server merges pushes with.
+pub(super) enum Updater {
+    Assign,
+    Optimizer(OptimizerUpdater),
+    Named(String, SharedUpdater),
+}
+
+/// Merges `input` into `stored` with the updater (ASSIGN only in sync mode).
+pub(super) fn apply(
+    up: &mut Updater,
+    sync: bool,
+    key: u64,
+    input: &NDArray,
+    stored: &mut NDArray,
+) -> crate::Result<()> {
+    let k = Key::Int(key as i64);
+    match up {
+        Updater::Assign if sync => stored.copy_from(input),
+        Updater::Assign => Err(KvError::Unsupported(
+            "dist_async needs an updater on the servers: call set_optimizer or \
+             set_server_updater before pushing"
+                .into(),
+        )),
+        Updater::Optimizer(o) => o.update(&k, input, stored),
+        Updater::Named(name, f) => {
+            let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
+            f(&k, input, stored).map_err(|e| KvError::Updater {
+                key: k.clone(),
+                // An updater that fails with an updater error says the key already: its
+                // reason is kept, not wrapped again.
+                reason: match e {
+                    KvError::Updater { reason, .. } => format!("{name}: {reason}"),
+                    other => format!("{name}: {other}"),
+                },
+            })?;
+            check_updater_kept_shape(&k, stored, &shape, dtype)
+        }
+    }
+}
