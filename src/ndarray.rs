@@ -31,6 +31,19 @@ fn elems(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// The bytes of `shape` of `dtype`, or [`KvError::TooLarge`] where they overflow the address
+/// range.
+fn checked_bytes(shape: &[usize], dtype: DType) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| KvError::TooLarge {
+            shape: shape.to_vec(),
+            dtype,
+        })
+}
+
 impl NDArray {
     /// An array of zeros of the given dtype.
     pub fn zeros_dtype(shape: &[usize], dtype: DType) -> NDArray {
@@ -47,14 +60,7 @@ impl NDArray {
     /// An array of zeros, or [`KvError::TooLarge`] where the shape's size in bytes overflows
     /// (`zeros_dtype` panics there, as `vec!` does).
     pub fn try_zeros_dtype(shape: &[usize], dtype: DType) -> Result<NDArray> {
-        let bytes = shape
-            .iter()
-            .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| KvError::TooLarge {
-                shape: shape.to_vec(),
-                dtype,
-            })?;
+        let bytes = checked_bytes(shape, dtype)?;
         Ok(NDArray {
             shape: shape.to_vec(),
             dtype,
@@ -85,14 +91,7 @@ impl NDArray {
         dtype: DType,
         owner: Box<dyn std::any::Any + Send + Sync>,
     ) -> Result<NDArray> {
-        let bytes = shape
-            .iter()
-            .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| KvError::TooLarge {
-                shape: shape.to_vec(),
-                dtype,
-            })?;
+        let bytes = checked_bytes(shape, dtype)?;
         let ptr = match std::ptr::NonNull::new(ptr) {
             Some(p) if (p.as_ptr() as usize) % dtype.size() == 0 => p,
             _ if bytes == 0 => std::ptr::NonNull::<u64>::dangling().cast(),

@@ -180,6 +180,34 @@ impl Workers {
         }
     }
 
+    /// Hands the state machine request `m`, whose data lies in receive slot `id`; the slot is
+    /// then free, or kept ([`Workers::after_slot`]); a slot whose memory cannot be read is
+    /// given back, and the request breaks the protocol.
+    fn serve_slot(
+        &mut self,
+        state: &mut ServerState,
+        addr: Addr,
+        rank: usize,
+        m: &Msg,
+        id: usize,
+    ) -> Result<(), String> {
+        let served = match self.slots.mem_of(id) {
+            Some(mem) => slot_data(mem, m)
+                .map(|p| state.handle(addr.id(), rank, m, Input::Peer(&p, Some(id)))),
+            None => Err("a slot that is gone".into()),
+        };
+        match served {
+            Ok(()) => {
+                self.after_slot(state, id);
+                Ok(())
+            }
+            Err(e) => {
+                self.slots.give_back(id);
+                Err(e)
+            }
+        }
+    }
+
     /// A request whose data lay in receive slot `id` was handled: the slot is free unless
     /// the state machine kept its data (until it releases it, [`ServerState::take_released`]).
     fn after_slot(&mut self, state: &mut ServerState, id: usize) {
@@ -204,19 +232,11 @@ impl Workers {
         let Some(rank) = self.peers.get(&addr).and_then(|w| w.rank) else {
             return Err("a put before the hello".into());
         };
-        let (action, id, mem) = self.slots.on_put(addr.id(), grant, offset, len, imm)?;
-        if let PutAction::Push(m) = action {
-            let p = match slot_data(mem, &m) {
-                Ok(p) => p,
-                Err(e) => {
-                    self.slots.give_back(id);
-                    return Err(e);
-                }
-            };
-            state.handle(addr.id(), rank, &m, Input::Peer(&p, Some(id)));
-            self.after_slot(state, id);
+        let (action, id, _) = self.slots.on_put(addr.id(), grant, offset, len, imm)?;
+        match action {
+            PutAction::Push(m) => self.serve_slot(state, addr, rank, &m, id),
+            PutAction::Wait => Ok(()),
         }
-        Ok(())
     }
 
     fn recv(
@@ -309,16 +329,8 @@ impl Workers {
             if data.is_some() {
                 return Err("a slot push with data of its own".into());
             }
-            let (id, mem) = self.slots.on_slot_msg(addr.id(), &m)?;
-            let p = match slot_data(mem, &m) {
-                Ok(p) => p,
-                Err(e) => {
-                    self.slots.give_back(id);
-                    return Err(e);
-                }
-            };
-            state.handle(addr.id(), rank, &m, Input::Peer(&p, Some(id)));
-            self.after_slot(state, id);
+            let (id, _) = self.slots.on_slot_msg(addr.id(), &m)?;
+            self.serve_slot(state, addr, rank, &m, id)?;
         } else if m.op.carries_data() {
             self.slots.on_push(addr.id(), &m);
             let Some(d) = data.filter(|d| Some(d.len() as u64) == m.data_bytes()) else {

@@ -253,6 +253,11 @@ impl<S: Clone, G: Clone> Slots<S, G> {
         }
     }
 
+    /// Buffer `id`'s memory, if it exists.
+    pub(crate) fn mem_of(&self, id: usize) -> Option<&S> {
+        self.mem(id)
+    }
+
     fn mem(&self, id: usize) -> Option<&S> {
         self.bufs.get(id)?.as_ref().map(|b| &b.mem)
     }
