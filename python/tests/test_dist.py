@@ -164,3 +164,15 @@ def test_a_dead_server_is_peer_lost(tmp_path):
     out, _ = p.communicate(timeout=60)
     assert "PeerLost: " in out, out
     assert "no error" not in out, out
+
+
+def test_the_python_training_example_reaches_its_known_answer():
+    example = ROOT / "python" / "examples" / "train.py"
+    cmd = [kvrun(), "-n", "2", "-s", "2", sys.executable, str(example)]
+    env = dict(os.environ, TRAIN_OUTPUTS="256", KVSTORE_TIMEOUT="60")
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=env, timeout=180)
+    assert p.returncode == 0, p.stdout
+    for rank in range(2):
+        assert "reached the known answer: relative error" in p.stdout, p.stdout
+        assert f"(rank {rank} of 2)" in p.stdout, p.stdout
