@@ -39,6 +39,7 @@ mod format;
 pub mod fuzz;
 mod local;
 mod logging;
+pub mod metrics;
 mod ndarray;
 mod net;
 pub mod ops;

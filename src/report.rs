@@ -49,6 +49,18 @@ pub enum Report {
         /// "server 0 shm, server 1 tcp", ...
         text: String,
     },
+    /// A process's metrics at its end (`role` "server" or "worker"): JSON, and Prometheus's
+    /// text format with its lines joined by `;`.
+    Metrics {
+        /// The role.
+        role: String,
+        /// The rank.
+        rank: usize,
+        /// The metrics as one JSON object.
+        json: String,
+        /// The metrics in Prometheus's text format, lines joined by `;`.
+        prometheus: String,
+    },
     /// Worker `rank`'s calls completed and bytes moved (pushed and pulled) so far.
     Progress {
         /// The worker.
@@ -67,6 +79,12 @@ impl Report {
             Report::Joined { role, rank } => format!("joined {role} {rank}"),
             Report::Transports { rank, text } => format!("transports {rank} {text}"),
             Report::Progress { rank, calls, bytes } => format!("progress {rank} {calls} {bytes}"),
+            Report::Metrics {
+                role,
+                rank,
+                json,
+                prometheus,
+            } => format!("metrics {role} {rank} {json}\tprometheus {prometheus}"),
         }
     }
 
@@ -85,6 +103,16 @@ impl Report {
                 rank: a.parse().ok()?,
                 text: rest?.to_string(),
             }),
+            "metrics" if matches!(a, "server" | "worker") => {
+                let (rank, rest) = rest?.split_once(' ')?;
+                let (json, prom) = rest.split_once("\tprometheus ")?;
+                Some(Report::Metrics {
+                    role: a.to_string(),
+                    rank: rank.parse().ok()?,
+                    json: json.to_string(),
+                    prometheus: prom.to_string(),
+                })
+            }
             "progress" => {
                 let (c, b) = rest?.split_once(' ')?;
                 Some(Report::Progress {
@@ -183,6 +211,12 @@ mod tests {
                 rank: 0,
                 calls: 12,
                 bytes: 1 << 40,
+            },
+            Report::Metrics {
+                role: "server".into(),
+                rank: 1,
+                json: "{\"rounds\":3}".into(),
+                prometheus: "a 1;b 2".into(),
             },
         ] {
             assert_eq!(Report::parse(&r.line()), Some(r));

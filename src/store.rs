@@ -285,6 +285,38 @@ impl KVStore {
         }
     }
 
+    /// What this store counted: its calls, and its requests, bytes and call latencies per
+    /// server, per transport and per range of keys (all zero for a local store). See
+    /// [`crate::metrics`]; `kvrun --stats` collects every process's at the end of a job.
+    pub fn metrics(&self) -> crate::metrics::Metrics {
+        match &self.inner {
+            Inner::Local(_) => crate::metrics::Metrics::default(),
+            Inner::Dist(d) => d.metrics(),
+        }
+    }
+
+    /// Where each key lives in a distributed store: its slices, as (server, first element,
+    /// elements), sorted by key (empty for a local store). [`KVStore::placement_map`] prints it.
+    pub fn placement(&self) -> crate::metrics::Placement {
+        match &self.inner {
+            Inner::Local(_) => Vec::new(),
+            Inner::Dist(d) => d.placement(),
+        }
+    }
+
+    /// [`KVStore::placement`] as text, a line per key: `key 3: server 1 [0, 600000)`.
+    pub fn placement_map(&self) -> String {
+        let mut out = String::new();
+        for (k, parts) in self.placement() {
+            let p: Vec<String> = parts
+                .iter()
+                .map(|p| format!("server {} [{}, {})", p.server, p.start, p.start + p.len))
+                .collect();
+            out.push_str(&format!("key {k}: {}\n", p.join(", ")));
+        }
+        out
+    }
+
     /// Where the servers of a distributed store listen, by rank (empty for local stores).
     /// For diagnostics and tools.
     pub fn server_addrs(&self) -> Vec<std::net::SocketAddr> {

@@ -96,6 +96,17 @@ fn the_servers_optimizer_state_is_saved_and_loaded_by_a_worker() {
 }
 
 #[test]
+fn metrics_count_every_push_pull_and_byte_and_the_placement_prints() {
+    for t in TRANSPORTS {
+        for (w, s) in [(1, 1), (2, 2), (3, 2)] {
+            let env = [("KVSTORE_BIGARRAY_BOUND", "1000"), ("KVSTORE_TRANSPORT", t)];
+            let r = kvrun_check(w, s, "metrics", "dist_sync", &env);
+            assert_jobs_ok(&r, w, "metrics");
+        }
+    }
+}
+
+#[test]
 fn registered_updaters_run_on_the_servers_in_both_modes() {
     for kind in ["dist_sync", "dist_async"] {
         for (w, s) in [(1, 1), (3, 2)] {

@@ -46,7 +46,6 @@ fn debug_adds_connections_rounds_and_calls() {
             "DEBUG kvstore::server::state: key 3: round of 2 pushes complete",
             "DEBUG kvstore::worker::requests: call 1: 1 requests",
             "DEBUG kvstore::worker::requests: call 1: done",
-            "it said goodbye",
         ] {
             assert!(out.contains(want), "{var}: {want:?}\n{out}");
         }
@@ -161,4 +160,92 @@ fn kvrun_warns_of_a_process_that_never_took_its_role() {
         !out.contains("warning: worker 0") && !out.contains("warning: server"),
         "{out}"
     );
+}
+
+/// A `dist_check metrics` job (W=2, S=2) with `kvrun --stats FILE`; the file's text.
+fn stats(format: &str) -> String {
+    let path = std::env::temp_dir().join(format!("kvstore-stats-{}-{format}", std::process::id()));
+    let mut cmd = Command::new(util::bin("kvrun"));
+    cmd.args(["-x", "KVSTORE_BIGARRAY_BOUND=1000", "--stats"])
+        .arg(&path)
+        .args(["--stats-format", format, "-n", "2", "-s", "2"])
+        .arg(util::bin("examples/dist_check"))
+        .args(["metrics", "dist_sync"]);
+    let r = util::run_limited(&mut cmd, Duration::from_secs(90));
+    util::assert_job_ok(&r, 2, "metrics");
+    assert!(
+        r.stderr.contains("kvrun: metrics written to"),
+        "{}",
+        r.all()
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    text
+}
+
+#[test]
+fn kvrun_collects_every_processs_metrics_as_json_and_prometheus() {
+    let j: serde_json::Value = serde_json::from_str(&stats("json")).unwrap();
+    let sum = |role: &str, f: &dyn Fn(&serde_json::Value) -> u64| -> u64 {
+        j[role].as_object().unwrap().values().map(f).sum()
+    };
+    let per_server = |field: &'static str| {
+        move |w: &serde_json::Value| -> u64 {
+            w["servers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s[field].as_u64().unwrap())
+                .sum()
+        }
+    };
+    assert_eq!(j["workers"].as_object().unwrap().len(), 2, "{j}");
+    assert_eq!(j["servers"].as_object().unwrap().len(), 2, "{j}");
+    // What the workers sent is what the servers received: 5 rounds of 4 slices a worker.
+    let pushes = sum("workers", &per_server("pushes"));
+    assert_eq!(pushes, 2 * 5 * 4, "{j}");
+    assert_eq!(
+        sum("servers", &|s| s["pushes"].as_u64().unwrap()),
+        pushes,
+        "{j}"
+    );
+    let pushed = sum("workers", &per_server("bytes_pushed"));
+    assert_eq!(
+        sum("servers", &|s| s["bytes_in"].as_u64().unwrap()),
+        pushed,
+        "{j}"
+    );
+    assert_eq!(
+        sum("servers", &|s| s["pulls"].as_u64().unwrap()),
+        sum("workers", &per_server("pulls")),
+        "{j}"
+    );
+    // Each sync round waited for its other worker once.
+    assert_eq!(
+        sum("servers", &|s| s["waited"].as_u64().unwrap()),
+        sum("servers", &|s| s["rounds"].as_u64().unwrap()),
+        "{j}"
+    );
+    assert!(
+        j["workers"]["0"]["transports"]["shm"]["requests"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let prom = stats("prometheus");
+    for want in [
+        "kvstore_server_rounds_total{role=\"server\",rank=\"0\"} ",
+        "kvstore_calls_total{role=\"worker\",rank=\"1\"} ",
+        "kvstore_requests_total{role=\"worker\",rank=\"0\",transport=\"shm\"} ",
+        "kvstore_call_latency_us{role=\"worker\",rank=\"0\",server=\"1\",quantile=\"0.99\"} ",
+    ] {
+        assert!(prom.contains(want), "{want}\n{prom}");
+    }
+    for line in prom.lines() {
+        let (series, value) = line.rsplit_once(' ').unwrap();
+        assert!(
+            series.starts_with("kvstore_") && value.parse::<u64>().is_ok(),
+            "{line}"
+        );
+    }
 }

@@ -7,6 +7,7 @@ use kvstore::{cpu, create, DType, KVStore, KvError, NDArray, Optimizer};
 
 mod batches;
 mod faults;
+mod metrics;
 mod states;
 
 use faults::{die, errors, garbage, late, slots, stall, until_error, zerocopy};
@@ -371,6 +372,7 @@ fn main() {
         "slots" => slots(&mut kv),
         "batches" => batches::batches(&mut kv),
         "states" => states::states(&mut kv),
+        "metrics" => metrics::metrics(&mut kv),
         other => fail(format!("unknown scenario {other}")),
     }
     println!("{scenario} ok rank {} of {}", kv.rank(), kv.num_workers());

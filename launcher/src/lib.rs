@@ -53,6 +53,12 @@ pub struct Options {
     /// slowest worker.
     #[arg(long, value_name = "SECS")]
     pub progress: Option<f64>,
+    /// Collect every process's metrics at the end of the job into FILE.
+    #[arg(long, value_name = "FILE")]
+    pub stats: Option<PathBuf>,
+    /// The format of --stats: json or prometheus (the text format).
+    #[arg(long, default_value = "json", value_parser = ["json", "prometheus"])]
+    pub stats_format: String,
     /// Environment variables to set for every process (NAME=VALUE or NAME to pass ours on).
     #[arg(short = 'x', value_name = "VAR[=VALUE]")]
     pub env: Vec<String>,
@@ -280,6 +286,20 @@ fn run_job(opts: &Options) -> Result<i32, String> {
     ));
     let started = Instant::now();
     let code = supervise(&mut children, &stop, &sched_rx, opts, &mut view);
+    if let Some(path) = &opts.stats {
+        // The last reports come as the processes end.
+        std::thread::sleep(Duration::from_millis(100));
+        view.update(&children, |_| {});
+        let text = if opts.stats_format == "prometheus" {
+            view.prometheus()
+        } else {
+            view.stats_json()
+        };
+        match std::fs::write(path, text) {
+            Ok(()) => say(&format!("metrics written to {}", path.display())),
+            Err(e) => say(&format!("cannot write {}: {e}", path.display())),
+        }
+    }
     if code == 0 {
         say(&format!(
             "done in {:.2} s: the scheduler, {} and {} ended with status 0",

@@ -29,6 +29,8 @@ pub(crate) struct View {
     /// Children seen ended, and when, until they are judged (a last report may be in flight).
     ended: BTreeMap<String, Instant>,
     warned: HashSet<String>,
+    /// Each process's metrics at its end, by (role, rank): JSON, and Prometheus's text.
+    metrics: BTreeMap<(String, usize), (String, String)>,
 }
 
 /// Listens on `ip` for the job's reports, checking each connection's proof of `secret`.
@@ -67,6 +69,7 @@ pub(crate) fn listen(
             next_beat: now + every.unwrap_or_default(),
             ended: BTreeMap::new(),
             warned: HashSet::new(),
+            metrics: BTreeMap::new(),
         },
     ))
 }
@@ -122,6 +125,14 @@ impl View {
                 Report::Progress { rank, calls, bytes } => {
                     self.progress.insert(rank, (calls, bytes));
                 }
+                Report::Metrics {
+                    role,
+                    rank,
+                    json,
+                    prometheus,
+                } => {
+                    self.metrics.insert((role, rank), (json, prometheus));
+                }
             }
         }
         if !self.said_transports && self.workers > 0 && self.transports.len() >= self.workers {
@@ -153,6 +164,36 @@ impl View {
                 ));
             }
         }
+    }
+
+    /// Every process's metrics as one JSON object: `{"workers": {"0": {...}}, "servers": ...}`.
+    pub(crate) fn stats_json(&self) -> String {
+        let group = |role: &str| {
+            let items: Vec<String> = self
+                .metrics
+                .iter()
+                .filter(|((r, _), _)| r == role)
+                .map(|((_, rank), (json, _))| format!("\"{rank}\":{json}"))
+                .collect();
+            items.join(",")
+        };
+        format!(
+            "{{\"workers\":{{{}}},\"servers\":{{{}}}}}\n",
+            group("worker"),
+            group("server")
+        )
+    }
+
+    /// Every process's metrics in Prometheus's text format.
+    pub(crate) fn prometheus(&self) -> String {
+        let mut out = String::new();
+        for (_, prom) in self.metrics.values() {
+            for line in prom.split(';') {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out
     }
 
     /// "12.0 s: 340 calls, 1.20 GB; slowest worker 1 (150 calls)".

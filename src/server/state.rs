@@ -118,6 +118,8 @@ pub struct ServerState {
     /// ([`admission`]).
     sizes: Option<Sizes>,
     alloc: Option<Alloc>,
+    /// What this server counted.
+    metrics: crate::metrics::ServerMetrics,
     /// Snapshots of the optimizer's state, by the connection that asked ([`Op::States`]).
     snapshots: FxHashMap<PeerId, Vec<u8>>,
     /// The receive slot the last request's data was kept in ([`ServerState::take_kept`]).
@@ -150,6 +152,7 @@ impl ServerState {
             gone: Vec::new(),
             sizes: None,
             alloc: None,
+            metrics: Default::default(),
             snapshots: FxHashMap::default(),
             kept: None,
             released: Vec::new(),
@@ -179,6 +182,12 @@ impl ServerState {
         std::mem::take(&mut self.released)
     }
 
+    /// What this server counted: rounds, pushes, pulls, bytes, and pushes that waited for
+    /// their round's stragglers.
+    pub fn metrics(&self) -> crate::metrics::ServerMetrics {
+        self.metrics.clone()
+    }
+
     /// Why the server stopped serving, if it did.
     pub fn failed(&self) -> Option<&str> {
         self.failed.as_deref()
@@ -191,6 +200,10 @@ impl ServerState {
     }
 
     fn ok(&mut self, peer: PeerId, req: &Msg, payload: Payload) {
+        if let Payload::Array(a) = &payload {
+            self.metrics.pulls += 1;
+            self.metrics.bytes_out += a.nbytes() as u64;
+        }
         self.outbox.push(Out {
             to: peer,
             msg: reply(req),
@@ -390,6 +403,9 @@ impl ServerState {
             };
             let res = unpin(&mut slot.stored, &mut slot.spare, true, &mut self.alloc)
                 .and_then(|()| apply(&mut self.updater, false, key, input, &mut slot.stored));
+            self.metrics.pushes += 1;
+            self.metrics.rounds += 1;
+            self.metrics.bytes_in += m.data_bytes().unwrap_or(0);
             let value = slot.stored.clone();
             return match res {
                 Ok(()) if m.op == Op::PushPull => self.ok(peer, m, Payload::Array(value)),
@@ -475,6 +491,8 @@ impl ServerState {
             return self.err(peer, m, status::FAILED, e.to_string());
         }
         slot.held.push(Held { peer, req: *m });
+        self.metrics.pushes += 1;
+        self.metrics.bytes_in += m.data_bytes().unwrap_or(0);
         if slot.count == self.num_workers {
             self.complete_round(key);
         }
@@ -486,6 +504,8 @@ impl ServerState {
             return;
         };
         tracing::debug!("key {key}: round of {} pushes complete", slot.count);
+        self.metrics.rounds += 1;
+        self.metrics.waited += slot.count.saturating_sub(1) as u64;
         let res = match (&mut self.updater, &mut slot.merge) {
             // ASSIGN: the round's sum becomes the stored value; swap the buffers, copy nothing.
             (Updater::Assign, Some(merge)) => {

@@ -56,6 +56,10 @@ pub struct DistWorker {
     merge: FxHashMap<Key, NDArray>,
     /// The priority of the calls started next (MXNet's `priority`).
     pub(crate) priority: i32,
+    /// What this store counted ([`crate::metrics`]).
+    pub(crate) metrics: crate::metrics::Metrics,
+    /// Calls in flight that a [`Ticket`] will claim: when and where they went.
+    pub(crate) noted: FxHashMap<calls::CallId, requests::Note>,
     /// Outputs lent by the caller ([`NDArray::from_raw_parts`]) that calls in flight pull into
     /// the store's memory instead, by call: RDMA writes cannot be stopped by this process, and
     /// such memory goes back to its owner even after a failed call.
@@ -209,6 +213,8 @@ impl DistWorker {
             str_ids: FxHashMap::default(),
             merge: FxHashMap::default(),
             priority: 0,
+            metrics: crate::metrics::Metrics::default(),
+            noted: FxHashMap::default(),
             staged: FxHashMap::default(),
             claims: Vec::new(),
             aborted: None,
@@ -293,6 +299,37 @@ impl DistWorker {
     /// Requests this store sent in batches.
     pub(crate) fn batched(&self) -> u64 {
         self.net.batched
+    }
+
+    /// What this store counted.
+    pub(crate) fn metrics(&self) -> crate::metrics::Metrics {
+        let mut m = self.metrics.clone();
+        m.copies = self.transport_copies();
+        m.slot_puts = self.slot_puts();
+        m.batched = self.batched();
+        m
+    }
+
+    /// Where each key lives: its slices.
+    pub(crate) fn placement(&self) -> crate::metrics::Placement {
+        let mut out: crate::metrics::Placement = self
+            .keys
+            .iter()
+            .map(|(k, info)| {
+                let slices = info
+                    .parts
+                    .iter()
+                    .map(|p| crate::metrics::Slice {
+                        server: p.server,
+                        start: p.start,
+                        len: p.len,
+                    })
+                    .collect();
+                (k.clone(), slices)
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
     }
 
     /// Whether every shared-memory server writes pull answers straight into this process's
@@ -409,6 +446,14 @@ impl Drop for DistWorker {
     fn drop(&mut self) {
         // Tell the servers this is a clean exit, then the scheduler that this worker is done.
         self.net.quiesce();
+        let m = self.metrics();
+        let labels = format!("role=\"worker\",rank=\"{}\"", self.rank);
+        crate::report::send(&crate::report::Report::Metrics {
+            role: "worker".into(),
+            rank: self.rank,
+            json: m.to_json(),
+            prometheus: m.to_prometheus(&labels).trim_end().replace('\n', ";"),
+        });
         self.net.notify(Op::Bye);
         let fin = Msg::new(Op::Finish);
         let _g = self.beat.write_lock();

@@ -97,6 +97,63 @@ fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
     }
 }
 
+/// Where a call's requests went and when it started, for its metrics.
+pub(crate) struct Note {
+    start: std::time::Instant,
+    servers: Vec<usize>,
+    transports: Vec<&'static str>,
+    keys: Vec<u64>,
+}
+
+impl DistWorker {
+    /// Counts a call's requests, and notes it for [`DistWorker::noted_end`].
+    fn note(&mut self, reqs: &[Request]) -> Note {
+        let mut n = Note {
+            start: std::time::Instant::now(),
+            servers: Vec::new(),
+            transports: Vec::new(),
+            keys: Vec::new(),
+        };
+        for r in reqs {
+            let medium = self
+                .net
+                .servers
+                .get(r.server)
+                .map_or("-", |a| a.medium.name());
+            // Pushes and pulls of values (an init, a saved state, are neither).
+            let op = r.msg.op;
+            let push = r
+                .data
+                .as_ref()
+                .filter(|_| matches!(op, Op::Push | Op::PushPull))
+                .map(|(_, b)| b.len() as u64);
+            let pull = r
+                .dest
+                .as_ref()
+                .filter(|_| matches!(op, Op::Pull | Op::PushPull))
+                .map(|(_, b)| b.len() as u64);
+            self.metrics
+                .request(r.server, medium, r.msg.key, push, pull);
+            if !n.servers.contains(&r.server) {
+                n.servers.push(r.server);
+            }
+            if !n.transports.contains(&medium) {
+                n.transports.push(medium);
+            }
+            if !n.keys.contains(&r.msg.key) {
+                n.keys.push(r.msg.key);
+            }
+        }
+        n
+    }
+
+    /// A noted call ended.
+    fn noted_end(&mut self, n: Note, ok: bool) {
+        self.metrics
+            .call(ok, n.start.elapsed(), &n.servers, &n.transports, &n.keys);
+    }
+}
+
 /// The bytes of values a call's requests push and pull.
 fn moved_bytes(reqs: &[Request]) -> u64 {
     reqs.iter()
@@ -259,6 +316,7 @@ impl DistWorker {
     /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
     pub(crate) fn run(&mut self, reqs: Vec<Request>, outs: &mut [&mut NDArray]) -> Result<()> {
         self.checked()?;
+        let note = self.note(&reqs);
         let mut owned: Vec<NDArray> = outs.iter_mut().map(|o| take_array(o)).collect();
         let staged = self.stage(&mut owned);
         let n = reqs.len();
@@ -275,6 +333,7 @@ impl DistWorker {
             if result.is_ok() { "done" } else { "failed" }
         );
         crate::report::count_call(moved);
+        self.noted_end(note, result.is_ok());
         unstage(&mut outputs, staged, result.is_ok());
         for (o, a) in outs.iter_mut().zip(outputs) {
             **o = a;
@@ -394,17 +453,21 @@ impl DistWorker {
     /// tickets are gone).
     fn start(&mut self, reqs: Vec<Request>, mut outputs: Vec<NDArray>) -> Ticket {
         let staged = &mut self.staged;
+        let noted = &mut self.noted;
         self.claims.retain(|(id, claim)| {
             if claim.strong_count() == 0 && self.net.calls.is_done(*id) {
                 self.net.calls.take(*id);
                 staged.remove(id);
+                noted.remove(id);
                 return false;
             }
             true
         });
         let lent = self.stage(&mut outputs);
         crate::report::count_call(moved_bytes(&reqs));
+        let note = self.note(&reqs);
         let id = self.net.start(reqs, outputs, self.priority);
+        self.noted.insert(id, note);
         if !lent.is_empty() {
             self.staged.insert(id, lent);
         }
@@ -463,6 +526,9 @@ impl DistWorker {
         } = self.net.wait(t.id);
         if let Some(lent) = self.staged.remove(&t.id) {
             unstage(&mut outputs, lent, result.is_ok());
+        }
+        if let Some(note) = self.noted.remove(&t.id) {
+            self.noted_end(note, result.is_ok());
         }
         result.map(|()| outputs).map_err(|e| self.explain(e))
     }

@@ -1,0 +1,57 @@
+//! The store's metrics after a known job: every push and pull of a known number of slices
+//! and bytes is counted, per server, transport and key range; and the placement map.
+
+use kvstore::{KVStore, NDArray};
+
+use crate::{fail, ok};
+
+pub(crate) fn metrics(kv: &mut KVStore) {
+    // Key 10 is sliced over the servers when KVSTORE_BIGARRAY_BOUND is below 3000.
+    let keys = [1, 2, 10];
+    let sizes = [4usize, 8, 3000];
+    let vals: Vec<NDArray> = sizes.iter().map(|&n| NDArray::ones(&[n])).collect();
+    let mut outs: Vec<NDArray> = sizes.iter().map(|&n| NDArray::zeros(&[n])).collect();
+    ok("init", kv.init(keys, &vals));
+    let placement = kv.placement();
+    let slices: u64 = placement.iter().map(|(_, p)| p.len() as u64).sum();
+    let bytes: u64 = sizes.iter().map(|n| 4 * *n as u64).sum();
+    let before = kv.metrics();
+    const ROUNDS: u64 = 5;
+    for _ in 0..ROUNDS {
+        ok("push", kv.push(keys, &vals));
+        ok("pull", kv.pull(keys, &mut outs[..]));
+    }
+    let after = kv.metrics();
+    let (b, a) = (before.total(), after.total());
+    let check = |what: &str, got: u64, want: u64| {
+        if got != want {
+            fail(format!("{what}: counted {got}, want {want}"));
+        }
+    };
+    check("calls", after.calls - before.calls, 2 * ROUNDS);
+    check("pushes", a.pushes - b.pushes, ROUNDS * slices);
+    check("pulls", a.pulls - b.pulls, ROUNDS * slices);
+    check(
+        "bytes pushed",
+        a.bytes_pushed - b.bytes_pushed,
+        ROUNDS * bytes,
+    );
+    check(
+        "bytes pulled",
+        a.bytes_pulled - b.bytes_pulled,
+        ROUNDS * bytes,
+    );
+    let by_transport: u64 = after.transports.values().map(|t| t.pushes).sum();
+    check("pushes over the transports", by_transport, a.pushes);
+    let by_range: u64 = after.key_ranges.values().map(|t| t.pushes).sum();
+    check("pushes over the key ranges", by_range, a.pushes);
+    if after.servers.iter().any(|s| s.latency.count() == 0) {
+        fail("a server without call latencies".into());
+    }
+    let map = kv.placement_map();
+    if map.lines().count() != keys.len() || !map.contains("key 10: server ") {
+        fail(format!("placement map:\n{map}"));
+    }
+    print!("{map}");
+    println!("metrics counted {slices} slices a round");
+}
