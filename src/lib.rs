@@ -69,6 +69,9 @@ pub use config::{Config, RdmaSettings, Role, TransportChoice};
 pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};
 pub use logging::{init_logging, DEFAULT_FILTER};
+
+/// Whether this build has the RDMA transport (the `rdma` feature).
+pub const RDMA_BUILT: bool = cfg!(feature = "rdma");
 pub use ndarray::NDArray;
 pub use optimizer::{Optimizer, OptimizerUpdater};
 pub use prioritized::Prioritized;

@@ -219,6 +219,53 @@ fn a_job_runs_across_hosts_over_ssh_and_failures_stop_it_everywhere() {
         assert!(line.ends_with(want), "{line}");
     }
 
+    // kvrun doctor on these hosts: both reachable with the program, TCP between them.
+    let doctor = |args: &[&str], ssh: &str| {
+        let mut cmd = Command::new(bin("kvrun"));
+        cmd.arg("doctor")
+            .args(args)
+            .args(["--ssh", ssh])
+            .arg(&check);
+        util::run_limited(&mut cmd, Duration::from_secs(60))
+    };
+    let d = doctor(&["--hostfile", hf], &hosts.ssh());
+    assert_eq!(d.code, Some(0), "{}", d.all());
+    for a in &addrs {
+        assert!(
+            d.stdout.contains(&format!("ok {a}: reachable")),
+            "{}",
+            d.all()
+        );
+    }
+    let pair = format!("pair {} - {}: tcp", addrs[0], addrs[1]);
+    assert!(d.stdout.contains(&pair), "{}", d.all());
+    // One host unreachable (an address nobody answers on), one with a low memlock limit: the
+    // doctor says so, with the fix, and fails.
+    let low = hosts.dir.join("lowlock-ssh");
+    std::fs::write(
+        &low,
+        format!(
+            "#!/bin/sh\nh=\"$1\"; shift\nexec {} \"$h\" \"ulimit -l 64 && $*\"\n",
+            hosts.ssh()
+        ),
+    )
+    .unwrap();
+    let mut perm = std::fs::metadata(&low).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&low, perm).unwrap();
+    let list = format!("{},10.255.255.1", addrs[1]);
+    let d = doctor(&["-H", &list], low.to_str().unwrap());
+    assert_eq!(d.code, Some(1), "{}", d.all());
+    assert!(
+        d.stdout
+            .contains("FAIL 10.255.255.1: not reachable over ssh")
+            && d.stdout.contains("fix: set up key-based login"),
+        "{}",
+        d.all()
+    );
+    let memlock = format!("{}: memlock limit 64 KiB", addrs[1]);
+    assert!(d.stdout.contains(&memlock), "{}", d.all());
+
     // The main job across hosts, by node.
     let r = hosts.kvrun(
         &[

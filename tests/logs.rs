@@ -249,3 +249,37 @@ fn kvrun_collects_every_processs_metrics_as_json_and_prometheus() {
         );
     }
 }
+
+#[test]
+fn kvrun_doctor_checks_this_host_and_says_what_would_fail() {
+    let doctor = |shell: &str| {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", shell, "doctor"]).arg(util::bin("kvrun"));
+        util::run_limited(&mut cmd, Duration::from_secs(60))
+    };
+    let train = util::bin("examples/train");
+    let ok = doctor(&format!("exec \"$1\" doctor {}", train.display()));
+    assert_eq!(ok.code, Some(0), "{}", ok.all());
+    for want in [
+        "ok localhost: reachable",
+        "is there and executable",
+        "pair localhost - localhost: shm (the same host: shared memory)",
+        "kvrun doctor: no problem found",
+    ] {
+        assert!(ok.stdout.contains(want), "{want}\n{}", ok.all());
+    }
+    // A missing program, an unreachable host and a low memlock limit.
+    let bad = doctor(
+        "ulimit -l 64; exec \"$1\" doctor -H localhost,nohost.invalid \
+         --ssh 'ssh -o BatchMode=yes -o ConnectTimeout=2' /no/such/program",
+    );
+    assert_eq!(bad.code, Some(1), "{}", bad.all());
+    for want in [
+        "FAIL localhost: /no/such/program is missing or not executable there; fix:",
+        "FAIL nohost.invalid: not reachable over ssh",
+        "localhost: memlock limit 64 KiB",
+        "kvrun doctor: 2 problem(s)",
+    ] {
+        assert!(bad.stdout.contains(want), "{want}\n{}", bad.all());
+    }
+}

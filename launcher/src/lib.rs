@@ -5,6 +5,7 @@
 #![deny(missing_docs)]
 
 mod child;
+pub mod doctor;
 pub mod hosts;
 pub mod shepherd;
 mod view;

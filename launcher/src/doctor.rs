@@ -1,0 +1,273 @@
+//! `kvrun doctor`: a preflight of the hosts of a job, before the job. For every host it checks
+//! what a job needs there and says how to fix what is missing; for every pair of hosts, the
+//! transport their processes would use and why. It exits non-zero when the job would fail.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use clap::Parser;
+
+use crate::hosts::{self, Host};
+
+/// The command line of `kvrun doctor`.
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "kvrun doctor",
+    about = "Check the hosts of a job before running it: ssh, the program, ports, limits, \
+             shared memory, RDMA, and the transport of every pair"
+)]
+pub struct DoctorOptions {
+    /// Hosts, `host[:slots]` comma separated (mpirun's -H) [default: this host].
+    #[arg(short = 'H', long = "hosts", conflicts_with = "hostfile")]
+    pub hosts: Option<String>,
+    /// A hostfile in mpirun's format.
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+    /// The ssh command (and its options) that reaches remote hosts.
+    #[arg(long, default_value = "ssh -o BatchMode=yes -o ConnectTimeout=10")]
+    pub ssh: String,
+    /// The scheduler's port, if the job will fix one (0: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// The program the job will run, checked on every host.
+    pub program: PathBuf,
+}
+
+/// What one host reported.
+#[derive(Debug, Default)]
+struct Facts {
+    reachable: Option<String>,
+    program: bool,
+    memlock_kib: Option<u64>,
+    ptrace_scope: Option<u32>,
+    shm_kib: Option<u64>,
+    rdma: Vec<String>,
+}
+
+/// The shell script run on each host: one `key value` line per fact.
+const PROBE: &str = r#"
+if [ -x "$1" ]; then echo "program yes"; else echo "program no"; fi
+echo "memlock $(ulimit -l)"
+echo "ptrace $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo -)"
+echo "shm $(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $2}')"
+for d in /sys/class/infiniband/*; do
+  [ -d "$d" ] || continue
+  for p in "$d"/ports/*; do
+    echo "rdma $(basename "$d") port $(basename "$p") $(cat "$p/state" 2>/dev/null | tr -d ' ') $(cat "$p/link_layer" 2>/dev/null)"
+  done
+done
+"#;
+
+/// Runs the probe on `host` (locally when it is this host).
+fn probe(host: &str, ssh: &[String], program: &str) -> Facts {
+    let mut cmd = if hosts::is_local(host) {
+        let mut c = Command::new("sh");
+        c.args(["-c", PROBE, "kvrun-doctor", program]);
+        c
+    } else {
+        let mut c = Command::new(&ssh[0]);
+        let script = format!(
+            "sh -c {} kvrun-doctor {}",
+            crate::shell_quote(PROBE),
+            crate::shell_quote(program)
+        );
+        c.args(&ssh[1..]).arg(host).arg(script);
+        c
+    };
+    let out = cmd.stdin(Stdio::null()).output();
+    let mut f = Facts::default();
+    let out = match out {
+        Ok(o) if o.status.success() => o,
+        Ok(o) => {
+            f.reachable = Some(format!(
+                "{} ({})",
+                String::from_utf8_lossy(&o.stderr).trim(),
+                o.status
+            ));
+            return f;
+        }
+        Err(e) => {
+            f.reachable = Some(format!("cannot run {}: {e}", ssh[0]));
+            return f;
+        }
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let (k, v) = line.split_once(' ').unwrap_or((line, ""));
+        match k {
+            "program" => f.program = v == "yes",
+            "memlock" => {
+                f.memlock_kib = Some(if v == "unlimited" {
+                    u64::MAX
+                } else {
+                    v.parse().unwrap_or(0)
+                })
+            }
+            "ptrace" => f.ptrace_scope = v.parse().ok(),
+            "shm" => f.shm_kib = v.parse().ok(),
+            "rdma" => f.rdma.push(v.to_string()),
+            _ => {}
+        }
+    }
+    f
+}
+
+/// Whether a host has an active RDMA port.
+fn rdma_active(f: &Facts) -> bool {
+    f.rdma.iter().any(|r| r.contains("ACTIVE"))
+}
+
+/// Checks every host and pair; prints the findings; the exit status.
+pub fn run(opts: &DoctorOptions) -> i32 {
+    let hosts: Vec<Host> = match (&opts.hosts, &opts.hostfile) {
+        (Some(list), _) => match hosts::parse_host_list(list) {
+            Ok(h) => h,
+            Err(e) => return fail(&e),
+        },
+        (None, Some(path)) => match std::fs::read_to_string(path)
+            .map_err(|e| format!("{}: {e}", path.display()))
+            .and_then(|t| hosts::parse_hostfile(&t))
+        {
+            Ok(h) => h,
+            Err(e) => return fail(&e),
+        },
+        (None, None) => vec![Host {
+            name: "localhost".into(),
+            slots: 1,
+        }],
+    };
+    let ssh: Vec<String> = opts.ssh.split_whitespace().map(str::to_string).collect();
+    if ssh.is_empty() {
+        return fail("--ssh is empty");
+    }
+    let program = opts.program.display().to_string();
+    let rdma_built = kvstore::RDMA_BUILT;
+    let mut problems = 0;
+    let mut facts = Vec::new();
+    if opts.port != 0 {
+        match std::net::TcpListener::bind(("0.0.0.0", opts.port)) {
+            Ok(_) => println!("ok: the scheduler's port {} is free here", opts.port),
+            Err(e) => {
+                problems += 1;
+                println!(
+                    "FAIL: the scheduler's port {} cannot be bound here ({e}); fix: choose \
+                     another --port, or 0 for any free one",
+                    opts.port
+                );
+            }
+        }
+    }
+    for h in &hosts {
+        let f = probe(&h.name, &ssh, &program);
+        let name = &h.name;
+        if let Some(why) = &f.reachable {
+            problems += 1;
+            println!(
+                "FAIL {name}: not reachable over ssh: {why}; fix: set up key-based login \
+                 (ssh-copy-id {name}) and check `{} {name} true`",
+                opts.ssh
+            );
+            facts.push(f);
+            continue;
+        }
+        println!("ok {name}: reachable");
+        if f.program {
+            println!("ok {name}: {program} is there and executable");
+        } else {
+            problems += 1;
+            println!(
+                "FAIL {name}: {program} is missing or not executable there; fix: install it at \
+                 the same path on every host (or share the directory)"
+            );
+        }
+        match f.memlock_kib {
+            Some(k) if k >= 64 * 1024 => println!("ok {name}: memlock limit {}", kib(k)),
+            Some(k) if rdma_built && rdma_active(&f) => {
+                problems += 1;
+                println!(
+                    "FAIL {name}: memlock limit {} is too low for RDMA, which registers \
+                     tensor memory; fix: `ulimit -l unlimited` (or memlock in \
+                     /etc/security/limits.conf)",
+                    kib(k)
+                );
+            }
+            Some(k) => println!(
+                "note {name}: memlock limit {} (RDMA would need more: `ulimit -l unlimited`)",
+                kib(k)
+            ),
+            None => println!("note {name}: memlock limit unknown"),
+        }
+        match f.ptrace_scope {
+            Some(s) if s >= 2 => println!(
+                "note {name}: kernel.yama.ptrace_scope is {s}: cross-memory writes are \
+                 refused, so shared-memory pulls take one more copy; fix: \
+                 sysctl kernel.yama.ptrace_scope=1"
+            ),
+            Some(s) => println!("ok {name}: cross-memory writes allowed (ptrace_scope {s})"),
+            None => println!("ok {name}: cross-memory writes allowed (no Yama)"),
+        }
+        match f.shm_kib {
+            Some(k) if k >= 1024 * 1024 => println!("ok {name}: /dev/shm holds {}", kib(k)),
+            Some(k) => println!(
+                "note {name}: /dev/shm holds only {}: shared-memory pools are limited to it; \
+                 fix: a larger tmpfs (mount -o remount,size=8G /dev/shm) or KVSTORE_SHM_POOL",
+                kib(k)
+            ),
+            None => {
+                println!("note {name}: /dev/shm not found: workers here reach servers over TCP")
+            }
+        }
+        if f.rdma.is_empty() {
+            println!("ok {name}: no RDMA device (TCP between hosts)");
+        } else {
+            for r in &f.rdma {
+                println!("ok {name}: RDMA {r}");
+            }
+            if !rdma_built {
+                println!(
+                    "note {name}: this kvrun is built without RDMA (cargo build --features \
+                     kvstore/rdma): its jobs use TCP between hosts"
+                );
+            }
+        }
+        facts.push(f);
+    }
+    for (i, a) in hosts.iter().enumerate() {
+        for (j, b) in hosts.iter().enumerate().skip(i) {
+            let (fa, fb) = (&facts[i], &facts[j]);
+            let (t, why) = if i == j || hosts::is_local(&a.name) && hosts::is_local(&b.name) {
+                ("shm", "the same host: shared memory")
+            } else if !rdma_built {
+                ("tcp", "RDMA is not built into this kvrun")
+            } else if rdma_active(fa) && rdma_active(fb) {
+                ("rdma", "both have an active RDMA port")
+            } else {
+                ("tcp", "not both have an active RDMA port")
+            };
+            println!("pair {} - {}: {t} ({why})", a.name, b.name);
+        }
+    }
+    if problems > 0 {
+        println!("kvrun doctor: {problems} problem(s): a job on these hosts would fail");
+        1
+    } else {
+        println!("kvrun doctor: no problem found");
+        0
+    }
+}
+
+fn kib(k: u64) -> String {
+    if k == u64::MAX {
+        "unlimited".into()
+    } else if k >= 1024 * 1024 {
+        format!("{:.1} GiB", k as f64 / (1024.0 * 1024.0))
+    } else if k >= 1024 {
+        format!("{:.1} MiB", k as f64 / 1024.0)
+    } else {
+        format!("{k} KiB")
+    }
+}
+
+fn fail(why: &str) -> i32 {
+    eprintln!("kvrun doctor: {why}");
+    2
+}
