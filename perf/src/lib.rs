@@ -2,6 +2,7 @@
 //! run (a plain blocking-socket stream, `iperf3` when installed), and result formatting.
 #![deny(missing_docs)]
 
+pub mod chart;
 pub mod conn;
 pub mod limit;
 pub mod raw;

@@ -263,6 +263,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
     let mut out = std::io::stdout().lock();
     let mode = format!("{:?}", a.mode).to_lowercase();
     let mut points = Vec::new();
+    let mut ref_points = Vec::new();
     match results {
         Results::Lat(rows) => {
             if !a.json {
@@ -289,6 +290,9 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     _ => None,
                 };
                 points.push((r.size as f64, r.us[1]));
+                if let Some(x) = reference {
+                    ref_points.push((r.size as f64, x));
+                }
                 if a.json {
                     let row = serde_json::json!({
                         "test": "lat",
@@ -375,6 +379,9 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     ),
                 };
                 points.push((r.size as f64, r.bytes_per_s / 1e9));
+                if let Some(x) = reference {
+                    ref_points.push((r.size as f64, x / 1e9));
+                }
                 if a.json {
                     let row = serde_json::json!({
                         "test": "bw",
@@ -430,17 +437,22 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
     }
     if let Some(path) = &a.plot {
         let (title, ylabel) = if test == "lat" {
-            ("p50 one-way latency", "us")
+            ("p50 one-way latency", "microseconds")
         } else {
-            ("bandwidth", "GB/s")
+            ("bandwidth", "GB/s (10^9 bytes per second)")
         };
-        let svg = raw::svg_chart(
+        let mut series: Vec<kvstore_perf::chart::Series<'_>> = vec![("kvperf", &points)];
+        if !ref_points.is_empty() {
+            series.push(("reference", &ref_points));
+        }
+        kvstore_perf::chart::write(
+            path,
             &format!("kvperf {test} {name} {mode}: {title}"),
             ylabel,
-            &points,
-        );
-        std::fs::write(path, svg).map_err(|e| format!("{}: {e}", path.display()))?;
+            &series,
+        )?;
     }
+
     Ok(())
 }
 

@@ -272,6 +272,7 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
     let mut stdout = std::io::stdout().lock();
     print_header(p, &text, stream_ref, iperf_ref, &mut stdout);
     let mut points = Vec::new();
+    let mut ref_points = Vec::new();
     for line in text.lines() {
         print_row(p, line, stream_ref, iperf_ref, &mut stdout)?;
         let (size, keys, iters, secs) = (
@@ -286,17 +287,29 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
             2.0
         };
         points.push((size, ways * size * keys * iters / secs / 1e9));
+        if p.reference {
+            let m = kvstore_perf::raw::memcpy_bandwidth(
+                (size * keys) as usize,
+                Duration::from_millis(100),
+            );
+            ref_points.push((size, m / 1e9));
+        }
     }
     if let Some(path) = &p.plot {
-        let svg = kvstore_perf::raw::svg_chart(
+        let mut series: Vec<kvstore_perf::chart::Series<'_>> = vec![("kvperf pushpull", &points)];
+        // One worker's memcpy of the same bytes, where references were measured.
+        if !ref_points.is_empty() {
+            series.push(("memcpy (reference)", &ref_points));
+        }
+        kvstore_perf::chart::write(
+            path,
             &format!(
                 "kvperf pushpull W={} S={} {} {}: GB/s per worker",
                 p.workers, p.servers, p.transport, p.op
             ),
-            "GB/s",
-            &points,
-        );
-        std::fs::write(path, svg).map_err(|e| format!("{}: {e}", path.display()))?;
+            "GB/s per worker (10^9 bytes per second)",
+            &series,
+        )?;
     }
     if !p.json {
         let _ = writeln!(stdout, "size: bytes per key; us/iter: microseconds per iteration (the op on every key); GB/s: 10^9 bytes per second, per worker and for all; call p50/p99: one call of the op (request and answer), microseconds; key-ops/s: key operations per second, all workers");

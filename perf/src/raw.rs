@@ -412,55 +412,6 @@ pub fn socket_pingpong_us(size: usize, iters: usize) -> std::io::Result<f64> {
     Ok(samples[samples.len() / 2])
 }
 
-/// A small SVG chart of `(x, y)` series against log2 of x.
-pub fn svg_chart(title: &str, ylabel: &str, points: &[(f64, f64)]) -> String {
-    let (w, h, m) = (640.0, 400.0, 60.0);
-    let xs: Vec<f64> = points.iter().map(|p| p.0.max(1.0).log2()).collect();
-    let (x0, x1) = (
-        xs.iter().cloned().fold(f64::INFINITY, f64::min),
-        xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
-    );
-    let y1 = points.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-12);
-    let px = |x: f64| m + (x - x0) / (x1 - x0).max(1e-9) * (w - 2.0 * m);
-    let py = |y: f64| h - m - y / y1 * (h - 2.0 * m);
-    let path: Vec<String> = points
-        .iter()
-        .zip(&xs)
-        .map(|(p, &x)| format!("{:.1},{:.1}", px(x), py(p.1)))
-        .collect();
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <text x=\"{}\" y=\"20\" text-anchor=\"middle\">{title}</text>\n\
-         <line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
-         <line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>\n\
-         <text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">{ylabel}</text>\n\
-         <text x=\"{m}\" y=\"{}\">0</text><text x=\"5\" y=\"{}\">{y1:.3}</text>\n\
-         <polyline fill=\"none\" stroke=\"steelblue\" stroke-width=\"2\" points=\"{}\"/>\n",
-        w / 2.0,
-        h - m,
-        w - m,
-        h - m,
-        h - m,
-        h / 2.0,
-        h / 2.0,
-        h - m + 15.0,
-        m + 4.0,
-        path.join(" ")
-    );
-    for (p, &x) in points.iter().zip(&xs) {
-        s.push_str(&format!(
-            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"steelblue\"/><text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\" font-size=\"9\">{}</text>\n",
-            px(x),
-            py(p.1),
-            px(x),
-            h - m + 28.0,
-            crate::format_size(p.0 as usize)
-        ));
-    }
-    s.push_str("</svg>\n");
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -485,7 +436,5 @@ mod tests {
     fn references_are_positive() {
         assert!(memcpy_bandwidth(1 << 16, Duration::from_millis(10)) > 0.0);
         assert!(socket_pingpong_us(64, 20).unwrap() > 0.0);
-        let svg = svg_chart("t", "GB/s", &[(8.0, 1.0), (64.0, 2.0)]);
-        assert!(svg.starts_with("<svg") && svg.contains("polyline"));
     }
 }
