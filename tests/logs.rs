@@ -283,3 +283,38 @@ fn kvrun_doctor_checks_this_host_and_says_what_would_fail() {
         assert!(bad.stdout.contains(want), "{want}\n{}", bad.all());
     }
 }
+
+#[test]
+fn kvrun_doctor_names_each_rdma_port_its_gid_and_mtu() {
+    // A sysfs tree of one soft-RoCE port: a link-local RoCE v1 GID, then a RoCE v2 one.
+    let root = std::env::temp_dir().join(format!("kvstore-sysfs-{}", std::process::id()));
+    let port = root.join("class/infiniband/rxe0/ports/1");
+    let files = [
+        ("state", "4: ACTIVE"),
+        ("link_layer", "Ethernet"),
+        ("gids/0", "fe80:0000:0000:0000:5054:00ff:fe12:3456"),
+        ("gid_attrs/types/0", "IB/RoCE v1"),
+        ("gids/1", "0000:0000:0000:0000:0000:ffff:0a00:020f"),
+        ("gid_attrs/types/1", "RoCE v2"),
+        ("gid_attrs/ndevs/1", "eth9"),
+    ];
+    for (f, text) in files {
+        let p = port.join(f);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, format!("{text}\n")).unwrap();
+    }
+    std::fs::create_dir_all(root.join("class/net/eth9")).unwrap();
+    std::fs::write(root.join("class/net/eth9/mtu"), "1500\n").unwrap();
+    let r = util::run_limited(
+        Command::new(util::bin("kvrun"))
+            .args(["doctor"])
+            .arg(util::bin("kvrun"))
+            .env("KVRUN_SYSFS", &root),
+        Duration::from_secs(60),
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+    assert_eq!(r.code, Some(0), "{}", r.all());
+    let want = "ok localhost: RDMA rxe0 port 1: ACTIVE, Ethernet, GID 1 \
+                0000:0000:0000:0000:0000:ffff:0a00:020f (RoCE v2), MTU 1500";
+    assert!(r.stdout.contains(want), "{}", r.all());
+}

@@ -44,16 +44,29 @@ struct Facts {
     rdma: Vec<String>,
 }
 
-/// The shell script run on each host: one `key value` line per fact.
+/// The shell script run on each host: one `key value` line per fact. (`KVRUN_SYSFS` names
+/// another sysfs root, for tests.)
 const PROBE: &str = r#"
 if [ -x "$1" ]; then echo "program yes"; else echo "program no"; fi
 echo "memlock $(ulimit -l)"
 echo "ptrace $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo -)"
 echo "shm $(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $2}')"
-for d in /sys/class/infiniband/*; do
+sys="${KVRUN_SYSFS:-/sys}"
+for d in "$sys"/class/infiniband/*; do
   [ -d "$d" ] || continue
   for p in "$d"/ports/*; do
-    echo "rdma $(basename "$d") port $(basename "$p") $(cat "$p/state" 2>/dev/null | tr -d ' ') $(cat "$p/link_layer" 2>/dev/null)"
+    gid=-; mtu=-
+    for g in "$p"/gids/*; do
+      [ -f "$g" ] || continue
+      n=$(basename "$g"); v=$(cat "$g" 2>/dev/null)
+      case "$v" in ""|0000:0000:0000:0000:0000:0000:0000:0000|fe80:*) continue;; esac
+      t=$(cat "$p/gid_attrs/types/$n" 2>/dev/null | tr ' ' '_')
+      gid="$n:$v:${t:-?}"
+      nd=$(cat "$p/gid_attrs/ndevs/$n" 2>/dev/null)
+      [ -n "$nd" ] && mtu=$(cat "$sys/class/net/$nd/mtu" 2>/dev/null || echo -)
+      case "$t" in *v2*) break;; esac
+    done
+    echo "rdma $(basename "$d") port $(basename "$p") $(cat "$p/state" 2>/dev/null | tr -d ' ') $(cat "$p/link_layer" 2>/dev/null) gid $gid mtu $mtu"
   done
 done
 "#;
@@ -220,7 +233,7 @@ pub fn run(opts: &DoctorOptions) -> i32 {
             println!("ok {name}: no RDMA device (TCP between hosts)");
         } else {
             for r in &f.rdma {
-                println!("ok {name}: RDMA {r}");
+                println!("ok {name}: RDMA {}", describe_rdma(r));
             }
             if !rdma_built {
                 println!(
@@ -253,6 +266,37 @@ pub fn run(opts: &DoctorOptions) -> i32 {
         println!("kvrun doctor: no problem found");
         0
     }
+}
+
+/// A probe's RDMA line (`rxe0 port 1 4:ACTIVE Ethernet gid 1:<gid>:RoCE_v2 mtu 1500`) as
+/// `rxe0 port 1: ACTIVE, Ethernet, GID 1 <gid> (RoCE v2), MTU 1500`.
+fn describe_rdma(line: &str) -> String {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    let get = |key: &str| {
+        w.iter()
+            .position(|x| *x == key)
+            .and_then(|i| w.get(i + 1))
+            .copied()
+            .unwrap_or("-")
+    };
+    let (dev, port) = (w.first().copied().unwrap_or("?"), get("port"));
+    let state = w
+        .get(3)
+        .map_or("?", |s| s.split(':').next_back().unwrap_or(s));
+    let link = w.get(4).copied().unwrap_or("?");
+    let gid = get("gid");
+    let gid = match (gid.split_once(':'), gid.rsplit_once(':')) {
+        (Some((idx, _)), Some((head, kind))) if head.len() > idx.len() => format!(
+            "GID {idx} {} ({})",
+            &head[idx.len() + 1..],
+            kind.replace('_', " ")
+        ),
+        _ => "no usable GID".into(),
+    };
+    format!(
+        "{dev} port {port}: {state}, {link}, {gid}, MTU {}",
+        get("mtu")
+    )
 }
 
 fn kib(k: u64) -> String {
