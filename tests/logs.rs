@@ -120,7 +120,7 @@ fn kvrun_shows_transports_and_progress_from_the_processes_reports() {
     // A heartbeat every half second; once the workers reported, with their calls.
     assert!(out.matches("kvrun: ").count() >= 4, "{out}");
     assert!(
-        out.contains(" calls, ")
+        out.contains(" rounds, ")
             && out.contains("GB (10^9 bytes) pushed and pulled; slowest worker "),
         "{out}"
     );

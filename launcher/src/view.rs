@@ -196,16 +196,17 @@ impl View {
         out
     }
 
-    /// "12.0 s: 340 calls, 1.20 GB; slowest worker 1 (150 calls)".
+    /// "12.0 s: 340 rounds, 1.20 GB ...; slowest worker 1 (150 rounds)": a worker's rounds are
+    /// its calls (a push, a pull, a pushpull).
     fn heartbeat(&self) -> String {
         let t = self.started.elapsed().as_secs_f64();
         if self.progress.is_empty() {
-            return format!("{t:.1} s: no calls reported yet");
+            return format!("{t:.1} s: no rounds reported yet");
         }
         let calls: u64 = self.progress.values().map(|p| p.0).sum();
         let bytes: u64 = self.progress.values().map(|p| p.1).sum();
         let mut line = format!(
-            "{t:.1} s: {calls} calls, {:.2} GB (10^9 bytes) pushed and pulled",
+            "{t:.1} s: {calls} rounds, {:.2} GB (10^9 bytes) pushed and pulled",
             bytes as f64 / 1e9
         );
         let reported = self.progress.len();
@@ -215,7 +216,7 @@ impl View {
                 reported, self.workers
             ));
         } else if let Some((r, (c, _))) = self.progress.iter().min_by_key(|(_, p)| p.0) {
-            line.push_str(&format!("; slowest worker {r} ({c} calls)"));
+            line.push_str(&format!("; slowest worker {r} ({c} rounds)"));
         }
         line
     }
