@@ -405,6 +405,20 @@ impl KVStore {
         self.call(py, 0, move |kv| kv.load_optimizer_states(&fname))
     }
 
+    /// What this store counted (its calls, and per server, transport and range of keys its
+    /// requests, pushes, pulls, bytes and call latencies), as a dict; empty counts for a local
+    /// store.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let json = self.call(py, 0, |kv| Ok(kv.metrics().to_json()))?;
+        py.import("json")?.call_method1("loads", (json,))
+    }
+
+    /// Which server holds which slice of each key, as text (a line per key); empty for a
+    /// local store.
+    fn placement_map(&self, py: Python<'_>) -> PyResult<String> {
+        self.call(py, 0, |kv| Ok(kv.placement_map()))
+    }
+
     /// Does nothing: the cost of an empty method call, the reference of `benches/layer_cost.py`.
     fn _nop(&self) {}
 

@@ -29,6 +29,8 @@ def test_names_and_properties():
     with pytest.raises(ValueError, match="dist_device_sync"):
         kvstore.create("nope")
     assert kvstore.create().is_capable("optimizer")
+    m = kvstore.create().metrics()
+    assert m["calls"] == 0 and m["servers"] == [] and kvstore.create().placement_map() == ""
     assert kvstore.create().is_capable("OPTIMIZER")
     with pytest.raises(ValueError):
         kvstore.create().is_capable("teleport")

@@ -92,6 +92,11 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
         kv.push(4, g)
         kv.pull(4, out=out)
         assert np.allclose(out, 6 - 0.1 * 3), out
+        m = kv.metrics()
+        assert m["calls"] > 0 and len(m["servers"]) == 2, m
+        # Pushes of slices: key 3 once; key 4 (two slices) in a pushpull and a push.
+        assert sum(s["pushes"] for s in m["servers"]) == 5, m
+        assert "key 4: server 0 [0, 300000), server 1 [300000, 600000)" in kv.placement_map()
         if kv.rank == 0:
             states = os.path.join(DIR, "states")
             kv.save_optimizer_states(states)
