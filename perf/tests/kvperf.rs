@@ -59,10 +59,16 @@ fn json_lines(stdout: &str) -> Vec<&str> {
                 "{k} in {r}"
             );
         }
-        assert!(
-            v.get("units").is_some_and(serde_json::Value::is_object),
-            "units in {r}"
-        );
+        let units = v.get("units").and_then(serde_json::Value::as_object);
+        let units = units.unwrap_or_else(|| panic!("units in {r}"));
+        // A unit's key never repeats a field's name (scripts grep `"field":NUMBER`), and every
+        // field a unit names is in the row.
+        for (k, fields) in units {
+            assert!(v.get(k).is_none(), "units repeat {k} in {r}");
+            for f in fields.as_str().unwrap().split_whitespace() {
+                assert!(v.get(f).is_some(), "{f} in {r}");
+            }
+        }
     }
     rows
 }
