@@ -23,20 +23,21 @@ cargo build --release -p kvstore --features rdma --examples
 cargo build --release -p kvstore-launcher -p kvstore-perf --features kvstore-perf/rdma --bins
 cargo test --release -p kvstore-transport --features rdma --lib
 CONF=$(exe kvstore-transport conformance)
+BACK=$(exe kvstore-transport backends)
 DIST=$(exe kvstore rdma)
-for t in "$CONF" "$DIST"; do
+for t in "$CONF" "$BACK" "$DIST"; do
     [ -x "$t" ] || { echo "rdma-suite: a test executable is missing" >&2; exit 1; }
 done
 
 # On this host (no device): clean errors, and a job that runs over TCP and says why.
-"$CONF" rdma_without_a_device_is_a_clean_error
+"$BACK" rdma_without_a_device_is_a_clean_error
 "$DIST" rdma_forced_without_a_device_is_an_error_naming_the_reason
 
 "$HERE/setup-vm.sh"
-# In the VM: the conformance suite over rdma; the store's tests over rdma, the port-down
+# In the VM: the conformance suite and the backend's own tests over rdma; the store's tests over rdma, the port-down
 # fault last (it takes eth0 down and up again).
 VM_MEM=${VM_MEM:-2048} VM_TIMEOUT=${VM_TIMEOUT:-1200} "$HERE/run-in-vm.sh" -C "$PWD" \
-    "set -e; $CONF rdma --test-threads=1; \
+    "set -e; $CONF rdma --test-threads=1; $BACK rdma --test-threads=1; \
      $DIST --test-threads=1 --skip rdma_forced_without --skip rdma_the_port_going_down \
        --skip rdma_the_locked_memory_limit; \
      $DIST --test-threads=1 rdma_the_port_going_down; \

@@ -22,6 +22,7 @@ pub mod fuzz;
 mod memory;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+mod region;
 pub mod shm;
 mod table;
 pub mod tcp;

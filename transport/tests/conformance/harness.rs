@@ -228,3 +228,14 @@ pub(crate) fn read(r: &Region) -> Vec<u8> {
     unsafe { r.read(0, &mut v) }.unwrap();
     v
 }
+
+/// `s`'s grant of `range` of `r` to `peer`.
+pub(crate) fn grant_to(
+    s: &mut Side,
+    peer: PeerId,
+    r: &Region,
+    range: std::ops::Range<usize>,
+) -> kvstore_transport::RemoteRegion {
+    // SAFETY: the tests read granted memory only after a put into it completed.
+    unsafe { s.b.grant(peer, r, range) }.unwrap()
+}

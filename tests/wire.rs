@@ -1,0 +1,510 @@
+//! The distributed store against raw peers written to the wire protocol: squatters, links that
+//! claim another rank, claims of memory, unread answers, other jobs, batches (good and
+//! malformed). The jobs themselves, with real workers, are in dist.rs.
+
+mod util;
+
+use std::time::Duration;
+
+use util::finish;
+
+/// Writes one message as the TCP backend frames it: a body, then optionally data.
+fn send_msg(s: &mut std::net::TcpStream, body: &[u8], data: Option<&[u8]>) -> std::io::Result<()> {
+    use std::io::Write;
+    let h = kvstore_transport::tcp::msg_frame_header(body.len(), data.map(|d| d.len()));
+    s.write_all(&h)?;
+    s.write_all(body)?;
+    if let Some(d) = data {
+        s.write_all(d)?;
+    }
+    Ok(())
+}
+
+/// Reads one message frame from a server and decodes its header.
+fn read_msg(s: &mut std::net::TcpStream) -> kvstore::protocol::Msg {
+    use kvstore_transport::tcp::blocking::read_frame;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (_, body) = read_frame(s, 1 << 20, Some(deadline)).unwrap();
+    let meta: [u8; kvstore_transport::META_LEN] =
+        body[..kvstore_transport::META_LEN].try_into().unwrap();
+    kvstore::protocol::Msg::decode(&meta).unwrap()
+}
+
+/// A worker played by the test over raw frames: it joins, connects to server 0, and then only
+/// writes. Returns the stream to the server.
+fn raw_worker(port: u16) -> std::net::TcpStream {
+    let j = raw_join(port);
+    let server = raw_hello(&j.server, j.rank, &j.token).expect("the server's acknowledgement");
+    // The scheduler connection stays open for the job's life (closing it is leaving).
+    std::mem::forget(j.sched);
+    server
+}
+
+/// A worker's place in a job, as a raw peer got it from the scheduler.
+struct Joined {
+    sched: std::net::TcpStream,
+    server: String,
+    rank: usize,
+    token: [u8; kvstore::auth::MAC],
+}
+
+/// Joins a job as a worker over raw frames: the handshake with the scheduler, then the roster.
+fn raw_join(port: u16) -> Joined {
+    use kvstore::auth;
+    use kvstore::protocol::{role, Msg, Op};
+    use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+    use kvstore_transport::FrameHeader;
+    let mut m = Msg::new(Op::Hello);
+    m.key = role::WORKER;
+    let secret = util::SECRET.as_bytes();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut sched = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("no scheduler: {e}"),
+        }
+    };
+    // The scheduler speaks plain frames: the handshake, then the roster.
+    let nonce = auth::random::<{ auth::NONCE }>().unwrap();
+    let rest = "-\n-\n-\n-";
+    let payload = format!("{}\n{rest}", auth::hex(&nonce));
+    write_frame(
+        &mut sched,
+        &FrameHeader::new(m.encode(), payload.len() as u64),
+        payload.as_bytes(),
+    )
+    .unwrap();
+    let (_, challenge) = read_frame(&mut sched, 1 << 20, Some(deadline)).unwrap();
+    let challenge = String::from_utf8(challenge).unwrap();
+    let theirs = auth::unhex::<{ auth::NONCE }>(challenge.lines().next().unwrap()).unwrap();
+    let claim = auth::hello_claim(m.key, m.sender, rest);
+    let proof = auth::proof(&[secret], auth::Side::Initiator, &nonce, &theirs, &claim);
+    write_frame(
+        &mut sched,
+        &FrameHeader::new(Msg::new(Op::Proof).encode(), proof.len() as u64),
+        &proof,
+    )
+    .unwrap();
+    let (_, roster) = read_frame(&mut sched, 1 << 20, Some(deadline)).unwrap();
+    let roster = String::from_utf8(roster).unwrap();
+    let addr = roster
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    let token = roster
+        .lines()
+        .find_map(|l| l.strip_prefix("token "))
+        .and_then(auth::unhex::<{ auth::MAC }>)
+        .unwrap();
+    let token = auth::xor(&token, &auth::token_mask(secret, &nonce, &theirs));
+    let rank: usize = roster.split_whitespace().next().unwrap().parse().unwrap();
+    // A live process beats: without it the scheduler takes this peer for stopped.
+    let mut beat = sched.try_clone().unwrap();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let h = FrameHeader::new(Msg::new(Op::Heartbeat).encode(), 0);
+        if write_frame(&mut beat, &h, &[]).is_err() {
+            return;
+        }
+    });
+    Joined {
+        sched,
+        server: addr.to_string(),
+        rank,
+        token,
+    }
+}
+
+/// The handshake with a server as worker `rank` with `token`: the link, or why the server
+/// refused it.
+fn raw_hello(
+    addr: &str,
+    rank: usize,
+    token: &[u8; kvstore::auth::MAC],
+) -> Result<std::net::TcpStream, String> {
+    use kvstore::auth;
+    use kvstore::protocol::{role, Msg, Op};
+    let secret = util::SECRET.as_bytes();
+    // A server speaks the TCP backend's messages: the same handshake, keyed also by the
+    // rank's token.
+    let mut server = std::net::TcpStream::connect(addr).unwrap();
+    let mut m = Msg::new(Op::Hello);
+    m.key = role::WORKER;
+    m.sender = rank as u32;
+    let nonce = auth::random::<{ auth::NONCE }>().unwrap();
+    let mut body = m.encode().to_vec();
+    body.extend_from_slice(&nonce);
+    send_msg(&mut server, &body, None).unwrap();
+    let (c, rest) = try_read_body(&mut server).map_err(|e| format!("no challenge: {e}"))?;
+    if c.op != Op::Challenge {
+        return Err(format!("answered the hello with {:?}", c.op));
+    }
+    let theirs: [u8; auth::NONCE] = rest[..auth::NONCE].try_into().unwrap();
+    let claim = auth::worker_claim(rank);
+    let proof = auth::proof(
+        &[secret, token],
+        auth::Side::Initiator,
+        &nonce,
+        &theirs,
+        &claim,
+    );
+    let mut p = Msg::new(Op::Proof);
+    p.key = role::WORKER;
+    p.sender = rank as u32;
+    let mut body = p.encode().to_vec();
+    body.extend_from_slice(&proof);
+    send_msg(&mut server, &body, None).unwrap();
+    use kvstore_transport::tcp::blocking::read_frame;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    match read_frame(&mut server, 1 << 20, Some(deadline)) {
+        Ok((_, b)) if b.len() >= kvstore_transport::META_LEN => {
+            let meta: [u8; kvstore_transport::META_LEN] =
+                b[..kvstore_transport::META_LEN].try_into().unwrap();
+            match Msg::decode(&meta) {
+                Ok(a) if a.op == Op::HelloAck => Ok(server),
+                other => Err(format!("answered {other:?}")),
+            }
+        }
+        Ok(_) => Err("a short answer".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[test]
+fn a_squatter_at_the_schedulers_address_learns_nothing_and_is_refused() {
+    // A process listening where the scheduler should be: the hello it gets carries no secret,
+    // and when it cannot prove the secret the node stops, saying so.
+    use kvstore::protocol::{Msg, Op};
+    use kvstore_transport::tcp::blocking::{read_frame, write_frame};
+    use kvstore_transport::FrameHeader;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let worker = std::process::Command::new(util::bin("examples/dist_check"))
+        .args(["seed", "dist_sync"])
+        .env("DMLC_ROLE", "worker")
+        .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+        .env("DMLC_PS_ROOT_PORT", port.to_string())
+        .env("DMLC_NUM_SERVER", "1")
+        .env("DMLC_NUM_WORKER", "1")
+        .env("KVSTORE_SECRET", util::SECRET)
+        .env("KVSTORE_TIMEOUT", "10")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut s, _) = l.accept().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (_, hello) = read_frame(&mut s, 1 << 20, Some(deadline)).unwrap();
+    let secret = util::SECRET.as_bytes();
+    assert!(
+        !hello.windows(secret.len()).any(|w| w == secret),
+        "the hello carries the secret"
+    );
+    let bogus = format!("{}\n{}", "ab".repeat(16), "cd".repeat(32));
+    write_frame(
+        &mut s,
+        &FrameHeader::new(Msg::new(Op::Challenge).encode(), bogus.len() as u64),
+        bogus.as_bytes(),
+    )
+    .unwrap();
+    // The node sends no proof to a scheduler that did not prove itself.
+    let after = read_frame(&mut s, 1 << 20, Some(deadline));
+    assert!(after.is_err(), "the node went on: {after:?}");
+    let (code, out) = finish(worker, Duration::from_secs(20));
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("does not know this job's secret"), "{out}");
+}
+
+#[test]
+fn a_link_can_claim_only_the_rank_its_process_was_given() {
+    // Two workers played here: each proves the secret, but a link that claims the other's
+    // rank (with its own token) is closed; each then claims its own.
+    let mut job = util::ManualJob::start_some(2, 0, 1, &["seed", "dist_sync"], &[]);
+    // The roster comes once both have joined: they join at once.
+    let port = job.port;
+    let other = std::thread::spawn(move || raw_join(port));
+    let a = raw_join(port);
+    let b = other.join().unwrap();
+    assert_ne!(a.rank, b.rank);
+    let stolen = raw_hello(&a.server, b.rank, &a.token);
+    assert!(stolen.is_err(), "a link took worker {}'s rank", b.rank);
+    let forged = raw_hello(&a.server, a.rank, &[0u8; kvstore::auth::MAC]);
+    assert!(forged.is_err(), "a link without the rank's token was taken");
+    // Kept open: a worker's link that closes without a goodbye ends the job.
+    let _own_a = raw_hello(&a.server, a.rank, &a.token).expect("its own rank");
+    let _own_b = raw_hello(&b.server, b.rank, &b.token).expect("its own rank");
+    drop((a, b));
+    job.kill_all();
+}
+
+/// Reads one message frame from a server: its header and the body after it.
+fn try_read_body(s: &mut std::net::TcpStream) -> Result<(kvstore::protocol::Msg, Vec<u8>), String> {
+    use kvstore_transport::tcp::blocking::read_frame;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (_, body) = read_frame(s, 1 << 20, Some(deadline)).map_err(|e| e.to_string())?;
+    let meta: [u8; kvstore_transport::META_LEN] = body
+        .get(..kvstore_transport::META_LEN)
+        .and_then(|m| m.try_into().ok())
+        .ok_or("a short message")?;
+    let m = kvstore::protocol::Msg::decode(&meta).map_err(|e| e.to_string())?;
+    Ok((m, body[kvstore_transport::META_LEN..].to_vec()))
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_message_is_judged_by_its_header_before_its_data_takes_memory() {
+    // A proven worker sends a push for a key the server never stored, claiming 512 MiB of
+    // data, and sends up to 32 MiB of it: the link is closed after the header, and the
+    // server's memory grows by neither what was claimed nor what was sent.
+    use kvstore::protocol::{Msg, Op};
+    use std::io::Write;
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let mut s = raw_worker(job.port);
+    let base = rss_kib(job.servers[0].id());
+    const N: u64 = 128 << 20; // f32: 512 MiB
+    let mut m = Msg::new(Op::Push);
+    m.key = 99;
+    m.dtype = kvstore::DType::F32;
+    m.ndim = 1;
+    m.shape[0] = N;
+    m.total = N;
+    m.len = N;
+    m.req_id = 1;
+    let body = m.encode();
+    s.write_all(&kvstore_transport::tcp::msg_frame_header(
+        body.len(),
+        Some(N as usize * 4),
+    ))
+    .unwrap();
+    s.write_all(&body).unwrap();
+    let chunk = vec![0u8; 1 << 20];
+    let mut sent = 0;
+    for _ in 0..32 {
+        if s.write_all(&chunk).is_err() {
+            break;
+        }
+        sent += 1;
+    }
+    // The server closes the link: a read ends.
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut b = [0u8; 256];
+    let closed = loop {
+        match std::io::Read::read(&mut s, &mut b) {
+            Ok(0) | Err(_) => break true,
+            Ok(_) => continue,
+        }
+    };
+    assert!(closed);
+    let grew = rss_kib(job.servers[0].id()).saturating_sub(base);
+    assert!(
+        grew < 32 * 1024,
+        "the server grew by {grew} KiB after {sent} MiB sent"
+    );
+    job.kill_all();
+}
+
+#[test]
+fn answers_a_worker_does_not_read_do_not_grow_the_server() {
+    use kvstore::protocol::{Msg, Op};
+    const N: u64 = 256 * 1024; // 1 MiB of f32
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let mut s = raw_worker(job.port);
+    let data = |op: Op, id: u64| {
+        let mut m = Msg::new(op);
+        m.key = 1;
+        m.dtype = kvstore::DType::F32;
+        m.ndim = 1;
+        m.shape[0] = N;
+        m.total = N;
+        m.len = N;
+        m.req_id = id;
+        m
+    };
+    // A grant the server puts each answer into (the TCP backend's kind, number 1, N floats):
+    // the worker never reads them.
+    let mut grant = [0u8; 32];
+    grant[0] = 1;
+    grant[8] = 1;
+    grant[24..32].copy_from_slice(&(N * 4).to_le_bytes());
+    let payload = vec![0u8; N as usize * 4];
+    send_msg(&mut s, &data(Op::Init, 1).encode(), Some(&payload)).unwrap();
+    assert_eq!(read_msg(&mut s).status, 0);
+    let base = rss_kib(job.servers[0].id());
+    // 300 rounds of 1 MiB pushpulls whose answers are never read: each answer is a distinct
+    // version of the value. The writer blocks once the server stops reading.
+    let mut w = s.try_clone().unwrap();
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = sent.clone();
+    std::thread::spawn(move || {
+        for i in 0..300 {
+            let mut body = data(Op::PushPull, 2 + i).encode().to_vec();
+            body.extend_from_slice(&grant);
+            if send_msg(&mut w, &body, Some(&payload)).is_err() {
+                return;
+            }
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    // Let the writer go as far as the server lets it.
+    let mut last = usize::MAX;
+    loop {
+        std::thread::sleep(Duration::from_millis(1500));
+        let now = sent.load(std::sync::atomic::Ordering::SeqCst);
+        if now == last || now == 300 {
+            break;
+        }
+        last = now;
+    }
+    let grown_mib = rss_kib(job.servers[0].id()).saturating_sub(base) / 1024;
+    let rounds = sent.load(std::sync::atomic::Ordering::SeqCst);
+    println!("{rounds} rounds sent, server grew by {grown_mib} MiB");
+    job.kill_all();
+    // The server holds at most 64 MiB of unsent answers (and a few socket buffers' worth).
+    assert!(
+        rounds < 300,
+        "the server read all 300 rounds without its answers being read"
+    );
+    assert!(
+        grown_mib < 128,
+        "server memory grew by {grown_mib} MiB after {rounds} unread 1 MiB answers"
+    );
+}
+
+#[test]
+fn a_process_of_another_job_is_refused() {
+    // Workers with the wrong secret never join: the rendezvous times out with an error.
+    let port = util::free_port();
+    let mk = |role: &str, secret: &str| {
+        let mut c = std::process::Command::new(util::bin("examples/dist_check"));
+        c.args(["seed", "dist_sync"])
+            .env("DMLC_ROLE", role)
+            .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+            .env("DMLC_PS_ROOT_PORT", port.to_string())
+            .env("DMLC_NUM_SERVER", "1")
+            .env("DMLC_NUM_WORKER", "1")
+            .env("KVSTORE_SECRET", format!("{secret}-and-some-more-bytes"))
+            .env("KVSTORE_TIMEOUT", "3")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let sched = mk("scheduler", "right");
+    let server = mk("server", "right");
+    let worker = mk("worker", "wrong");
+    let (code, out) = finish(worker, Duration::from_secs(20));
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("secret") || out.contains("closed"), "{out}");
+    let (code, out) = finish(sched, Duration::from_secs(20));
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("registered"), "{out}");
+    let _ = finish(server, Duration::from_secs(20));
+}
+
+/// A batch as a worker writes it: a header (entries, data bytes), then each entry's length
+/// and header.
+fn batch_body(entries: &[kvstore::protocol::Msg], data_len: u64, count: u64) -> Vec<u8> {
+    let mut h = kvstore::protocol::Msg::new(kvstore::protocol::Op::Batch);
+    h.key = count;
+    h.total = data_len;
+    h.len = data_len;
+    let mut body = h.encode().to_vec();
+    for m in entries {
+        body.extend_from_slice(&(kvstore_transport::META_LEN as u32).to_le_bytes());
+        body.extend_from_slice(&m.encode());
+    }
+    body
+}
+
+/// Reads answer batches until `n` answers came: (request id, status, value bytes if any).
+fn read_answers(s: &mut std::net::TcpStream, n: usize) -> Vec<(u64, u16, Option<Vec<u8>>)> {
+    use kvstore::protocol::{flags, Msg, Op};
+    use kvstore_transport::{tcp::blocking::read_frame, META_LEN};
+    let mut out = Vec::new();
+    while out.len() < n {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let (_, payload) = read_frame(s, 1 << 20, Some(deadline)).unwrap();
+        let h = Msg::decode(payload[..META_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(h.op, Op::Batch);
+        let body_len = payload.len() - h.len as usize;
+        let (mut at, mut data) = (META_LEN, body_len);
+        for _ in 0..h.key {
+            let len = u32::from_le_bytes(payload[at..at + 4].try_into().unwrap()) as usize;
+            let m = Msg::decode(payload[at + 4..at + 4 + META_LEN].try_into().unwrap()).unwrap();
+            at += 4 + len;
+            let value = (m.flags & flags::DATA != 0).then(|| {
+                let n = m.data_bytes().unwrap() as usize;
+                data += n;
+                payload[data - n..data].to_vec()
+            });
+            out.push((m.req_id, m.status, value));
+        }
+        assert_eq!((at, data), (body_len, payload.len()));
+    }
+    out
+}
+
+#[test]
+fn a_batch_is_answered_entry_by_entry_and_a_malformed_one_closes_its_link() {
+    use kvstore::protocol::{status, Msg, Op};
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let mut s = raw_worker(job.port);
+    let msg = |op: Op, key: u64, id: u64| {
+        let mut m = Msg::new(op);
+        m.key = key;
+        m.dtype = kvstore::DType::F32;
+        m.ndim = 1;
+        m.shape[0] = 4;
+        m.total = 4;
+        m.len = 4;
+        m.req_id = id;
+        m
+    };
+    let floats = |v: [f32; 4]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+    send_msg(
+        &mut s,
+        &msg(Op::Init, 1, 1).encode(),
+        Some(&floats([1.0, 2.0, 3.0, 4.0])),
+    )
+    .unwrap();
+    assert_eq!(read_msg(&mut s).status, status::OK);
+    // A pull, a pull of an unknown key, then a push: answered in order, the pull before the
+    // push, the unknown key with its error and nothing else refused.
+    let entries = [
+        msg(Op::Pull, 1, 2),
+        msg(Op::Pull, 99, 3),
+        msg(Op::Push, 1, 4),
+    ];
+    let push = floats([10.0, 20.0, 30.0, 40.0]);
+    send_msg(&mut s, &batch_body(&entries, 16, 3), Some(&push)).unwrap();
+    let answers = read_answers(&mut s, 3);
+    assert_eq!(
+        answers,
+        vec![
+            (2, status::OK, Some(floats([1.0, 2.0, 3.0, 4.0]))),
+            (3, status::UNKNOWN_KEY, None),
+            (4, status::OK, None),
+        ]
+    );
+    let entries = [msg(Op::Pull, 1, 5), msg(Op::PushPull, 1, 6)];
+    send_msg(&mut s, &batch_body(&entries, 16, 2), Some(&push)).unwrap();
+    let answers = read_answers(&mut s, 2);
+    assert_eq!(answers[0], (5, status::OK, Some(push.clone())));
+    assert_eq!(answers[1].2, Some(push.clone()));
+    // A batch claiming three entries that holds two: the server closes the link.
+    send_msg(&mut s, &batch_body(&entries[..2], 16, 3), Some(&push)).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let r = kvstore_transport::tcp::blocking::read_frame(&mut s, 1 << 20, Some(deadline));
+    assert!(r.is_err(), "the link stayed open");
+    job.kill_all();
+}

@@ -1,0 +1,248 @@
+//! What each backend does beyond the shared suite (conformance.rs): TCP's limits on strangers
+//! and on claimed payloads, shared memory's read-only send pools, RDMA's registrations.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvstore_transport::{Backend, Completion, PeerId, ShmBackend};
+
+// Shared with conformance.rs, which uses all of it; this file, a part.
+#[allow(dead_code)]
+#[path = "conformance/harness.rs"]
+mod harness;
+use harness::*;
+
+/// A peer that connected may send only small frames until its owner trusts it: a larger
+/// header closes its link at once; a trusted peer may send up to the backend's limit.
+#[test]
+fn tcp_a_stranger_sends_small_frames_until_trusted() {
+    use kvstore_transport::Backend;
+    use std::io::Write;
+    let mut b = kvstore_transport::TcpBackend::new(1 << 30).unwrap();
+    b.set_accepted_max_payload(1000);
+    let at = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let mut events = Vec::new();
+    let pump = |b: &mut kvstore_transport::TcpBackend, events: &mut Vec<String>| {
+        b.progress(&mut |c| events.push(format!("{c:?}"))).unwrap();
+    };
+    let connect = |b: &mut kvstore_transport::TcpBackend, events: &mut Vec<String>| {
+        let raw = std::net::TcpStream::connect(at).unwrap();
+        let start = Instant::now();
+        while !events.iter().any(|e| e.starts_with("Connected")) {
+            pump(b, events);
+            assert!(start.elapsed() < Duration::from_secs(5));
+        }
+        let e = events.remove(0);
+        let n: u32 = e
+            .trim_start_matches("Connected(peer ")
+            .trim_end_matches(')')
+            .parse()
+            .unwrap();
+        (raw, PeerId(n))
+    };
+    let (mut stranger, p) = connect(&mut b, &mut events);
+    stranger
+        .write_all(&kvstore_transport::tcp::msg_frame_header(16, Some(2000)))
+        .unwrap();
+    let start = Instant::now();
+    while !events.iter().any(|e| e.starts_with(&format!("Lost({p}"))) {
+        pump(&mut b, &mut events);
+        assert!(start.elapsed() < Duration::from_secs(5), "{events:?}");
+    }
+    events.clear();
+    let (mut trusted, q) = connect(&mut b, &mut events);
+    b.set_max_payload(q, u64::MAX);
+    trusted
+        .write_all(&kvstore_transport::tcp::msg_frame_header(16, Some(2000)))
+        .unwrap();
+    trusted.write_all(&[7u8; 2016]).unwrap();
+    let start = Instant::now();
+    while !events.iter().any(|e| e.starts_with("Recv")) {
+        pump(&mut b, &mut events);
+        assert!(start.elapsed() < Duration::from_secs(5), "{events:?}");
+    }
+    assert!(
+        events.iter().any(|e| e.contains("Some(2000)")),
+        "{events:?}"
+    );
+}
+
+/// This process's resident memory, in bytes (`/proc/self/statm`).
+fn rss() -> usize {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: usize = s.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// A header that claims a payload of nearly 1 GiB and sends a few bytes of it commits no
+/// memory for the rest: the receive buffer grows only as bytes arrive.
+#[test]
+fn tcp_a_claimed_payload_costs_nothing_until_it_arrives() {
+    use std::io::Write;
+    let (mut s, at) = server(Kind::Tcp);
+    let mut raw = std::net::TcpStream::connect(at.parse::<SocketAddr>().unwrap()).unwrap();
+    let start = Instant::now();
+    while !s.log.iter().any(|e| matches!(e, Ev::Connected(_))) {
+        s.pump();
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+    let before = rss();
+    let claim = (1usize << 30) - 64;
+    raw.write_all(&kvstore_transport::tcp::msg_frame_header(
+        16,
+        Some(claim - 16),
+    ))
+    .unwrap();
+    raw.write_all(&[7u8; 100_000]).unwrap();
+    let until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < until {
+        s.pump();
+    }
+    let grew = rss().saturating_sub(before);
+    // Other tests run beside this one: the bound leaves them room, and a claim none.
+    assert!(
+        grew < 256 << 20,
+        "a claim of {claim} bytes took {grew} bytes"
+    );
+    assert!(!s.log.iter().any(|e| matches!(e, Ev::Recv(..))));
+}
+
+/// The perms of this process's mappings of the memfd named `name` (`/proc/self/maps`).
+fn mapping_perms(name: &str) -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let tag = format!("/memfd:{name} ");
+    let mut perms: Vec<String> = maps
+        .lines()
+        .filter(|l| l.contains(&tag))
+        .map(|l| l.split_whitespace().nth(1).unwrap().to_string())
+        .collect();
+    perms.sort();
+    perms
+}
+
+/// Over shared memory a peer maps the other side's send pool (its `kv.alloc` arrays, its data
+/// sent by reference) read-only, and the kernel refuses it more; only the landing pool, where
+/// grants to the peer lie, is mapped writable by both.
+#[test]
+fn shm_peers_map_each_others_send_pool_read_only() {
+    let id = format!(
+        "ro{}x{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let (owner, peer) = (format!("{id}o"), format!("{id}p"));
+    let mut a = ShmBackend::new(&owner, small_shm(true)).unwrap();
+    a.listen(&id).unwrap();
+    let (id2, peer2) = (id.clone(), peer.clone());
+    let t = std::thread::spawn(move || {
+        let mut b = ShmBackend::new(&peer2, small_shm(true)).unwrap();
+        b.connect(&id2, Duration::from_secs(5)).unwrap();
+        b
+    });
+    let mut connected = false;
+    let start = Instant::now();
+    while !connected {
+        a.progress(&mut |c| connected |= matches!(c, Completion::Connected { .. }))
+            .unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10), "no connection");
+    }
+    let b = t.join().unwrap();
+    for side in [&owner, &peer] {
+        assert_eq!(
+            mapping_perms(&format!("{side}-pool")),
+            ["r--s", "rw-s"],
+            "{side}"
+        );
+        assert_eq!(
+            mapping_perms(&format!("{side}-landing")),
+            ["rw-s", "rw-s"],
+            "{side}"
+        );
+    }
+    drop((a, b));
+}
+
+/// Storage over memory the test owns: a new value over the same bytes is what storage freed
+/// and allocated again at the same address looks like.
+#[cfg(feature = "rdma")]
+struct At(*mut u8, usize);
+
+// SAFETY: the bytes belong to a buffer the test keeps alive past every `At` over it, and are
+// reached only by copies.
+#[cfg(feature = "rdma")]
+unsafe impl kvstore_transport::Storage for At {
+    fn ptr(&self) -> *mut u8 {
+        self.0
+    }
+    fn len(&self) -> usize {
+        self.1
+    }
+}
+
+// SAFETY: as above; the pointer is only an address.
+#[cfg(feature = "rdma")]
+unsafe impl Send for At {}
+// SAFETY: as above.
+#[cfg(feature = "rdma")]
+unsafe impl Sync for At {}
+
+/// The verbs backend caches registrations by storage identity: the same storage registered
+/// again costs nothing, and new storage at the address of freed storage is registered anew
+/// (a put from it carries its own bytes, not those the old registration saw).
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_registrations_are_cached_by_storage_not_address() {
+    use kvstore_transport::{RdmaBackend, Sent, Token};
+    let (mut a, to_b, mut b, to_a) = pair(Kind::Rdma);
+    let regs = |s: &Side| {
+        // SAFETY: the box holds an `RdmaBackend` (made by `pair(Kind::Rdma)`).
+        let r: &RdmaBackend =
+            unsafe { &*(s.b.as_ref() as *const dyn Backend as *const RdmaBackend) };
+        r.registrations()
+    };
+    let mut buf = vec![0u8; 4096].into_boxed_slice();
+    let p = buf.as_mut_ptr();
+    for round in 0..4u8 {
+        buf.fill(round + 1);
+        let mem: std::sync::Arc<dyn kvstore_transport::Storage> = std::sync::Arc::new(At(p, 4096));
+        let n = regs(&a);
+        let src = a.b.register(mem.clone()).unwrap();
+        assert_eq!(
+            regs(&a),
+            n + 1,
+            "new storage at an old address is registered anew"
+        );
+        let again = a.b.register(mem).unwrap();
+        assert_eq!(regs(&a), n + 1, "the same storage is registered once");
+        let dst = heap(&mut b, &[0u8; 4096]);
+        let g = grant_to(&mut b, to_a, &dst, 0..4096);
+        // SAFETY: `src` is not written until the put completes.
+        let sent = unsafe {
+            a.b.put(to_b, &again, 0..4096, &g, 0, 7, Token(round as u64))
+        };
+        assert_eq!(sent.unwrap(), Sent::Posted);
+        drive(&mut a, &mut b, |a, b| {
+            a.log.contains(&Ev::Done(round as u64))
+                && b.log.iter().any(|e| matches!(e, Ev::Put(..)))
+        });
+        assert!(read(&dst).iter().all(|&x| x == round + 1), "round {round}");
+        a.take();
+        b.take();
+        drop((src, again));
+    }
+}
+
+/// On a host without RDMA the backend says so, as an error, never a panic.
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_without_a_device_is_a_clean_error() {
+    let devices = kvstore_transport::rdma::devices().unwrap_or_default();
+    match kvstore_transport::RdmaBackend::new(small_rdma()) {
+        Ok(b) => assert!(devices.iter().any(|d| d == b.device())),
+        Err(e) => {
+            assert!(devices.is_empty(), "{e}");
+            assert!(e.to_string().contains("RDMA"), "{e}");
+        }
+    }
+}
