@@ -128,7 +128,7 @@ pub struct Metrics {
     /// Per server, by rank.
     pub servers: Vec<Traffic>,
     /// Per transport (`shm`, `tcp`, `rdma`).
-    pub transports: BTreeMap<String, Traffic>,
+    pub transports: BTreeMap<&'static str, Traffic>,
     /// Per range of key numbers (strings are numbered in the order they were first used).
     pub key_ranges: BTreeMap<(u64, u64), Traffic>,
     /// Copies of tensor bytes this process's transports made: count, bytes.
@@ -144,7 +144,7 @@ impl Metrics {
     pub(crate) fn request(
         &mut self,
         server: usize,
-        transport: &str,
+        transport: &'static str,
         key: u64,
         push: Option<u64>,
         pull: Option<u64>,
@@ -164,19 +164,19 @@ impl Metrics {
             }
         };
         one(&mut self.servers[server]);
-        one(self.transports.entry(transport.to_string()).or_default());
+        one(self.transports.entry(transport).or_default());
         one(self.key_ranges.entry(key_range(key)).or_default());
     }
 
     /// A call ended, after `took`, having sent requests to `servers` over `transports` for
-    /// `keys`.
+    /// keys in `ranges` ([`key_range`]).
     pub(crate) fn call(
         &mut self,
         ok: bool,
         took: std::time::Duration,
         servers: &[usize],
         transports: &[&str],
-        keys: &[u64],
+        ranges: &[(u64, u64)],
     ) {
         self.calls += 1;
         if !ok {
@@ -192,8 +192,8 @@ impl Metrics {
                 t.latency.record(took);
             }
         }
-        for &k in keys {
-            if let Some(t) = self.key_ranges.get_mut(&key_range(k)) {
+        for r in ranges {
+            if let Some(t) = self.key_ranges.get_mut(r) {
                 t.latency.record(took);
             }
         }
@@ -360,7 +360,7 @@ mod tests {
             std::time::Duration::from_micros(30),
             &[0, 1],
             &["shm", "tcp"],
-            &[5, 900],
+            &[key_range(5), key_range(900)],
         );
         let t = m.total();
         assert_eq!((t.requests, t.pushes, t.pulls), (2, 2, 1));

@@ -155,6 +155,26 @@ pub(crate) fn send(r: &Report) {
     }
 }
 
+/// Sends a process's metrics at its end: `json`, and `prometheus(labels)`, its text format
+/// with the process's labels.
+pub(crate) fn send_metrics(
+    role: &str,
+    rank: usize,
+    json: String,
+    prometheus: impl FnOnce(&str) -> String,
+) {
+    if !listening() {
+        return;
+    }
+    let labels = format!("role=\"{role}\",rank=\"{rank}\"");
+    send(&Report::Metrics {
+        role: role.into(),
+        rank,
+        json,
+        prometheus: prometheus(&labels).trim_end().replace('\n', ";"),
+    });
+}
+
 /// Whether the launcher listens.
 pub(crate) fn listening() -> bool {
     LINK.get()

@@ -177,12 +177,8 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             let deadline = *stop_by.get_or_insert_with(|| Instant::now() + Duration::from_secs(2));
             if !workers.pending() || Instant::now() >= deadline {
                 let m = state.metrics();
-                let labels = format!("role=\"server\",rank=\"{}\"", roster.rank);
-                crate::report::send(&crate::report::Report::Metrics {
-                    role: "server".into(),
-                    rank: roster.rank,
-                    json: m.to_json(),
-                    prometheus: m.to_prometheus(&labels).trim_end().replace('\n', ";"),
+                crate::report::send_metrics("server", roster.rank, m.to_json(), |l| {
+                    m.to_prometheus(l)
                 });
                 return outcome.unwrap_or(Ok(()));
             }

@@ -447,13 +447,7 @@ impl Drop for DistWorker {
         // Tell the servers this is a clean exit, then the scheduler that this worker is done.
         self.net.quiesce();
         let m = self.metrics();
-        let labels = format!("role=\"worker\",rank=\"{}\"", self.rank);
-        crate::report::send(&crate::report::Report::Metrics {
-            role: "worker".into(),
-            rank: self.rank,
-            json: m.to_json(),
-            prometheus: m.to_prometheus(&labels).trim_end().replace('\n', ";"),
-        });
+        crate::report::send_metrics("worker", self.rank, m.to_json(), |l| m.to_prometheus(l));
         self.net.notify(Op::Bye);
         let fin = Msg::new(Op::Finish);
         let _g = self.beat.write_lock();

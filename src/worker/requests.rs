@@ -97,12 +97,16 @@ fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
     }
 }
 
-/// Where a call's requests went and when it started, for its metrics.
+/// Where a call's requests went, what they moved and when it started, for its metrics and
+/// the launcher's progress reports.
 pub(crate) struct Note {
     start: std::time::Instant,
     servers: Vec<usize>,
     transports: Vec<&'static str>,
-    keys: Vec<u64>,
+    /// The ranges of key numbers (at most 65, whatever the number of keys).
+    ranges: Vec<(u64, u64)>,
+    /// Bytes of values sent and answered.
+    bytes: u64,
 }
 
 impl DistWorker {
@@ -112,7 +116,8 @@ impl DistWorker {
             start: std::time::Instant::now(),
             servers: Vec::new(),
             transports: Vec::new(),
-            keys: Vec::new(),
+            ranges: Vec::new(),
+            bytes: 0,
         };
         for r in reqs {
             let medium = self
@@ -122,16 +127,11 @@ impl DistWorker {
                 .map_or("-", |a| a.medium.name());
             // Pushes and pulls of values (an init, a saved state, are neither).
             let op = r.msg.op;
-            let push = r
-                .data
-                .as_ref()
-                .filter(|_| matches!(op, Op::Push | Op::PushPull))
-                .map(|(_, b)| b.len() as u64);
-            let pull = r
-                .dest
-                .as_ref()
-                .filter(|_| matches!(op, Op::Pull | Op::PushPull))
-                .map(|(_, b)| b.len() as u64);
+            let sent = r.data.as_ref().map(|(_, b)| b.len() as u64);
+            let answered = r.dest.as_ref().map(|(_, b)| b.len() as u64);
+            n.bytes += sent.unwrap_or(0) + answered.unwrap_or(0);
+            let push = sent.filter(|_| matches!(op, Op::Push | Op::PushPull));
+            let pull = answered.filter(|_| matches!(op, Op::Pull | Op::PushPull));
             self.metrics
                 .request(r.server, medium, r.msg.key, push, pull);
             if !n.servers.contains(&r.server) {
@@ -140,8 +140,9 @@ impl DistWorker {
             if !n.transports.contains(&medium) {
                 n.transports.push(medium);
             }
-            if !n.keys.contains(&r.msg.key) {
-                n.keys.push(r.msg.key);
+            let range = crate::metrics::key_range(r.msg.key);
+            if !n.ranges.contains(&range) {
+                n.ranges.push(range);
             }
         }
         n
@@ -150,19 +151,9 @@ impl DistWorker {
     /// A noted call ended.
     fn noted_end(&mut self, n: Note, ok: bool) {
         self.metrics
-            .call(ok, n.start.elapsed(), &n.servers, &n.transports, &n.keys);
+            .call(ok, n.start.elapsed(), &n.servers, &n.transports, &n.ranges);
+        crate::report::count_call(n.bytes);
     }
-}
-
-/// The bytes of values a call's requests push and pull.
-fn moved_bytes(reqs: &[Request]) -> u64 {
-    reqs.iter()
-        .map(|r| {
-            let pushed = r.data.as_ref().map_or(0, |(_, b)| b.len());
-            let pulled = r.dest.as_ref().map_or(0, |(_, b)| b.len());
-            (pushed + pulled) as u64
-        })
-        .sum()
 }
 
 /// After a key's first output was filled, copies it into the key's other outputs.
@@ -320,7 +311,6 @@ impl DistWorker {
         let mut owned: Vec<NDArray> = outs.iter_mut().map(|o| take_array(o)).collect();
         let staged = self.stage(&mut owned);
         let n = reqs.len();
-        let moved = moved_bytes(&reqs);
         let id = self.net.start(reqs, owned, self.priority);
         tracing::debug!("call {}: {n} requests", id.0);
         let Finished {
@@ -332,7 +322,6 @@ impl DistWorker {
             id.0,
             if result.is_ok() { "done" } else { "failed" }
         );
-        crate::report::count_call(moved);
         self.noted_end(note, result.is_ok());
         unstage(&mut outputs, staged, result.is_ok());
         for (o, a) in outs.iter_mut().zip(outputs) {
@@ -464,7 +453,6 @@ impl DistWorker {
             true
         });
         let lent = self.stage(&mut outputs);
-        crate::report::count_call(moved_bytes(&reqs));
         let note = self.note(&reqs);
         let id = self.net.start(reqs, outputs, self.priority);
         self.noted.insert(id, note);
