@@ -215,6 +215,11 @@ impl Workers {
                     }
                     self.taken[r] = true;
                     w.rank = Some(r);
+                    // With no link left waiting for its hello, the loop stops reading the
+                    // clock for them on every turn.
+                    if self.peers.values().all(|w| w.rank.is_some()) {
+                        self.hello_due = None;
+                    }
                     tracing::debug!("worker {r} connected over {}", addr.medium.name());
                     // A proven worker may send what the job's limit allows.
                     self.trusted.push(addr);
@@ -430,7 +435,9 @@ impl Workers {
             self.slots.give_back(id);
         }
         self.fence(net);
-        for mut out in std::mem::take(&mut state.outbox) {
+        // Drained in place, so that the outbox keeps its memory from turn to turn.
+        let mut outbox = std::mem::take(&mut state.outbox);
+        for mut out in outbox.drain(..) {
             let batched = self.batched.remove(&(out.to, out.msg.req_id));
             let grant = self.grants.remove(&(out.to, out.msg.req_id));
             let slot = self.credit(net, &mut out);
@@ -444,6 +451,7 @@ impl Workers {
                 });
             }
         }
+        state.outbox = outbox;
         let mut broken = Vec::new();
         for (addr, w) in self.peers.iter_mut() {
             let Ok(b) = net.backend(addr.medium) else {

@@ -178,8 +178,8 @@ impl ServerState {
     }
 
     /// Receive slots kept earlier whose data is consumed (summed, or its round failed): free.
-    pub fn take_released(&mut self) -> Vec<usize> {
-        std::mem::take(&mut self.released)
+    pub fn take_released(&mut self) -> std::vec::Drain<'_, usize> {
+        self.released.drain(..)
     }
 
     /// What this server counted: rounds, pushes, pulls, bytes, and pushes that waited for

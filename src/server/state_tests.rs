@@ -287,7 +287,7 @@ fn a_rounds_first_push_stays_in_its_slot_until_the_next_is_summed_with_it() {
             Input::Peer(&lent(&a), Some(7)),
         );
         assert_eq!(s.take_kept(), Some(7), "the first push is kept in its slot");
-        assert!(s.take_released().is_empty());
+        assert!(s.take_released().collect::<Vec<_>>().is_empty());
         s.handle(
             1,
             1,
@@ -295,7 +295,11 @@ fn a_rounds_first_push_stays_in_its_slot_until_the_next_is_summed_with_it() {
             Input::Peer(&lent(&b), Some(8)),
         );
         assert_eq!(s.take_kept(), None, "a later push is read in full");
-        assert_eq!(s.take_released(), vec![7], "the first is summed and let go");
+        assert_eq!(
+            s.take_released().collect::<Vec<_>>(),
+            vec![7],
+            "the first is summed and let go"
+        );
         s.handle(
             2,
             2,
@@ -320,7 +324,7 @@ fn a_kept_first_push_is_let_go_when_its_round_fails() {
     );
     assert_eq!(s.take_kept(), Some(3));
     s.worker_gone(1, "disconnected");
-    assert_eq!(s.take_released(), vec![3]);
+    assert_eq!(s.take_released().collect::<Vec<_>>(), vec![3]);
     s.handle(
         0,
         0,
@@ -329,7 +333,7 @@ fn a_kept_first_push_is_let_go_when_its_round_fails() {
     );
     s.fail("stopping");
     assert_eq!(
-        s.take_released(),
+        s.take_released().collect::<Vec<_>>(),
         Vec::<usize>::new(),
         "worker 1 is gone: nothing kept"
     );
@@ -358,5 +362,5 @@ fn a_kept_first_push_is_let_go_when_its_round_fails() {
     );
     assert_eq!(two.take_kept(), Some(6));
     two.fail("stopping");
-    assert_eq!(two.take_released(), vec![6]);
+    assert_eq!(two.take_released().collect::<Vec<_>>(), vec![6]);
 }

@@ -90,12 +90,8 @@ pub(crate) struct Finished {
 struct Call<G> {
     reqs: Vec<Request>,
     outputs: Vec<NDArray>,
-    /// Per request: the grant of its destination once it was posted, and whether it was
-    /// answered.
-    grants: Vec<Option<G>>,
-    answered: Vec<bool>,
-    /// Per request: its data was put into a slot.
-    put: Vec<bool>,
+    /// Per request: its progress (one allocation for all of them).
+    per: Vec<PerReq<G>>,
     /// Requests not answered yet.
     remaining: usize,
     /// Data sends of this call not yet complete.
@@ -104,6 +100,14 @@ struct Call<G> {
     first_err: Option<KvError>,
     /// MXNet's priority: a larger one is posted first among queued requests.
     priority: i32,
+}
+
+/// One request's progress: the grant of its destination once it was posted, whether it was
+/// answered, and whether its data was put into a slot.
+struct PerReq<G> {
+    grant: Option<G>,
+    answered: bool,
+    put: bool,
 }
 
 /// The calls of one worker.
@@ -213,9 +217,13 @@ impl<G: Clone> Calls<G> {
         let call = Call {
             reqs,
             outputs,
-            grants: vec![None; n],
-            answered: vec![false; n],
-            put: vec![false; n],
+            per: (0..n)
+                .map(|_| PerReq {
+                    grant: None,
+                    answered: false,
+                    put: false,
+                })
+                .collect(),
             remaining: n,
             sending: 0,
             deadline: now + self.timeout,
@@ -263,7 +271,7 @@ impl<G: Clone> Calls<G> {
         let Some(r) = c.reqs.get(req) else {
             return SlotUse::None;
         };
-        if c.put[req] {
+        if c.per[req].put {
             return SlotUse::Posted;
         }
         if r.data.is_none() || !matches!(r.msg.op, Op::Push | Op::PushPull) {
@@ -283,7 +291,7 @@ impl<G: Clone> Calls<G> {
         };
         let r = &c.reqs[req];
         self.slots.remove(&(r.server, r.msg.key, r.msg.start));
-        c.put[req] = true;
+        c.per[req].put = true;
         if let Some((v, _)) = &r.data {
             c.sending += 1;
             self.sends.insert(token, (call, v.clone()));
@@ -296,8 +304,8 @@ impl<G: Clone> Calls<G> {
         let Some(c) = self.live.get_mut(&call) else {
             return;
         };
-        c.grants[req] = grant;
-        if let (Some((v, _)), false) = (&c.reqs[req].data, c.put[req]) {
+        c.per[req].grant = grant;
+        if let (Some((v, _)), false) = (&c.reqs[req].data, c.per[req].put) {
             c.sending += 1;
             self.sends.insert(token, (call, v.clone()));
         }
@@ -357,7 +365,7 @@ impl<G: Clone> Calls<G> {
     fn unanswered(&self, server: usize, req_id: u64) -> Option<(CallId, usize)> {
         let &(id, i) = self.by_req.get(&req_id)?;
         let c = self.live.get(&id)?;
-        (!c.answered[i] && c.reqs[i].server == server).then_some((id, i))
+        (!c.per[i].answered && c.reqs[i].server == server).then_some((id, i))
     }
 
     /// Request `req_id`, sent to `server`, is answered with `status`.
@@ -380,7 +388,7 @@ impl<G: Clone> Calls<G> {
         let Some(c) = self.live.get_mut(&id) else {
             return;
         };
-        c.answered[i] = true;
+        c.per[i].answered = true;
         c.remaining -= 1;
         self.by_req.remove(&c.reqs[i].msg.req_id);
         let r = &c.reqs[i].msg;
@@ -419,7 +427,7 @@ impl<G: Clone> Calls<G> {
         };
         let whole = c.reqs[i].dest.as_ref().map(|(_, r)| r.len());
         let fits = c.reqs[i].server == server
-            && c.grants[i].as_ref().is_some_and(is_grant)
+            && c.per[i].grant.as_ref().is_some_and(is_grant)
             && offset == 0
             && whole == Some(len);
         if !fits {
@@ -506,8 +514,8 @@ impl<G: Clone> Calls<G> {
     pub(crate) fn live_grants(&self) -> Vec<G> {
         let mut v = Vec::new();
         for c in self.live.values() {
-            for (i, g) in c.grants.iter().enumerate() {
-                if let (Some(g), false) = (g, c.answered[i]) {
+            for p in &c.per {
+                if let (Some(g), false) = (&p.grant, p.answered) {
                     v.push(g.clone());
                 }
             }
@@ -542,9 +550,9 @@ impl<G: Clone> Calls<G> {
     /// Ends a call: releases its grants (revoking the unanswered ones, whose outputs get fresh
     /// storage) and keeps its result.
     fn end(&mut self, id: CallId, mut c: Call<G>, result: Result<()>) {
-        for (i, g) in c.grants.iter_mut().enumerate() {
-            let answered = c.answered[i];
-            let Some(grant) = g.take() else {
+        for (i, p) in c.per.iter_mut().enumerate() {
+            let answered = p.answered;
+            let Some(grant) = p.grant.take() else {
                 continue;
             };
             if !answered {

@@ -60,6 +60,8 @@ pub struct DistWorker {
     pub(crate) metrics: crate::metrics::Metrics,
     /// Calls in flight that a [`Ticket`] will claim: when and where they went.
     pub(crate) noted: FxHashMap<calls::CallId, requests::Note>,
+    /// Notes of ended calls, kept for their lists' memory.
+    pub(crate) spare_notes: Vec<requests::Note>,
     /// Outputs lent by the caller ([`NDArray::from_raw_parts`]) that calls in flight pull into
     /// the store's memory instead, by call: RDMA writes cannot be stopped by this process, and
     /// such memory goes back to its owner even after a failed call.
@@ -215,6 +217,7 @@ impl DistWorker {
             priority: 0,
             metrics: crate::metrics::Metrics::default(),
             noted: FxHashMap::default(),
+            spare_notes: Vec::new(),
             staged: FxHashMap::default(),
             claims: Vec::new(),
             aborted: None,

@@ -99,8 +99,9 @@ fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
 
 /// Where a call's requests went, what they moved and when it started, for its metrics and
 /// the launcher's progress reports.
+#[derive(Default)]
 pub(crate) struct Note {
-    start: std::time::Instant,
+    start: Option<std::time::Instant>,
     servers: Vec<usize>,
     transports: Vec<&'static str>,
     /// The ranges of key numbers (at most 65, whatever the number of keys).
@@ -112,13 +113,13 @@ pub(crate) struct Note {
 impl DistWorker {
     /// Counts a call's requests, and notes it for [`DistWorker::noted_end`].
     fn note(&mut self, reqs: &[Request]) -> Note {
-        let mut n = Note {
-            start: std::time::Instant::now(),
-            servers: Vec::new(),
-            transports: Vec::new(),
-            ranges: Vec::new(),
-            bytes: 0,
-        };
+        // The lists of an ended call's note are reused: no allocation per call.
+        let mut n = self.spare_notes.pop().unwrap_or_default();
+        n.start = Some(std::time::Instant::now());
+        n.servers.clear();
+        n.transports.clear();
+        n.ranges.clear();
+        n.bytes = 0;
         for r in reqs {
             let medium = self
                 .net
@@ -150,14 +151,28 @@ impl DistWorker {
 
     /// A noted call ended.
     fn noted_end(&mut self, n: Note, ok: bool) {
-        self.metrics
-            .call(ok, n.start.elapsed(), &n.servers, &n.transports, &n.ranges);
+        self.metrics.call(
+            ok,
+            n.start.map(|t| t.elapsed()).unwrap_or_default(),
+            &n.servers,
+            &n.transports,
+            &n.ranges,
+        );
         crate::report::count_call(n.bytes);
+        if self.spare_notes.len() < 64 {
+            self.spare_notes.push(n);
+        }
     }
 }
 
 /// After a key's first output was filled, copies it into the key's other outputs.
 fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
+    // One key with one output (the common call) has nothing to copy.
+    if let [(_, list)] = pairs {
+        if list.len() <= 1 {
+            return;
+        }
+    }
     let mut filled: FxHashMap<Key, NDArray> = FxHashMap::default();
     for (k, list) in pairs.iter_mut() {
         let Some((first, rest)) = list.split_first_mut() else {

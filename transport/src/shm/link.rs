@@ -266,10 +266,8 @@ pub(super) fn pages_of(
 }
 
 /// Tries a cross-memory write of 8 bytes into the peer's canary.
-pub(super) fn try_canary(p: &PeerProcess, addr: u64) -> bool {
-    let v = *b"kvstoreC";
-    // SAFETY: `v` is 8 bytes of this frame, valid for the call.
-    unsafe { p.write(addr, v.as_ptr(), v.len()) }.is_ok()
+pub(super) fn try_canary(p: &mut PeerProcess, addr: u64) -> bool {
+    p.probe(addr)
 }
 
 /// The parts of a link both sides end up with.
@@ -317,7 +315,7 @@ pub(super) fn recv_hello(
 /// The acceptor's side, once the hello arrived: attach, reply, test the canary.
 pub(super) fn accept_parts(
     sock: UnixStream,
-    proc: PeerProcess,
+    mut proc: PeerProcess,
     hello: Hello,
     mut fds: Vec<OwnedFd>,
     my_pools: [&Segment; 2],
@@ -332,7 +330,7 @@ pub(super) fn accept_parts(
     chan.set_tx_doorbell(their_bell);
     let (their_seg, their_pool) = attach_pool(pool_fd, false)?;
     let (their_landing_seg, their_landing) = attach_pool(landing_fd, true)?;
-    let i_write_peer = cross_memory && try_canary(&proc, hello.canary);
+    let i_write_peer = cross_memory && try_canary(&mut proc, hello.canary);
     let bell = eventfd()?;
     send_hello(
         &sock,

@@ -7,9 +7,11 @@
 //! receiver's release is the sender's completion. Data from any other memory is copied once
 //! into send-pool pages (its token completes at once). A put is a copy straight into the
 //! granted range: landing pages of the grantor ([`Access::Land`]), or any other memory of it
-//! by a cross-memory write (`process_vm_writev`, to the process the kernel named for the
-//! socket, checked by pidfd before each write). Where the host forbids those, or the range is
-//! small, such memory is granted through landing pages and copied into place on arrival.
+//! by a cross-memory write to the process the kernel named for the socket: small writes
+//! through its `/proc/<pid>/mem`, opened while its pidfd showed it alive (one system call,
+//! bound to that process), large ones by `process_vm_writev` after a pidfd check. Where the
+//! host forbids those, such memory is granted through landing pages and copied into place on
+//! arrival.
 //!
 //! A grant cannot be fenced locally (the peer writes it directly), so a revoke asks the peer and
 //! completes on its answer, or when its process has exited. Memory a peer may still write is
@@ -44,9 +46,6 @@ use link::*;
 
 const KIND_SEG: u32 = 2;
 const KIND_CMA: u32 = 3;
-/// Grants of memory that peers cannot write themselves, up to this size, go through landing
-/// pages even where cross-memory writes work.
-const BOUNCE_BELOW: usize = 32 * 1024;
 /// The largest message body.
 pub const MAX_BODY: usize = 64 * 1024;
 const LISTENER: mio::Token = mio::Token(usize::MAX);
@@ -237,7 +236,7 @@ impl ShmBackend {
                 Err(e) => return Err(e.into()),
             }
         };
-        let proc = PeerProcess::of(&sock)?;
+        let mut proc = PeerProcess::of(&sock)?;
         sock.set_read_timeout(Some(
             deadline
                 .saturating_duration_since(Instant::now())
@@ -278,7 +277,7 @@ impl ShmBackend {
         let (their_seg, their_pool) = attach_pool(take_fd(&mut fds, "pool")?, false)?;
         let mut chan = chan;
         chan.set_tx_doorbell(their_bell);
-        let i_write_peer = self.cfg.cross_memory && try_canary(&proc, reply.canary);
+        let i_write_peer = self.cfg.cross_memory && try_canary(&mut proc, reply.canary);
         let parts = Parts {
             chan,
             sock,

@@ -214,16 +214,13 @@ impl Backend for ShmBackend {
         let id = self.next_grant;
         let len = range.len();
         let cma_addr = r.mem.ptr() as u64 + range.start as u64;
-        // A small range goes through landing pages even where cross-memory writes work: the
-        // second copy costs less than the writer's two system calls (measured: README).
-        let small = (1..=BOUNCE_BELOW).contains(&len);
         let cma = cma && r.mem.peer_may_write();
         // Only landing pages are written by the peer itself; send-pool pages (mapped read-only
         // by peers) and private memory are written by the kernel on its behalf, or through
         // landing pages copied into place here.
         let (kind, addr, bounce) = match r.place {
             Place::Landing(off) => (KIND_SEG, (off + range.start) as u64, None),
-            Place::Local | Place::Pool(_) if cma && !small => (KIND_CMA, cma_addr, None),
+            Place::Local | Place::Pool(_) if cma => (KIND_CMA, cma_addr, None),
             Place::Local | Place::Pool(_) => match self.alloc_pages(len, false, Access::Land) {
                 Ok(b) => {
                     let Place::Landing(off) = b.place else {

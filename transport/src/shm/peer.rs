@@ -12,7 +12,16 @@ use crate::TransportError;
 pub struct PeerProcess {
     pid: i32,
     pidfd: OwnedFd,
+    /// Its `/proc/<pid>/mem`, opened while the pidfd showed it alive: the file is bound to
+    /// that process's memory, never to a later holder of the pid, so a write through it needs
+    /// no liveness check (it fails once the process is gone). `None` where it cannot be opened.
+    mem: Option<std::fs::File>,
 }
+
+/// Writes up to this size go through `/proc/<pid>/mem` (one system call); larger ones through
+/// `process_vm_writev` (one copy, where the file's copies through a kernel page cost more than
+/// the liveness check before it).
+const MEM_FILE_UP_TO: usize = 64 * 1024;
 
 impl PeerProcess {
     /// The process at the other end of `sock`.
@@ -26,10 +35,23 @@ impl PeerProcess {
         }
         let pidfd = rustix::process::pidfd_open(cred.pid, rustix::process::PidfdFlags::empty())
             .map_err(std::io::Error::from)?;
-        Ok(PeerProcess {
-            pid: cred.pid.as_raw_nonzero().get(),
+        let pid = cred.pid.as_raw_nonzero().get();
+        let mut p = PeerProcess {
+            pid,
             pidfd,
-        })
+            mem: None,
+        };
+        // Opened after the pidfd and kept only if the process was still alive afterwards: then
+        // the pid had not been reused in between, and the file is that process's memory.
+        let mem = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/{pid}/mem"));
+        if let Ok(f) = mem {
+            if !p.exited() {
+                p.mem = Some(f);
+            }
+        }
+        Ok(p)
     }
 
     /// Its pid.
@@ -49,11 +71,37 @@ impl PeerProcess {
     }
 
     /// Writes `len` bytes from `src` at `addr` in this process, if it is still the process the
-    /// socket named (`process_vm_writev`: one copy, by the kernel, which checks the address).
+    /// socket named: through its memory file when small, else by `process_vm_writev` (one
+    /// copy, by the kernel, which checks the address) after a liveness check.
     ///
     /// # Safety
     /// `src` is valid for reads of `len` bytes for the call.
     pub unsafe fn write(&self, addr: u64, src: *const u8, len: usize) -> std::io::Result<()> {
+        match &self.mem {
+            // SAFETY: the caller's promise.
+            Some(f) if len <= MEM_FILE_UP_TO => unsafe { write_file(f, addr, src, len) },
+            // SAFETY: the caller's promise.
+            _ => unsafe { self.write_vm(addr, src, len) },
+        }
+    }
+
+    /// Whether both ways of writing reach `addr` (8 bytes the peer set aside to be written).
+    /// A memory file that does not is dropped; `false` if `process_vm_writev` does not.
+    pub fn probe(&mut self, addr: u64) -> bool {
+        let v = *b"kvstoreC";
+        if let Some(f) = &self.mem {
+            // SAFETY: `v` is 8 bytes of this frame, valid for the call.
+            if unsafe { write_file(f, addr, v.as_ptr(), v.len()) }.is_err() {
+                self.mem = None;
+            }
+        }
+        // SAFETY: as above.
+        unsafe { self.write_vm(addr, v.as_ptr(), v.len()) }.is_ok()
+    }
+
+    /// # Safety
+    /// As `write`.
+    unsafe fn write_vm(&self, addr: u64, src: *const u8, len: usize) -> std::io::Result<()> {
         if self.exited() {
             return Err(std::io::Error::other("the peer process has exited"));
         }
@@ -82,4 +130,19 @@ impl PeerProcess {
         }
         Ok(())
     }
+}
+
+/// Writes through a process's memory file (it fails once the process is gone).
+///
+/// # Safety
+/// `src` is valid for reads of `len` bytes for the call.
+unsafe fn write_file(
+    f: &std::fs::File,
+    addr: u64,
+    src: *const u8,
+    len: usize,
+) -> std::io::Result<()> {
+    // SAFETY: the caller's promise.
+    let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+    std::os::unix::fs::FileExt::write_all_at(f, bytes, addr)
 }
