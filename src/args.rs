@@ -275,6 +275,10 @@ pub(crate) fn group_values<'a>(
         Values::List(vs) => pair(keys, Form::List(vs))?,
         Values::Nested(vss) => pair(keys, Form::Nested(vss))?,
     };
+    if pairs.len() == 1 {
+        // One key: nothing to group.
+        return Ok(pairs);
+    }
     let mut grouped: Vec<(Key, Vec<&'a NDArray>)> = Vec::with_capacity(pairs.len());
     // A scan for a few keys; a map (no quadratic scan) for many.
     let mut at: rustc_hash::FxHashMap<Key, usize> = Default::default();
