@@ -266,6 +266,20 @@ fn pair<T>(keys: Keys, form: Form<T>) -> Result<Vec<(Key, Vec<T>)>> {
 }
 
 /// Keys paired with their values; a key given twice has its lists joined (MXNet sums them).
+/// A key's list of values is on CPUs only or on GPUs only: a mixed list is an error, as no
+/// one place is where it would be summed.
+fn same_kind_of_device(k: &Key, vs: &[&NDArray]) -> Result<()> {
+    let gpus = vs.iter().filter(|v| !v.device().is_cpu()).count();
+    if gpus == 0 || gpus == vs.len() {
+        return Ok(());
+    }
+    let on: Vec<String> = vs.iter().map(|v| v.device().to_string()).collect();
+    Err(KvError::Device(format!(
+        "key {k}: a list of values on CPUs and GPUs together ({}); put them on one kind",
+        on.join(", ")
+    )))
+}
+
 pub(crate) fn group_values<'a>(
     keys: Keys,
     values: Values<'a>,
@@ -275,6 +289,9 @@ pub(crate) fn group_values<'a>(
         Values::List(vs) => pair(keys, Form::List(vs))?,
         Values::Nested(vss) => pair(keys, Form::Nested(vss))?,
     };
+    for (k, vs) in &pairs {
+        same_kind_of_device(k, vs)?;
+    }
     if pairs.len() == 1 {
         // One key: nothing to group.
         return Ok(pairs);

@@ -100,6 +100,10 @@ pub enum KvError {
         /// Why.
         reason: String,
     },
+    /// A device that this process does not have (a `gpu(i)` past the GPUs there are, or any
+    /// GPU in a build without the `cuda` feature), or a CUDA call that failed.
+    #[error("device: {0}")]
+    Device(String),
     /// The job's configuration (environment) is missing or invalid.
     #[error("configuration: {0}")]
     Config(String),

@@ -6,7 +6,7 @@
 //! let mut kv = create("local").unwrap();
 //! kv.init(3, &(NDArray::ones(&shape) * 2.0)).unwrap();
 //! // A list of values for one key is summed, then assigned.
-//! let b: Vec<NDArray> = (0..4).map(|i| NDArray::ones(&shape).on(cpu(i))).collect();
+//! let b: Vec<NDArray> = (0..4).map(|i| NDArray::ones(&shape).on(cpu(i)).unwrap()).collect();
 //! kv.push(3, &b).unwrap();
 //! let mut a = NDArray::zeros(&shape);
 //! kv.pull(3, &mut a).unwrap();
@@ -33,6 +33,7 @@ mod config;
 mod dtype;
 mod error;
 mod format;
+mod gpu;
 /// The fuzzers' entry points (feature `internals`): not an API.
 #[cfg(feature = "internals")]
 #[doc(hidden)]
@@ -68,6 +69,7 @@ pub use args::{Key, Keys, Outputs, Values};
 pub use config::{Config, RdmaSettings, Role, TransportChoice};
 pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};
+pub use gpu::{gpu_count, CUDA_BUILT};
 pub use logging::{init_logging, DEFAULT_FILTER};
 
 /// Whether this build has the RDMA transport (the `rdma` feature).

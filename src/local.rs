@@ -25,11 +25,29 @@ pub(crate) fn check_like(key: &Key, stored: &NDArray, v: &NDArray) -> Result<()>
     Ok(())
 }
 
-/// `dst = sum(values)`; all have `dst`'s shape and dtype (checked by the caller).
-pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) {
+/// `dst = sum(values)`; all have `dst`'s shape and dtype (checked by the caller). On a GPU
+/// where `dst` and every value are GPU arrays of a dtype it sums, else on the host.
+pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if crate::gpu::sum_on_gpu(dst, values)? {
+        return Ok(());
+    }
     let dtype = dst.dtype();
     let srcs: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
     with_dtype!(dtype, T => ops::sum_bytes_into::<T>(dst.as_bytes_mut(), &srcs));
+    Ok(())
+}
+
+/// `dst = src`: device to device where both are GPU arrays, else through host views.
+fn copy_value(dst: &mut NDArray, src: &NDArray) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let (Some(s), true) = (src.device_buf(), dst.device_buf().is_some()) {
+        if let Some(d) = dst.device_buf_mut() {
+            return d.copy_from(s);
+        }
+    }
+    dst.as_bytes_mut().copy_from_slice(src.as_bytes());
+    Ok(())
 }
 
 /// Checks that an updater left the stored value's shape and dtype as they were.
@@ -58,16 +76,20 @@ pub(crate) struct LocalStore {
     /// Per-key buffers where a list of pushed values is summed before the updater runs.
     merge: FxHashMap<Key, NDArray>,
     updater: Option<Updater>,
+    /// `device` (values stay, and are summed, on the device they were initialised from) or
+    /// `local` (values live in host memory).
+    on_devices: bool,
     /// The built-in optimizer the updater runs, if it is one (its state can be saved).
     optimizer: Option<std::sync::Arc<std::sync::Mutex<crate::OptimizerUpdater>>>,
 }
 
 impl LocalStore {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(on_devices: bool) -> Self {
         LocalStore {
             store: FxHashMap::default(),
             merge: FxHashMap::default(),
             updater: None,
+            on_devices,
             optimizer: None,
         }
     }
@@ -119,8 +141,12 @@ impl LocalStore {
         }
         for (k, vs) in pairs {
             // A fresh copy: the store never aliases the caller's array.
-            let mut v = NDArray::zeros_dtype(vs[0].shape(), vs[0].dtype()).on(vs[0].device());
-            v.as_bytes_mut().copy_from_slice(vs[0].as_bytes());
+            let device = if self.on_devices {
+                vs[0].device()
+            } else {
+                crate::Device::default()
+            };
+            let v = vs[0].copy_to(device)?;
             self.store.insert(k.clone(), v);
         }
         Ok(())
@@ -145,17 +171,20 @@ impl LocalStore {
                 return Err(KvError::UnknownKey(k.clone()));
             };
             match &mut self.updater {
-                None => sum_into(stored, vs),
+                None => sum_into(stored, vs)?,
                 Some(up) => {
                     let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
                     if vs.len() == 1 {
                         up(k, vs[0], stored)?;
                     } else {
-                        let merged = self
-                            .merge
-                            .entry(k.clone())
-                            .or_insert_with(|| NDArray::zeros_dtype(&shape, dtype));
-                        sum_into(merged, vs);
+                        if !self.merge.contains_key(k) {
+                            let m = NDArray::zeros_dtype(&shape, dtype).on(stored.device())?;
+                            self.merge.insert(k.clone(), m);
+                        }
+                        let Some(merged) = self.merge.get_mut(k) else {
+                            return Err(KvError::UnknownKey(k.clone()));
+                        };
+                        sum_into(merged, vs)?;
                         up(k, merged, stored)?;
                     }
                     check_updater_kept_shape(k, stored, &shape, dtype)?;
@@ -175,7 +204,7 @@ impl LocalStore {
         for (k, outs) in pairs.iter_mut() {
             let stored = self.stored(k)?;
             for o in outs.iter_mut() {
-                o.as_bytes_mut().copy_from_slice(stored.as_bytes());
+                copy_value(o, stored)?;
             }
         }
         Ok(())

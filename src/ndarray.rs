@@ -166,10 +166,61 @@ impl NDArray {
         Ok(a)
     }
 
-    /// The same array, said to live on `device` (MXNet's `ctx=`).
-    pub fn on(mut self, device: Device) -> NDArray {
+    /// The array on `device` (MXNet's `ctx=` and `as_in_context`): copied to a GPU's memory,
+    /// or back to the host; between CPUs, the same memory under the other name. A GPU that
+    /// this process does not have (any GPU without the `cuda` feature) is
+    /// [`KvError::Device`].
+    pub fn on(mut self, device: Device) -> Result<NDArray> {
+        crate::gpu::check(device)?;
+        self.buf = match (device, &*self.buf) {
+            #[cfg(feature = "cuda")]
+            (Device::Gpu(i), Storage::Device(d)) if d.ordinal() == i => self.buf,
+            #[cfg(feature = "cuda")]
+            (Device::Gpu(i), Storage::Device(d)) => Arc::new(Storage::Device(d.copy_to(i)?)),
+            #[cfg(feature = "cuda")]
+            (Device::Gpu(i), _) => Arc::new(Storage::Device(
+                crate::gpu::device::DeviceBuf::from_host(i, self.as_bytes())?,
+            )),
+            #[cfg(not(feature = "cuda"))]
+            (Device::Gpu(_), _) => unreachable!("no GPU passes the check without cuda"),
+            #[cfg(feature = "cuda")]
+            (Device::Cpu(_), Storage::Device(d)) => {
+                let mut b = AlignedBuf::zeroed(d.len());
+                b.bytes_mut().copy_from_slice(d.host()?);
+                Arc::new(Storage::Heap(b))
+            }
+            (Device::Cpu(_), _) => self.buf,
+        };
         self.device = device;
-        self
+        Ok(self)
+    }
+
+    /// A copy of the array on `device` (MXNet's `copyto`), whatever device it is on.
+    pub fn copy_to(&self, device: Device) -> Result<NDArray> {
+        let mut c = self.clone();
+        if device.is_cpu() && self.device.is_cpu() {
+            // A clone shares the storage until written; a copy owns its own.
+            c.buf = Arc::new((*self.buf).clone());
+        }
+        c.on(device)
+    }
+
+    /// The GPU memory the array lives in, if it does.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_buf(&self) -> Option<&crate::gpu::device::DeviceBuf> {
+        match &*self.buf {
+            Storage::Device(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The GPU memory the array lives in, for writing, if it does (copied first if shared).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_buf_mut(&mut self) -> Option<&mut crate::gpu::device::DeviceBuf> {
+        match Arc::make_mut(&mut self.buf) {
+            Storage::Device(d) => Some(d),
+            _ => None,
+        }
     }
 
     /// The shape.
@@ -365,7 +416,7 @@ impl NDArray {
     pub(crate) fn region(&self) -> Option<&kvstore_transport::Region> {
         match &*self.buf {
             Storage::Region(r) => Some(r),
-            Storage::Heap(_) | Storage::External(_) => None,
+            _ => None,
         }
     }
 
@@ -385,8 +436,8 @@ impl NDArray {
     pub(crate) fn is_unique(&mut self) -> bool {
         match Arc::get_mut(&mut self.buf) {
             None => false,
-            Some(Storage::Heap(_) | Storage::External(_)) => true,
             Some(Storage::Region(r)) => Arc::strong_count(r.storage()) == 1,
+            Some(_) => true,
         }
     }
 

@@ -18,6 +18,17 @@ pub(crate) enum Storage {
     /// granted it to write directly ([`kvstore_transport::Storage::peer_may_write`]): what
     /// lands in it is copied there by this process, which stops when a grant is revoked.
     External(External),
+    /// Memory on a GPU (feature `cuda`), read and written on the host through a mirror that
+    /// follows the device ([`crate::gpu::device::DeviceBuf`]).
+    #[cfg(feature = "cuda")]
+    Device(crate::gpu::device::DeviceBuf),
+}
+
+/// A GPU that fails under a host view (which cannot return an error): the bytes cannot be
+/// trusted, so the process stops here rather than compute with them.
+#[cfg(feature = "cuda")]
+fn gpu_failed(e: crate::KvError) -> ! {
+    panic!("a GPU failed while its array was read or written on the host: {e}")
 }
 
 /// Memory lent by its owner: `len` bytes at `ptr`, valid while `_owner` lives.
@@ -43,6 +54,11 @@ impl Clone for Storage {
                 b.bytes_mut().copy_from_slice(self.bytes());
                 Storage::Heap(b)
             }
+            // A copy on the same device.
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => {
+                Storage::Device(d.copy_to(d.ordinal()).unwrap_or_else(|e| gpu_failed(e)))
+            }
         }
     }
 }
@@ -63,6 +79,8 @@ impl Storage {
             // SAFETY: `NDArray::from_raw_parts`'s contract: valid for `len` bytes while the
             // owner lives, and used by no one else meanwhile; peers never write it.
             Storage::External(e) => unsafe { std::slice::from_raw_parts(e.ptr.as_ptr(), e.len) },
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.host().unwrap_or_else(|e| gpu_failed(e)),
         }
     }
 
@@ -80,6 +98,8 @@ impl Storage {
             Storage::External(e) => unsafe {
                 std::slice::from_raw_parts_mut(e.ptr.as_ptr(), e.len)
             },
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.host_mut().unwrap_or_else(|e| gpu_failed(e)),
         }
     }
 
@@ -88,6 +108,13 @@ impl Storage {
             Storage::Heap(b) => b.set_len(len),
             Storage::Region(_) | Storage::External(_) => {
                 *self = Storage::Heap(AlignedBuf::zeroed(len))
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) if d.len() == len => {}
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => {
+                let d = crate::gpu::device::DeviceBuf::zeroed(d.ordinal(), len);
+                *self = Storage::Device(d.unwrap_or_else(|e| gpu_failed(e)));
             }
         }
     }
@@ -103,6 +130,9 @@ unsafe impl kvstore_transport::Storage for Storage {
             Storage::Heap(b) => b.ptr.as_ptr().cast(),
             Storage::Region(r) => r.storage().ptr(),
             Storage::External(e) => e.ptr.as_ptr(),
+            // The host mirror: a transport moves GPU arrays through it.
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.host().unwrap_or_else(|e| gpu_failed(e)).as_ptr().cast_mut(),
         }
     }
     fn len(&self) -> usize {
@@ -110,6 +140,8 @@ unsafe impl kvstore_transport::Storage for Storage {
             Storage::Heap(b) => b.len,
             Storage::Region(r) => r.len(),
             Storage::External(e) => e.len,
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.len(),
         }
     }
     fn peer_may_write(&self) -> bool {

@@ -67,7 +67,8 @@ pub fn create(name: &str) -> Result<KVStore> {
         });
     };
     let inner = match kind {
-        "local" | "device" => Inner::Local(LocalStore::new()),
+        "local" => Inner::Local(LocalStore::new(false)),
+        "device" => Inner::Local(LocalStore::new(true)),
         _ => Inner::Dist(Box::new(crate::roles::start_worker_or_run_role(
             kind == "dist_sync",
         )?)),

@@ -13,7 +13,9 @@ fn pull(kv: &mut kvstore::KVStore, key: i32) -> Vec<f32> {
 }
 
 fn ones_on(n: u32) -> Vec<NDArray> {
-    (0..n).map(|i| NDArray::ones(&SHAPE).on(cpu(i))).collect()
+    (0..n)
+        .map(|i| NDArray::ones(&SHAPE).on(cpu(i)).unwrap())
+        .collect()
 }
 
 #[test]

@@ -7,6 +7,7 @@ use kvstore::{cpu, create, DType, KVStore, KvError, NDArray, Optimizer};
 
 mod batches;
 mod faults;
+mod gpu;
 mod metrics;
 mod states;
 
@@ -47,7 +48,7 @@ fn seed(kv: &mut KVStore) {
         &pulled(kv, 3, &SHAPE, DType::F32),
         &[w; 6],
     );
-    let b: Vec<NDArray> = (0..4).map(|i| NDArray::ones(&SHAPE).on(cpu(i))).collect();
+    let b: Vec<NDArray> = (0..4).map(|i| NDArray::ones(&SHAPE).on(cpu(i)).unwrap()).collect();
     ok("push list", kv.push(3, &b));
     expect_vals(
         "push 4 devices",
@@ -71,7 +72,7 @@ fn seed(kv: &mut KVStore) {
     for x in &b {
         expect_vals("keys [5,7,9] after push ones", x, &[w; 6]);
     }
-    let per_dev: Vec<NDArray> = (0..4).map(|i| NDArray::ones(&SHAPE).on(cpu(i))).collect();
+    let per_dev: Vec<NDArray> = (0..4).map(|i| NDArray::ones(&SHAPE).on(cpu(i)).unwrap()).collect();
     let mut b = vec![per_dev; 3];
     ok("push nested", kv.push(keys, &b));
     ok("pull nested", kv.pull(keys, &mut b));
@@ -373,6 +374,7 @@ fn main() {
         "batches" => batches::batches(&mut kv),
         "states" => states::states(&mut kv),
         "metrics" => metrics::metrics(&mut kv),
+        "gpu" => gpu::gpus(&mut kv),
         other => fail(format!("unknown scenario {other}")),
     }
     println!("{scenario} ok rank {} of {}", kv.rank(), kv.num_workers());

@@ -79,7 +79,7 @@ pub(crate) fn apply(
     // SAFETY: as above.
     if unsafe { pyo3::ffi::Py_REFCNT(st_mem.as_ptr()) } > 1 {
         let copy = NDArray::from_bytes(&shape, dtype, stored.as_bytes())
-            .map(|c| c.on(stored.device()))
+            .and_then(|c| c.on(stored.device()))
             .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
         let old = std::mem::replace(stored, copy);
         if let Ok(mut k) = st_mem.get().keep.lock() {

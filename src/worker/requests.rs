@@ -296,7 +296,7 @@ impl DistWorker {
         op: Op,
         pairs: &[(Key, Vec<&NDArray>)],
         dest: impl Fn(usize) -> Option<usize>,
-    ) -> Vec<Request> {
+    ) -> Result<Vec<Request>> {
         let mut values = Vec::with_capacity(pairs.len());
         for (k, vs) in pairs {
             values.push(if vs.len() > 1 {
@@ -304,7 +304,7 @@ impl DistWorker {
                     .merge
                     .entry(k.clone())
                     .or_insert_with(|| NDArray::zeros_dtype(vs[0].shape(), vs[0].dtype()));
-                sum_into(m, vs);
+                sum_into(m, vs)?;
                 m.clone()
             } else {
                 vs[0].clone()
@@ -316,7 +316,7 @@ impl DistWorker {
             .enumerate()
             .map(|(i, ((k, _), v))| (&self.keys[k], v, dest(i)))
             .collect();
-        value_requests(op, items)
+        Ok(value_requests(op, items))
     }
 
     /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
@@ -367,7 +367,7 @@ impl DistWorker {
     pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
         self.checked()?;
         self.check_values(pairs)?;
-        let reqs = self.value_requests(Op::Push, pairs, |_| None);
+        let reqs = self.value_requests(Op::Push, pairs, |_| None)?;
         self.run(reqs, &mut [])
     }
 
@@ -401,7 +401,7 @@ impl DistWorker {
             .iter()
             .map(|(k, _)| first_of.get(k).copied())
             .collect();
-        let reqs = self.value_requests(Op::PushPull, pairs, |i| dest[i]);
+        let reqs = self.value_requests(Op::PushPull, pairs, |i| dest[i])?;
         let res = self.run(reqs, &mut firsts);
         drop(firsts);
         res?;
@@ -484,7 +484,7 @@ impl DistWorker {
     pub(crate) fn push_async(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<Ticket> {
         self.checked()?;
         self.check_values(pairs)?;
-        let reqs = self.value_requests(Op::Push, pairs, |_| None);
+        let reqs = self.value_requests(Op::Push, pairs, |_| None)?;
         Ok(self.start(reqs, Vec::new()))
     }
 
@@ -516,7 +516,7 @@ impl DistWorker {
         for ((k, _), o) in pairs.iter().zip(&outs) {
             self.check_output(k, o)?;
         }
-        let reqs = self.value_requests(Op::PushPull, pairs, Some);
+        let reqs = self.value_requests(Op::PushPull, pairs, Some)?;
         Ok(self.start(reqs, outs))
     }
 

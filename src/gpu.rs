@@ -1,0 +1,140 @@
+//! The GPUs this process can use: none without the `cuda` feature, and none where the CUDA
+//! driver library is absent or finds no device. cudarc loads the driver at run time and
+//! panics on the first call where it is missing, so the library is looked for first, and
+//! absence is "0 GPUs", never a crash.
+
+#[cfg(feature = "cuda")]
+pub(crate) mod device;
+#[cfg(feature = "cuda")]
+mod reduce;
+
+use crate::{Device, KvError, Result};
+
+/// How many GPUs this process can use (0 without the `cuda` feature or a CUDA driver).
+pub fn gpu_count() -> usize {
+    imp::count()
+}
+
+/// Whether the build has GPU support (the `cuda` feature), whether or not a GPU is present.
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+/// `Ok` for a device this process has; for a GPU it does not have, why not.
+pub(crate) fn check(device: Device) -> Result<()> {
+    let Device::Gpu(i) = device else {
+        return Ok(());
+    };
+    let n = gpu_count();
+    if (i as usize) < n {
+        return Ok(());
+    }
+    Err(KvError::Device(if !CUDA_BUILT {
+        format!("{device}: this build has no GPU support (build with --features cuda)")
+    } else if n == 0 {
+        format!("{device}: this machine has no GPU that CUDA can use ({})", imp::why_none())
+    } else {
+        format!("{device}: there are {n} GPUs, gpu(0) to gpu({})", n - 1)
+    }))
+}
+
+/// `dst = sum(values)` on `dst`'s GPU, when `dst` and every value are GPU arrays of a dtype
+/// the kernels sum (values on other GPUs are copied over first); `false`, with nothing done,
+/// otherwise.
+#[cfg(feature = "cuda")]
+pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -> Result<bool> {
+    let dtype = dst.dtype();
+    let all_gpu = dst.device_buf().is_some() && values.iter().all(|v| v.device_buf().is_some());
+    if values.is_empty() || !all_gpu || !reduce::on_gpu(dtype) {
+        return Ok(false);
+    }
+    let n = dst.size();
+    let Some(d) = dst.device_buf_mut() else {
+        return Ok(false);
+    };
+    let ordinal = d.ordinal();
+    for (i, v) in values.iter().enumerate() {
+        let Some(src) = v.device_buf() else {
+            return Ok(false);
+        };
+        let moved;
+        let src = if src.ordinal() == ordinal {
+            src
+        } else {
+            moved = src.copy_to(ordinal)?;
+            &moved
+        };
+        if i == 0 {
+            d.copy_from(src)?;
+        } else {
+            reduce::add(d, src, dtype, n)?;
+        }
+    }
+    Ok(true)
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::sync::OnceLock;
+
+    /// The probe's answer: the device count, or why there is none.
+    fn probe() -> &'static Result<usize, String> {
+        static ANSWER: OnceLock<Result<usize, String>> = OnceLock::new();
+        ANSWER.get_or_init(|| {
+            // SAFETY: only looks for the library by name (dlopen); no CUDA function is called.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err("the CUDA driver library, libcuda, is not installed".into());
+            }
+            // A driver without a symbol the bindings name panics in cudarc: that, too, is a
+            // machine without a usable GPU.
+            match std::panic::catch_unwind(cudarc::driver::CudaContext::device_count) {
+                Ok(Ok(n)) if n > 0 => Ok(n as usize),
+                Ok(Ok(_)) => Err("the CUDA driver sees no device".into()),
+                Ok(Err(e)) => Err(format!("the CUDA driver failed to start: {e}")),
+                Err(_) => Err("the CUDA driver is older than CUDA 12".into()),
+            }
+        })
+    }
+
+    pub(super) fn count() -> usize {
+        probe().as_ref().copied().unwrap_or(0)
+    }
+
+    pub(super) fn why_none() -> String {
+        match probe() {
+            Ok(_) => "it has some".into(),
+            Err(e) => e.clone(),
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    pub(super) fn count() -> usize {
+        0
+    }
+
+    pub(super) fn why_none() -> String {
+        "built without the cuda feature".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{cpu, gpu};
+
+    #[test]
+    fn cpus_are_always_there_and_gpus_past_the_count_are_typed_errors() {
+        assert!(check(cpu(3)).is_ok());
+        let n = gpu_count() as u32;
+        match check(gpu(n)) {
+            Err(KvError::Device(m)) => assert!(m.starts_with(&format!("gpu({n}): ")), "{m}"),
+            other => panic!("gpu({n}) of {n}: {other:?}"),
+        }
+        for i in 0..n {
+            assert!(check(gpu(i)).is_ok());
+        }
+        if !CUDA_BUILT {
+            assert_eq!(n, 0);
+        }
+    }
+}

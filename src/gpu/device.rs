@@ -1,0 +1,247 @@
+//! GPU memory (feature `cuda`): one context and one non-blocking stream per device, made on
+//! first use, and device buffers with a host mirror.
+//!
+//! A device buffer is the array's storage. Host views of it (everything that reads or writes
+//! an array's bytes on the CPU: printing, comparisons, the local store's host sums, the
+//! transports) go through its mirror, which is brought up to date from the device when a view
+//! is asked for and the device holds newer bytes, and written back before the device is next
+//! used when a mutable view changed it. So every host path is right for GPU arrays by
+//! construction (staged through host memory), and GPU paths use the device memory directly.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+
+use crate::storage::AlignedBuf;
+use crate::{KvError, Result};
+
+/// A device's context and its stream (non-blocking: it does not wait for the legacy default
+/// stream, and cudarc orders work on the buffers it touches by events).
+pub(crate) struct Gpu {
+    pub(crate) ordinal: u32,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+}
+
+fn cuda(ordinal: u32, what: &str, e: impl std::fmt::Display) -> KvError {
+    KvError::Device(format!("gpu({ordinal}): {what}: {e}"))
+}
+
+/// Device `ordinal`'s context and stream, made once (the caller checked the ordinal).
+pub(crate) fn gpu(ordinal: u32) -> Result<Arc<Gpu>> {
+    static GPUS: Mutex<Vec<Option<Arc<Gpu>>>> = Mutex::new(Vec::new());
+    let mut gpus = GPUS.lock().unwrap_or_else(|p| p.into_inner());
+    let i = ordinal as usize;
+    if gpus.len() <= i {
+        gpus.resize(i + 1, None);
+    }
+    if let Some(g) = &gpus[i] {
+        return Ok(g.clone());
+    }
+    let ctx = CudaContext::new(i).map_err(|e| cuda(ordinal, "context", e))?;
+    let stream = ctx.new_stream().map_err(|e| cuda(ordinal, "stream", e))?;
+    let g = Arc::new(Gpu {
+        ordinal,
+        ctx,
+        stream,
+    });
+    gpus[i] = Some(g.clone());
+    Ok(g)
+}
+
+/// Which copy of a device buffer's bytes is the newer.
+const DEVICE_NEWER: u8 = 0;
+const SYNCED: u8 = 1;
+const HOST_NEWER: u8 = 2;
+
+/// An array's bytes on a GPU, with a host mirror made on the first host view.
+pub(crate) struct DeviceBuf {
+    gpu: Arc<Gpu>,
+    mem: CudaSlice<u8>,
+    len: usize,
+    /// The host copy. Written only while `state` is `DEVICE_NEWER` (under `sync`, or through
+    /// `&mut self`), when no host view of it can be live: a view is handed out only once the
+    /// state has left `DEVICE_NEWER`, and the state returns there only through `&mut self`.
+    mirror: UnsafeCell<Option<AlignedBuf>>,
+    state: AtomicU8,
+    sync: Mutex<()>,
+}
+
+// SAFETY: the mirror is written only as its field says (under the lock or with `&mut self`);
+// the device memory is reached through cudarc's stream, which orders its users.
+unsafe impl Sync for DeviceBuf {}
+
+impl DeviceBuf {
+    /// `len` zero bytes on device `ordinal`.
+    pub(crate) fn zeroed(ordinal: u32, len: usize) -> Result<DeviceBuf> {
+        let gpu = gpu(ordinal)?;
+        let mem = gpu
+            .stream
+            .alloc_zeros::<u8>(len.max(1))
+            .map_err(|e| cuda(ordinal, "allocating device memory", e))?;
+        Ok(DeviceBuf::over(gpu, mem, len))
+    }
+
+    /// A copy of `bytes` on device `ordinal`.
+    pub(crate) fn from_host(ordinal: u32, bytes: &[u8]) -> Result<DeviceBuf> {
+        let mut d = DeviceBuf::zeroed(ordinal, bytes.len())?;
+        if !bytes.is_empty() {
+            let stream = d.gpu.stream.clone();
+            let mut dst = d.mem.slice_mut(..bytes.len());
+            stream
+                .memcpy_htod(bytes, &mut dst)
+                .map_err(|e| cuda(ordinal, "copying to the device", e))?;
+        }
+        Ok(d)
+    }
+
+    fn over(gpu: Arc<Gpu>, mem: CudaSlice<u8>, len: usize) -> DeviceBuf {
+        DeviceBuf {
+            gpu,
+            mem,
+            len,
+            mirror: UnsafeCell::new(None),
+            state: AtomicU8::new(DEVICE_NEWER),
+            sync: Mutex::new(()),
+        }
+    }
+
+    /// The device it lives on.
+    pub(crate) fn ordinal(&self) -> u32 {
+        self.gpu.ordinal
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A copy on device `ordinal` (this one, or another: a peer-to-peer copy where the
+    /// devices allow it, else through the host by the driver).
+    pub(crate) fn copy_to(&self, ordinal: u32) -> Result<DeviceBuf> {
+        self.upload_if_stale()?;
+        let mut d = DeviceBuf::zeroed(ordinal, self.len)?;
+        if self.len > 0 {
+            let stream = d.gpu.stream.clone();
+            let src = self.mem.slice(..self.len);
+            let mut dst = d.mem.slice_mut(..self.len);
+            stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(|e| cuda(ordinal, "copying between devices", e))?;
+        }
+        Ok(d)
+    }
+
+    /// The bytes, read on the host: the mirror, brought up to date first if the device has
+    /// newer bytes.
+    pub(crate) fn host(&self) -> Result<&[u8]> {
+        if self.state.load(Ordering::Acquire) == DEVICE_NEWER {
+            let _g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
+            if self.state.load(Ordering::Acquire) == DEVICE_NEWER {
+                // SAFETY: the state is DEVICE_NEWER and the lock is held: no host view of
+                // the mirror is live (see the field) and no other thread writes it.
+                let mirror = unsafe { &mut *self.mirror.get() };
+                self.download(mirror)?;
+                self.state.store(SYNCED, Ordering::Release);
+            }
+        }
+        // SAFETY: the state is SYNCED or HOST_NEWER, so the mirror exists and is not written
+        // while `&self` lives (writes need `&mut self`, or the state DEVICE_NEWER).
+        let mirror = unsafe { &*self.mirror.get() };
+        Ok(mirror.as_ref().map_or(&[][..], AlignedBuf::bytes))
+    }
+
+    /// The bytes, written on the host: the mirror (up to date), whose changes go to the
+    /// device before the device is next used.
+    pub(crate) fn host_mut(&mut self) -> Result<&mut [u8]> {
+        if *self.state.get_mut() == DEVICE_NEWER {
+            let mirror = self.mirror.get_mut();
+            let mut m = mirror.take();
+            let r = self.download(&mut m);
+            *self.mirror.get_mut() = m;
+            r?;
+        }
+        *self.state.get_mut() = HOST_NEWER;
+        Ok(self
+            .mirror
+            .get_mut()
+            .as_mut()
+            .map_or(&mut [][..], AlignedBuf::bytes_mut))
+    }
+
+    /// Copies the device bytes into `mirror` (made if absent).
+    fn download(&self, mirror: &mut Option<AlignedBuf>) -> Result<()> {
+        let m = mirror.get_or_insert_with(|| AlignedBuf::zeroed(self.len));
+        if self.len > 0 {
+            let src = self.mem.slice(..self.len);
+            self.gpu
+                .stream
+                .memcpy_dtoh(&src, m.bytes_mut())
+                .map_err(|e| cuda(self.gpu.ordinal, "copying to the host", e))?;
+        }
+        Ok(())
+    }
+
+    /// Sends the mirror's changes to the device, if a host write made them.
+    fn upload_if_stale(&self) -> Result<()> {
+        if self.state.load(Ordering::Acquire) != HOST_NEWER {
+            return Ok(());
+        }
+        let _g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
+        if self.state.load(Ordering::Acquire) != HOST_NEWER {
+            return Ok(());
+        }
+        // SAFETY: the state is HOST_NEWER: the mirror exists and only `&mut self` writes it.
+        let mirror = unsafe { &*self.mirror.get() };
+        if let Some(m) = mirror {
+            // The device memory is written through a raw copy: `&self` holds no Rust view of
+            // it, and every device reader comes through here first.
+            let (dst, _sync) = self.mem.device_ptr(&self.gpu.stream);
+            let bytes = m.bytes();
+            // SAFETY: `dst` addresses `len` bytes of this buffer's device memory and `bytes`
+            // is `len` readable host bytes; the copy is ordered on the buffer's stream, and
+            // `_sync` records it for later users.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(dst, bytes, self.gpu.stream.cu_stream())
+            }
+            .map_err(|e| cuda(self.gpu.ordinal, "copying to the device", e))?;
+            self.gpu
+                .stream
+                .synchronize()
+                .map_err(|e| cuda(self.gpu.ordinal, "copying to the device", e))?;
+        }
+        self.state.store(SYNCED, Ordering::Release);
+        Ok(())
+    }
+
+    /// The device memory, for reading on the device (up to date with host writes).
+    pub(crate) fn device(&self) -> Result<&CudaSlice<u8>> {
+        self.upload_if_stale()?;
+        Ok(&self.mem)
+    }
+
+    /// The device memory, for writing on the device: host views are stale afterwards.
+    pub(crate) fn device_mut(&mut self) -> Result<&mut CudaSlice<u8>> {
+        self.upload_if_stale()?;
+        *self.state.get_mut() = DEVICE_NEWER;
+        Ok(&mut self.mem)
+    }
+
+    /// The device's stream.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.gpu.stream
+    }
+
+    /// Copies `src` (of the same length, on any device) into this buffer on the device.
+    pub(crate) fn copy_from(&mut self, src: &DeviceBuf) -> Result<()> {
+        let ordinal = self.gpu.ordinal;
+        let stream = self.gpu.stream.clone();
+        let n = self.len.min(src.len);
+        let from = src.device()?.slice(..n);
+        let mut to = self.device_mut()?.slice_mut(..n);
+        stream
+            .memcpy_dtod(&from, &mut to)
+            .map_err(|e| cuda(ordinal, "copying between devices", e))
+    }
+}

@@ -1,0 +1,193 @@
+//! GPU arrays. Without a GPU (or without the `cuda` feature) a GPU is a typed error, which
+//! the first test checks on every machine. The others need a GPU and are ignored elsewhere:
+//! on a GPU machine, `cargo test --release --features kvstore/cuda --test gpu -- --ignored`
+//! (they use every GPU there is, several arrays per GPU where there are fewer than four).
+
+mod util;
+
+use kvstore::{cpu, create, gpu, gpu_count, DType, Device, KvError, NDArray, CUDA_BUILT};
+
+const SHAPE: [usize; 2] = [2, 3];
+
+/// An array of `dtype` holding `values` (converted as `as` does).
+fn array_of(shape: &[usize], dtype: DType, values: &[f64]) -> NDArray {
+    use half::{bf16, f16};
+    match dtype {
+        DType::F32 => NDArray::from_vec(shape, values.iter().map(|&x| x as f32).collect()),
+        DType::F64 => NDArray::from_vec(shape, values.to_vec()),
+        DType::F16 => NDArray::from_vec(shape, values.iter().map(|&x| f16::from_f64(x)).collect()),
+        DType::BF16 => {
+            NDArray::from_vec(shape, values.iter().map(|&x| bf16::from_f64(x)).collect())
+        }
+        DType::I32 => NDArray::from_vec(shape, values.iter().map(|&x| x as i32).collect()),
+        DType::I64 => NDArray::from_vec(shape, values.iter().map(|&x| x as i64).collect()),
+        _ => NDArray::from_vec(shape, values.iter().map(|&x| x as u8).collect()),
+    }
+    .unwrap()
+}
+
+fn device_error(r: kvstore::Result<NDArray>, what: &str) -> String {
+    match r {
+        Err(KvError::Device(m)) => m,
+        Err(e) => panic!("{what}: {e}, want a device error"),
+        Ok(a) => panic!("{what}: an array on {}", a.device()),
+    }
+}
+
+#[test]
+fn a_gpu_that_is_not_there_is_a_typed_error() {
+    let n = gpu_count() as u32;
+    if !CUDA_BUILT {
+        assert_eq!(n, 0, "a build without cuda has no GPU");
+    }
+    for i in [n, n + 3] {
+        let m = device_error(NDArray::ones(&SHAPE).on(gpu(i)), "past the count");
+        assert!(m.starts_with(&format!("gpu({i}): ")), "{m}");
+        let m = device_error(NDArray::ones(&SHAPE).copy_to(gpu(i)), "a copy past the count");
+        assert!(m.starts_with(&format!("gpu({i}): ")), "{m}");
+    }
+    // CPUs are names: any index is there, and the memory stays where it is.
+    let a = NDArray::ones(&SHAPE).on(cpu(7)).unwrap();
+    assert_eq!(a.device(), cpu(7));
+    assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0; 6]);
+}
+
+/// The tutorial's `n` devices, round robin over the GPUs there are.
+fn gpus(n: u32) -> Vec<Device> {
+    let count = gpu_count() as u32;
+    assert!(count > 0, "this test needs a GPU");
+    (0..n).map(|i| gpu(i % count)).collect()
+}
+
+fn ones_on(devices: &[Device], scale: f64) -> Vec<NDArray> {
+    devices
+        .iter()
+        .map(|&d| (NDArray::ones(&SHAPE) * scale).on(d).unwrap())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn the_tutorial_on_gpus_every_value() {
+    for kind in ["local", "device"] {
+        let mut kv = create(kind).unwrap();
+        let devices = gpus(4);
+        kv.init(3, &(NDArray::ones(&SHAPE) * 2.0).on(devices[0]).unwrap())
+            .unwrap();
+        let mut a = NDArray::zeros(&SHAPE).on(devices[0]).unwrap();
+        kv.pull(3, &mut a).unwrap();
+        assert_eq!(a.to_string(), "[[2. 2. 2.]\n [2. 2. 2.]]", "{kind}");
+        assert_eq!(a.device(), devices[0]);
+        kv.push(3, &ones_on(&devices, 1.0)).unwrap();
+        kv.pull(3, &mut a).unwrap();
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![4.0; 6], "{kind}");
+        // A pull into outputs on every GPU.
+        let mut outs = ones_on(&devices, 0.0);
+        kv.pull(3, &mut outs).unwrap();
+        for o in &outs {
+            assert_eq!(o.to_vec::<f32>().unwrap(), vec![4.0; 6], "{kind} on {}", o.device());
+        }
+        kv.set_updater(|_, input, stored| stored.axpy(2.0, input))
+            .unwrap();
+        kv.push(3, &ones_on(&devices, 1.0)).unwrap();
+        kv.pull(3, &mut a).unwrap();
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![12.0; 6], "{kind}");
+        let keys = [7, 11, 13, 17];
+        kv.init(keys, &ones_on(&gpus(4), -3.0)).unwrap();
+        let row = ones_on(&gpus(3), -0.1);
+        kv.push(keys, &vec![row; keys.len()]).unwrap();
+        let mut c = ones_on(&gpus(4), 0.0);
+        kv.pull(keys, &mut c).unwrap();
+        // -3 + 2 * (-0.1 * 3), in f32.
+        let want = -3.0f32 + 2.0 * (-0.1f32 + -0.1f32 + -0.1f32);
+        assert_eq!(c[0].to_vec::<f32>().unwrap(), vec![want; 6], "{kind}");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn sums_on_a_gpu_are_the_host_sums_bit_for_bit() {
+    let n = 1 << 20;
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        // Values that round differently in each type: (i * 0.37) mod 11 - 5, per device.
+        let host: Vec<NDArray> = (0..5)
+            .map(|d| {
+                let v: Vec<f64> = (0..n)
+                    .map(|i| ((i * (d + 3)) as f64 * 0.37) % 11.0 - 5.0)
+                    .collect();
+                array_of(&[n], dtype, &v)
+            })
+            .collect();
+        let on_gpus: Vec<NDArray> = host
+            .iter()
+            .zip(gpus(5))
+            .map(|(a, d)| a.copy_to(d).unwrap())
+            .collect();
+        let mut cpu_kv = create("local").unwrap();
+        let mut gpu_kv = create("device").unwrap();
+        cpu_kv.init(0, &NDArray::zeros_dtype(&[n], dtype)).unwrap();
+        gpu_kv
+            .init(0, &NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap())
+            .unwrap();
+        cpu_kv.push(0, &host).unwrap();
+        gpu_kv.push(0, &on_gpus).unwrap();
+        let mut want = NDArray::zeros_dtype(&[n], dtype);
+        let mut got = NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap();
+        cpu_kv.pull(0, &mut want).unwrap();
+        gpu_kv.pull(0, &mut got).unwrap();
+        assert_eq!(got.as_bytes(), want.as_bytes(), "{dtype}");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn every_dtype_goes_to_a_gpu_and_back_unchanged() {
+    for dtype in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+    ] {
+        let v: Vec<f64> = (0..15).map(f64::from).collect();
+        let a = array_of(&[3, 5], dtype, &v);
+        for d in gpus(4) {
+            let g = a.copy_to(d).unwrap();
+            assert_eq!(g.device(), d);
+            assert_eq!(g.to_string(), a.to_string(), "{dtype} on {d}");
+            assert!(g == a, "{dtype} on {d}: equal to the host array");
+            let back = g.on(cpu(0)).unwrap();
+            assert_eq!(back.as_bytes(), a.as_bytes(), "{dtype} back from {d}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_list_on_cpus_and_gpus_together_is_refused() {
+    let mut kv = create("device").unwrap();
+    kv.init(1, &NDArray::ones(&SHAPE)).unwrap();
+    let mixed = vec![
+        NDArray::ones(&SHAPE),
+        NDArray::ones(&SHAPE).on(gpus(1)[0]).unwrap(),
+    ];
+    match kv.push(1, &mixed) {
+        Err(KvError::Device(m)) => assert!(m.contains("CPUs and GPUs"), "{m}"),
+        other => panic!("a mixed list: {other:?}"),
+    }
+    let mut a = NDArray::zeros(&SHAPE);
+    kv.pull(1, &mut a).unwrap();
+    assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0; 6], "nothing changed");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_distributed_job_with_gpu_arrays() {
+    for transport in ["tcp", "shm"] {
+        let env = [("KVSTORE_TRANSPORT", transport)];
+        let r = util::kvrun_check(2, 2, "gpu", "dist_sync", &env);
+        util::assert_job_ok(&r, 2, "gpu");
+    }
+}
