@@ -30,7 +30,10 @@ pub(crate) fn check(device: Device) -> Result<()> {
     Err(KvError::Device(if !CUDA_BUILT {
         format!("{device}: this build has no GPU support (build with --features cuda)")
     } else if n == 0 {
-        format!("{device}: this machine has no GPU that CUDA can use ({})", imp::why_none())
+        format!(
+            "{device}: this machine has no GPU that CUDA can use ({})",
+            imp::why_none()
+        )
     } else {
         format!("{device}: there are {n} GPUs, gpu(0) to gpu({})", n - 1)
     }))

@@ -33,11 +33,11 @@ mod config;
 mod dtype;
 mod error;
 mod format;
-mod gpu;
 /// The fuzzers' entry points (feature `internals`): not an API.
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod fuzz;
+mod gpu;
 mod local;
 mod logging;
 pub mod metrics;

@@ -132,7 +132,11 @@ unsafe impl kvstore_transport::Storage for Storage {
             Storage::External(e) => e.ptr.as_ptr(),
             // The host mirror: a transport moves GPU arrays through it.
             #[cfg(feature = "cuda")]
-            Storage::Device(d) => d.host().unwrap_or_else(|e| gpu_failed(e)).as_ptr().cast_mut(),
+            Storage::Device(d) => d
+                .host()
+                .unwrap_or_else(|e| gpu_failed(e))
+                .as_ptr()
+                .cast_mut(),
         }
     }
     fn len(&self) -> usize {

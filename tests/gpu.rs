@@ -43,7 +43,10 @@ fn a_gpu_that_is_not_there_is_a_typed_error() {
     for i in [n, n + 3] {
         let m = device_error(NDArray::ones(&SHAPE).on(gpu(i)), "past the count");
         assert!(m.starts_with(&format!("gpu({i}): ")), "{m}");
-        let m = device_error(NDArray::ones(&SHAPE).copy_to(gpu(i)), "a copy past the count");
+        let m = device_error(
+            NDArray::ones(&SHAPE).copy_to(gpu(i)),
+            "a copy past the count",
+        );
         assert!(m.starts_with(&format!("gpu({i}): ")), "{m}");
     }
     // CPUs are names: any index is there, and the memory stays where it is.
@@ -85,7 +88,12 @@ fn the_tutorial_on_gpus_every_value() {
         let mut outs = ones_on(&devices, 0.0);
         kv.pull(3, &mut outs).unwrap();
         for o in &outs {
-            assert_eq!(o.to_vec::<f32>().unwrap(), vec![4.0; 6], "{kind} on {}", o.device());
+            assert_eq!(
+                o.to_vec::<f32>().unwrap(),
+                vec![4.0; 6],
+                "{kind} on {}",
+                o.device()
+            );
         }
         kv.set_updater(|_, input, stored| stored.axpy(2.0, input))
             .unwrap();
@@ -127,7 +135,10 @@ fn sums_on_a_gpu_are_the_host_sums_bit_for_bit() {
         let mut gpu_kv = create("device").unwrap();
         cpu_kv.init(0, &NDArray::zeros_dtype(&[n], dtype)).unwrap();
         gpu_kv
-            .init(0, &NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap())
+            .init(
+                0,
+                &NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap(),
+            )
             .unwrap();
         cpu_kv.push(0, &host).unwrap();
         gpu_kv.push(0, &on_gpus).unwrap();

@@ -48,7 +48,9 @@ fn seed(kv: &mut KVStore) {
         &pulled(kv, 3, &SHAPE, DType::F32),
         &[w; 6],
     );
-    let b: Vec<NDArray> = (0..4).map(|i| NDArray::ones(&SHAPE).on(cpu(i)).unwrap()).collect();
+    let b: Vec<NDArray> = (0..4)
+        .map(|i| NDArray::ones(&SHAPE).on(cpu(i)).unwrap())
+        .collect();
     ok("push list", kv.push(3, &b));
     expect_vals(
         "push 4 devices",
@@ -72,7 +74,9 @@ fn seed(kv: &mut KVStore) {
     for x in &b {
         expect_vals("keys [5,7,9] after push ones", x, &[w; 6]);
     }
-    let per_dev: Vec<NDArray> = (0..4).map(|i| NDArray::ones(&SHAPE).on(cpu(i)).unwrap()).collect();
+    let per_dev: Vec<NDArray> = (0..4)
+        .map(|i| NDArray::ones(&SHAPE).on(cpu(i)).unwrap())
+        .collect();
     let mut b = vec![per_dev; 3];
     ok("push nested", kv.push(keys, &b));
     ok("pull nested", kv.pull(keys, &mut b));

@@ -80,10 +80,14 @@ fn ptx() -> Result<&'static cudarc::nvrtc::Ptx> {
     PTX.get_or_init(|| {
         // SAFETY: only looks for the library by name (dlopen); nothing is called.
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err("NVRTC (libnvrtc), which compiles the sum kernels, is not installed".into());
+            return Err(
+                "NVRTC (libnvrtc), which compiles the sum kernels, is not installed".into(),
+            );
         }
         let opts = cudarc::nvrtc::CompileOptions {
             fmad: Some(false),
+            // Volta and later (the f16 conversions' PTX; the driver compiles it for the device).
+            arch: Some("compute_70"),
             name: Some("kvstore_sums.cu".into()),
             ..Default::default()
         };
