@@ -512,15 +512,10 @@ impl<G: Clone> Calls<G> {
     /// for the test harness's checks.
     #[cfg(test)]
     pub(crate) fn live_grants(&self) -> Vec<G> {
-        let mut v = Vec::new();
-        for c in self.live.values() {
-            for p in &c.per {
-                if let (Some(g), false) = (&p.grant, p.answered) {
-                    v.push(g.clone());
-                }
-            }
-        }
-        v
+        let per = self.live.values().flat_map(|c| &c.per);
+        per.filter(|p| !p.answered)
+            .filter_map(|p| p.grant.clone())
+            .collect()
     }
 
     /// The output of a live call that a grant names, for the test harness's puts.
