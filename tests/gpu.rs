@@ -153,15 +153,7 @@ fn sums_on_a_gpu_are_the_host_sums_bit_for_bit() {
 #[test]
 #[ignore = "needs a GPU"]
 fn every_dtype_goes_to_a_gpu_and_back_unchanged() {
-    for dtype in [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I32,
-        DType::I64,
-        DType::U8,
-    ] {
+    for dtype in DType::ALL {
         let v: Vec<f64> = (0..15).map(f64::from).collect();
         let a = array_of(&[3, 5], dtype, &v);
         for d in gpus(4) {

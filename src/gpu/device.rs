@@ -29,26 +29,38 @@ fn cuda(ordinal: u32, what: &str, e: impl std::fmt::Display) -> KvError {
     KvError::Device(format!("gpu({ordinal}): {what}: {e}"))
 }
 
+/// The value `make` gives for device `ordinal`, made once per process and device (a failure
+/// is not kept: the next call tries again).
+pub(crate) fn per_device<T: Clone>(
+    registry: &Mutex<Vec<Option<T>>>,
+    ordinal: u32,
+    make: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let mut made = registry.lock().unwrap_or_else(|p| p.into_inner());
+    let i = ordinal as usize;
+    if made.len() <= i {
+        made.resize(i + 1, None);
+    }
+    if let Some(v) = &made[i] {
+        return Ok(v.clone());
+    }
+    let v = make()?;
+    made[i] = Some(v.clone());
+    Ok(v)
+}
+
 /// Device `ordinal`'s context and stream, made once (the caller checked the ordinal).
 pub(crate) fn gpu(ordinal: u32) -> Result<Arc<Gpu>> {
     static GPUS: Mutex<Vec<Option<Arc<Gpu>>>> = Mutex::new(Vec::new());
-    let mut gpus = GPUS.lock().unwrap_or_else(|p| p.into_inner());
-    let i = ordinal as usize;
-    if gpus.len() <= i {
-        gpus.resize(i + 1, None);
-    }
-    if let Some(g) = &gpus[i] {
-        return Ok(g.clone());
-    }
-    let ctx = CudaContext::new(i).map_err(|e| cuda(ordinal, "context", e))?;
-    let stream = ctx.new_stream().map_err(|e| cuda(ordinal, "stream", e))?;
-    let g = Arc::new(Gpu {
-        ordinal,
-        ctx,
-        stream,
-    });
-    gpus[i] = Some(g.clone());
-    Ok(g)
+    per_device(&GPUS, ordinal, || {
+        let ctx = CudaContext::new(ordinal as usize).map_err(|e| cuda(ordinal, "context", e))?;
+        let stream = ctx.new_stream().map_err(|e| cuda(ordinal, "stream", e))?;
+        Ok(Arc::new(Gpu {
+            ordinal,
+            ctx,
+            stream,
+        }))
+    })
 }
 
 /// Which copy of a device buffer's bytes is the newer.

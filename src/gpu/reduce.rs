@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
-use super::device::{gpu, DeviceBuf};
+use super::device::{gpu, per_device, DeviceBuf};
 use crate::{DType, KvError, Result};
 
 /// One thread per element of a grid-stride loop; halves are added in f32 and rounded to
@@ -104,28 +104,20 @@ struct Kernels {
 
 fn kernels(ordinal: u32) -> Result<Arc<Kernels>> {
     static LOADED: Mutex<Vec<Option<Arc<Kernels>>>> = Mutex::new(Vec::new());
-    let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
-    let i = ordinal as usize;
-    if loaded.len() <= i {
-        loaded.resize(i + 1, None);
-    }
-    if let Some(k) = &loaded[i] {
-        return Ok(k.clone());
-    }
-    let g = gpu(ordinal)?;
-    let fail = |e: cudarc::driver::DriverError| {
-        KvError::Device(format!("gpu({ordinal}): loading the sum kernels: {e}"))
-    };
-    let module = g.ctx.load_module(ptx()?.clone()).map_err(fail)?;
-    let mut add = Vec::new();
-    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
-        if let Some(name) = kernel_name(dtype) {
-            add.push((dtype, module.load_function(name).map_err(fail)?));
+    per_device(&LOADED, ordinal, || {
+        let g = gpu(ordinal)?;
+        let fail = |e: cudarc::driver::DriverError| {
+            KvError::Device(format!("gpu({ordinal}): loading the sum kernels: {e}"))
+        };
+        let module = g.ctx.load_module(ptx()?.clone()).map_err(fail)?;
+        let mut add = Vec::new();
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            if let Some(name) = kernel_name(dtype) {
+                add.push((dtype, module.load_function(name).map_err(fail)?));
+            }
         }
-    }
-    let k = Arc::new(Kernels { add });
-    loaded[i] = Some(k.clone());
-    Ok(k)
+        Ok(Arc::new(Kernels { add }))
+    })
 }
 
 /// `dst += src` on `dst`'s device, for `n` elements of `dtype` (one of [`on_gpu`]'s); `src`
