@@ -150,6 +150,11 @@ fn contiguous(e: &Export) -> bool {
 /// `obj` as an array over its own memory: for reading (a pushed value) or, `writable`, for
 /// writing (a pull's output).
 pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Lent> {
+    if let Ok(a) = obj.cast::<numpy::PyUntypedArray>() {
+        if let Some(lent) = lend_numpy(a, writable, what) {
+            return lent;
+        }
+    }
     let py = obj.py();
     let e = export(obj, writable);
     if e.is_none() {
@@ -255,6 +260,92 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
     let array = unsafe { NDArray::from_raw_parts(ptr, shape, dtype, e) }
         .map_err(|err| PyValueError::new_err(format!("{what}: {err}")))?;
     Ok(Lent { array, addr, len })
+}
+
+/// A numpy array held alive (a strong reference, dropped with the GIL): what keeps its
+/// memory in place while the store uses it, as a buffer export would (numpy refuses to resize
+/// an array while references to it beyond its owner's are held, and an export is one).
+struct Held(Option<Py<PyAny>>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(a) = self.0.take() {
+            Python::attach(|_| drop(a));
+        }
+    }
+}
+
+/// A C-contiguous, aligned numpy array of a dtype the store has, in native byte order (and
+/// writable if asked), read from the array's own fields: no buffer export, whose format string
+/// numpy builds anew each time. `None` for anything else, which goes through the export and
+/// its error messages.
+fn lend_numpy(
+    a: &Bound<'_, numpy::PyUntypedArray>,
+    writable: bool,
+    what: &str,
+) -> Option<PyResult<Lent>> {
+    use numpy::npyffi::{self, NPY_TYPES};
+    use numpy::{PyArrayDescrMethods, PyUntypedArrayMethods};
+    let p = a.as_array_ptr();
+    // SAFETY: `a` is a live numpy array (the type check passed, and the GIL is held), so `p`
+    // points to its object, whose fields numpy keeps valid while the array lives.
+    let (data, flags) = unsafe { ((*p).fields.data, (*p).fields.flags) };
+    let need = npyffi::NPY_ARRAY_C_CONTIGUOUS
+        | npyffi::NPY_ARRAY_ALIGNED
+        | if writable {
+            npyffi::NPY_ARRAY_WRITEABLE
+        } else {
+            0
+        };
+    // numpy's NPY_ARRAY_WARN_ON_WRITE (1 << 31): a view numpy warns about writing.
+    let warn_on_write = std::ffi::c_int::MIN;
+    if flags & need != need || (writable && flags & warn_on_write != 0) {
+        return None;
+    }
+    let descr = a.dtype();
+    if descr.byteorder() == b'>' {
+        return None;
+    }
+    let num = descr.num();
+    let is = |t: NPY_TYPES| num == t as std::ffi::c_int;
+    let dtype = if is(NPY_TYPES::NPY_FLOAT) {
+        DType::F32
+    } else if is(NPY_TYPES::NPY_DOUBLE) {
+        DType::F64
+    } else if is(NPY_TYPES::NPY_HALF) {
+        DType::F16
+    } else if is(NPY_TYPES::NPY_UBYTE) {
+        DType::U8
+    } else if is(NPY_TYPES::NPY_INT) || is(NPY_TYPES::NPY_LONG) || is(NPY_TYPES::NPY_LONGLONG) {
+        match descr.itemsize() {
+            4 => DType::I32,
+            8 => DType::I64,
+            _ => return None,
+        }
+    } else {
+        return None;
+    };
+    if descr.itemsize() != dtype.size() {
+        return None;
+    }
+    let shape = a.shape();
+    let len = shape.iter().product::<usize>() * dtype.size();
+    let held = Box::new(Held(Some(a.clone().into_any().unbind())));
+    // SAFETY: numpy's fields say `data` holds `shape`'s elements of `dtype`, C-contiguous and
+    // aligned (writable when asked), and the array is held alive, unresized, until the NDArray
+    // drops `held`. The store reads them (a value) or writes them in place during a call, and a
+    // peer never writes them (lent memory is written by this process only), so nothing lands
+    // in them after a call returns.
+    let array = unsafe { NDArray::from_raw_parts(data.cast::<u8>(), shape, dtype, held) };
+    Some(
+        array
+            .map(|array| Lent {
+                array,
+                addr: data as usize,
+                len,
+            })
+            .map_err(|err| PyValueError::new_err(format!("{what}: {err}"))),
+    )
 }
 
 /// Memory of the store lent to Python for the length of an updater's call, as the buffer

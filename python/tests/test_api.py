@@ -146,6 +146,14 @@ def test_errors_are_python_exceptions(kv):
         kv.push(3, [1.0, 2.0])
     with pytest.raises(TypeError, match="dtype"):
         kv.push(3, np.ones(SHAPE, dtype=np.complex64))
+    with pytest.raises(TypeError, match="dtype"):
+        kv.push(3, np.ones(SHAPE, dtype=">f4"))  # not this machine's byte order
+    with pytest.raises(TypeError, match="dtype"):
+        kv.push(3, np.ones(SHAPE, dtype=np.int8))
+    # A subclass of ndarray is an ndarray, in place.
+    m = np.zeros(SHAPE, dtype=np.float32).view(np.matrix)
+    kv.pull(3, out=m)
+    assert m.sum() != 0
     ro = np.zeros(SHAPE, dtype=np.float32)
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
