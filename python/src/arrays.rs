@@ -1,6 +1,7 @@
-//! Python objects as kvstore arrays, with no copy: a buffer export (numpy arrays and anything
-//! with the buffer protocol; `__array_interface__` and DLPack objects through numpy), held
-//! alive by the array for as long as the store uses it.
+//! Python objects as kvstore arrays, with no copy: numpy arrays read from their own fields and
+//! held by a reference, anything else with the buffer protocol by a buffer export
+//! (`__array_interface__` and DLPack objects through numpy), held alive by the array for as
+//! long as the store uses it.
 
 use std::ffi::c_int;
 use std::sync::Mutex;
@@ -64,8 +65,8 @@ impl Lent {
     pub(crate) fn fill_from(&self, src: &NDArray) {
         let b = src.as_bytes();
         if b.len() == self.len && b.as_ptr() as usize != self.addr {
-            // SAFETY: the memory was exported writable (outputs, and values of a pushpull in
-            // place, are lent so) and the export lives in `self.array`; `src` is the store's
+            // SAFETY: the memory was lent writable (outputs, and values of a pushpull in
+            // place, are lent so) and its holder lives in `self.array`; `src` is the store's
             // own memory, apart from it; no call uses either now.
             unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.addr as *mut u8, b.len()) }
         }
