@@ -289,11 +289,9 @@ pub(crate) fn group_values<'a>(
         Values::List(vs) => pair(keys, Form::List(vs))?,
         Values::Nested(vss) => pair(keys, Form::Nested(vss))?,
     };
-    for (k, vs) in &pairs {
-        same_kind_of_device(k, vs)?;
-    }
     if pairs.len() == 1 {
         // One key: nothing to group.
+        same_kind_of_device(&pairs[0].0, &pairs[0].1)?;
         return Ok(pairs);
     }
     let mut grouped: Vec<(Key, Vec<&'a NDArray>)> = Vec::with_capacity(pairs.len());
@@ -315,6 +313,9 @@ pub(crate) fn group_values<'a>(
                 grouped.push((k, vs));
             }
         }
+    }
+    for (k, vs) in &grouped {
+        same_kind_of_device(k, vs)?;
     }
     Ok(grouped)
 }

@@ -54,6 +54,11 @@ pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -
         return Ok(false);
     };
     let ordinal = d.ordinal();
+    // The kernels before any write: where they cannot be had (no NVRTC, a driver older than
+    // the program), the host sums, through the arrays' mirrors.
+    if values.len() > 1 && reduce::ready(ordinal).is_err() {
+        return Ok(false);
+    }
     for (i, v) in values.iter().enumerate() {
         let Some(src) = v.device_buf() else {
             return Ok(false);

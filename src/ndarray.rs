@@ -198,8 +198,13 @@ impl NDArray {
     /// A copy of the array on `device` (MXNet's `copyto`), whatever device it is on.
     pub fn copy_to(&self, device: Device) -> Result<NDArray> {
         let mut c = self.clone();
-        if device.is_cpu() && self.device.is_cpu() {
+        let same_memory = match (device, self.device) {
+            (Device::Gpu(i), Device::Gpu(j)) => i == j,
+            (to, from) => to.is_cpu() && from.is_cpu(),
+        };
+        if same_memory {
             // A clone shares the storage until written; a copy owns its own.
+            crate::gpu::check(device)?;
             c.buf = Arc::new((*self.buf).clone());
         }
         c.on(device)
@@ -391,7 +396,7 @@ impl NDArray {
         let len = elems(shape) * dtype.size();
         match Arc::get_mut(&mut self.buf) {
             Some(b) => b.set_len(len),
-            None => self.buf = Arc::new(Storage::Heap(AlignedBuf::zeroed(len))),
+            None => self.buf = Arc::new(self.buf.fresh(len)),
         }
         self.shape.clear();
         self.shape.extend_from_slice(shape);
@@ -428,7 +433,7 @@ impl NDArray {
     /// Gives the array fresh zeroed storage of its size; the old storage stays with whoever
     /// holds it (a transport that may still write it).
     pub(crate) fn replace_storage(&mut self) {
-        self.buf = Arc::new(Storage::Heap(AlignedBuf::zeroed(self.nbytes())));
+        self.buf = Arc::new(self.buf.fresh(self.nbytes()));
     }
 
     /// Whether no clone shares the storage, and no transport holds its pages (a send by

@@ -103,6 +103,19 @@ impl Storage {
         }
     }
 
+    /// New zeroed storage of `len` bytes where this lives: on its GPU for device memory, else
+    /// in process memory.
+    pub(crate) fn fresh(&self, len: usize) -> Storage {
+        match self {
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => Storage::Device(
+                crate::gpu::device::DeviceBuf::zeroed(d.ordinal(), len)
+                    .unwrap_or_else(|e| gpu_failed(e)),
+            ),
+            _ => Storage::Heap(AlignedBuf::zeroed(len)),
+        }
+    }
+
     pub(crate) fn set_len(&mut self, len: usize) {
         match self {
             Storage::Heap(b) => b.set_len(len),
@@ -127,16 +140,12 @@ impl Storage {
 unsafe impl kvstore_transport::Storage for Storage {
     fn ptr(&self) -> *mut u8 {
         match self {
-            Storage::Heap(b) => b.ptr.as_ptr().cast(),
+            Storage::Heap(b) => b.as_mut_ptr(),
             Storage::Region(r) => r.storage().ptr(),
             Storage::External(e) => e.ptr.as_ptr(),
             // The host mirror: a transport moves GPU arrays through it.
             #[cfg(feature = "cuda")]
-            Storage::Device(d) => d
-                .host()
-                .unwrap_or_else(|e| gpu_failed(e))
-                .as_ptr()
-                .cast_mut(),
+            Storage::Device(d) => d.mirror_ptr().unwrap_or_else(|e| gpu_failed(e)),
         }
     }
     fn len(&self) -> usize {
@@ -197,6 +206,11 @@ impl AlignedBuf {
         // SAFETY: the allocation holds at least `len` initialised bytes (zeroed at first) and
         // lives as long as `self`.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast(), self.len) }
+    }
+
+    /// The allocation's address (valid for `len` bytes while the buffer lives).
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr().cast()
     }
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {

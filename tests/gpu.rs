@@ -180,6 +180,11 @@ fn a_list_on_cpus_and_gpus_together_is_refused() {
         Err(KvError::Device(m)) => assert!(m.contains("CPUs and GPUs"), "{m}"),
         other => panic!("a mixed list: {other:?}"),
     }
+    // The same key twice, one value on each kind: the merged list is mixed too.
+    match kv.push([1, 1], &mixed) {
+        Err(KvError::Device(m)) => assert!(m.contains("CPUs and GPUs"), "{m}"),
+        other => panic!("a key given twice, on a CPU and a GPU: {other:?}"),
+    }
     let mut a = NDArray::zeros(&SHAPE);
     kv.pull(1, &mut a).unwrap();
     assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0; 6], "nothing changed");

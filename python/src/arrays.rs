@@ -304,7 +304,7 @@ fn lend_numpy(
         return None;
     }
     let descr = a.dtype();
-    if descr.byteorder() == b'>' {
+    if descr.is_native_byteorder() == Some(false) {
         return None;
     }
     let num = descr.num();

@@ -141,8 +141,21 @@ impl DeviceBuf {
             stream
                 .memcpy_dtod(&src, &mut dst)
                 .map_err(|e| cuda(ordinal, "copying between devices", e))?;
+            self.cross_device_done(&stream, ordinal)?;
         }
         Ok(d)
+    }
+
+    /// After a copy between this buffer and one on device `ordinal`, on that device's
+    /// `stream`: waits for it when the devices differ, as cudarc orders such a copy against
+    /// the source's own stream only (a later write or free there must not overtake it).
+    fn cross_device_done(&self, stream: &CudaStream, ordinal: u32) -> Result<()> {
+        if ordinal == self.gpu.ordinal {
+            return Ok(());
+        }
+        stream
+            .synchronize()
+            .map_err(|e| cuda(ordinal, "copying between devices", e))
     }
 
     /// The bytes, read on the host: the mirror, brought up to date first if the device has
@@ -206,6 +219,10 @@ impl DeviceBuf {
         }
         // SAFETY: the state is HOST_NEWER: the mirror exists and only `&mut self` writes it.
         let mirror = unsafe { &*self.mirror.get() };
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| cuda(self.gpu.ordinal, "copying to the device", e))?;
         if let Some(m) = mirror {
             // The device memory is written through a raw copy: `&self` holds no Rust view of
             // it, and every device reader comes through here first.
@@ -254,6 +271,21 @@ impl DeviceBuf {
         let mut to = self.device_mut()?.slice_mut(..n);
         stream
             .memcpy_dtod(&from, &mut to)
-            .map_err(|e| cuda(ordinal, "copying between devices", e))
+            .map_err(|e| cuda(ordinal, "copying between devices", e))?;
+        src.cross_device_done(&stream, ordinal)
+    }
+
+    /// The mirror's address, for a transport that reads it (a push) or writes it (a pull's
+    /// destination, after a host write view set the state: the changes go to the device
+    /// before its next use). No reference to the mirror is made here.
+    pub(crate) fn mirror_ptr(&self) -> Result<*mut u8> {
+        self.host()?;
+        // SAFETY: `host` left the state SYNCED or HOST_NEWER, so the mirror exists and is not
+        // replaced while `self` lives; only its address is taken.
+        let mirror = unsafe { &*self.mirror.get() };
+        Ok(mirror.as_ref().map_or(
+            std::ptr::NonNull::dangling().as_ptr(),
+            AlignedBuf::as_mut_ptr,
+        ))
     }
 }

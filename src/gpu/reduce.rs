@@ -86,8 +86,8 @@ fn ptx() -> Result<&'static cudarc::nvrtc::Ptx> {
         }
         let opts = cudarc::nvrtc::CompileOptions {
             fmad: Some(false),
-            // Volta and later (the f16 conversions' PTX; the driver compiles it for the device).
-            arch: Some("compute_70"),
+            // NVRTC's default architecture (the PTX is compiled for each device by its
+            // driver); the f16 conversions are in every architecture's PTX.
             name: Some("kvstore_sums.cu".into()),
             ..Default::default()
         };
@@ -100,6 +100,11 @@ fn ptx() -> Result<&'static cudarc::nvrtc::Ptx> {
 /// One device's kernels, by dtype.
 struct Kernels {
     add: Vec<(DType, CudaFunction)>,
+}
+
+/// Whether the kernels are ready on device `ordinal` (compiled and loaded now if not yet).
+pub(crate) fn ready(ordinal: u32) -> Result<()> {
+    kernels(ordinal).map(drop)
 }
 
 fn kernels(ordinal: u32) -> Result<Arc<Kernels>> {

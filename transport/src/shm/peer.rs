@@ -72,7 +72,10 @@ impl PeerProcess {
 
     /// Writes `len` bytes from `src` at `addr` in this process, if it is still the process the
     /// socket named: through its memory file when small, else by `process_vm_writev` (one
-    /// copy, by the kernel, which checks the address) after a liveness check.
+    /// copy, by the kernel) after a liveness check. The kernel refuses unmapped addresses
+    /// either way; the memory file also writes the process's read-only private pages (as a
+    /// debugger does), which `process_vm_writev` refuses. The address is one the process
+    /// granted for its own memory, so that reaches only memory it named itself.
     ///
     /// # Safety
     /// `src` is valid for reads of `len` bytes for the call.
