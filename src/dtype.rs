@@ -93,7 +93,8 @@ impl fmt::Display for DType {
 pub enum Device {
     /// Host memory, logical device `i` (the index only names a device, as in MXNet).
     Cpu(u32),
-    /// GPU `i`. Arrays can name it; GPU storage needs the `cuda` feature, which is not built yet.
+    /// GPU `i`: device memory, with the `cuda` feature and a GPU of that index
+    /// ([`crate::gpu_count`]); otherwise an array cannot be put there ([`crate::KvError::Device`]).
     Gpu(u32),
 }
 
