@@ -109,8 +109,8 @@ fn assign_ranks(ids: &[usize], nodes: &mut BTreeMap<usize, Node>) {
 /// servers were shut down, an error (after telling every node to abort) when a node was lost.
 ///
 /// Connections are taken only until every node has registered (then the listener is closed).
-/// A new connection's handshake is advanced without blocking by the accept thread, at most
-/// [`MAX_PENDING`] at once, each given [`HELLO_WITHIN`]; only a node that proved the job's
+/// A new connection's handshake is advanced without blocking by the accept thread, at most 64
+/// at once, each given 5 seconds to say hello; only a node that proved the job's
 /// secret gets a thread (to read its frames), and no more than the job has nodes and a margin.
 pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<()> {
     let (tx, rx) = mpsc::channel();
