@@ -5,8 +5,7 @@
 set -euo pipefail
 bin=${1:-target/release}
 kvperf="$bin/kvperf"
-med() { python3 -c 'import sys,statistics; v=[float(x) for x in sys.argv[1:]]; print(f"{statistics.median(v):.3g}")' "$@"; }
-field() { grep -o "\"$1\":[0-9.e+-]*" | tail -1 | cut -d: -f2; }
+source "$(dirname "$0")/lib.sh"
 row() { # name, json field, kvperf arguments...
     local name=$1 f=$2; shift 2
     local vals=()

@@ -9,8 +9,7 @@ set -euo pipefail
 old=${1:?usage: perf/guard.sh OLD_BIN_DIR [NEW_BIN_DIR] [PAIRS]}
 new=${2:-target/release}
 pairs=${3:-3}
-field() { grep -o "\"$1\":[0-9.e+-]*" | tail -1 | cut -d: -f2; }
-med() { python3 -c 'import sys,statistics; print(f"{statistics.median(float(x) for x in sys.argv[1:]):.3f}")' "$@"; }
+source "$(dirname "$0")/lib.sh"
 one() { "$1/kvperf" pushpull "${@:2}" --json 2>/dev/null | field us_per_iter; }
 echo "| cell | new/old per pair | median |"
 echo "| --- | --- | --- |"

@@ -204,7 +204,6 @@ impl NDArray {
         };
         if same_memory {
             // A clone shares the storage until written; a copy owns its own.
-            crate::gpu::check(device)?;
             c.buf = Arc::new((*self.buf).clone());
         }
         c.on(device)

@@ -256,6 +256,19 @@ fn try_read_body(s: &mut std::net::TcpStream) -> Result<(kvstore::protocol::Msg,
     Ok((m, body[kvstore_transport::META_LEN..].to_vec()))
 }
 
+/// The header of a request for a whole 1-D f32 value of `n` elements under `key`.
+fn f32_msg(op: kvstore::protocol::Op, key: u64, n: u64, id: u64) -> kvstore::protocol::Msg {
+    let mut m = kvstore::protocol::Msg::new(op);
+    m.key = key;
+    m.dtype = kvstore::DType::F32;
+    m.ndim = 1;
+    m.shape[0] = n;
+    m.total = n;
+    m.len = n;
+    m.req_id = id;
+    m
+}
+
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
@@ -267,21 +280,13 @@ fn a_message_is_judged_by_its_header_before_its_data_takes_memory() {
     // A proven worker sends a push for a key the server never stored, claiming 512 MiB of
     // data, and sends up to 32 MiB of it: the link is closed after the header, and the
     // server's memory grows by neither what was claimed nor what was sent.
-    use kvstore::protocol::{Msg, Op};
+    use kvstore::protocol::Op;
     use std::io::Write;
     let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
     let mut s = raw_worker(job.port);
     let base = rss_kib(job.servers[0].id());
     const N: u64 = 128 << 20; // f32: 512 MiB
-    let mut m = Msg::new(Op::Push);
-    m.key = 99;
-    m.dtype = kvstore::DType::F32;
-    m.ndim = 1;
-    m.shape[0] = N;
-    m.total = N;
-    m.len = N;
-    m.req_id = 1;
-    let body = m.encode();
+    let body = f32_msg(Op::Push, 99, N, 1).encode();
     s.write_all(&kvstore_transport::tcp::msg_frame_header(
         body.len(),
         Some(N as usize * 4),
@@ -316,21 +321,11 @@ fn a_message_is_judged_by_its_header_before_its_data_takes_memory() {
 
 #[test]
 fn answers_a_worker_does_not_read_do_not_grow_the_server() {
-    use kvstore::protocol::{Msg, Op};
+    use kvstore::protocol::Op;
     const N: u64 = 256 * 1024; // 1 MiB of f32
     let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
     let mut s = raw_worker(job.port);
-    let data = |op: Op, id: u64| {
-        let mut m = Msg::new(op);
-        m.key = 1;
-        m.dtype = kvstore::DType::F32;
-        m.ndim = 1;
-        m.shape[0] = N;
-        m.total = N;
-        m.len = N;
-        m.req_id = id;
-        m
-    };
+    let data = |op: Op, id: u64| f32_msg(op, 1, N, id);
     // A grant the server puts each answer into (the TCP backend's kind, number 1, N floats):
     // the worker never reads them.
     let mut grant = [0u8; 32];
@@ -456,20 +451,10 @@ fn read_answers(s: &mut std::net::TcpStream, n: usize) -> Vec<(u64, u16, Option<
 
 #[test]
 fn a_batch_is_answered_entry_by_entry_and_a_malformed_one_closes_its_link() {
-    use kvstore::protocol::{status, Msg, Op};
+    use kvstore::protocol::{status, Op};
     let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
     let mut s = raw_worker(job.port);
-    let msg = |op: Op, key: u64, id: u64| {
-        let mut m = Msg::new(op);
-        m.key = key;
-        m.dtype = kvstore::DType::F32;
-        m.ndim = 1;
-        m.shape[0] = 4;
-        m.total = 4;
-        m.len = 4;
-        m.req_id = id;
-        m
-    };
+    let msg = |op: Op, key: u64, id: u64| f32_msg(op, key, 4, id);
     let floats = |v: [f32; 4]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
     send_msg(
         &mut s,

@@ -259,6 +259,32 @@ fn num(x: f64) -> serde_json::Value {
     serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into)
 }
 
+/// One JSON row of `lat` or `bw`: what ran (the keys `pushpull`'s rows have too), then the
+/// row's `figures`.
+fn json_row(
+    test: &str,
+    transport: &str,
+    mode: &str,
+    size: usize,
+    iters: usize,
+    figures: serde_json::Value,
+) -> serde_json::Value {
+    let mut row = serde_json::json!({
+        "test": test,
+        "op": test,
+        "transport": transport,
+        "mode": mode,
+        "workers": 1,
+        "servers": 1,
+        "size": size,
+        "iters": iters,
+    });
+    if let (Some(r), serde_json::Value::Object(f)) = (row.as_object_mut(), figures) {
+        r.extend(f);
+    }
+    row
+}
+
 fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), String> {
     let mut out = std::io::stdout().lock();
     let mode = format!("{:?}", a.mode).to_lowercase();
@@ -294,15 +320,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     ref_points.push((r.size as f64, x));
                 }
                 if a.json {
-                    let row = serde_json::json!({
-                        "test": "lat",
-                        "op": "lat",
-                        "transport": name,
-                        "mode": mode,
-                        "workers": 1,
-                        "servers": 1,
-                        "size": r.size,
-                        "iters": r.iters,
+                    let figures = serde_json::json!({
                         "min_us": num(r.us[0]),
                         "p50_us": num(r.us[1]),
                         "p90_us": num(r.us[2]),
@@ -318,6 +336,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                                 "min_us p50_us p90_us p99_us p999_us max_us ref_p50_us",
                         },
                     });
+                    let row = json_row("lat", name, &mode, r.size, r.iters, figures);
                     let _ = writeln!(out, "{row}");
                 } else {
                     let refs = reference.map_or(String::new(), |x| {
@@ -386,15 +405,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     ref_points.push((r.size as f64, x / 1e9));
                 }
                 if a.json {
-                    let row = serde_json::json!({
-                        "test": "bw",
-                        "op": "bw",
-                        "transport": name,
-                        "mode": mode,
-                        "workers": 1,
-                        "servers": 1,
-                        "size": r.size,
-                        "iters": r.iters,
+                    let figures = serde_json::json!({
                         "gbytes_per_s": num(r.bytes_per_s / 1e9),
                         "gbits_per_s": num(r.bytes_per_s * 8.0 / 1e9),
                         "msgs_per_s": num(r.msgs_per_s),
@@ -406,6 +417,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                             "messages per second": "msgs_per_s",
                         },
                     });
+                    let row = json_row("bw", name, &mode, r.size, r.iters, figures);
                     let _ = writeln!(out, "{row}");
                 } else {
                     let refs = reference.map_or(String::new(), |x| {

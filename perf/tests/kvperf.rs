@@ -15,6 +15,17 @@ fn kvperf(args: &[&str]) -> (Option<i32>, String, String) {
     )
 }
 
+/// Runs kvperf with `args`, and `--plot chart` where a chart can be drawn (without a font it
+/// cannot be, and kvperf says so); asserts that it succeeded and returns its stdout.
+fn kvperf_plotting<'a>(mut args: Vec<&'a str>, chart: &'a std::path::Path, what: &str) -> String {
+    if have_font() {
+        args.extend(["--plot", chart.to_str().unwrap()]);
+    }
+    let (code, out, err) = kvperf(&args);
+    assert_eq!(code, Some(0), "{what}: {err}");
+    out
+}
+
 /// Whether a chart can be drawn here (its text needs a TrueType font); says so if not.
 fn have_font() -> bool {
     let found = std::env::var("KVPERF_FONT").is_ok()
@@ -114,7 +125,7 @@ fn bandwidth_over_tcp_and_shm_with_references_and_a_chart() {
     let svg = std::env::temp_dir().join(format!("kvperf-test-{}.svg", std::process::id()));
     for t in ["tcp", "shm"] {
         for mode in ["send", "write"] {
-            let mut args = vec![
+            let args = vec![
                 "bw",
                 "--transport",
                 t,
@@ -132,12 +143,7 @@ fn bandwidth_over_tcp_and_shm_with_references_and_a_chart() {
                 "--json",
                 "--reference",
             ];
-            // Without a font a chart cannot be drawn (kvperf says so).
-            if have_font() {
-                args.extend(["--plot", svg.to_str().unwrap()]);
-            }
-            let (code, out, err) = kvperf(&args);
-            assert_eq!(code, Some(0), "{t} {mode}: {err}");
+            let out = kvperf_plotting(args, &svg, &format!("{t} {mode}"));
             let rows = json_lines(&out);
             assert_eq!(rows.len(), 7, "{out}");
             for r in rows {
@@ -396,7 +402,7 @@ fn lat_with_no_host_is_the_server_as_perftest_is() {
 #[test]
 fn pushpull_takes_a_duration_a_timeout_and_a_chart_and_explains_rdma() {
     let svg = std::env::temp_dir().join(format!("kvperf-pp-{}.png", std::process::id()));
-    let mut args = vec![
+    let args = vec![
         "pushpull",
         "-n",
         "2",
@@ -410,11 +416,7 @@ fn pushpull_takes_a_duration_a_timeout_and_a_chart_and_explains_rdma() {
         "30",
         "--json",
     ];
-    if have_font() {
-        args.extend(["--plot", svg.to_str().unwrap()]);
-    }
-    let (code, out, err) = kvperf(&args);
-    assert_eq!(code, Some(0), "{err}");
+    let out = kvperf_plotting(args, &svg, "pushpull --duration");
     let rows = json_lines(&out);
     assert_eq!(rows.len(), 2, "{out}");
     for r in rows {

@@ -99,9 +99,8 @@ fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
 
 /// Where a call's requests went, what they moved and when it started, for its metrics and
 /// the launcher's progress reports.
-#[derive(Default)]
 pub(crate) struct Note {
-    start: Option<std::time::Instant>,
+    start: std::time::Instant,
     servers: Vec<usize>,
     transports: Vec<&'static str>,
     /// The ranges of key numbers (at most 65, whatever the number of keys).
@@ -114,8 +113,15 @@ impl DistWorker {
     /// Counts a call's requests, and notes it for [`DistWorker::noted_end`].
     fn note(&mut self, reqs: &[Request]) -> Note {
         // The lists of an ended call's note are reused: no allocation per call.
-        let mut n = self.spare_notes.pop().unwrap_or_default();
-        n.start = Some(std::time::Instant::now());
+        let start = std::time::Instant::now();
+        let mut n = self.spare_notes.pop().unwrap_or_else(|| Note {
+            start,
+            servers: Vec::new(),
+            transports: Vec::new(),
+            ranges: Vec::new(),
+            bytes: 0,
+        });
+        n.start = start;
         n.servers.clear();
         n.transports.clear();
         n.ranges.clear();
@@ -151,13 +157,8 @@ impl DistWorker {
 
     /// A noted call ended.
     fn noted_end(&mut self, n: Note, ok: bool) {
-        self.metrics.call(
-            ok,
-            n.start.map(|t| t.elapsed()).unwrap_or_default(),
-            &n.servers,
-            &n.transports,
-            &n.ranges,
-        );
+        self.metrics
+            .call(ok, n.start.elapsed(), &n.servers, &n.transports, &n.ranges);
         crate::report::count_call(n.bytes);
         if self.spare_notes.len() < 64 {
             self.spare_notes.push(n);
