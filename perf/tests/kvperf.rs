@@ -26,6 +26,12 @@ fn kvperf_plotting<'a>(mut args: Vec<&'a str>, chart: &'a std::path::Path, what:
     out
 }
 
+/// A loopback port free a moment ago.
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port().to_string()
+}
+
 /// Whether a chart can be drawn here (its text needs a TrueType font); says so if not.
 fn have_font() -> bool {
     let found = std::env::var("KVPERF_FONT").is_ok()
@@ -280,12 +286,7 @@ fn bad_arguments_get_a_clear_message() {
 #[test]
 fn a_peer_that_vanishes_ends_the_run_with_an_error() {
     // Nobody listening: the connect gives up after --timeout.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port();
     let start = Instant::now();
     let (code, _, err) = kvperf(&[
         "lat",
@@ -356,12 +357,7 @@ fn a_peer_that_vanishes_ends_the_run_with_an_error() {
 
 #[test]
 fn lat_with_no_host_is_the_server_as_perftest_is() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port();
     let server = Command::new(env!("CARGO_BIN_EXE_kvperf"))
         .args([
             "lat",
