@@ -8,6 +8,8 @@ use crate::dtype::with_dtype;
 use crate::storage::{AlignedBuf, Storage};
 use crate::{DType, Device, Element, KvError, Result};
 
+mod lent;
+
 /// An n-dimensional array with a shape, a dtype, a device and contiguous (row-major) storage.
 ///
 /// Cloning is cheap (the storage is shared) and copy-on-write: writing through one clone never
@@ -72,45 +74,6 @@ impl NDArray {
     /// An f32 array of zeros, or an error where the size overflows.
     pub fn try_zeros(shape: &[usize]) -> Result<NDArray> {
         NDArray::try_zeros_dtype(shape, DType::F32)
-    }
-
-    /// An array over memory its caller owns, with no copy: pushes read it and pulls write it
-    /// in place. `owner` is dropped with the last clone of the array (or of a copy a failed
-    /// call kept); it keeps the memory valid until then. A peer never writes this memory
-    /// directly: what a pull brings is copied into it by this process, which stops once a call
-    /// has failed, so after any call returns nothing else writes it. (Over RDMA a pull lands
-    /// in the store's memory and is copied in.)
-    ///
-    /// # Safety
-    /// `ptr` addresses `shape`'s size times `dtype`'s size bytes, aligned for `dtype`, that stay
-    /// valid for reads and writes until `owner` is dropped, and that nothing else reads or
-    /// writes while the array, a clone of it, or a call using it is live.
-    pub unsafe fn from_raw_parts(
-        ptr: *mut u8,
-        shape: &[usize],
-        dtype: DType,
-        owner: Box<dyn std::any::Any + Send + Sync>,
-    ) -> Result<NDArray> {
-        let bytes = checked_bytes(shape, dtype)?;
-        let ptr = match std::ptr::NonNull::new(ptr) {
-            Some(p) if (p.as_ptr() as usize) % dtype.size() == 0 => p,
-            _ if bytes == 0 => std::ptr::NonNull::<u64>::dangling().cast(),
-            _ => {
-                return Err(KvError::Incompatible(format!(
-                    "memory at {ptr:p} is not aligned for {dtype}"
-                )))
-            }
-        };
-        Ok(NDArray {
-            shape: shape.to_vec(),
-            dtype,
-            device: Device::default(),
-            buf: Arc::new(Storage::External(crate::storage::External {
-                ptr,
-                len: bytes,
-                _owner: owner,
-            })),
-        })
     }
 
     /// An f32 array of zeros (MXNet's `nd.zeros`).

@@ -31,11 +31,24 @@ fn gpu_failed(e: crate::KvError) -> ! {
     panic!("a GPU failed while its array was read or written on the host: {e}")
 }
 
-/// Memory lent by its owner: `len` bytes at `ptr`, valid while `_owner` lives.
+/// Memory lent by its owner: `len` bytes at `ptr`, valid while `_owner` lives. Atomic (and
+/// read and written with relaxed ordering, as plain fields cost) so that
+/// [`crate::NDArray::repoint`] can point an array that shares its storage with nothing at
+/// other memory without `Arc::get_mut`'s locked instruction.
 pub(crate) struct External {
-    pub(crate) ptr: std::ptr::NonNull<u8>,
-    pub(crate) len: usize,
+    pub(crate) ptr: std::sync::atomic::AtomicPtr<u8>,
+    pub(crate) len: std::sync::atomic::AtomicUsize,
     pub(crate) _owner: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl External {
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 // SAFETY: the owner is Send and Sync and keeps the memory valid; `NDArray::from_raw_parts`'s
@@ -78,7 +91,7 @@ impl Storage {
             },
             // SAFETY: `NDArray::from_raw_parts`'s contract: valid for `len` bytes while the
             // owner lives, and used by no one else meanwhile; peers never write it.
-            Storage::External(e) => unsafe { std::slice::from_raw_parts(e.ptr.as_ptr(), e.len) },
+            Storage::External(e) => unsafe { std::slice::from_raw_parts(e.ptr(), e.len()) },
             #[cfg(feature = "cuda")]
             Storage::Device(d) => d.host().unwrap_or_else(|e| gpu_failed(e)),
         }
@@ -95,9 +108,7 @@ impl Storage {
                 )
             },
             // SAFETY: as in `bytes`; `&mut self` makes this the only access in this process.
-            Storage::External(e) => unsafe {
-                std::slice::from_raw_parts_mut(e.ptr.as_ptr(), e.len)
-            },
+            Storage::External(e) => unsafe { std::slice::from_raw_parts_mut(e.ptr(), e.len()) },
             #[cfg(feature = "cuda")]
             Storage::Device(d) => d.host_mut().unwrap_or_else(|e| gpu_failed(e)),
         }
@@ -142,7 +153,7 @@ unsafe impl kvstore_transport::Storage for Storage {
         match self {
             Storage::Heap(b) => b.as_mut_ptr(),
             Storage::Region(r) => r.storage().ptr(),
-            Storage::External(e) => e.ptr.as_ptr(),
+            Storage::External(e) => e.ptr(),
             // The host mirror: a transport moves GPU arrays through it.
             #[cfg(feature = "cuda")]
             Storage::Device(d) => d.mirror_ptr().unwrap_or_else(|e| gpu_failed(e)),
@@ -152,7 +163,7 @@ unsafe impl kvstore_transport::Storage for Storage {
         match self {
             Storage::Heap(b) => b.len,
             Storage::Region(r) => r.len(),
-            Storage::External(e) => e.len,
+            Storage::External(e) => e.len(),
             #[cfg(feature = "cuda")]
             Storage::Device(d) => d.len(),
         }

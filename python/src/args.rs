@@ -3,7 +3,7 @@
 use kvstore::Key;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::types::{PyInt, PyList, PyString, PyTuple};
 
 use crate::arrays::{lend, Lent};
 
@@ -18,6 +18,11 @@ pub(crate) fn is_list(obj: &Bound<'_, PyAny>) -> bool {
 }
 
 pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
+    if let Ok(i) = obj.cast_exact::<PyInt>() {
+        if let Ok(i) = i.extract::<i64>() {
+            return Ok(Key::Int(i));
+        }
+    }
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(Key::Str(s.to_str()?.to_string()));
     }

@@ -276,21 +276,30 @@ impl Drop for Held {
     }
 }
 
-/// A C-contiguous, aligned numpy array of a dtype the store has, in native byte order (and
-/// writable if asked), read from the array's own fields: no buffer export, whose format string
-/// numpy builds anew each time. `None` for anything else, which goes through the export and
-/// its error messages.
-fn lend_numpy(
-    a: &Bound<'_, numpy::PyUntypedArray>,
+/// Where a C-contiguous, aligned numpy array of a dtype the store has, in native byte order
+/// (and writable if asked), keeps its elements, and their shape and dtype, read from the
+/// array's own fields: no buffer export, whose format string numpy builds anew each time.
+/// `None` for anything else, which goes through the export and its error messages.
+fn numpy_parts<'a>(
+    a: &'a Bound<'_, numpy::PyUntypedArray>,
     writable: bool,
-    what: &str,
-) -> Option<PyResult<Lent>> {
-    use numpy::npyffi::{self, NPY_TYPES};
-    use numpy::{PyArrayDescrMethods, PyUntypedArrayMethods};
+) -> Option<(*mut u8, &'a [usize], DType)> {
+    use numpy::PyUntypedArrayMethods;
     let p = a.as_array_ptr();
     // SAFETY: `a` is a live numpy array (the type check passed, and the GIL is held), so `p`
     // points to its object, whose fields numpy keeps valid while the array lives.
     let (data, flags) = unsafe { ((*p).fields.data, (*p).fields.flags) };
+    if !lendable(flags, writable) {
+        return None;
+    }
+    let dtype = dtype_of_descr(&numpy::PyUntypedArrayMethods::dtype(a))?;
+    Some((data.cast::<u8>(), a.shape(), dtype))
+}
+
+/// Whether numpy's flags say an array is C-contiguous and aligned (and writable, if asked,
+/// and not a view numpy warns about writing).
+pub(crate) fn lendable(flags: std::ffi::c_int, writable: bool) -> bool {
+    use numpy::npyffi;
     let need = npyffi::NPY_ARRAY_C_CONTIGUOUS
         | npyffi::NPY_ARRAY_ALIGNED
         | if writable {
@@ -298,12 +307,15 @@ fn lend_numpy(
         } else {
             0
         };
-    // numpy's NPY_ARRAY_WARN_ON_WRITE (1 << 31): a view numpy warns about writing.
+    // numpy's NPY_ARRAY_WARN_ON_WRITE (1 << 31).
     let warn_on_write = std::ffi::c_int::MIN;
-    if flags & need != need || (writable && flags & warn_on_write != 0) {
-        return None;
-    }
-    let descr = a.dtype();
+    flags & need == need && !(writable && flags & warn_on_write != 0)
+}
+
+/// The store's dtype for a numpy dtype in native byte order, if it has one.
+pub(crate) fn dtype_of_descr(descr: &Bound<'_, numpy::PyArrayDescr>) -> Option<DType> {
+    use numpy::npyffi::NPY_TYPES;
+    use numpy::PyArrayDescrMethods;
     if descr.is_native_byteorder() == Some(false) {
         return None;
     }
@@ -326,10 +338,17 @@ fn lend_numpy(
     } else {
         return None;
     };
-    if descr.itemsize() != dtype.size() {
-        return None;
-    }
-    let shape = a.shape();
+    (descr.itemsize() == dtype.size()).then_some(dtype)
+}
+
+/// A numpy array [`numpy_parts`] takes, lent by a reference held for as long as the store
+/// uses it; `None` for anything else.
+fn lend_numpy(
+    a: &Bound<'_, numpy::PyUntypedArray>,
+    writable: bool,
+    what: &str,
+) -> Option<PyResult<Lent>> {
+    let (data, shape, dtype) = numpy_parts(a, writable)?;
     let len = shape.iter().product::<usize>() * dtype.size();
     let held = Box::new(Held(Some(a.clone().into_any().unbind())));
     // SAFETY: numpy's fields say `data` holds `shape`'s elements of `dtype`, C-contiguous and
@@ -337,7 +356,7 @@ fn lend_numpy(
     // drops `held`. The store reads them (a value) or writes them in place during a call, and a
     // peer never writes them (lent memory is written by this process only), so nothing lands
     // in them after a call returns.
-    let array = unsafe { NDArray::from_raw_parts(data.cast::<u8>(), shape, dtype, held) };
+    let array = unsafe { NDArray::from_raw_parts(data, shape, dtype, held) };
     Some(
         array
             .map(|array| Lent {

@@ -3,6 +3,8 @@
 
 mod args;
 mod arrays;
+mod claim;
+mod shell;
 mod store;
 mod updater;
 
@@ -114,6 +116,7 @@ fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     updater::register();
     store::watch_forks();
+    claim::check_gil(m.py())?;
     m.add_function(wrap_pyfunction!(create, m)?)?;
     m.add_class::<store::KVStore>()?;
     m.add_class::<arrays::Memory>()?;

@@ -10,6 +10,8 @@ use pyo3::types::PyDict;
 
 use crate::args::{is_list, keys, per_key, plan_outputs, KeyArg};
 use crate::arrays::Lent;
+use crate::claim::{Claim, Claimable};
+use crate::shell::{lend_into, Shell};
 use crate::{to_py, updater};
 
 /// Calls moving more bytes than this release the GIL in a local store (a distributed store's
@@ -39,6 +41,16 @@ pub(crate) fn take_signal() -> Option<PyErr> {
     SIGNAL.lock().ok().and_then(|mut s| s.take())
 }
 
+/// The store, and the shells its one-array calls lend numpy arrays through (a value's, an
+/// output's).
+struct State {
+    kv: Option<kvstore::KVStore>,
+    shells: [Option<Shell>; 2],
+    /// The last one-array call's key object (held, so that its address names it: keys are
+    /// immutable) and the key it is: a loop over the same keys reads each once.
+    last_key: Option<(Py<PyAny>, Key)>,
+}
+
 /// A key-value store with MXNet's KVStore API (create one with `kvstore.create`).
 ///
 /// Calls from several threads are serialised; a blocking call releases the GIL, and Ctrl-C
@@ -46,7 +58,7 @@ pub(crate) fn take_signal() -> Option<PyErr> {
 /// its parent's store.
 #[pyclass(module = "kvstore", frozen)]
 pub(crate) struct KVStore {
-    inner: Mutex<Option<kvstore::KVStore>>,
+    inner: Claimable<State>,
     name: String,
     pid: u32,
     forks: u64,
@@ -74,7 +86,11 @@ impl KVStore {
         KVStore {
             rank: kv.rank(),
             num_workers: kv.num_workers(),
-            inner: Mutex::new(Some(kv)),
+            inner: Claimable::new(State {
+                kv: Some(kv),
+                shells: [None, None],
+                last_key: None,
+            }),
             name: name.to_string(),
             pid: std::process::id(),
             forks: FORKS.load(Ordering::Relaxed),
@@ -97,22 +113,86 @@ impl KVStore {
                 self.pid
             )));
         }
-        let run = |g: &mut Option<kvstore::KVStore>| match g.as_mut() {
+        let run = |g: &mut State| match g.kv.as_mut() {
             Some(kv) => f(kv).map_err(Some),
             None => Err(None),
         };
-        let r = match self.inner.try_lock() {
-            Ok(mut g) if !self.dist && bytes <= DETACH_BYTES => run(&mut g),
-            Ok(g) => {
-                drop(g);
-                py.detach(|| run(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
-            }
-            Err(_) => py.detach(|| run(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()))),
+        let mut g = match self.inner.try_claim(py) {
+            Some(g) => g,
+            None => self.wait(py)?,
         };
+        let r = if !self.dist && bytes <= DETACH_BYTES {
+            run(&mut g)
+        } else {
+            py.detach(|| run(&mut g))
+        };
+        drop(g);
         r.map_err(|e| match e {
             Some(e) => to_py(e),
             None => PyRuntimeError::new_err("this KVStore is closed"),
         })
+    }
+
+    /// The store, once the thread using it lets it go, waited for without the GIL (that
+    /// thread may need it to finish), polled at most every millisecond: a store is held by
+    /// one thread at a time only where a program shares it between threads. An error where
+    /// this thread holds it (an updater calling its own store would wait for itself), and
+    /// where a signal's handler raises (Ctrl-C) meanwhile.
+    fn wait(&self, py: Python<'_>) -> PyResult<Claim<'_, State>> {
+        let mut pause = std::time::Duration::from_micros(10);
+        loop {
+            if self.inner.claimed_here(py) {
+                return Err(PyRuntimeError::new_err(
+                    "this KVStore is in the middle of a call on this thread: an updater \
+                     cannot call the store that runs it",
+                ));
+            }
+            py.detach(|| std::thread::sleep(pause));
+            py.check_signals()?;
+            if let Some(g) = self.inner.try_claim(py) {
+                return Ok(g);
+            }
+            pause = (pause * 2).min(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// The common call, a push or pull of one numpy array, with the array lent through a
+    /// reused shell: it allocates nothing. Without the GIL where it may wait or copy much, as
+    /// `call`. `None` where it does not apply (not a plain numpy array, a store another thread
+    /// holds, a forked child), and the general path makes the call.
+    fn one_array(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        obj: &Bound<'_, PyAny>,
+        writable: bool,
+        f: impl FnOnce(&mut kvstore::KVStore, &Key, &mut NDArray) -> kvstore::Result<()> + Send,
+    ) -> Option<PyResult<()>> {
+        if FORKS.load(Ordering::Relaxed) != self.forks {
+            return None;
+        }
+        let mut g = self.inner.try_claim(py)?;
+        let State {
+            kv,
+            shells,
+            last_key,
+        } = &mut *g;
+        let kv = kv.as_mut()?;
+        if !matches!(last_key, Some((o, _)) if o.as_ptr() == key.as_ptr()) {
+            match crate::args::key(key) {
+                Ok(k) => *last_key = Some((key.clone().unbind(), k)),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        let key = &last_key.as_ref()?.1;
+        let mut lent = lend_into(&mut shells[usize::from(writable)], obj, writable)?;
+        let a = lent.array()?;
+        let r = if self.dist || a.nbytes() > DETACH_BYTES {
+            py.detach(|| f(kv, key, a))
+        } else {
+            f(kv, key, a)
+        };
+        Some(r.map_err(to_py))
     }
 }
 
@@ -220,6 +300,13 @@ impl KVStore {
     ) -> PyResult<()> {
         if !is_list(key) && !is_list(value) {
             // One key, one array: the common call, with nothing to group.
+            let push = |kv: &mut kvstore::KVStore, k: &Key, v: &mut NDArray| match priority {
+                0 => kv.push(k, &*v),
+                p => kv.with_priority(p).push(k, &*v),
+            };
+            if let Some(r) = self.one_array(py, key, value, false, push) {
+                return r;
+            }
             let key = crate::args::key(key)?;
             let v = crate::arrays::lend(value, false, "value")?;
             return self.call(py, v.len, move |kv| {
@@ -251,6 +338,13 @@ impl KVStore {
         let out =
             out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
         if !is_list(key) && !is_list(out) {
+            let pull = |kv: &mut kvstore::KVStore, k: &Key, o: &mut NDArray| match priority {
+                0 => kv.pull(k, o),
+                p => kv.with_priority(p).pull(k, o),
+            };
+            if let Some(r) = self.one_array(py, key, out, true, pull) {
+                return r;
+            }
             let key = crate::args::key(key)?;
             let mut o = crate::arrays::lend(out, true, "out")?;
             return self.call(py, o.len, move |kv| {
@@ -493,11 +587,8 @@ impl Drop for KVStore {
         if FORKS.load(Ordering::Relaxed) != self.forks {
             // A forked child must not speak on its parent's links (a distributed store's
             // destructor says goodbye to the servers and the scheduler).
-            let inner = self
-                .inner
-                .get_mut()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if let Some(kv) = inner.take() {
+            let inner = self.inner.get_mut();
+            if let Some(kv) = inner.kv.take() {
                 std::mem::forget(kv);
             }
         }

@@ -1,0 +1,114 @@
+//! A value one call uses at a time (the store): claimed by a load and a store where the GIL
+//! keeps claims apart, so that a small call runs no locked instruction, which would wait for
+//! the previous call's copy to drain from the store buffer (a tenth of the call). Without a GIL
+//! (a free-threaded interpreter) a claim is a compare-and-swap.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+/// Whether the GIL serialises code that holds a `Python` token: set at import, where a
+/// free-threaded interpreter says it runs without one (it can turn a GIL on later, never off).
+static GIL_SERIALIZES: AtomicBool = AtomicBool::new(false);
+
+/// Reads, once, whether this interpreter has a GIL.
+pub(crate) fn check_gil(py: Python<'_>) -> PyResult<()> {
+    let sys = py.import("sys")?;
+    let gil = match sys.getattr("_is_gil_enabled") {
+        Ok(f) => f.call0()?.extract::<bool>()?,
+        Err(_) => true,
+    };
+    GIL_SERIALIZES.store(gil, Ordering::Relaxed);
+    Ok(())
+}
+
+/// A value, whether a call has claimed it, and the thread (its Python thread state) that did.
+pub(crate) struct Claimable<T> {
+    busy: AtomicBool,
+    owner: AtomicPtr<ffi::PyThreadState>,
+    value: UnsafeCell<T>,
+}
+
+/// This thread's Python thread state (the GIL is held, as the token says).
+fn this_thread(_py: Python<'_>) -> *mut ffi::PyThreadState {
+    // SAFETY: with the GIL held, the current thread state exists; only its address is kept.
+    unsafe { ffi::PyThreadState_Get() }
+}
+
+// SAFETY: the value is reached only through a `Claim`, of which at most one exists at a time
+// (see `try_claim`), so threads use it one after another; it moves between them (Send).
+unsafe impl<T: Send> Sync for Claimable<T> {}
+
+/// The use of a claimed value, released when dropped.
+pub(crate) struct Claim<'a, T> {
+    cell: &'a Claimable<T>,
+}
+
+impl<T> Claimable<T> {
+    pub(crate) fn new(value: T) -> Self {
+        Claimable {
+            busy: AtomicBool::new(false),
+            owner: AtomicPtr::new(std::ptr::null_mut()),
+            value: UnsafeCell::new(value),
+        }
+    }
+
+    /// Claims the value, or `None` while another claim holds it. The `Python` token says this
+    /// thread holds the GIL, so where the GIL serialises such code, no other claim can come
+    /// between the load and the store.
+    pub(crate) fn try_claim(&self, py: Python<'_>) -> Option<Claim<'_, T>> {
+        if GIL_SERIALIZES.load(Ordering::Relaxed) {
+            if self.busy.load(Ordering::Acquire) {
+                return None;
+            }
+            self.busy.store(true, Ordering::Relaxed);
+        } else if self
+            .busy
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return None;
+        }
+        self.owner.store(this_thread(py), Ordering::Relaxed);
+        Some(Claim { cell: self })
+    }
+
+    /// Whether this thread holds the claim: a call made while it runs (by an updater the call
+    /// runs) would wait for itself.
+    pub(crate) fn claimed_here(&self, py: Python<'_>) -> bool {
+        self.busy.load(Ordering::Acquire) && self.owner.load(Ordering::Relaxed) == this_thread(py)
+    }
+
+    /// The value, through exclusive access to the whole.
+    pub(crate) fn get_mut(&mut self) -> &mut T {
+        self.value.get_mut()
+    }
+}
+
+impl<T> std::ops::Deref for Claim<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: this claim is the only one (`try_claim`), and the value is reached only
+        // through a claim.
+        unsafe { &*self.cell.value.get() }
+    }
+}
+
+impl<T> std::ops::DerefMut for Claim<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: as in `deref`; `&mut self` makes this the only borrow through the claim.
+        unsafe { &mut *self.cell.value.get() }
+    }
+}
+
+impl<T> Drop for Claim<'_, T> {
+    fn drop(&mut self) {
+        self.cell
+            .owner
+            .store(std::ptr::null_mut(), Ordering::Relaxed);
+        // Release: the next claim (its acquiring load) sees what this one did.
+        self.cell.busy.store(false, Ordering::Release);
+    }
+}
