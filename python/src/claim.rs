@@ -4,9 +4,8 @@
 //! (a free-threaded interpreter) a claim is a compare-and-swap.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use pyo3::ffi;
 use pyo3::prelude::*;
 
 /// Whether the GIL serialises code that holds a `Python` token: set at import, where a
@@ -24,17 +23,10 @@ pub(crate) fn check_gil(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
-/// A value, whether a call has claimed it, and the thread (its Python thread state) that did.
+/// A value and whether a call has claimed it.
 pub(crate) struct Claimable<T> {
     busy: AtomicBool,
-    owner: AtomicPtr<ffi::PyThreadState>,
     value: UnsafeCell<T>,
-}
-
-/// This thread's Python thread state (the GIL is held, as the token says).
-fn this_thread(_py: Python<'_>) -> *mut ffi::PyThreadState {
-    // SAFETY: with the GIL held, the current thread state exists; only its address is kept.
-    unsafe { ffi::PyThreadState_Get() }
 }
 
 // SAFETY: the value is reached only through a `Claim`, of which at most one exists at a time
@@ -50,7 +42,6 @@ impl<T> Claimable<T> {
     pub(crate) fn new(value: T) -> Self {
         Claimable {
             busy: AtomicBool::new(false),
-            owner: AtomicPtr::new(std::ptr::null_mut()),
             value: UnsafeCell::new(value),
         }
     }
@@ -58,7 +49,7 @@ impl<T> Claimable<T> {
     /// Claims the value, or `None` while another claim holds it. The `Python` token says this
     /// thread holds the GIL, so where the GIL serialises such code, no other claim can come
     /// between the load and the store.
-    pub(crate) fn try_claim(&self, py: Python<'_>) -> Option<Claim<'_, T>> {
+    pub(crate) fn try_claim(&self, _py: Python<'_>) -> Option<Claim<'_, T>> {
         if GIL_SERIALIZES.load(Ordering::Relaxed) {
             if self.busy.load(Ordering::Acquire) {
                 return None;
@@ -71,14 +62,7 @@ impl<T> Claimable<T> {
         {
             return None;
         }
-        self.owner.store(this_thread(py), Ordering::Relaxed);
         Some(Claim { cell: self })
-    }
-
-    /// Whether this thread holds the claim: a call made while it runs (by an updater the call
-    /// runs) would wait for itself.
-    pub(crate) fn claimed_here(&self, py: Python<'_>) -> bool {
-        self.busy.load(Ordering::Acquire) && self.owner.load(Ordering::Relaxed) == this_thread(py)
     }
 
     /// The value, through exclusive access to the whole.
@@ -105,9 +89,6 @@ impl<T> std::ops::DerefMut for Claim<'_, T> {
 
 impl<T> Drop for Claim<'_, T> {
     fn drop(&mut self) {
-        self.cell
-            .owner
-            .store(std::ptr::null_mut(), Ordering::Relaxed);
         // Release: the next claim (its acquiring load) sees what this one did.
         self.cell.busy.store(false, Ordering::Release);
     }

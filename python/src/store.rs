@@ -133,6 +133,11 @@ impl KVStore {
         })
     }
 
+    /// Where this store lives: what names it to its updater's calls.
+    fn address(&self) -> usize {
+        self as *const KVStore as usize
+    }
+
     /// The store, once the thread using it lets it go, waited for without the GIL (that
     /// thread may need it to finish), polled at most every millisecond: a store is held by
     /// one thread at a time only where a program shares it between threads. An error where
@@ -141,7 +146,7 @@ impl KVStore {
     fn wait(&self, py: Python<'_>) -> PyResult<Claim<'_, State>> {
         let mut pause = std::time::Duration::from_micros(10);
         loop {
-            if self.inner.claimed_here(py) {
+            if updater::running_for(self.address()) {
                 return Err(PyRuntimeError::new_err(
                     "this KVStore is in the middle of a call on this thread: an updater \
                      cannot call the store that runs it",
@@ -466,8 +471,11 @@ impl KVStore {
             return self.call(py, 0, move |kv| kv.set_server_updater(&name));
         }
         let f = updater.clone().unbind();
+        let me = self.address();
         self.call(py, 0, move |kv| {
-            kv.set_updater(move |k: &Key, i: &NDArray, s: &mut NDArray| updater::run(&f, k, i, s))
+            kv.set_updater(move |k: &Key, i: &NDArray, s: &mut NDArray| {
+                updater::run_for(me, &f, k, i, s)
+            })
         })
     }
 

@@ -1,7 +1,7 @@
 //! Python updaters, `update(key, input, stored)`, on numpy views of the store's memory: in a
 //! local store, and on the servers of a distributed one (shipped pickled, by value).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
 use kvstore::{DType, Key, KvError, NDArray, SharedUpdater};
@@ -21,6 +21,28 @@ thread_local! {
     /// The exception an updater raised in this thread, re-raised as itself by the call that
     /// ran the updater.
     static RAISED: RefCell<Option<PyErr>> = const { RefCell::new(None) };
+    /// The store (its address) whose call runs an updater in this thread now, if any.
+    static RUNNING_FOR: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Whether this thread is running an updater for the store at `store`: a call it makes to
+/// that store would wait for the call that runs it.
+pub(crate) fn running_for(store: usize) -> bool {
+    RUNNING_FOR.with(|r| r.get() == store)
+}
+
+/// [`run`], for the store at `store` (a local store's updater).
+pub(crate) fn run_for(
+    store: usize,
+    f: &Py<PyAny>,
+    key: &Key,
+    input: &NDArray,
+    stored: &mut NDArray,
+) -> kvstore::Result<()> {
+    let outer = RUNNING_FOR.with(|r| r.replace(store));
+    let result = run(f, key, input, stored);
+    RUNNING_FOR.with(|r| r.set(outer));
+    result
 }
 
 /// The exception the last updater run in this thread raised, if any (taken).

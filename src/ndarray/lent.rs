@@ -105,7 +105,10 @@ impl NDArray {
         e.ptr.store(p.as_ptr(), Ordering::Relaxed);
         e.len.store(bytes, Ordering::Relaxed);
         self.shape.clear();
-        self.shape.extend_from_slice(shape);
+        // Element by element: an array has a few dimensions, fewer than a memcpy call costs.
+        for &n in shape {
+            self.shape.push(n);
+        }
         self.dtype = dtype;
         self.device = Device::default();
         Ok(())
