@@ -201,6 +201,11 @@ impl KVStore {
     }
 }
 
+/// One load per 64-byte line of `b`, kept from being optimised away.
+fn read_lines(b: &[u8]) {
+    std::hint::black_box(b.iter().step_by(64).fold(0u8, |a, &x| a ^ x));
+}
+
 fn nbytes(lists: &[Vec<Lent>]) -> usize {
     lists.iter().flatten().map(|l| l.len).sum()
 }
@@ -524,8 +529,13 @@ impl KVStore {
     /// Does nothing: the cost of an empty method call, the reference of `benches/layer_cost.py`.
     fn _nop(&self) {}
 
-    /// The same push + pull loop in Rust, for `benches/layer_cost.py`: `iters` pushes of a copy of `value`
-    /// to `key` and pulls into a copy of `out`, in the store's own arrays; the seconds it took.
+    /// The same push + pull loop in Rust, for `benches/layer_cost.py`: `iters` pushes of
+    /// `value` to `key` and pulls into `out`, over copies in the store's own arrays or, `lent`,
+    /// over the arrays' own memory as a Rust caller lends it; with `read`, each pull is
+    /// followed by a read of what it brought (one load per cache line, as a training step's
+    /// compute reads its weights). The seconds it took.
+    #[pyo3(signature = (key, value, out, iters, lent = false, read = false))]
+    #[allow(clippy::too_many_arguments)]
     fn _rust_push_pull_loop(
         &self,
         py: Python<'_>,
@@ -533,20 +543,43 @@ impl KVStore {
         value: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         iters: usize,
+        lent: bool,
+        read: bool,
     ) -> PyResult<f64> {
         let k = keys(key)?.keys.remove(0);
-        let copy =
-            |l: Lent| NDArray::from_bytes(l.array.shape(), l.array.dtype(), l.array.as_bytes());
-        let v = copy(crate::arrays::lend(value, false, "value")?).map_err(to_py)?;
-        let mut o = copy(crate::arrays::lend(out, true, "out")?).map_err(to_py)?;
+        let arrays = |l: Lent| match lent {
+            true => Ok(l.array),
+            false => NDArray::from_bytes(l.array.shape(), l.array.dtype(), l.array.as_bytes()),
+        };
+        let v = arrays(crate::arrays::lend(value, false, "value")?).map_err(to_py)?;
+        let mut o = arrays(crate::arrays::lend(out, true, "out")?).map_err(to_py)?;
         self.call(py, usize::MAX, move |kv| {
             let t = std::time::Instant::now();
             for _ in 0..iters {
                 kv.push(k.clone(), &v)?;
                 kv.pull(k.clone(), &mut o)?;
+                if read {
+                    read_lines(o.as_bytes());
+                }
             }
             Ok(t.elapsed().as_secs_f64())
         })
+    }
+
+    /// Reads `out` as `_rust_push_pull_loop` reads what a pull brought, for the Python loop of
+    /// `benches/layer_cost.py` that does the same.
+    /// (Lent as a pushed value is, at the cost of a claim beyond the empty call's.)
+    fn _read(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut g = self
+            .inner
+            .try_claim(py)
+            .ok_or_else(|| PyRuntimeError::new_err("the store is busy"))?;
+        let mut lent = lend_into(&mut g.shells[0], out, false)
+            .ok_or_else(|| PyTypeError::new_err("_read takes a C-contiguous numpy array"))?;
+        if let Some(a) = lent.array() {
+            read_lines(a.as_bytes());
+        }
+        Ok(())
     }
 
     /// Whether the store can do `capability`: 'optimizer' (run an optimizer in the store).
