@@ -104,7 +104,7 @@ impl fmt::Display for PeerId {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Token(pub u64);
 
-pub use crate::memory::{Mem, Storage};
+pub use crate::memory::{DmaBuf, Mem, Storage};
 pub(crate) use crate::region::{fresh_id, Place};
 pub use crate::region::{Access, Region, RemoteRegion, REMOTE_LEN};
 

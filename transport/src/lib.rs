@@ -28,8 +28,8 @@ mod table;
 pub mod tcp;
 
 pub use backend::{
-    wait, Access, Backend, Completion, Lent, Mem, PeerId, Region, RemoteRegion, Sent, Storage,
-    Token, IMM_BITS, REMOTE_LEN,
+    wait, Access, Backend, Completion, DmaBuf, Lent, Mem, PeerId, Region, RemoteRegion, Sent,
+    Storage, Token, IMM_BITS, REMOTE_LEN,
 };
 pub use error::TransportError;
 pub use frame::{FrameHeader, HEADER_LEN, META_LEN};

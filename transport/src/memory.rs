@@ -27,6 +27,24 @@ pub unsafe trait Storage: Send + Sync + 'static {
     fn peer_may_write(&self) -> bool {
         true
     }
+    /// Where the bytes also live in device memory that a dma-buf exports (a GPU's): the RDMA
+    /// backend registers that (`ibv_reg_dmabuf_mr`, the NIC reading and writing the device
+    /// memory itself) where the device takes it, and the host bytes at [`Storage::ptr`]
+    /// otherwise. `None`, the default: host memory only. A storage that names one holds the
+    /// descriptor open while it lives, and keeps both copies in step around a backend's use.
+    fn dmabuf(&self) -> Option<DmaBuf> {
+        None
+    }
+}
+
+/// Device memory exported as a dma-buf: its descriptor, and where a storage's bytes start in
+/// it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DmaBuf {
+    /// The dma-buf's file descriptor.
+    pub fd: std::os::fd::RawFd,
+    /// The offset of the storage's first byte in it.
+    pub offset: u64,
 }
 
 /// Plain heap memory, 64-byte aligned and zeroed, for a backend to read and write. It hands

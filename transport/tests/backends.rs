@@ -246,3 +246,188 @@ fn rdma_without_a_device_is_a_clean_error() {
         }
     }
 }
+
+/// A dma-buf of `len` bytes exported by the first DRM device (vgem in the test VM: its dumb
+/// buffers, exported with PRIME), mapped here; closed and unmapped when dropped.
+#[cfg(feature = "rdma")]
+struct DmaBufMem {
+    host: Box<[u8]>,
+    map: *mut u8,
+    len: usize,
+    buf: std::os::fd::OwnedFd,
+    _card: std::os::fd::OwnedFd,
+}
+
+#[cfg(feature = "rdma")]
+impl DmaBufMem {
+    fn new(len: usize) -> DmaBufMem {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        #[repr(C)]
+        struct CreateDumb {
+            height: u32,
+            width: u32,
+            bpp: u32,
+            flags: u32,
+            handle: u32,
+            pitch: u32,
+            size: u64,
+        }
+        #[repr(C)]
+        struct PrimeHandle {
+            handle: u32,
+            flags: u32,
+            fd: i32,
+        }
+        // _IOWR('d', 0xb2, struct drm_mode_create_dumb), _IOWR('d', 0x2d, struct
+        // drm_prime_handle).
+        const CREATE_DUMB: libc::c_ulong = 0xc020_64b2;
+        const PRIME_HANDLE_TO_FD: libc::c_ulong = 0xc00c_642d;
+        let card = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/dri/card0")
+            .expect("a DRM device for dma-bufs (the test VM loads vgem)");
+        let mut c = CreateDumb {
+            height: 1,
+            width: u32::try_from(len).unwrap(),
+            bpp: 8,
+            flags: 0,
+            handle: 0,
+            pitch: 0,
+            size: 0,
+        };
+        // SAFETY: the request's argument is a `drm_mode_create_dumb`, laid out as the kernel's.
+        let rc = unsafe { libc::ioctl(card.as_raw_fd(), CREATE_DUMB, &mut c) };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        assert!(c.size >= len as u64);
+        let mut p = PrimeHandle {
+            handle: c.handle,
+            flags: (libc::O_CLOEXEC | libc::O_RDWR) as u32,
+            fd: -1,
+        };
+        // SAFETY: the argument is a `drm_prime_handle`, laid out as the kernel's.
+        let rc = unsafe { libc::ioctl(card.as_raw_fd(), PRIME_HANDLE_TO_FD, &mut p) };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: the call returned a new descriptor, owned here from now on.
+        let buf = unsafe { OwnedFd::from_raw_fd(p.fd) };
+        // SAFETY: maps `len` bytes of the dma-buf, shared; unmapped in `Drop`.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                buf.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+        DmaBufMem {
+            host: vec![0u8; len].into_boxed_slice(),
+            map: map.cast(),
+            len,
+            buf,
+            _card: card.into(),
+        }
+    }
+
+    /// Writes `data` into both copies: the host bytes and the device memory.
+    fn fill(&mut self, data: &[u8]) {
+        self.host.copy_from_slice(data);
+        // SAFETY: the mapping is `len` bytes, writable, and no reference covers it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.map, self.len) };
+    }
+}
+
+#[cfg(feature = "rdma")]
+impl Drop for DmaBufMem {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.map.cast(), self.len) };
+    }
+}
+
+// SAFETY: the host bytes are a buffer this value owns, at a fixed address, reached by copies
+// only while a backend holds it; the descriptor stays open while it lives.
+#[cfg(feature = "rdma")]
+unsafe impl kvstore_transport::Storage for DmaBufMem {
+    fn ptr(&self) -> *mut u8 {
+        self.host.as_ptr().cast_mut()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn dmabuf(&self) -> Option<kvstore_transport::DmaBuf> {
+        use std::os::fd::AsRawFd;
+        Some(kvstore_transport::DmaBuf {
+            fd: self.buf.as_raw_fd(),
+            offset: 0,
+        })
+    }
+}
+
+// SAFETY: the pointers are only addresses of memory this value owns.
+#[cfg(feature = "rdma")]
+unsafe impl Send for DmaBufMem {}
+// SAFETY: as above.
+#[cfg(feature = "rdma")]
+unsafe impl Sync for DmaBufMem {}
+
+/// Storage that names a dma-buf (device memory) is registered with `ibv_reg_dmabuf_mr` first;
+/// rxe refuses it, and its host bytes are registered instead: a put from it, and a put into a
+/// grant of it, carry and land the right bytes. (With a NIC that takes dma-bufs the device
+/// memory itself would be registered; none is at hand.)
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_dmabuf_memory_is_tried_then_its_host_bytes_are_registered() {
+    use kvstore_transport::{RdmaBackend, Sent, Token};
+    let (mut a, to_b, mut b, to_a) = pair(Kind::Rdma);
+    let dmabuf = |s: &Side| {
+        // SAFETY: the box holds an `RdmaBackend` (made by `pair(Kind::Rdma)`).
+        let r: &RdmaBackend =
+            unsafe { &*(s.b.as_ref() as *const dyn Backend as *const RdmaBackend) };
+        let (tried, taken, why) = r.dmabuf_registrations();
+        (tried, taken, why.map(str::to_string))
+    };
+    let data = pattern(4096, 3);
+    let mut src = DmaBufMem::new(4096);
+    src.fill(&data);
+    let src = a.b.register(std::sync::Arc::new(src)).unwrap();
+    let (tried, taken, why) = dmabuf(&a);
+    assert_eq!((tried, taken), (1, 0), "tried, and refused by rxe");
+    assert!(
+        why.as_ref()
+            .is_some_and(|w| w.starts_with("ibv_reg_dmabuf_mr: ")),
+        "{why:?}"
+    );
+    let dst = heap(&mut b, &[0u8; 4096]);
+    let g = grant_to(&mut b, to_a, &dst, 0..4096);
+    // SAFETY: `src` is not written until the put completes.
+    let sent = unsafe { a.b.put(to_b, &src, 0..4096, &g, 0, 7, Token(1)) };
+    assert_eq!(sent.unwrap(), Sent::Posted);
+    drive(&mut a, &mut b, |a, b| {
+        a.log.contains(&Ev::Done(1)) && b.log.iter().any(|e| matches!(e, Ev::Put(..)))
+    });
+    assert_eq!(read(&dst), data);
+    a.take();
+    b.take();
+
+    // The other way: a grant of such storage, written by the peer.
+    let mut land = DmaBufMem::new(4096);
+    land.fill(&[0u8; 4096]);
+    let land = b.b.register(std::sync::Arc::new(land)).unwrap();
+    let (tried, taken, _) = dmabuf(&b);
+    assert_eq!((tried, taken), (1, 0));
+    let g = grant_to(&mut b, to_a, &land, 0..4096);
+    let (tried, taken, why) = dmabuf(&b);
+    assert_eq!((tried, taken), (2, 0), "the grant tried it too");
+    println!("rxe's answer: {}", why.unwrap_or_default());
+    let from = heap(&mut a, &pattern(4096, 9));
+    // SAFETY: `from` is not written until the put completes.
+    let sent = unsafe { a.b.put(to_b, &from, 0..4096, &g, 0, 8, Token(2)) };
+    assert_eq!(sent.unwrap(), Sent::Posted);
+    drive(&mut a, &mut b, |a, b| {
+        a.log.contains(&Ev::Done(2)) && b.log.iter().any(|e| matches!(e, Ev::Put(..)))
+    });
+    assert_eq!(read(&land), pattern(4096, 9));
+}

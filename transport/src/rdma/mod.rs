@@ -25,6 +25,8 @@
 //!   the registration goes, and only then does the revoke complete.
 //! - **Registration** of memory for sends and puts is cached by storage identity (the `Arc`
 //!   the region holds, checked alive through a weak reference), never by address alone.
+//!   Storage that names a dma-buf (device memory) is registered through it where the device
+//!   takes it (`ibv_reg_dmabuf_mr`), and by its host bytes otherwise.
 //! - **Completions**: one completion queue on a channel whose descriptor, with the listener's
 //!   and the peers' sockets and the device's asynchronous events, is what a loop sleeps on.
 
@@ -267,6 +269,9 @@ pub struct RdmaBackend {
     lost: VecDeque<(PeerId, TransportError)>,
     armed: bool,
     registrations: u64,
+    /// Registrations of storage that names a dma-buf: tried, taken by the device, and why the
+    /// last refused one was.
+    dmabuf: (u64, u64, Option<String>),
     /// Progress calls, and when the event descriptors (listener, TCP links, device events)
     /// were last looked at: a busy loop looks every [`EVENTS_EVERY`], not on every call (each
     /// look is a system call, which the completion path does not need).
@@ -377,6 +382,7 @@ impl RdmaBackend {
             lost: VecDeque::new(),
             armed: false,
             registrations: 0,
+            dmabuf: (0, 0, None),
             calls: 0,
             last_events: std::time::Instant::now(),
             early: Vec::new(),
@@ -430,8 +436,27 @@ impl RdmaBackend {
             r.len(),
             LOCAL | REMOTE_READ,
         )?);
+        self.count_dmabuf(r, &mr);
         self.cache.insert(key, (Arc::downgrade(&r.mem), mr.clone()));
         Ok(mr)
+    }
+
+    /// Counts a registration of storage that names a dma-buf.
+    fn count_dmabuf(&mut self, r: &Region, mr: &Mr) {
+        if r.mem.dmabuf().is_some() {
+            self.dmabuf.0 += 1;
+            self.dmabuf.1 += u64::from(mr.on_device);
+            if let Some(why) = &mr.dmabuf_refused {
+                self.dmabuf.2 = Some(why.clone());
+            }
+        }
+    }
+
+    /// Registrations of storage that names a dma-buf ([`crate::Storage::dmabuf`]): how many
+    /// were tried, how many the device took (the rest registered the host bytes), and why it
+    /// refused the last one it refused.
+    pub fn dmabuf_registrations(&self) -> (u64, u64, Option<&str>) {
+        (self.dmabuf.0, self.dmabuf.1, self.dmabuf.2.as_deref())
     }
 
     /// Registrations made so far (a cache hit makes none): for tests of the cache.

@@ -63,6 +63,7 @@ impl Backend for RdmaBackend {
             range.len(),
             LOCAL | REMOTE_WRITE,
         )?;
+        self.count_dmabuf(r, &mr);
         // A slot with the peer, while there is one: a put that fills the grant is then one
         // WRITE_WITH_IMM naming it.
         let seq = self.next_grant;

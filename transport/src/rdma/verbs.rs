@@ -221,6 +221,11 @@ pub(crate) struct Mr {
     pub(crate) addr: u64,
     pub(crate) lkey: u32,
     pub(crate) rkey: u32,
+    /// Whether the registration is of the storage's dma-buf (the device memory), not its
+    /// host bytes.
+    pub(crate) on_device: bool,
+    /// Why the device refused the storage's dma-buf, where it named one.
+    pub(crate) dmabuf_refused: Option<String>,
 }
 
 // SAFETY: as for `Context`; the storage is `Send + Sync`.
@@ -264,6 +269,42 @@ impl Mr {
         }
         // SAFETY: in bounds (checked); the storage lives as long as the MR (held below).
         let addr = unsafe { mem.ptr().add(at) };
+        let mut refused = None;
+        if let Some(d) = mem.dmabuf() {
+            // The device memory, at the host bytes' address as its I/O address (so that work
+            // requests name the same addresses either way); the host bytes where the device
+            // refuses (rxe does, and so does a NIC without dma-buf support).
+            // SAFETY: a live PD; the storage holds the descriptor open and `at..at + len` of
+            // its bytes lie at `offset + at` in the dma-buf (its contract).
+            let ptr = unsafe {
+                ffi::ibv_reg_dmabuf_mr(
+                    pd.ptr,
+                    d.offset + at as u64,
+                    len.max(1),
+                    addr as u64,
+                    d.fd,
+                    access as i32,
+                )
+            };
+            if !ptr.is_null() {
+                // SAFETY: a live MR returned by the call.
+                let (lkey, rkey) = unsafe { ((*ptr).lkey, (*ptr).rkey) };
+                return Ok(Mr {
+                    ptr,
+                    _mem: None,
+                    _pd: pd.clone(),
+                    addr: addr as u64,
+                    lkey,
+                    rkey,
+                    on_device: true,
+                    dmabuf_refused: None,
+                });
+            }
+            refused = Some(format!(
+                "ibv_reg_dmabuf_mr: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
         // SAFETY: a live PD; `addr..addr+len` is valid memory of `mem` (its contract).
         let ptr = unsafe { ffi::ibv_reg_mr(pd.ptr, addr.cast(), len.max(1), access as i32) };
         if ptr.is_null() {
@@ -284,6 +325,8 @@ impl Mr {
             addr: addr as u64,
             lkey,
             rkey,
+            on_device: false,
+            dmabuf_refused: refused,
         })
     }
 }
