@@ -4,7 +4,8 @@
 //! (a free-threaded interpreter) a claim is a compare-and-swap.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
 
 use pyo3::prelude::*;
 
@@ -23,9 +24,13 @@ pub(crate) fn check_gil(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
-/// A value and whether a call has claimed it.
+/// A value, whether a call has claimed it, and the threads waiting for it: registered, and
+/// woken when a claim is released.
 pub(crate) struct Claimable<T> {
     busy: AtomicBool,
+    waiters: AtomicUsize,
+    gate: Mutex<()>,
+    released: Condvar,
     value: UnsafeCell<T>,
 }
 
@@ -42,6 +47,9 @@ impl<T> Claimable<T> {
     pub(crate) fn new(value: T) -> Self {
         Claimable {
             busy: AtomicBool::new(false),
+            waiters: AtomicUsize::new(0),
+            gate: Mutex::new(()),
+            released: Condvar::new(),
             value: UnsafeCell::new(value),
         }
     }
@@ -63,6 +71,23 @@ impl<T> Claimable<T> {
             return None;
         }
         Some(Claim { cell: self })
+    }
+
+    /// Waits without the GIL until a claim is released, or at most `most`; then the caller
+    /// tries to claim again. Waiters register with the GIL held, and claims are released with
+    /// it held, so a release sees every waiter that came before it; a waiter checks the claim
+    /// again under the gate the release notifies under, so none sleeps through a release.
+    /// (`most` bounds what a free-threaded interpreter could miss.)
+    pub(crate) fn wait_released(&self, py: Python<'_>, most: std::time::Duration) {
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let (gate, released, busy) = (&self.gate, &self.released, &self.busy);
+        py.detach(|| {
+            let gate = gate.lock().unwrap_or_else(|p| p.into_inner());
+            if busy.load(Ordering::Acquire) {
+                drop(released.wait_timeout(gate, most));
+            }
+        });
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// The value, through exclusive access to the whole.
@@ -91,5 +116,9 @@ impl<T> Drop for Claim<'_, T> {
     fn drop(&mut self) {
         // Release: the next claim (its acquiring load) sees what this one did.
         self.cell.busy.store(false, Ordering::Release);
+        if self.cell.waiters.load(Ordering::Relaxed) != 0 {
+            let _gate = self.cell.gate.lock().unwrap_or_else(|p| p.into_inner());
+            self.cell.released.notify_all();
+        }
     }
 }

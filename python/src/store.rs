@@ -139,12 +139,10 @@ impl KVStore {
     }
 
     /// The store, once the thread using it lets it go, waited for without the GIL (that
-    /// thread may need it to finish), polled at most every millisecond: a store is held by
-    /// one thread at a time only where a program shares it between threads. An error where
-    /// this thread holds it (an updater calling its own store would wait for itself), and
-    /// where a signal's handler raises (Ctrl-C) meanwhile.
+    /// thread may need it to finish) and woken by its release. An error where this thread
+    /// holds it (an updater calling its own store would wait for itself), and where a signal's
+    /// handler raises (Ctrl-C) meanwhile.
     fn wait(&self, py: Python<'_>) -> PyResult<Claim<'_, State>> {
-        let mut pause = std::time::Duration::from_micros(10);
         loop {
             if updater::running_for(self.address()) {
                 return Err(PyRuntimeError::new_err(
@@ -152,12 +150,12 @@ impl KVStore {
                      cannot call the store that runs it",
                 ));
             }
-            py.detach(|| std::thread::sleep(pause));
+            self.inner
+                .wait_released(py, std::time::Duration::from_millis(1));
             py.check_signals()?;
             if let Some(g) = self.inner.try_claim(py) {
                 return Ok(g);
             }
-            pause = (pause * 2).min(std::time::Duration::from_millis(1));
         }
     }
 
