@@ -12,7 +12,7 @@
 //! - [`Channel`]: a segment holding two rings, their wake words and a pool: what one pair of
 //!   processes needs to talk.
 //!
-//! Every `unsafe` block is in [`segment`], where the mapping is read and written.
+//! Every `unsafe` block is in `segment`, where the mapping is read and written.
 #![deny(missing_docs)]
 
 mod channel;

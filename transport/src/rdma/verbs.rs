@@ -269,6 +269,20 @@ impl Mr {
         }
         // SAFETY: in bounds (checked); the storage lives as long as the MR (held below).
         let addr = unsafe { mem.ptr().add(at) };
+        let made = |ptr: *mut ffi::ibv_mr, on_device: bool, dmabuf_refused: Option<String>| {
+            // SAFETY: a live MR a registration call returned.
+            let (lkey, rkey) = unsafe { ((*ptr).lkey, (*ptr).rkey) };
+            Mr {
+                ptr,
+                _mem: None,
+                _pd: pd.clone(),
+                addr: addr as u64,
+                lkey,
+                rkey,
+                on_device,
+                dmabuf_refused,
+            }
+        };
         let mut refused = None;
         if let Some(d) = mem.dmabuf() {
             // The device memory, at the host bytes' address as its I/O address (so that work
@@ -287,18 +301,7 @@ impl Mr {
                 )
             };
             if !ptr.is_null() {
-                // SAFETY: a live MR returned by the call.
-                let (lkey, rkey) = unsafe { ((*ptr).lkey, (*ptr).rkey) };
-                return Ok(Mr {
-                    ptr,
-                    _mem: None,
-                    _pd: pd.clone(),
-                    addr: addr as u64,
-                    lkey,
-                    rkey,
-                    on_device: true,
-                    dmabuf_refused: None,
-                });
+                return Ok(made(ptr, true, None));
             }
             refused = Some(format!(
                 "ibv_reg_dmabuf_mr: {}",
@@ -316,18 +319,7 @@ impl Mr {
                 "ibv_reg_mr of {len} bytes: {e}"
             )));
         }
-        // SAFETY: a live MR returned by the call.
-        let (lkey, rkey) = unsafe { ((*ptr).lkey, (*ptr).rkey) };
-        Ok(Mr {
-            ptr,
-            _mem: None,
-            _pd: pd.clone(),
-            addr: addr as u64,
-            lkey,
-            rkey,
-            on_device: false,
-            dmabuf_refused: refused,
-        })
+        Ok(made(ptr, false, refused))
     }
 }
 

@@ -1,0 +1,201 @@
+//! How the `KVStore` class makes its calls: the store claimed for one call at a time, without
+//! the GIL where a call may wait or copy much; the common call (one key, one numpy array)
+//! through reused shells; lists of arrays through lent arrays.
+
+use std::sync::atomic::Ordering;
+
+use kvstore::{Key, Keys, NDArray, Outputs};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use super::{KVStore, State, DETACH_BYTES, FORKS, SIGNAL};
+use crate::args::{plan_outputs, KeyArg};
+use crate::arrays::Lent;
+use crate::claim::{Claim, Claimable};
+use crate::shell::lend_into;
+use crate::{to_py, updater};
+
+impl KVStore {
+    pub(crate) fn new(mut kv: kvstore::KVStore, name: &str) -> KVStore {
+        let dist = kv.type_name().starts_with("dist");
+        if dist {
+            kv.set_interrupt_check(|| {
+                Python::attach(|py| match py.check_signals() {
+                    Ok(()) => false,
+                    Err(e) => {
+                        if let Ok(mut s) = SIGNAL.lock() {
+                            *s = Some(e);
+                        }
+                        true
+                    }
+                })
+            });
+        }
+        KVStore {
+            rank: kv.rank(),
+            num_workers: kv.num_workers(),
+            inner: Claimable::new(State {
+                kv: Some(kv),
+                shells: [None, None],
+                last_key: None,
+            }),
+            name: name.to_string(),
+            pid: std::process::id(),
+            forks: FORKS.load(Ordering::Relaxed),
+            dist,
+        }
+    }
+
+    /// Runs `f` on the store, locked for the call: without the GIL where it may wait or copy
+    /// much, or where another thread holds the store (it may need the GIL to finish).
+    pub(super) fn call<R: Send>(
+        &self,
+        py: Python<'_>,
+        bytes: usize,
+        f: impl FnOnce(&mut kvstore::KVStore) -> kvstore::Result<R> + Send,
+    ) -> PyResult<R> {
+        if FORKS.load(Ordering::Relaxed) != self.forks {
+            return Err(PyRuntimeError::new_err(format!(
+                "this KVStore was created in process {}; a child made by fork cannot use its \
+                 parent's store (create one in the child)",
+                self.pid
+            )));
+        }
+        let run = |g: &mut State| match g.kv.as_mut() {
+            Some(kv) => f(kv).map_err(Some),
+            None => Err(None),
+        };
+        let mut g = match self.inner.try_claim(py) {
+            Some(g) => g,
+            None => self.wait(py)?,
+        };
+        let r = if !self.dist && bytes <= DETACH_BYTES {
+            run(&mut g)
+        } else {
+            py.detach(|| run(&mut g))
+        };
+        drop(g);
+        r.map_err(|e| match e {
+            Some(e) => to_py(e),
+            None => PyRuntimeError::new_err("this KVStore is closed"),
+        })
+    }
+
+    /// Where this store lives: what names it to its updater's calls.
+    pub(super) fn address(&self) -> usize {
+        self as *const KVStore as usize
+    }
+
+    /// The store, once the thread using it lets it go, waited for without the GIL (that
+    /// thread may need it to finish) and woken by its release. An error where this thread
+    /// holds it (an updater calling its own store would wait for itself), and where a signal's
+    /// handler raises (Ctrl-C) meanwhile.
+    fn wait(&self, py: Python<'_>) -> PyResult<Claim<'_, State>> {
+        loop {
+            if updater::running_for(self.address()) {
+                return Err(PyRuntimeError::new_err(
+                    "this KVStore is in the middle of a call on this thread: an updater \
+                     cannot call the store that runs it",
+                ));
+            }
+            self.inner
+                .wait_released(py, std::time::Duration::from_millis(1));
+            py.check_signals()?;
+            if let Some(g) = self.inner.try_claim(py) {
+                return Ok(g);
+            }
+        }
+    }
+
+    /// The common call, a push or pull of one numpy array, with the array lent through a
+    /// reused shell: it allocates nothing. Without the GIL where it may wait or copy much, as
+    /// `call`. `None` where it does not apply (not a plain numpy array, a store another thread
+    /// holds, a forked child), and the general path makes the call.
+    pub(super) fn one_array(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        obj: &Bound<'_, PyAny>,
+        writable: bool,
+        f: impl FnOnce(&mut kvstore::KVStore, &Key, &mut NDArray) -> kvstore::Result<()> + Send,
+    ) -> Option<PyResult<()>> {
+        if FORKS.load(Ordering::Relaxed) != self.forks {
+            return None;
+        }
+        let mut g = self.inner.try_claim(py)?;
+        let State {
+            kv,
+            shells,
+            last_key,
+        } = &mut *g;
+        let kv = kv.as_mut()?;
+        if !matches!(last_key, Some((o, _)) if o.as_ptr() == key.as_ptr()) {
+            match crate::args::key(key) {
+                Ok(k) => *last_key = Some((key.clone().unbind(), k)),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        let key = &last_key.as_ref()?.1;
+        let mut lent = lend_into(&mut shells[usize::from(writable)], obj, writable)?;
+        let a = lent.array()?;
+        let r = if self.dist || a.nbytes() > DETACH_BYTES {
+            py.detach(|| f(kv, key, a))
+        } else {
+            f(kv, key, a)
+        };
+        Some(r.map_err(to_py))
+    }
+}
+
+/// One load per 64-byte line of `b`, kept from being optimised away.
+pub(super) fn read_lines(b: &[u8]) {
+    std::hint::black_box(b.iter().step_by(64).fold(0u8, |a, &x| a ^ x));
+}
+
+pub(super) fn nbytes(lists: &[Vec<Lent>]) -> usize {
+    lists.iter().flatten().map(|l| l.len).sum()
+}
+
+pub(super) fn refs(lists: &[Vec<Lent>]) -> Vec<Vec<&NDArray>> {
+    lists
+        .iter()
+        .map(|l| l.iter().map(|x| &x.array).collect())
+        .collect()
+}
+
+pub(super) fn refs_mut(lists: &mut [Vec<Lent>]) -> Vec<Vec<&mut NDArray>> {
+    lists
+        .iter_mut()
+        .map(|l| l.iter_mut().map(|x| &mut x.array).collect())
+        .collect()
+}
+
+impl KVStore {
+    /// Pulls into lent outputs, key by key where keys share an output (the last key's value is
+    /// what it holds then, as in MXNet).
+    pub(super) fn pull_into(
+        &self,
+        py: Python<'_>,
+        k: KeyArg,
+        outs: &mut [Vec<Lent>],
+        priority: i32,
+    ) -> PyResult<()> {
+        let shared = plan_outputs(outs)?;
+        let n = nbytes(outs);
+        if shared {
+            for (key, list) in k.keys.into_iter().zip(outs.iter_mut()) {
+                let o: Vec<&mut NDArray> = list.iter_mut().map(|x| &mut x.array).collect();
+                self.call(py, n, move |kv| {
+                    kv.with_priority(priority)
+                        .pull(Keys::One(key), Outputs::List(o))
+                })?;
+            }
+            return Ok(());
+        }
+        let o = refs_mut(outs);
+        self.call(py, n, move |kv| {
+            kv.with_priority(priority)
+                .pull(Keys::Many(k.keys), Outputs::Nested(o))
+        })
+    }
+}
