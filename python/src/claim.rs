@@ -38,9 +38,11 @@ pub(crate) struct Claimable<T> {
 // (see `try_claim`), so threads use it one after another; it moves between them (Send).
 unsafe impl<T: Send> Sync for Claimable<T> {}
 
-/// The use of a claimed value, released when dropped.
+/// The use of a claimed value, released when dropped. Sent and shared as a `&mut T` would be
+/// (shared only where `T` is `Sync`).
 pub(crate) struct Claim<'a, T> {
     cell: &'a Claimable<T>,
+    _use: std::marker::PhantomData<&'a mut T>,
 }
 
 impl<T> Claimable<T> {
@@ -70,7 +72,10 @@ impl<T> Claimable<T> {
         {
             return None;
         }
-        Some(Claim { cell: self })
+        Some(Claim {
+            cell: self,
+            _use: std::marker::PhantomData,
+        })
     }
 
     /// Waits without the GIL until a claim is released, or at most `most`; then the caller

@@ -1,6 +1,8 @@
-//! Reused arrays for the common call (one key, one numpy array, a local store, the GIL held
-//! throughout): the array is lent through a shell made once and pointed at each call's memory
-//! ([`NDArray::repoint`]), so a call allocates nothing.
+//! Reused arrays for the common call (one key, one numpy array): the array is lent through a
+//! shell made once and pointed at each call's memory ([`NDArray::repoint`]), so a call
+//! allocates nothing. A call that keeps a clone of the shell (a failed distributed call, an
+//! updater that keeps its input) keeps the numpy array with it, and the next call makes a
+//! new shell.
 
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
