@@ -17,10 +17,6 @@ use crate::{to_py, updater};
 mod calls;
 use calls::{nbytes, read_lines, refs, refs_mut};
 
-/// Calls moving more bytes than this release the GIL in a local store (a distributed store's
-/// calls always do: they wait on the network).
-const DETACH_BYTES: usize = 1 << 18;
-
 /// How many times this process is a child made by fork, counted by a `pthread_atfork` handler
 /// (a store remembers the count it was made in: reading the pid on every call is a system
 /// call).
@@ -156,9 +152,8 @@ impl KVStore {
     ) -> PyResult<()> {
         if !is_list(key) && !is_list(value) {
             // One key, one array: the common call, with nothing to group.
-            let push = |kv: &mut kvstore::KVStore, k: &Key, v: &mut NDArray| match priority {
-                0 => kv.push(k, &*v),
-                p => kv.with_priority(p).push(k, &*v),
+            let push = |kv: &mut kvstore::KVStore, k: &Key, v: &mut NDArray| {
+                kv.with_priority(priority).push(k, &*v)
             };
             if let Some(r) = self.one_array(py, key, value, false, push) {
                 return r;
@@ -194,9 +189,8 @@ impl KVStore {
         let out =
             out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
         if !is_list(key) && !is_list(out) {
-            let pull = |kv: &mut kvstore::KVStore, k: &Key, o: &mut NDArray| match priority {
-                0 => kv.pull(k, o),
-                p => kv.with_priority(p).pull(k, o),
+            let pull = |kv: &mut kvstore::KVStore, k: &Key, o: &mut NDArray| {
+                kv.with_priority(priority).pull(k, o)
             };
             if let Some(r) = self.one_array(py, key, out, true, pull) {
                 return r;

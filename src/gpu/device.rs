@@ -132,16 +132,9 @@ impl DeviceBuf {
     /// A copy on device `ordinal` (this one, or another: a peer-to-peer copy where the
     /// devices allow it, else through the host by the driver).
     pub(crate) fn copy_to(&self, ordinal: u32) -> Result<DeviceBuf> {
-        self.upload_if_stale()?;
         let mut d = DeviceBuf::zeroed(ordinal, self.len)?;
         if self.len > 0 {
-            let stream = d.gpu.stream.clone();
-            let src = self.mem.slice(..self.len);
-            let mut dst = d.mem.slice_mut(..self.len);
-            stream
-                .memcpy_dtod(&src, &mut dst)
-                .map_err(|e| cuda(ordinal, "copying between devices", e))?;
-            self.cross_device_done(&stream, ordinal)?;
+            d.copy_from(self)?;
         }
         Ok(d)
     }

@@ -8,12 +8,16 @@ use kvstore::{Key, Keys, NDArray, Outputs};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use super::{KVStore, State, DETACH_BYTES, FORKS, SIGNAL};
+use super::{KVStore, State, FORKS, SIGNAL};
 use crate::args::{plan_outputs, KeyArg};
 use crate::arrays::Lent;
 use crate::claim::{Claim, Claimable};
 use crate::shell::lend_into;
 use crate::{to_py, updater};
+
+/// Calls moving more bytes than this release the GIL in a local store (a distributed store's
+/// calls always do: they wait on the network).
+const DETACH_BYTES: usize = 1 << 18;
 
 impl KVStore {
     pub(crate) fn new(mut kv: kvstore::KVStore, name: &str) -> KVStore {
@@ -69,16 +73,22 @@ impl KVStore {
             Some(g) => g,
             None => self.wait(py)?,
         };
-        let r = if !self.dist && bytes <= DETACH_BYTES {
-            run(&mut g)
-        } else {
+        let r = if self.releases_gil(bytes) {
             py.detach(|| run(&mut g))
+        } else {
+            run(&mut g)
         };
         drop(g);
         r.map_err(|e| match e {
             Some(e) => to_py(e),
             None => PyRuntimeError::new_err("this KVStore is closed"),
         })
+    }
+
+    /// Whether a call moving `bytes` runs without the GIL: every call of a distributed store
+    /// (it waits on the network), and a local store's large copies.
+    fn releases_gil(&self, bytes: usize) -> bool {
+        self.dist || bytes > DETACH_BYTES
     }
 
     /// Where this store lives: what names it to its updater's calls.
@@ -138,39 +148,14 @@ impl KVStore {
         let key = &last_key.as_ref()?.1;
         let mut lent = lend_into(&mut shells[usize::from(writable)], obj, writable)?;
         let a = lent.array()?;
-        let r = if self.dist || a.nbytes() > DETACH_BYTES {
+        let r = if self.releases_gil(a.nbytes()) {
             py.detach(|| f(kv, key, a))
         } else {
             f(kv, key, a)
         };
         Some(r.map_err(to_py))
     }
-}
 
-/// One load per 64-byte line of `b`, kept from being optimised away.
-pub(super) fn read_lines(b: &[u8]) {
-    std::hint::black_box(b.iter().step_by(64).fold(0u8, |a, &x| a ^ x));
-}
-
-pub(super) fn nbytes(lists: &[Vec<Lent>]) -> usize {
-    lists.iter().flatten().map(|l| l.len).sum()
-}
-
-pub(super) fn refs(lists: &[Vec<Lent>]) -> Vec<Vec<&NDArray>> {
-    lists
-        .iter()
-        .map(|l| l.iter().map(|x| &x.array).collect())
-        .collect()
-}
-
-pub(super) fn refs_mut(lists: &mut [Vec<Lent>]) -> Vec<Vec<&mut NDArray>> {
-    lists
-        .iter_mut()
-        .map(|l| l.iter_mut().map(|x| &mut x.array).collect())
-        .collect()
-}
-
-impl KVStore {
     /// Pulls into lent outputs, key by key where keys share an output (the last key's value is
     /// what it holds then, as in MXNet).
     pub(super) fn pull_into(
@@ -198,4 +183,27 @@ impl KVStore {
                 .pull(Keys::Many(k.keys), Outputs::Nested(o))
         })
     }
+}
+
+/// One load per 64-byte line of `b`, kept from being optimised away.
+pub(super) fn read_lines(b: &[u8]) {
+    std::hint::black_box(b.iter().step_by(64).fold(0u8, |a, &x| a ^ x));
+}
+
+pub(super) fn nbytes(lists: &[Vec<Lent>]) -> usize {
+    lists.iter().flatten().map(|l| l.len).sum()
+}
+
+pub(super) fn refs(lists: &[Vec<Lent>]) -> Vec<Vec<&NDArray>> {
+    lists
+        .iter()
+        .map(|l| l.iter().map(|x| &x.array).collect())
+        .collect()
+}
+
+pub(super) fn refs_mut(lists: &mut [Vec<Lent>]) -> Vec<Vec<&mut NDArray>> {
+    lists
+        .iter_mut()
+        .map(|l| l.iter_mut().map(|x| &mut x.array).collect())
+        .collect()
 }

@@ -265,11 +265,6 @@ pub(super) fn pages_of(
     Ok(Region::new(id, Arc::new(pages), place(region.offset)))
 }
 
-/// Tries a cross-memory write of 8 bytes into the peer's canary.
-pub(super) fn try_canary(p: &mut PeerProcess, addr: u64) -> bool {
-    p.probe(addr)
-}
-
 /// The parts of a link both sides end up with.
 pub(super) struct Parts {
     pub chan: Channel,
@@ -330,7 +325,7 @@ pub(super) fn accept_parts(
     chan.set_tx_doorbell(their_bell);
     let (their_seg, their_pool) = attach_pool(pool_fd, false)?;
     let (their_landing_seg, their_landing) = attach_pool(landing_fd, true)?;
-    let i_write_peer = cross_memory && try_canary(&mut proc, hello.canary);
+    let i_write_peer = cross_memory && proc.probe(hello.canary);
     let bell = eventfd()?;
     send_hello(
         &sock,

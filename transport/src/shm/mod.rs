@@ -277,7 +277,7 @@ impl ShmBackend {
         let (their_seg, their_pool) = attach_pool(take_fd(&mut fds, "pool")?, false)?;
         let mut chan = chan;
         chan.set_tx_doorbell(their_bell);
-        let i_write_peer = self.cfg.cross_memory && try_canary(&mut proc, reply.canary);
+        let i_write_peer = self.cfg.cross_memory && proc.probe(reply.canary);
         let parts = Parts {
             chan,
             sock,
