@@ -254,6 +254,11 @@ impl Net {
         Ok(n)
     }
 
+    /// Something happened at `t` (a call started): a wait spins for a while after it.
+    pub(crate) fn active_at(&mut self, t: Instant) {
+        self.last_active = t;
+    }
+
     /// Pushes out what was posted.
     pub(crate) fn flush(&mut self) -> Result<()> {
         self.tcp.flush().map_err(transport)?;

@@ -130,6 +130,30 @@ impl KVStore {
         }
     }
 
+    /// Sets how a distributed store's call waits once it has waited `after` without its
+    /// answer: the rest of the wait runs inside `wrap` (which must call what it is given, once).
+    /// A binding to an interpreter lets go of the interpreter's lock there, so that a call that
+    /// answers within `after` (a small push over shared memory) never pays for it. Local
+    /// stores never wait, and ignore it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let mut kv = kvstore::create("local").unwrap();
+    /// kv.set_slow_wait(Duration::from_micros(20), |rest| rest());
+    /// ```
+    pub fn set_slow_wait(
+        &mut self,
+        after: std::time::Duration,
+        wrap: impl FnMut(&mut (dyn FnMut() + Send)) + Send + 'static,
+    ) {
+        if let Inner::Dist(d) = &mut self.inner {
+            d.set_slow_wait(crate::worker::SlowWait {
+                after,
+                wrap: Box::new(wrap),
+            });
+        }
+    }
+
     /// MXNet's `broadcast`: initialises `keys` with `values` (in a distributed store, rank 0's
     /// are stored) and pulls the stored values into `outs`.
     pub fn broadcast<'a, 'b>(

@@ -49,6 +49,12 @@ fn tutorial_values_dist_sync_every_shape_of_job() {
 }
 
 #[test]
+fn a_call_that_waits_long_finishes_its_wait_in_the_slow_wait_wrapper() {
+    let r = kvrun_check(2, 1, "slow_wait", "dist_sync", &[]);
+    assert_jobs_ok(&r, 2, "slow_wait");
+}
+
+#[test]
 fn big_tensors_are_sliced_over_servers_and_reassembled() {
     for (w, s) in [(1, 2), (2, 3), (3, 2), (2, 1)] {
         let r = kvrun_check(

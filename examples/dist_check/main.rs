@@ -330,6 +330,45 @@ fn async_mode(kv: &mut KVStore) {
     );
 }
 
+/// A call that waits long runs the rest of its wait inside the store's slow wait, once, and a
+/// wrapper that never runs it costs nothing but the wrapping: rank 1 pushes a second late.
+fn slow_wait(kv: &mut KVStore) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+    let w = kv.num_workers() as f64;
+    ok("init", kv.init(3, &NDArray::zeros(&SHAPE)));
+    let wrapped = Arc::new(AtomicUsize::new(0));
+    let count = wrapped.clone();
+    kv.set_slow_wait(Duration::from_micros(20), move |rest| {
+        count.fetch_add(1, Ordering::Relaxed);
+        rest();
+    });
+    for round in 1..=2 {
+        if round == 2 {
+            // A wrapper that forgets to run the rest: the call still waits for its answer.
+            kv.set_slow_wait(Duration::from_micros(20), |_| {});
+        }
+        if kv.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        let start = std::time::Instant::now();
+        ok("push", kv.push(3, &NDArray::ones(&SHAPE)));
+        let long = start.elapsed() >= Duration::from_millis(500);
+        if kv.rank() == 0 && !long {
+            fail(format!("round {round}: the push did not wait for rank 1"));
+        }
+        expect_vals(
+            "pushes of every worker",
+            &pulled(kv, 3, &SHAPE, DType::F32),
+            &[w; 6],
+        );
+        if round == 1 && kv.rank() == 0 && wrapped.load(Ordering::Relaxed) == 0 {
+            fail("a push that waited a second never ran its slow wait".into());
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let scenario = args.get(1).cloned().unwrap_or_else(|| "seed".into());
@@ -367,6 +406,7 @@ fn main() {
         "skip_barrier" => faults::skip_barrier(&mut kv),
         "chaos" => faults::chaos(&mut kv),
         "async" => async_mode(&mut kv),
+        "slow_wait" => slow_wait(&mut kv),
         "errors" => errors(&mut kv),
         "garbage" => garbage(&mut kv),
         "die" => die(&mut kv),

@@ -18,11 +18,13 @@ Three Rust loops are the reference, each against the Python loop that does the s
 
 Prints one JSON line per size and reference: seconds per push + pull in Python and in Rust,
 the layer's cost per call (half the difference) as a multiple of the empty call and as a
-fraction of the Rust loop's time. Medians of 7 interleaved rounds, each timing the Python loop
-before and after the Rust one.
+fraction of the Rust loop's time. The layer's cost is the median over many short rounds of the
+difference between the Python loop (timed before and after the Rust one) and the Rust loop.
+`LAYER_COST_SIZES=4096` picks the sizes (bytes, comma-separated).
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,12 +33,18 @@ import numpy as np
 
 import kvstore
 
-SIZES = [4 << 10, 64 << 20]
+SIZES = [int(s) for s in os.environ.get("LAYER_COST_SIZES", "4096,67108864").split(",")]
 REFERENCES = ["own", "lent", "read"]
 
 
-def iters_for(nbytes):
-    return max(12, min(20000, (256 << 20) // max(nbytes, 1) // 8))
+def block_for(nbytes):
+    """Iterations in one timed block: a few milliseconds of a small call's loop, a few of a
+    large one's."""
+    return max(4, min(1024, (32 << 20) // max(nbytes, 1)))
+
+
+def rounds_for(nbytes):
+    return 64 if nbytes <= (1 << 20) else 12
 
 
 def python_loop(kv, key, v, o, iters, read):
@@ -53,6 +61,13 @@ def python_loop(kv, key, v, o, iters, read):
     return (time.perf_counter() - t) / iters
 
 
+def empty_calls(kv, iters):
+    t = time.perf_counter()
+    for _ in range(iters):
+        kv._nop()
+    return (time.perf_counter() - t) / iters
+
+
 def main():
     kind = sys.argv[1] if len(sys.argv) > 1 else "local"
     kv = kvstore.create(kind)
@@ -61,40 +76,42 @@ def main():
         v = np.ones(n, dtype=np.float32)
         o = np.zeros(n, dtype=np.float32)
         kv.init(i, v)
-        iters = iters_for(nbytes)
-        times = {(r, side): [] for r in REFERENCES for side in ("py", "rust")}
+        iters = block_for(nbytes)
+        rounds = rounds_for(nbytes)
+        py = {r: [] for r in REFERENCES}
+        rust = {r: [] for r in REFERENCES}
         nop = []
-        for _ in range(8):
+        # Many short rounds, each timing the Python loop just before and just after the Rust
+        # one (what one leaves behind, a freed copy or a cold cache, weighs on both alike, and
+        # a machine's drift in speed, on both alike); the layer's cost is the median of the
+        # rounds' differences. The first rounds warm up.
+        for k in range(rounds + 2):
             for r in REFERENCES:
-                # Python before and after Rust: what one leaves behind (a freed copy, a cold
-                # cache) weighs on both sides alike.
                 before = python_loop(kv, i, v, o, iters, r == "read")
-                rust = kv._rust_push_pull_loop(i, v, o, iters, lent=r == "lent", read=r == "read")
+                ru = kv._rust_push_pull_loop(i, v, o, iters, lent=r == "lent", read=r == "read")
                 after = python_loop(kv, i, v, o, iters, r == "read")
-                times[r, "py"].append((before + after) / 2)
-                times[r, "rust"].append(rust / iters)
-            t = time.perf_counter()
-            for _ in range(2 * iters):
-                kv._nop()
-            nop.append((time.perf_counter() - t) / (2 * iters))
-        # The first round warms up.
-        med = {k: statistics.median(x[1:]) for k, x in times.items()}
-        empty = statistics.median(nop[1:])
+                if k >= 2:
+                    py[r].append((before + after) / 2)
+                    rust[r].append(ru / iters)
+            if k >= 2:
+                nop.append(empty_calls(kv, 2 * iters))
+        empty = statistics.median(nop)
         for r in REFERENCES:
-            py, rust = med[r, "py"], med[r, "rust"]
             # The read loop's `_read` is one more call: its empty call is not the layer's.
-            layer = (py - rust - (empty if r == "read" else 0.0)) / 2
+            diffs = [p - q - (empty if r == "read" else 0.0) for p, q in zip(py[r], rust[r])]
+            layer = statistics.median(diffs) / 2
+            p_med, r_med = statistics.median(py[r]), statistics.median(rust[r])
             row = {
                 "store": kind,
                 "bytes": nbytes,
                 "reference": r,
-                "iters": iters,
-                "python_push_pull_s": py,
-                "rust_push_pull_s": rust,
+                "iters": iters * rounds,
+                "python_push_pull_s": p_med,
+                "rust_push_pull_s": r_med,
                 "empty_call_s": empty,
                 "layer_per_call_s": layer,
                 "layer_over_empty_call": layer / empty,
-                "layer_over_rust_loop": 2 * layer / rust,
+                "layer_over_rust_loop": 2 * layer / r_med,
             }
             if kv.rank == 0:
                 print(json.dumps(row), flush=True)

@@ -135,7 +135,7 @@ impl KVStore {
         let vals = per_key(&k, value, false, "value")?;
         let n = nbytes(&vals);
         let r = refs(&vals);
-        self.call(py, n, move |kv| {
+        self.control(py, n, move |kv| {
             kv.init(Keys::Many(k.keys), Values::Nested(r))
         })
     }
@@ -300,7 +300,7 @@ impl KVStore {
     /// distributed store it runs on the servers.
     fn set_optimizer(&self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
         let opt = optimizer_of(optimizer)?;
-        self.call(py, 0, move |kv| kv.set_optimizer(opt))
+        self.control(py, 0, move |kv| kv.set_optimizer(opt))
     }
 
     /// Sets the updater, `updater(key, input, stored)`, which merges `input` into `stored` (numpy
@@ -313,11 +313,11 @@ impl KVStore {
         }
         if self.dist {
             let name = updater::ship(updater)?;
-            return self.call(py, 0, move |kv| kv.set_server_updater(&name));
+            return self.control(py, 0, move |kv| kv.set_server_updater(&name));
         }
         let f = updater.clone().unbind();
         let me = self.address();
-        self.call(py, 0, move |kv| {
+        self.control(py, 0, move |kv| {
             kv.set_updater(move |k: &Key, i: &NDArray, s: &mut NDArray| {
                 updater::run_for(me, &f, k, i, s)
             })
@@ -326,7 +326,7 @@ impl KVStore {
 
     /// Waits until every worker reaches the barrier.
     fn _barrier(&self, py: Python<'_>) -> PyResult<()> {
-        self.call(py, 0, |kv| kv.barrier())
+        self.control(py, 0, |kv| kv.barrier())
     }
 
     /// Waits until every worker reaches the barrier (as `_barrier`).
@@ -344,26 +344,26 @@ impl KVStore {
     ) -> PyResult<()> {
         // The file always holds the optimizer's parameters with its state.
         let _ = dump_optimizer;
-        self.call(py, 0, move |kv| kv.save_optimizer_states(&fname))
+        self.control(py, 0, move |kv| kv.save_optimizer_states(&fname))
     }
 
     /// Loads the built-in optimizer's state from a file `save_optimizer_states` wrote.
     fn load_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf) -> PyResult<()> {
-        self.call(py, 0, move |kv| kv.load_optimizer_states(&fname))
+        self.control(py, 0, move |kv| kv.load_optimizer_states(&fname))
     }
 
     /// What this store counted (its calls, and per server, transport and range of keys its
     /// requests, pushes, pulls, bytes and call latencies), as a dict; empty counts for a local
     /// store.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let json = self.call(py, 0, |kv| Ok(kv.metrics().to_json()))?;
+        let json = self.control(py, 0, |kv| Ok(kv.metrics().to_json()))?;
         py.import("json")?.call_method1("loads", (json,))
     }
 
     /// Which server holds which slice of each key, as text (a line per key); empty for a
     /// local store.
     fn placement_map(&self, py: Python<'_>) -> PyResult<String> {
-        self.call(py, 0, |kv| Ok(kv.placement_map()))
+        self.control(py, 0, |kv| Ok(kv.placement_map()))
     }
 
     /// Does nothing: the cost of an empty method call, the reference of `benches/layer_cost.py`.

@@ -145,6 +145,43 @@ def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path, call):
     assert "call returned" not in out, out
 
 
+def test_a_small_call_that_waits_long_lets_other_threads_run(tmp_path):
+    # A small push keeps the GIL while it waits a few microseconds, and lets go of it once it
+    # waits longer: here, for rank 1, a second.
+    code, out = run_job(tmp_path, """
+        import threading
+        kv.init(1, np.zeros(4))
+        if kv.rank == 1:
+            time.sleep(1.5)
+            kv.push(1, np.ones(4))
+        else:
+            ticks, done = [0], threading.Event()
+            def tick():
+                while not done.is_set():
+                    ticks[0] += 1
+                    time.sleep(0.001)
+            t = threading.Thread(target=tick)
+            t.start()
+            time.sleep(0.2)
+            before = ticks[0]
+            start = time.time()
+            kv.push(1, np.ones(4))
+            waited = time.time() - start
+            during = ticks[0] - before
+            done.set()
+            t.join()
+            print(f"waited {waited:.2f} s, ticks {during}", flush=True)
+            assert waited > 0.8 and during > 100, (waited, during)
+        o = np.zeros(4)
+        kv.pull(1, out=o)
+        assert (o == 2).all(), o
+        print("pulled", flush=True)
+        """)
+    assert code == 0, out
+    assert out.count("pulled") == 2, out
+    assert "ticks" in out, out
+
+
 def test_a_dead_server_is_peer_lost(tmp_path):
     p = run_job(tmp_path, """
         kv.init(1, np.zeros(4))

@@ -54,7 +54,22 @@ pub(crate) struct Links {
     /// `KVStore::set_interrupt_check`).
     pub(crate) interrupt: Option<Box<dyn FnMut() -> bool + Send>>,
     last_interrupt_check: Instant,
+    /// What runs the rest of a wait that is taking long (see `KVStore::set_slow_wait`).
+    pub(crate) slow: Option<SlowWait>,
+    /// When the last call started, and the time read on the last turn that read it.
+    started: Instant,
+    clock: Instant,
 }
+
+/// A wait's slow part: once a call has waited `after`, the rest of its wait runs inside
+/// `wrap`.
+pub(crate) struct SlowWait {
+    pub(crate) after: Duration,
+    pub(crate) wrap: Wrapper,
+}
+
+/// What runs the rest of a wait, given to it.
+pub(crate) type Wrapper = Box<dyn FnMut(&mut (dyn FnMut() + Send)) + Send>;
 
 /// What putting a request's data into its receive slot did.
 enum SlotPut {
@@ -94,6 +109,9 @@ impl Links {
             copies: (0, 0),
             interrupt: None,
             last_interrupt_check: Instant::now(),
+            slow: None,
+            started: Instant::now(),
+            clock: Instant::now(),
         }
     }
 
@@ -121,7 +139,9 @@ impl Links {
         outputs: Vec<NDArray>,
         priority: i32,
     ) -> CallId {
-        let id = self.calls.start(Instant::now(), reqs, outputs);
+        self.started = Instant::now();
+        self.net.active_at(self.started);
+        let id = self.calls.start(self.started, reqs, outputs);
         self.calls.set_priority(id, priority);
         if let Err(e) = self.post_actions() {
             self.calls.on_fatal(e);
@@ -131,11 +151,7 @@ impl Links {
 
     /// Drives the backends until `call` is over, and takes its result.
     pub(crate) fn wait(&mut self, call: CallId) -> Finished {
-        while !self.calls.is_done(call) {
-            if let Err(e) = self.turn(Some(call), true) {
-                self.calls.on_fatal(e);
-            }
-        }
+        self.drive(call, true);
         // The call's grants are released (revoked, if it failed) before it returns.
         if let Err(e) = self.post_actions() {
             self.calls.on_fatal(e);
@@ -144,6 +160,27 @@ impl Links {
             result: Err(KvError::Protocol("this call was waited for already".into())),
             outputs: Vec::new(),
         })
+    }
+
+    /// Turns until `call` is over; once it has waited long, the rest of the turns run inside
+    /// the slow wait's wrapper, if there is one and `may_wrap`.
+    fn drive(&mut self, call: CallId, mut may_wrap: bool) {
+        while !self.calls.is_done(call) {
+            if let Err(e) = self.turn(Some(call), true) {
+                self.calls.on_fatal(e);
+            }
+            // The clock was read on this turn (see `turn`): no read of its own. (The wait
+            // spins, never sleeps, until well past `after`: the call's start counts as
+            // activity, see `start`.)
+            let long = |s: &SlowWait| self.clock.saturating_duration_since(self.started) >= s.after;
+            if may_wrap && self.turns % 32 == 0 && self.slow.as_ref().is_some_and(long) {
+                may_wrap = false;
+                if let Some(mut slow) = self.slow.take() {
+                    (slow.wrap)(&mut || self.drive(call, false));
+                    self.slow = Some(slow);
+                }
+            }
+        }
     }
 
     /// Drives the backends until no call is in flight and every send is complete.
@@ -184,6 +221,7 @@ impl Links {
             return Ok(());
         }
         let now = Instant::now();
+        self.clock = now;
         self.calls.on_time(now);
         if now.duration_since(self.last_interrupt_check) >= Duration::from_millis(50) {
             self.last_interrupt_check = now;

@@ -13,6 +13,7 @@ mod order;
 pub(crate) mod requests;
 mod states;
 
+pub(crate) use exchange::SlowWait;
 pub(crate) use requests::Ticket;
 
 use rustc_hash::FxHashMap;
@@ -433,6 +434,10 @@ impl DistWorker {
     /// Rank 0 selects a registered updater on every server; every worker waits for it.
     pub(crate) fn set_interrupt(&mut self, f: Box<dyn FnMut() -> bool + Send>) {
         self.net.interrupt = Some(f);
+    }
+
+    pub(crate) fn set_slow_wait(&mut self, slow: SlowWait) {
+        self.net.slow = Some(slow);
     }
 
     pub(crate) fn set_server_updater(&mut self, name: &str) -> Result<()> {

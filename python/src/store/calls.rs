@@ -15,9 +15,76 @@ use crate::claim::{Claim, Claimable};
 use crate::shell::lend_into;
 use crate::{to_py, updater};
 
-/// Calls moving more bytes than this release the GIL in a local store (a distributed store's
-/// calls always do: they wait on the network).
+/// Calls moving more bytes than this release the GIL before they start.
 const DETACH_BYTES: usize = 1 << 18;
+
+/// How long a distributed store's push or pull (of at most `DETACH_BYTES`) waits with the GIL
+/// before it lets go of it: most answer sooner (a few microseconds over shared memory), and
+/// letting go and taking it back would cost as much as the rest of the Python layer. Other
+/// threads wait no longer for it than for a numpy operation of that length.
+const HOLD_GIL_FOR: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// How a call treats the GIL.
+#[derive(Clone, Copy)]
+pub(super) enum Gil {
+    Keep,
+    Release,
+    /// Kept while the call waits less than `HOLD_GIL_FOR`, then released.
+    KeepThenRelease,
+}
+
+thread_local! {
+    /// Whether this thread's call holds the GIL that the store's slow wait may let go of.
+    static HOLDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread's call as holding the GIL (`Gil::KeepThenRelease`) while it lives.
+struct Holding;
+
+impl Holding {
+    fn start() -> Holding {
+        HOLDING.set(true);
+        Holding
+    }
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        HOLDING.set(false);
+    }
+}
+
+/// The rest of a wait that took long (`kvstore::KVStore::set_slow_wait`): without the GIL, if
+/// the call held it.
+fn slow_wait(rest: &mut (dyn FnMut() + Send)) {
+    if !HOLDING.replace(false) {
+        return rest();
+    }
+    Python::attach(|py| py.detach(rest));
+    HOLDING.set(true);
+}
+
+/// Runs `f` as `gil` says: with the GIL inline (the common small call stays compact), the
+/// others out of line.
+#[inline(always)]
+fn with_gil<R: Send>(py: Python<'_>, gil: Gil, f: impl FnOnce() -> R + Send) -> R {
+    match gil {
+        Gil::Keep => f(),
+        Gil::Release => released(py, f),
+        Gil::KeepThenRelease => held_then_released(f),
+    }
+}
+
+#[inline(never)]
+fn released<R: Send>(py: Python<'_>, f: impl FnOnce() -> R + Send) -> R {
+    py.detach(f)
+}
+
+#[inline(never)]
+fn held_then_released<R>(f: impl FnOnce() -> R) -> R {
+    let _h = Holding::start();
+    f()
+}
 
 impl KVStore {
     pub(crate) fn new(mut kv: kvstore::KVStore, name: &str) -> KVStore {
@@ -34,6 +101,7 @@ impl KVStore {
                     }
                 })
             });
+            kv.set_slow_wait(HOLD_GIL_FOR, slow_wait);
         }
         KVStore {
             rank: kv.rank(),
@@ -50,12 +118,38 @@ impl KVStore {
         }
     }
 
-    /// Runs `f` on the store, locked for the call: without the GIL where it may wait or copy
-    /// much, or where another thread holds the store (it may need the GIL to finish).
+    /// Runs a push, pull or pushpull moving `bytes` on the store, locked for the call: without
+    /// the GIL where it may copy much or wait long, or where another thread holds the store (it
+    /// may need the GIL to finish).
     pub(super) fn call<R: Send>(
         &self,
         py: Python<'_>,
         bytes: usize,
+        f: impl FnOnce(&mut kvstore::KVStore) -> kvstore::Result<R> + Send,
+    ) -> PyResult<R> {
+        self.claimed(py, self.gil(bytes), f)
+    }
+
+    /// Runs any other call on the store (init, a barrier, an optimizer's setting) moving
+    /// `bytes` as `call` does, without the GIL in a distributed store: it may wait on other
+    /// workers.
+    pub(super) fn control<R: Send>(
+        &self,
+        py: Python<'_>,
+        bytes: usize,
+        f: impl FnOnce(&mut kvstore::KVStore) -> kvstore::Result<R> + Send,
+    ) -> PyResult<R> {
+        let gil = match self.gil(bytes) {
+            Gil::KeepThenRelease => Gil::Release,
+            g => g,
+        };
+        self.claimed(py, gil, f)
+    }
+
+    fn claimed<R: Send>(
+        &self,
+        py: Python<'_>,
+        gil: Gil,
         f: impl FnOnce(&mut kvstore::KVStore) -> kvstore::Result<R> + Send,
     ) -> PyResult<R> {
         if FORKS.load(Ordering::Relaxed) != self.forks {
@@ -73,11 +167,7 @@ impl KVStore {
             Some(g) => g,
             None => self.wait(py)?,
         };
-        let r = if self.releases_gil(bytes) {
-            py.detach(|| run(&mut g))
-        } else {
-            run(&mut g)
-        };
+        let r = with_gil(py, gil, || run(&mut g));
         drop(g);
         r.map_err(|e| match e {
             Some(e) => to_py(e),
@@ -85,10 +175,16 @@ impl KVStore {
         })
     }
 
-    /// Whether a call moving `bytes` runs without the GIL: every call of a distributed store
-    /// (it waits on the network), and a local store's large copies.
-    fn releases_gil(&self, bytes: usize) -> bool {
-        self.dist || bytes > DETACH_BYTES
+    /// How a push, pull or pushpull moving `bytes` treats the GIL: large copies release it; a
+    /// distributed store's calls release it once they wait long (on the network, on other
+    /// workers).
+    #[inline(always)]
+    pub(super) fn gil(&self, bytes: usize) -> Gil {
+        match (bytes > DETACH_BYTES, self.dist) {
+            (true, _) => Gil::Release,
+            (false, true) => Gil::KeepThenRelease,
+            (false, false) => Gil::Keep,
+        }
     }
 
     /// Where this store lives: what names it to its updater's calls.
@@ -148,11 +244,7 @@ impl KVStore {
         let key = &last_key.as_ref()?.1;
         let mut lent = lend_into(&mut shells[usize::from(writable)], obj, writable)?;
         let a = lent.array()?;
-        let r = if self.releases_gil(a.nbytes()) {
-            py.detach(|| f(kv, key, a))
-        } else {
-            f(kv, key, a)
-        };
+        let r = with_gil(py, self.gil(a.nbytes()), || f(kv, key, a));
         Some(r.map_err(to_py))
     }
 
