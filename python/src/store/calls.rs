@@ -38,19 +38,19 @@ thread_local! {
     static HOLDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Marks this thread's call as holding the GIL (`Gil::KeepThenRelease`) while it lives.
-struct Holding;
+/// Marks this thread's call as holding the GIL (`Gil::KeepThenRelease`) while it lives; then
+/// puts back what was there (a signal's handler, run by a call's check, may call a store).
+struct Holding(bool);
 
 impl Holding {
     fn start() -> Holding {
-        HOLDING.set(true);
-        Holding
+        Holding(HOLDING.replace(true))
     }
 }
 
 impl Drop for Holding {
     fn drop(&mut self) {
-        HOLDING.set(false);
+        HOLDING.set(self.0);
     }
 }
 
