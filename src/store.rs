@@ -131,10 +131,11 @@ impl KVStore {
     }
 
     /// Sets how a distributed store's call waits once it has waited `after` without its
-    /// answer: the rest of the wait runs inside `wrap` (which must call what it is given, once).
-    /// A binding to an interpreter lets go of the interpreter's lock there, so that a call that
-    /// answers within `after` (a small push over shared memory) never pays for it. Local
-    /// stores never wait, and ignore it.
+    /// answer: the rest of the wait runs inside `wrap`, which calls what it is given (a
+    /// wrapper that does not leaves the call to wait on without it). A binding to an
+    /// interpreter lets go of the interpreter's lock there, so that a call that answers within
+    /// `after` (a small push over shared memory) never pays for it. Local stores never wait,
+    /// and ignore it.
     ///
     /// ```
     /// use std::time::Duration;

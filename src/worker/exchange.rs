@@ -169,9 +169,9 @@ impl Links {
             if let Err(e) = self.turn(Some(call), true) {
                 self.calls.on_fatal(e);
             }
-            // The clock was read on this turn (see `turn`): no read of its own. (The wait
-            // spins, never sleeps, until well past `after`: the call's start counts as
-            // activity, see `start`.)
+            // The clock was read on this turn (see `turn`): no read of its own. (A wait spins
+            // for 200 µs after the call's start, see `start`: with a shorter `after`, the
+            // wrapper runs before the wait first sleeps.)
             let long = |s: &SlowWait| self.clock.saturating_duration_since(self.started) >= s.after;
             if may_wrap && self.turns % 32 == 0 && self.slow.as_ref().is_some_and(long) {
                 may_wrap = false;
