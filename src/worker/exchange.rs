@@ -17,6 +17,7 @@ use crate::net::{region_of, Addr, Medium, Net};
 use crate::protocol::{flags, slot_imm, Msg, Op};
 use crate::worker::calls::{Action, CallId, Calls, Finished, Request, SlotUse};
 use crate::worker::order::queue_place;
+use crate::worker::SlowWait;
 use crate::{KvError, NDArray, Result};
 
 #[path = "batch.rs"]
@@ -60,16 +61,6 @@ pub(crate) struct Links {
     started: Instant,
     clock: Instant,
 }
-
-/// A wait's slow part: once a call has waited `after`, the rest of its wait runs inside
-/// `wrap`.
-pub(crate) struct SlowWait {
-    pub(crate) after: Duration,
-    pub(crate) wrap: Wrapper,
-}
-
-/// What runs the rest of a wait, given to it.
-pub(crate) type Wrapper = Box<dyn FnMut(&mut (dyn FnMut() + Send)) + Send>;
 
 /// What putting a request's data into its receive slot did.
 enum SlotPut {

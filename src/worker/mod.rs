@@ -13,7 +13,6 @@ mod order;
 pub(crate) mod requests;
 mod states;
 
-pub(crate) use exchange::SlowWait;
 pub(crate) use requests::Ticket;
 
 use rustc_hash::FxHashMap;
@@ -539,3 +538,13 @@ mod at_exit {
             .retain(|l| l.0 != id);
     }
 }
+
+/// A wait's slow part: once a call has waited `after`, the rest of its wait runs inside
+/// `wrap`.
+pub(crate) struct SlowWait {
+    pub(crate) after: std::time::Duration,
+    pub(crate) wrap: Wrapper,
+}
+
+/// What runs the rest of a wait, given to it.
+pub(crate) type Wrapper = Box<dyn FnMut(&mut (dyn FnMut() + Send)) + Send>;
