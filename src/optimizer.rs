@@ -227,7 +227,8 @@ fn update_typed<T: Element>(opt: &Optimizer, st: &mut KeyState, grad: &[T], weig
             rescale_grad,
             clip_gradient,
         } => {
-            if momentum == 0.0 {
+            // As MXNet's `SGD.update`: momentum is used only when it is positive.
+            if momentum <= 0.0 {
                 for (w, g) in weight.iter_mut().zip(grad) {
                     let wf = w.to_f64();
                     let g = prep(g.to_f64(), rescale_grad, clip_gradient);
@@ -286,6 +287,20 @@ impl OptimizerUpdater {
     /// The optimizer.
     pub fn optimizer(&self) -> &Optimizer {
         &self.opt
+    }
+
+    /// Runs `opt` from the next update on, with the state kept (a new learning rate, say);
+    /// an error, with nothing changed, where `opt` is another kind of optimizer.
+    pub fn retune(&mut self, opt: Optimizer) -> Result<()> {
+        if opt.name() != self.opt.name() {
+            return Err(KvError::Incompatible(format!(
+                "the store runs {}, whose state {} cannot take on: set_optimizer starts afresh",
+                self.opt.name(),
+                opt.name()
+            )));
+        }
+        self.opt = opt;
+        Ok(())
     }
 
     /// Applies one step to `weight` with gradient `grad`, in place.
@@ -472,6 +487,29 @@ mod tests {
         // m = 0.9 * -0.55 - 0.5 * (1 + 0.045) = -1.0175; w = 0.45 - 1.0175
         let w2 = w.to_vec::<f64>().unwrap()[0];
         assert!((w2 - (0.45 - 1.0175)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_retune_keeps_the_state_and_negative_momentum_is_plain_sgd() {
+        let g = NDArray::ones(&[1]);
+        let k = Key::Int(0);
+        let mut u = OptimizerUpdater::new(Optimizer::sgd(1.0).momentum(0.5));
+        let mut w = NDArray::zeros(&[1]);
+        u.update(&k, &g, &mut w).unwrap(); // m = -1, w = -1
+        u.retune(Optimizer::sgd(0.5).momentum(0.5)).unwrap();
+        u.update(&k, &g, &mut w).unwrap(); // m = 0.5 * -1 - 0.5 = -1, w = -2
+        assert_eq!(w.to_vec::<f32>().unwrap(), [-2.0]);
+        assert!(matches!(
+            u.retune(Optimizer::adam(0.1)),
+            Err(KvError::Incompatible(_))
+        ));
+        assert_eq!(u.optimizer().name(), "sgd");
+        // As MXNet: momentum is used only when positive.
+        let mut u = OptimizerUpdater::new(Optimizer::sgd(1.0).momentum(-0.5));
+        let mut w = NDArray::zeros(&[1]);
+        u.update(&k, &g, &mut w).unwrap();
+        u.update(&k, &g, &mut w).unwrap();
+        assert_eq!(w.to_vec::<f32>().unwrap(), [-2.0]);
     }
 
     #[test]

@@ -17,10 +17,54 @@ differences from MXNet, each documented in README.md:
 * ``row_sparse_pull`` and ``set_gradient_compression`` are absent (no sparse arrays, no
   gradient compression).
 * ``save_optimizer_states`` of a distributed store saves the servers' state (MXNet refuses
-  it); call it on one worker.
+  it); call it on one worker. The file is kvstore's own (MXNet's is a pickle), and loading it
+  keeps the optimizer's current parameters (MXNet replaces them where they were dumped).
+* ``create`` refuses a name it does not know (MXNet makes a local store of it).
+* Errors are typed: ``pull`` without ``out`` is a ValueError (an AssertionError in MXNet), a
+  bool key is a TypeError.
+* An updater gets a str key as ``str`` (MXNet gives ``bytes``) and a read-only ``input``.
+* The optimizers compute in float64 and round once into the weight's dtype (MXNet computes in
+  the weight's dtype); what they cannot honour (an ``lr_scheduler``, per-parameter
+  multipliers, ``begin_num_update``, ``multi_precision``) is a ValueError.
 """
 
-from . import optimizer
-from ._native import KVStore, KVStoreError, PeerLost, Timeout, create
+from typing import Any, Dict
 
-__all__ = ["create", "KVStore", "KVStoreError", "PeerLost", "Timeout", "optimizer"]
+from . import optimizer
+from ._native import KVStore, KVStoreError, PeerLost, Timeout
+from ._native import create as _create
+
+__all__ = ["create", "KVStore", "KVStoreBase", "KVStoreError", "PeerLost", "Timeout",
+           "optimizer"]
+
+
+class KVStoreBase:
+    """MXNet's ``KVStoreBase``: the ``OPTIMIZER`` capability's name, and the registry of store
+    classes that ``create`` looks in first (``@KVStoreBase.register``)."""
+
+    OPTIMIZER = "optimizer"
+    kv_registry: Dict[str, Any] = {}
+
+    @staticmethod
+    def register(klass: Any) -> Any:
+        """Registers a store class under its lower-case name, for ``create``."""
+        assert isinstance(klass, type)
+        KVStoreBase.kv_registry[klass.__name__.lower()] = klass
+        return klass
+
+
+def create(name: str = "local") -> Any:
+    """Creates a KVStore, as MXNet's ``mx.kv.create``: a class registered with
+    ``KVStoreBase.register`` under that name, or one of kvstore's types (the name in any case):
+    'local' and 'device' (one process, with MXNet's aliases 'local_allreduce_cpu',
+    'local_allreduce_device', 'local_update_cpu' and 'nccl'), or 'dist_sync' and 'dist_async'
+    (aliases 'dist_device_sync', 'dist_sync_device') in a job started by kvrun. In a job's
+    server and scheduler processes, create runs that role until the job ends and then raises
+    SystemExit with the role's exit code, as MXNet's server role runs inside the user's
+    script. An unknown name is a ValueError (MXNet makes a local store of it)."""
+    if not isinstance(name, str):
+        raise TypeError("name must be a string")
+    name = name.lower()
+    if name in KVStoreBase.kv_registry:
+        return KVStoreBase.kv_registry[name]()
+    return _create(name)

@@ -1,49 +1,100 @@
 """The optimizers a store runs as its updater (on the servers of a distributed store), with
-MXNet's argument names: ``kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1,
-momentum=0.9, wd=1e-4))``. Their update rules are MXNet's ``sgd_update``,
-``sgd_mom_update`` and ``adam_update``."""
+MXNet 1.9's constructors: ``kv.set_optimizer(kvstore.optimizer.SGD(momentum=0.9,
+learning_rate=0.1, wd=1e-4))``. Their update rules are MXNet's ``sgd_update``,
+``sgd_mom_update`` and ``adam_update``.
 
+As in MXNet, a local store runs the optimizer object it was given: a change to its parameters
+afterwards (``set_learning_rate``, or ``opt.wd = ...``) applies from the next update on, and
+the optimizer's state (momentum, moments) is kept. A distributed store's servers keep the
+parameters ``set_optimizer`` sent them, as MXNet's do.
+
+What MXNet's constructors take but kvstore cannot honour is refused with a ``ValueError``
+rather than ignored: a learning-rate scheduler, per-parameter multipliers
+(``param_idx2name`` that would change a weight decay, ``sym``, ``param_dict``),
+``begin_num_update`` and ``multi_precision``.
+"""
+
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["Optimizer", "SGD", "Adam", "create"]
 
-# MXNet arguments that change nothing here: single-precision weights are updated in their own
-# dtype, and updates are always element-wise and dense.
-_IGNORED = ("multi_precision", "lazy_update", "use_fused_step", "aggregate_num", "param_idx2name",
-            "param_dict", "sym", "begin_num_update")
+# The parameters a store's optimizer reads at each update: a change to one is sent to the
+# local stores running this optimizer.
+_TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
+            "epsilon")
 
 
 class Optimizer:
-    """The common parameters of MXNet's optimizers: ``learning_rate``, ``wd`` (weight decay),
-    ``rescale_grad`` (a factor applied to gradients first) and ``clip_gradient``."""
+    """The common parameters of MXNet's optimizers, in MXNet's order: ``rescale_grad`` (a factor
+    applied to gradients first), ``param_idx2name``, ``wd`` (weight decay), ``clip_gradient``,
+    ``learning_rate``, ``lr_scheduler``, ``sym``, ``begin_num_update``, ``multi_precision``,
+    ``param_dict``."""
 
     name = ""
+    _default_lr = 0.01
 
-    def __init__(self, learning_rate: Optional[float] = None, wd: float = 0.0,
-                 rescale_grad: float = 1.0, clip_gradient: Optional[float] = None,
-                 lr_scheduler: Any = None, **kwargs: Any) -> None:
+    def __init__(self, rescale_grad: float = 1.0, param_idx2name: Optional[Dict[int, str]] = None,
+                 wd: float = 0.0, clip_gradient: Optional[float] = None,
+                 learning_rate: Optional[float] = None, lr_scheduler: Any = None,
+                 sym: Any = None, begin_num_update: int = 0, multi_precision: bool = False,
+                 param_dict: Any = None) -> None:
+        object.__setattr__(self, "_stores", weakref.WeakSet())
         if lr_scheduler is not None:
-            raise TypeError("lr_scheduler is not supported: set a new optimizer to change "
-                            "the learning rate")
-        unknown = [k for k in kwargs if k not in _IGNORED]
-        if unknown:
-            raise TypeError(f"{type(self).__name__} got unexpected arguments: {unknown}")
-        self.learning_rate = float(self._default_lr if learning_rate is None else learning_rate)
+            raise ValueError("lr_scheduler is not supported: change the learning rate with "
+                             "set_learning_rate")
+        if sym is not None or param_dict:
+            raise ValueError("per-parameter multipliers (sym, param_dict) are not supported")
+        if begin_num_update != 0:
+            raise ValueError("begin_num_update is not supported: every key's update count "
+                             "starts at 0")
+        if multi_precision:
+            raise ValueError("multi_precision is not supported (float16 weights are updated "
+                             "without a float32 master copy); for float32 weights it changes "
+                             "nothing, so leave it False")
+        if param_idx2name is not None and not isinstance(param_idx2name, dict):
+            raise TypeError("param_idx2name should be a dict of param indexes to names")
+        self.idx2name = dict(param_idx2name or {})
+        self.lr = float(self._default_lr if learning_rate is None else learning_rate)
         self.wd = float(wd)
         self.rescale_grad = float(rescale_grad)
         self.clip_gradient = None if clip_gradient is None else float(clip_gradient)
-
-    _default_lr = 0.01
+        self.lr_scheduler = None
+        self.begin_num_update = 0
+        self.multi_precision = False
 
     @property
-    def lr(self) -> float:
-        return self.learning_rate
+    def learning_rate(self) -> float:
+        """The learning rate (as MXNet's property: set it with ``set_learning_rate``)."""
+        return self.lr
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Sets a new learning rate, used from the next update on by the local stores running
+        this optimizer."""
+        self.lr = float(lr)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _TUNABLE:
+            for store in list(self._stores):
+                store._retune_optimizer(self)
+
+    def _attached_to(self, store: Any) -> None:
+        """Called by a local store's ``set_optimizer``: the store runs this optimizer."""
+        self._stores.add(store)
 
     def _params(self) -> Dict[str, Optional[float]]:
-        return {"learning_rate": self.learning_rate, "wd": self.wd,
+        return {"learning_rate": self.lr, "wd": self.wd,
                 "rescale_grad": self.rescale_grad, "clip_gradient": self.clip_gradient}
 
     def _kvstore_spec(self) -> Tuple[str, Dict[str, Optional[float]]]:
+        # MXNet gives a weight decay multiplier of 0 to parameters whose names do not end in
+        # `_weight` or `_gamma`; kvstore has no per-parameter multipliers.
+        if self.wd != 0.0 and any(not (n.endswith("_weight") or n.endswith("_gamma"))
+                                  for n in self.idx2name.values()):
+            raise ValueError("param_idx2name names parameters whose weight decay MXNet "
+                             "would turn off (names not ending in _weight or _gamma); "
+                             "per-parameter multipliers are not supported")
         return self.name, self._params()
 
     def __repr__(self) -> str:
@@ -52,31 +103,35 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """Stochastic gradient descent, with momentum when ``momentum`` > 0."""
+    """Stochastic gradient descent, with momentum when ``momentum`` > 0 (MXNet's
+    ``SGD(momentum=0.0, lazy_update=True, **kwargs)``; ``lazy_update`` concerns sparse
+    gradients only, and changes nothing for dense ones)."""
 
     name = "sgd"
 
-    def __init__(self, learning_rate: Optional[float] = None, momentum: float = 0.0,
-                 **kwargs: Any) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
+    def __init__(self, momentum: float = 0.0, lazy_update: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.momentum = float(momentum)
+        self.lazy_update = lazy_update
 
     def _params(self) -> Dict[str, Optional[float]]:
         return {**super()._params(), "momentum": self.momentum}
 
 
 class Adam(Optimizer):
-    """Adam, with MXNet's bias-corrected learning rate."""
+    """Adam, with MXNet's bias-corrected learning rate (MXNet's ``Adam(learning_rate=0.001,
+    beta1=0.9, beta2=0.999, epsilon=1e-8, lazy_update=True, **kwargs)``)."""
 
     name = "adam"
     _default_lr = 0.001
 
-    def __init__(self, learning_rate: Optional[float] = None, beta1: float = 0.9,
-                 beta2: float = 0.999, epsilon: float = 1e-8, **kwargs: Any) -> None:
+    def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, lazy_update: bool = True, **kwargs: Any) -> None:
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.beta1 = float(beta1)
         self.beta2 = float(beta2)
         self.epsilon = float(epsilon)
+        self.lazy_update = lazy_update
 
     def _params(self) -> Dict[str, Optional[float]]:
         return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2,

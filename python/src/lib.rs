@@ -66,9 +66,10 @@ pub(crate) fn to_py(e: KvError) -> PyErr {
 }
 
 /// MXNet's store names, and the kvstore type each is.
-const NAMES: [(&str, &str); 9] = [
+const NAMES: [(&str, &str); 10] = [
     ("local", "local"),
     ("device", "device"),
+    ("nccl", "device"),
     ("local_allreduce_cpu", "local"),
     ("local_allreduce_device", "device"),
     ("local_update_cpu", "local"),
@@ -81,19 +82,25 @@ const NAMES: [(&str, &str); 9] = [
 /// create(name='local')
 /// --
 ///
-/// Creates a KVStore, as MXNet's `mx.kv.create`: 'local' and 'device' (one process, with
-/// MXNet's aliases 'local_allreduce_cpu', 'local_allreduce_device', 'local_update_cpu'), or
-/// 'dist_sync' and 'dist_async' (alias 'dist_device_sync', 'dist_sync_device') in a job
-/// started by kvrun. In a job's server and scheduler processes, create runs that role until
-/// the job ends and then raises SystemExit with the role's exit code, as MXNet's server
-/// role runs inside the user's script.
+/// Creates a KVStore, as MXNet's `mx.kv.create` (the name in any case): 'local' and 'device'
+/// (one process, with MXNet's aliases 'local_allreduce_cpu', 'local_allreduce_device',
+/// 'local_update_cpu' and 'nccl'), or 'dist_sync' and 'dist_async' (alias
+/// 'dist_device_sync', 'dist_sync_device') in a job started by kvrun. In a job's server and
+/// scheduler processes, create runs that role until the job ends and then raises SystemExit
+/// with the role's exit code, as MXNet's server role runs inside the user's script. An
+/// unknown name is a ValueError (MXNet makes a local store of it).
 #[pyfunction]
 #[pyo3(signature = (name = "local"))]
 fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
+    let name = name.to_ascii_lowercase();
     let Some(&(_, kind)) = NAMES.iter().find(|(n, _)| *n == name) else {
         let valid: Vec<&str> = NAMES.iter().map(|(n, _)| *n).collect();
+        let why = match name.as_str() {
+            "horovod" => " (Horovod's store needs Horovod; kvrun starts a dist_sync job)",
+            _ => "",
+        };
         return Err(PyValueError::new_err(format!(
-            "unknown KVStore type {name:?}; valid types are: {}",
+            "unknown KVStore type {name:?}{why}; valid types are: {}",
             valid.join(", ")
         )));
     };
@@ -109,7 +116,7 @@ fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
         }
     }
     let kv = py.detach(|| kvstore::create(kind)).map_err(to_py)?;
-    Ok(store::KVStore::new(kv, name))
+    Ok(store::KVStore::new(kv, &name))
 }
 
 #[pymodule]

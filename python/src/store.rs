@@ -55,7 +55,7 @@ struct State {
 /// Calls from several threads are serialised; a blocking call releases the GIL, and Ctrl-C
 /// interrupts it (the store then refuses further calls). A child made by `fork` cannot use
 /// its parent's store.
-#[pyclass(module = "kvstore", frozen)]
+#[pyclass(module = "kvstore", frozen, weakref)]
 pub(crate) struct KVStore {
     inner: Claimable<State>,
     name: String,
@@ -64,13 +64,19 @@ pub(crate) struct KVStore {
     rank: usize,
     num_workers: usize,
     dist: bool,
+    /// The `kvstore.optimizer` object a local store runs (`set_optimizer`): a change to its
+    /// parameters is applied to the store's (`_retune_optimizer`), as in MXNet.
+    optimizer: std::sync::Mutex<Option<Py<PyAny>>>,
 }
 
 /// The optimizer a `kvstore.optimizer` object describes (`_kvstore_spec()`).
 fn optimizer_of(obj: &Bound<'_, PyAny>) -> PyResult<Optimizer> {
-    let spec = obj.call_method0("_kvstore_spec").map_err(|_| {
-        PyTypeError::new_err("set_optimizer takes a kvstore.optimizer object (SGD, Adam)")
-    })?;
+    if !obj.hasattr("_kvstore_spec")? {
+        return Err(PyTypeError::new_err(
+            "set_optimizer takes a kvstore.optimizer object (SGD, Adam)",
+        ));
+    }
+    let spec = obj.call_method0("_kvstore_spec")?;
     let (name, p): (String, Bound<'_, PyDict>) = spec.extract()?;
     let get = |k: &str, default: f64| -> PyResult<f64> {
         match p.get_item(k)? {
@@ -298,10 +304,39 @@ impl KVStore {
 
     /// Runs a built-in optimizer (`kvstore.optimizer.SGD`, `Adam`) as the updater; in a
     /// distributed store it runs on the servers.
-    fn set_optimizer(&self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// A local store runs the object itself: a change to its parameters afterwards
+    /// (`set_learning_rate`, say) applies from the next update on, with the state kept.
+    fn set_optimizer(slf: &Bound<'_, Self>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
+        let me = slf.get();
         let opt = optimizer_of(optimizer)?;
-        self.control(py, 0, move |kv| kv.set_optimizer(opt))
+        me.control(slf.py(), 0, move |kv| kv.set_optimizer(opt))?;
+        if !me.dist {
+            *me.optimizer.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(optimizer.clone().unbind());
+            optimizer.call_method1("_attached_to", (slf,))?;
+        }
+        Ok(())
     }
+
+    /// Applies `optimizer`'s parameters to the store's optimizer, keeping its state, where
+    /// the store runs that object (its `set_optimizer` was given it last).
+    fn _retune_optimizer(&self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
+        let runs = self
+            .optimizer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|o| o.is(optimizer));
+        if !runs {
+            return Ok(());
+        }
+        let opt = optimizer_of(optimizer)?;
+        self.control(py, 0, move |kv| kv.update_optimizer(opt))
+    }
+
+    /// MXNet's `KVStoreBase.OPTIMIZER`, the capability `is_capable` names.
+    #[classattr]
+    const OPTIMIZER: &'static str = "optimizer";
 
     /// Sets the updater, `updater(key, input, stored)`, which merges `input` into `stored` (numpy
     /// views of the store's memory) in place. In a distributed store it is pickled (by value,
@@ -321,7 +356,9 @@ impl KVStore {
             kv.set_updater(move |k: &Key, i: &NDArray, s: &mut NDArray| {
                 updater::run_for(me, &f, k, i, s)
             })
-        })
+        })?;
+        *self.optimizer.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        Ok(())
     }
 
     /// Waits until every worker reaches the barrier.

@@ -230,13 +230,80 @@ def test_optimizers_match_mxnet_rules():
     out = np.zeros(2)
     kv.pull(1, out=out)
     assert np.allclose(out, [0.99, 1.01], atol=1e-6)
-    with pytest.raises(TypeError, match="lr_scheduler"):
+    with pytest.raises(ValueError, match="lr_scheduler"):
         opt.SGD(lr_scheduler=object())
     with pytest.raises(TypeError, match="unexpected"):
         opt.Adam(betta1=0.5)
     with pytest.raises(ValueError):
         opt.create("rmsprop")
     assert opt.SGD().learning_rate == 0.01 and opt.Adam().lr == 0.001
+
+
+def test_optimizers_take_mxnet_s_constructors_and_refuse_what_they_cannot_honour():
+    s = opt.SGD(0.9)  # MXNet's SGD(momentum=0.0, lazy_update=True, **kwargs)
+    assert (s.momentum, s.lr, s.learning_rate) == (0.9, 0.01, 0.01)
+    a = opt.Adam(0.1, 0.8, 0.99, 1e-6, False)
+    assert (a.lr, a.beta1, a.beta2, a.epsilon, a.lazy_update) == (0.1, 0.8, 0.99, 1e-6, False)
+    b = opt.SGD(momentum=0.5, rescale_grad=0.5, wd=0.1, clip_gradient=2.0, learning_rate=0.2)
+    assert (b.rescale_grad, b.wd, b.clip_gradient, b.lr) == (0.5, 0.1, 2.0, 0.2)
+    with pytest.raises(TypeError):
+        opt.SGD(use_fused_step=True)  # not an argument of MXNet 1.9's optimizers
+    with pytest.raises(AttributeError):
+        s.learning_rate = 0.5  # read-only, as MXNet's property
+    for bad in [{"begin_num_update": 3}, {"multi_precision": True}, {"param_dict": {0: 1}},
+                {"sym": object()}]:
+        with pytest.raises(ValueError):
+            opt.SGD(**bad)
+    kv = kvstore.create()
+    kv.init(0, np.ones(2))
+    # MXNet would give a bias no weight decay: kvstore has no per-parameter multipliers.
+    with pytest.raises(ValueError, match="param_idx2name"):
+        kv.set_optimizer(opt.SGD(wd=0.1, param_idx2name={0: "fc1_bias"}))
+    kv.set_optimizer(opt.SGD(wd=0.1, param_idx2name={0: "fc1_weight"}))
+
+
+def test_a_local_store_runs_the_optimizer_object_it_was_given():
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    o = opt.SGD(momentum=0.5, learning_rate=1.0)
+    kv.set_optimizer(o)
+    g = np.ones(2)
+    out = np.zeros(2)
+    kv.push(0, g)  # m = -1, w = -1
+    o.set_learning_rate(0.5)
+    kv.push(0, g)  # m = 0.5 * -1 - 0.5 = -1, w = -2 (the momentum kept, the new rate used)
+    kv.pull(0, out=out)
+    assert (out == -2).all(), out
+    o.momentum = -1.0  # as MXNet: a momentum that is not positive is plain SGD
+    kv.push(0, g)
+    kv.pull(0, out=out)
+    assert (out == -2.5).all(), out
+    # Once the store runs another optimizer, changes to the first are not its own.
+    kv.set_optimizer(opt.SGD(learning_rate=0.25))
+    o.set_learning_rate(100.0)
+    kv.push(0, g)
+    kv.pull(0, out=out)
+    assert (out == -2.75).all(), out
+
+
+def test_create_is_mxnet_s():
+    assert kvstore.create("LOCAL").type == "local"
+    assert kvstore.create("nccl").type == "nccl"
+    with pytest.raises(ValueError, match="Horovod"):
+        kvstore.create("horovod")
+    with pytest.raises(TypeError):
+        kvstore.create(3)
+    kv = kvstore.create()
+    assert kv.OPTIMIZER == kvstore.KVStore.OPTIMIZER == kvstore.KVStoreBase.OPTIMIZER
+    assert kv.is_capable(kvstore.KVStoreBase.OPTIMIZER)
+
+    @kvstore.KVStoreBase.register
+    class MyStore(kvstore.KVStoreBase):
+        pass
+    try:
+        assert isinstance(kvstore.create("MyStore"), MyStore)
+    finally:
+        del kvstore.KVStoreBase.kv_registry["mystore"]
 
 
 def test_optimizer_states_save_and_load(tmp_path):

@@ -115,6 +115,7 @@ impl KVStore {
             pid: std::process::id(),
             forks: FORKS.load(Ordering::Relaxed),
             dist,
+            optimizer: std::sync::Mutex::new(None),
         }
     }
 
