@@ -332,6 +332,26 @@ impl OptimizerUpdater {
 
 /// The first bytes of saved optimizer states.
 const STATES_MAGIC: &[u8; 8] = b"KVOPTST1";
+/// The first bytes of saved states that carry the optimizer too (MXNet's `dump_optimizer`):
+/// loading them replaces the optimizer with the saved one.
+const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD1";
+
+/// Marks saved states (`OptimizerUpdater::save_states`) as carrying their optimizer; `false`
+/// where `bytes` are not such states.
+pub(crate) fn mark_dumped(bytes: &mut [u8]) -> bool {
+    match bytes.get_mut(..8) {
+        Some(head) if head == STATES_MAGIC => {
+            head.copy_from_slice(DUMPED_MAGIC);
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Whether saved states carry their optimizer ([`mark_dumped`]).
+pub(crate) fn is_dumped(bytes: &[u8]) -> bool {
+    bytes.starts_with(DUMPED_MAGIC)
+}
 
 impl OptimizerUpdater {
     /// The per-key state (momentum, moments, step counts) as bytes, for
@@ -368,21 +388,33 @@ impl OptimizerUpdater {
         out
     }
 
-    /// Replaces the per-key state with what [`OptimizerUpdater::save_states`] saved. The
-    /// states must come from an optimizer of the same kind; a malformed or truncated input is
-    /// an error and changes nothing.
-    pub fn load_states(&mut self, bytes: &[u8]) -> Result<()> {
+    /// [`OptimizerUpdater::save_states`] with the optimizer itself (MXNet's
+    /// `dump_optimizer=True`): loading them replaces the optimizer with the saved one.
+    pub fn save_states_and_optimizer(&self) -> Vec<u8> {
+        let mut out = self.save_states();
+        mark_dumped(&mut out);
+        out
+    }
+
+    /// Replaces the per-key state with what [`OptimizerUpdater::save_states`] saved, which
+    /// must come from an optimizer of the same kind; and with what
+    /// [`OptimizerUpdater::save_states_and_optimizer`] saved, the optimizer too (its kind
+    /// and parameters): then `true`. A malformed or truncated input is an error and changes
+    /// nothing.
+    pub fn load_states(&mut self, bytes: &[u8]) -> Result<bool> {
         let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
         let mut r = Reader(bytes);
-        if r.take(8).ok_or_else(|| bad("empty"))? != STATES_MAGIC {
-            return Err(bad("not a file of saved optimizer states"));
-        }
+        let dumped = match r.take(8).ok_or_else(|| bad("empty"))? {
+            m if m == STATES_MAGIC => false,
+            m if m == DUMPED_MAGIC => true,
+            _ => return Err(bad("not a file of saved optimizer states")),
+        };
         let mut words = [0.0; 8];
         for w in &mut words {
             *w = r.f64().ok_or_else(|| bad("truncated"))?;
         }
         let saved = Optimizer::decode(&words).map_err(|_| bad("unknown optimizer"))?;
-        if std::mem::discriminant(&saved) != std::mem::discriminant(&self.opt) {
+        if !dumped && std::mem::discriminant(&saved) != std::mem::discriminant(&self.opt) {
             return Err(bad(&format!(
                 "saved by {}, loaded into {}",
                 saved.name(),
@@ -417,7 +449,10 @@ impl OptimizerUpdater {
             return Err(bad("bytes after the last key"));
         }
         self.state = state;
-        Ok(())
+        if dumped {
+            self.opt = saved;
+        }
+        Ok(dumped)
     }
 }
 
@@ -510,6 +545,28 @@ mod tests {
         u.update(&k, &g, &mut w).unwrap();
         u.update(&k, &g, &mut w).unwrap();
         assert_eq!(w.to_vec::<f32>().unwrap(), [-2.0]);
+    }
+
+    #[test]
+    fn states_saved_with_the_optimizer_bring_it_back() {
+        let g = NDArray::ones(&[1]);
+        let k = Key::Int(0);
+        let mut a = OptimizerUpdater::new(Optimizer::sgd(0.1).momentum(0.9));
+        let mut w = NDArray::zeros(&[1]);
+        a.update(&k, &g, &mut w).unwrap(); // m = -0.1
+                                           // Without the optimizer: the state only, into the same kind.
+        let mut b = OptimizerUpdater::new(Optimizer::sgd(1.0).momentum(0.9));
+        assert!(!b.load_states(&a.save_states()).unwrap());
+        assert_eq!(b.optimizer(), &Optimizer::sgd(1.0).momentum(0.9));
+        let mut c = OptimizerUpdater::new(Optimizer::adam(1.0));
+        assert!(c.load_states(&a.save_states()).is_err());
+        // With it: the state and the optimizer, whatever ran before.
+        assert!(c.load_states(&a.save_states_and_optimizer()).unwrap());
+        assert_eq!(c.optimizer(), &Optimizer::sgd(0.1).momentum(0.9));
+        let mut w = NDArray::zeros(&[1]);
+        c.update(&k, &g, &mut w).unwrap(); // m = 0.9 * -0.1 - 0.1 = -0.19
+        let got = w.to_vec::<f32>().unwrap()[0];
+        assert!((got + 0.19).abs() < 1e-6, "{got}");
     }
 
     #[test]

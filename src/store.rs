@@ -224,9 +224,21 @@ impl KVStore {
     /// each sends its part to this worker, which writes them to one file (MXNet refuses this).
     /// Call it on one worker; no barrier is implied.
     pub fn save_optimizer_states(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.save_states(path.as_ref(), false)
+    }
+
+    /// [`KVStore::save_optimizer_states`] with the optimizer itself (MXNet's
+    /// `dump_optimizer=True`): loading the file replaces the store's optimizer, its kind and
+    /// parameters, with the saved one.
+    pub fn save_optimizer_and_states(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.save_states(path.as_ref(), true)
+    }
+
+    fn save_states(&mut self, path: &std::path::Path, dump: bool) -> Result<()> {
         let bytes = match &mut self.inner {
+            Inner::Local(s) if dump => s.optimizer()?.save_states_and_optimizer(),
             Inner::Local(s) => s.optimizer()?.save_states(),
-            Inner::Dist(d) => d.save_states()?,
+            Inner::Dist(d) => d.save_states(dump)?,
         };
         std::fs::write(path, bytes)?;
         Ok(())
@@ -235,7 +247,9 @@ impl KVStore {
     /// Restores what [`KVStore::save_optimizer_states`] wrote into the built-in optimizer
     /// (MXNet's `load_optimizer_states`): it must be of the same kind, and for a distributed
     /// store the job must have as many servers and the same keys. Call it on one worker.
-    pub fn load_optimizer_states(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+    /// What [`KVStore::save_optimizer_and_states`] wrote replaces the optimizer too: then
+    /// `true`.
+    pub fn load_optimizer_states(&mut self, path: impl AsRef<std::path::Path>) -> Result<bool> {
         let bytes = std::fs::read(path)?;
         match &mut self.inner {
             Inner::Local(s) => s.optimizer()?.load_states(&bytes),

@@ -42,14 +42,21 @@ pub(crate) fn states(kv: &mut KVStore) {
     let port = std::env::var("DMLC_PS_ROOT_PORT").unwrap_or_default();
     let path = std::env::temp_dir().join(format!("kvstore-states-{port}"));
     let garbage = std::env::temp_dir().join(format!("kvstore-states-{port}-bad"));
+    let dumped = std::env::temp_dir().join(format!("kvstore-states-{port}-dumped"));
     if kv.rank() == 0 {
         ok("save", kv.save_optimizer_states(&path));
+        ok(
+            "save with the optimizer",
+            kv.save_optimizer_and_states(&dumped),
+        );
     }
     ok("barrier", kv.barrier());
     // A fresh optimizer forgets the momentum; loading the file brings it back.
     ok("optimizer again", kv.set_optimizer(opt()));
     if kv.rank() == 0 {
-        ok("load", kv.load_optimizer_states(&path));
+        if ok("load", kv.load_optimizer_states(&path)) {
+            fail("states saved without their optimizer said they carried it".into());
+        }
         let bytes = ok("read", std::fs::read(&path).map_err(kvstore::KvError::from));
         for cut in [0, 9, bytes.len() / 2, bytes.len() - 1] {
             ok(
@@ -61,6 +68,13 @@ pub(crate) fn states(kv: &mut KVStore) {
             }
         }
         println!("refused truncated states");
+    }
+    ok("barrier", kv.barrier());
+    // Another optimizer: the file that carries the saved one brings it back, with its state,
+    // and the job ends where the local store does.
+    ok("another optimizer", kv.set_optimizer(Optimizer::adam(5.0)));
+    if kv.rank() == 0 && !ok("load with the optimizer", kv.load_optimizer_states(&dumped)) {
+        fail("states saved with their optimizer did not bring it back".into());
     }
     ok("barrier", kv.barrier());
     // Another key: the saved state no longer matches the job's keys, and is refused.
@@ -92,6 +106,7 @@ pub(crate) fn states(kv: &mut KVStore) {
     if kv.rank() == 0 {
         let _ = std::fs::remove_file(&path);
         let _ = std::fs::remove_file(&garbage);
+        let _ = std::fs::remove_file(&dumped);
     }
     println!("states reloaded exactly");
 }

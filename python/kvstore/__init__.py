@@ -17,8 +17,7 @@ differences from MXNet, each documented in README.md:
 * ``row_sparse_pull`` and ``set_gradient_compression`` are absent (no sparse arrays, no
   gradient compression).
 * ``save_optimizer_states`` of a distributed store saves the servers' state (MXNet refuses
-  it); call it on one worker. The file is kvstore's own (MXNet's is a pickle), and loading it
-  keeps the optimizer's current parameters (MXNet replaces them where they were dumped).
+  it); call it on one worker. The file is kvstore's own (MXNet's is a pickle).
 * ``create`` refuses a name it does not know (MXNet makes a local store of it).
 * Errors are typed: ``pull`` without ``out`` is a ValueError (an AssertionError in MXNet), a
   bool key is a TypeError.

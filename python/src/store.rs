@@ -371,7 +371,8 @@ impl KVStore {
         self._barrier(py)
     }
 
-    /// Saves the built-in optimizer's state to a file (local stores).
+    /// Saves the built-in optimizer's state to a file (in a distributed store, the servers';
+    /// call it on one worker); with `dump_optimizer`, the optimizer too.
     #[pyo3(signature = (fname, dump_optimizer = false))]
     fn save_optimizer_states(
         &self,
@@ -379,14 +380,20 @@ impl KVStore {
         fname: std::path::PathBuf,
         dump_optimizer: bool,
     ) -> PyResult<()> {
-        // The file always holds the optimizer's parameters with its state.
-        let _ = dump_optimizer;
-        self.control(py, 0, move |kv| kv.save_optimizer_states(&fname))
+        self.control(py, 0, move |kv| match dump_optimizer {
+            true => kv.save_optimizer_and_states(&fname),
+            false => kv.save_optimizer_states(&fname),
+        })
     }
 
-    /// Loads the built-in optimizer's state from a file `save_optimizer_states` wrote.
+    /// Loads the built-in optimizer's state from a file `save_optimizer_states` wrote; one
+    /// saved with `dump_optimizer` replaces the optimizer too, and the store no longer runs
+    /// the object `set_optimizer` was given (as in MXNet).
     fn load_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf) -> PyResult<()> {
-        self.control(py, 0, move |kv| kv.load_optimizer_states(&fname))
+        if self.control(py, 0, move |kv| kv.load_optimizer_states(&fname))? {
+            *self.optimizer.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        Ok(())
     }
 
     /// What this store counted (its calls, and per server, transport and range of keys its

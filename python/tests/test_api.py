@@ -333,6 +333,37 @@ def test_optimizer_states_save_and_load(tmp_path):
         kvstore.create().save_optimizer_states(str(tmp_path / "none"))
 
 
+def test_states_saved_with_the_optimizer_bring_it_back(tmp_path):
+    a = kvstore.create()
+    a.init(0, np.zeros(2))
+    a.set_optimizer(opt.SGD(momentum=0.9, learning_rate=0.1))
+    a.push(0, np.ones(2))  # m = -0.1
+    a.save_optimizer_states(str(tmp_path / "states"))
+    a.save_optimizer_states(str(tmp_path / "dumped"), dump_optimizer=True)
+
+    def store():
+        kv = kvstore.create()
+        kv.init(0, np.zeros(2))
+        o = opt.SGD(momentum=0.9, learning_rate=1.0)
+        kv.set_optimizer(o)
+        return kv, o
+    out = np.zeros(2)
+    # The state only: the store's own learning rate stays.
+    b, _ = store()
+    b.load_optimizer_states(tmp_path / "states")
+    b.push(0, np.ones(2))  # m = 0.9 * -0.1 - 1.0 = -1.09
+    b.pull(0, out=out)
+    assert np.allclose(out, -1.09), out
+    # With the optimizer: its learning rate comes back, and the object the store was given
+    # is no longer the one it runs.
+    c, o = store()
+    c.load_optimizer_states(tmp_path / "dumped")
+    o.set_learning_rate(100.0)
+    c.push(0, np.ones(2))  # m = 0.9 * -0.1 - 0.1 = -0.19
+    c.pull(0, out=out)
+    assert np.allclose(out, -0.19), out
+
+
 def test_threads_share_a_store_safely():
     kv = kvstore.create()
     kv.init(0, np.zeros(1000))

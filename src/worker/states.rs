@@ -1,6 +1,7 @@
 //! The servers' optimizer state, saved to a worker's file and loaded back
 //! (`KVStore::save_optimizer_states` for distributed stores).
 
+use crate::optimizer::{is_dumped, mark_dumped};
 use crate::protocol::{Msg, Op};
 use crate::worker::calls::Request;
 use crate::worker::DistWorker;
@@ -55,7 +56,8 @@ impl DistWorker {
 
     /// Every server's optimizer state, as one file's bytes: each server snapshots its state,
     /// says how long it is, and puts it into this worker's memory.
-    pub(crate) fn save_states(&mut self) -> Result<Vec<u8>> {
+    /// With `dump`, each server's part carries its optimizer (`optimizer::mark_dumped`).
+    pub(crate) fn save_states(&mut self, dump: bool) -> Result<Vec<u8>> {
         let n = self.num_servers;
         let mut lens: Vec<NDArray> = (0..n)
             .map(|_| NDArray::zeros_dtype(&[8], DType::U8))
@@ -83,6 +85,11 @@ impl DistWorker {
             .map(|(s, &len)| request(Op::States, s, 1, len, None))
             .collect();
         self.run(reqs, &mut states.iter_mut().collect::<Vec<_>>())?;
+        if dump && !states.iter_mut().all(|st| mark_dumped(st.as_bytes_mut())) {
+            return Err(KvError::Protocol(
+                "a server's optimizer state does not start as saved states do".into(),
+            ));
+        }
         let mut out = MAGIC.to_vec();
         out.extend_from_slice(&(n as u64).to_le_bytes());
         let layout = self.layout();
@@ -97,7 +104,8 @@ impl DistWorker {
 
     /// Gives each server its part of what [`DistWorker::save_states`] saved (a job with as
     /// many servers, running the same kind of optimizer).
-    pub(crate) fn load_states(&mut self, bytes: &[u8]) -> Result<()> {
+    /// `true` where the parts carry their optimizer, which then replaced the servers'.
+    pub(crate) fn load_states(&mut self, bytes: &[u8]) -> Result<bool> {
         let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
         let rest = bytes
             .strip_prefix(MAGIC)
@@ -133,6 +141,12 @@ impl DistWorker {
         if !rest.is_empty() {
             return Err(bad("bytes after the last server's part"));
         }
+        let dumped = parts.iter().filter(|p| is_dumped(p.as_bytes())).count();
+        if dumped != 0 && dumped != parts.len() {
+            return Err(bad(
+                "some servers' parts carry their optimizer and some do not",
+            ));
+        }
         let reqs = parts
             .into_iter()
             .enumerate()
@@ -141,7 +155,8 @@ impl DistWorker {
                 request(Op::LoadStates, s, 0, len, Some(p))
             })
             .collect();
-        self.run(reqs, &mut [])
+        self.run(reqs, &mut [])?;
+        Ok(dumped != 0)
     }
 }
 

@@ -57,7 +57,7 @@ impl ServerState {
     /// [`Op::LoadStates`]: the data replaces the optimizer's state.
     pub(super) fn load_states(&mut self, peer: PeerId, m: &Msg, payload: &Input<'_>) {
         let r = match (&mut self.updater, payload.bytes()) {
-            (Updater::Optimizer(o), Ok(bytes)) => o.load_states(&bytes),
+            (Updater::Optimizer(o), Ok(bytes)) => o.load_states(&bytes).map(|_| ()),
             (Updater::Optimizer(_), Err(e)) => Err(e),
             _ => Err(crate::KvError::Unsupported(
                 "this server runs no built-in optimizer (set_optimizer) to load a state into"
