@@ -38,18 +38,6 @@ pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) -> Result<()> {
     Ok(())
 }
 
-/// `dst = src`: device to device where both are GPU arrays, else through host views.
-fn copy_value(dst: &mut NDArray, src: &NDArray) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if let (Some(s), true) = (src.device_buf(), dst.device_buf().is_some()) {
-        if let Some(d) = dst.device_buf_mut() {
-            return d.copy_from(s);
-        }
-    }
-    dst.as_bytes_mut().copy_from_slice(src.as_bytes());
-    Ok(())
-}
-
 /// Checks that an updater left the stored value's shape and dtype as they were.
 pub(crate) fn check_updater_kept_shape(
     key: &Key,
@@ -204,7 +192,7 @@ impl LocalStore {
         for (k, outs) in pairs.iter_mut() {
             let stored = self.stored(k)?;
             for o in outs.iter_mut() {
-                copy_value(o, stored)?;
+                o.copy_from(stored)?;
             }
         }
         Ok(())

@@ -301,11 +301,31 @@ impl NDArray {
         Ok(())
     }
 
-    /// Copies `other`'s elements into this array (same shape and dtype).
+    /// Copies `other`'s elements into this array (same shape and dtype): device to device
+    /// where both are GPU arrays (queued on this array's device, as MXNet's `copyto`; see
+    /// [`NDArray::wait_to_read`]), else through host views.
     pub fn copy_from(&mut self, other: &NDArray) -> Result<()> {
         self.check_same(other)?;
-        if !Arc::ptr_eq(&self.buf, &other.buf) {
-            self.as_bytes_mut().copy_from_slice(other.as_bytes());
+        if Arc::ptr_eq(&self.buf, &other.buf) {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if let (Some(s), true) = (other.device_buf(), self.device_buf().is_some()) {
+            if let Some(d) = self.device_buf_mut() {
+                return d.copy_from(s);
+            }
+        }
+        self.as_bytes_mut().copy_from_slice(other.as_bytes());
+        Ok(())
+    }
+
+    /// Waits until the work queued on this array's memory is done (MXNet's `wait_to_read`):
+    /// for an array on a GPU, its device's stream; a host array has none. (Host views wait
+    /// on their own; this is for timing GPU work.)
+    pub fn wait_to_read(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device_buf() {
+            return d.synchronize();
         }
         Ok(())
     }

@@ -4,6 +4,8 @@
 
 pub mod chart;
 pub mod conn;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod limit;
 pub mod raw;
 

@@ -37,6 +37,10 @@ enum Cmd {
     /// The ceiling alone: one push+pull round of threads sharing memory (what `pushpull
     /// --reference` divides by), as `../shared/bench/ps_limit.c` measures it.
     Limit(LimitArgs),
+    /// The sum of GPU arrays in a `device` store against a device-to-device copy, as bytes
+    /// read plus written per second (a build with the feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Gpu(kvstore_perf::gpu::GpuArgs),
 }
 
 #[derive(Args, Debug)]
@@ -482,6 +486,8 @@ fn main() {
         Cmd::Lat(a) => run_raw("lat", &a),
         Cmd::Bw(a) => run_raw("bw", &a),
         Cmd::Limit(a) => run_limit(&a),
+        #[cfg(feature = "cuda")]
+        Cmd::Gpu(a) => kvstore_perf::gpu::run(&a),
         Cmd::Pushpull(p) => match (
             std::env::var("DMLC_ROLE").ok(),
             std::env::var("KVPERF_OUT").ok(),

@@ -255,6 +255,15 @@ impl DeviceBuf {
         &self.gpu.stream
     }
 
+    /// Waits for the work queued on this buffer's device stream.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        let ordinal = self.gpu.ordinal;
+        self.gpu
+            .stream
+            .synchronize()
+            .map_err(|e| cuda(ordinal, "waiting for its stream", e))
+    }
+
     /// Copies `src` (of the same length, on any device) into this buffer on the device.
     pub(crate) fn copy_from(&mut self, src: &DeviceBuf) -> Result<()> {
         let ordinal = self.gpu.ordinal;
