@@ -23,6 +23,7 @@ __all__ = ["Optimizer", "SGD", "Adam", "create"]
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
             "epsilon")
+_UNSET = object()
 
 
 class Optimizer:
@@ -74,10 +75,23 @@ class Optimizer:
         self.lr = float(lr)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _TUNABLE:
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__.get(name, _UNSET)
         object.__setattr__(self, name, value)
-        if name in _TUNABLE:
+        try:
             for store in list(self._stores):
                 store._retune_optimizer(self)
+        except BaseException:
+            # A value the stores refuse is not kept: the object stays what they run.
+            if old is _UNSET:
+                object.__delattr__(self, name)
+            else:
+                object.__setattr__(self, name, old)
+                for store in list(self._stores):
+                    store._retune_optimizer(self)
+            raise
 
     def _attached_to(self, store: Any) -> None:
         """Called by a local store's ``set_optimizer``: the store runs this optimizer."""

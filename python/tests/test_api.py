@@ -274,6 +274,9 @@ def test_a_local_store_runs_the_optimizer_object_it_was_given():
     kv.push(0, g)  # m = 0.5 * -1 - 0.5 = -1, w = -2 (the momentum kept, the new rate used)
     kv.pull(0, out=out)
     assert (out == -2).all(), out
+    with pytest.raises(TypeError):
+        o.lr = "fast"  # refused by the store: the object keeps what the store runs
+    assert o.lr == 0.5
     o.momentum = -1.0  # as MXNet: a momentum that is not positive is plain SGD
     kv.push(0, g)
     kv.pull(0, out=out)
