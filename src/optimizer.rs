@@ -292,7 +292,7 @@ impl OptimizerUpdater {
     /// Runs `opt` from the next update on, with the state kept (a new learning rate, say);
     /// an error, with nothing changed, where `opt` is another kind of optimizer.
     pub fn retune(&mut self, opt: Optimizer) -> Result<()> {
-        if opt.name() != self.opt.name() {
+        if !opt.same_kind(&self.opt) {
             return Err(KvError::Incompatible(format!(
                 "the store runs {}, whose state {} cannot take on: set_optimizer starts afresh",
                 self.opt.name(),
@@ -414,7 +414,7 @@ impl OptimizerUpdater {
             *w = r.f64().ok_or_else(|| bad("truncated"))?;
         }
         let saved = Optimizer::decode(&words).map_err(|_| bad("unknown optimizer"))?;
-        if !dumped && std::mem::discriminant(&saved) != std::mem::discriminant(&self.opt) {
+        if !dumped && !saved.same_kind(&self.opt) {
             return Err(bad(&format!(
                 "saved by {}, loaded into {}",
                 saved.name(),
@@ -457,6 +457,11 @@ impl OptimizerUpdater {
 }
 
 impl Optimizer {
+    /// Whether `other` is the same optimizer, whatever its parameters (its state fits).
+    fn same_kind(&self, other: &Optimizer) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
+
     /// MXNet's name of the optimizer.
     pub fn name(&self) -> &'static str {
         match self {

@@ -311,8 +311,7 @@ impl KVStore {
         let opt = optimizer_of(optimizer)?;
         me.control(slf.py(), 0, move |kv| kv.set_optimizer(opt))?;
         if !me.dist {
-            *me.optimizer.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some(optimizer.clone().unbind());
+            *me.runs() = Some(optimizer.clone().unbind());
             optimizer.call_method1("_attached_to", (slf,))?;
         }
         Ok(())
@@ -321,12 +320,7 @@ impl KVStore {
     /// Applies `optimizer`'s parameters to the store's optimizer, keeping its state, where
     /// the store runs that object (its `set_optimizer` was given it last).
     fn _retune_optimizer(&self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
-        let runs = self
-            .optimizer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .is_some_and(|o| o.is(optimizer));
+        let runs = self.runs().as_ref().is_some_and(|o| o.is(optimizer));
         if !runs {
             return Ok(());
         }
@@ -357,7 +351,7 @@ impl KVStore {
                 updater::run_for(me, &f, k, i, s)
             })
         })?;
-        *self.optimizer.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.runs() = None;
         Ok(())
     }
 
@@ -391,7 +385,7 @@ impl KVStore {
     /// the object `set_optimizer` was given (as in MXNet).
     fn load_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf) -> PyResult<()> {
         if self.control(py, 0, move |kv| kv.load_optimizer_states(&fname))? {
-            *self.optimizer.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            *self.runs() = None;
         }
         Ok(())
     }

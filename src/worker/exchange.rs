@@ -23,6 +23,9 @@ use crate::{KvError, NDArray, Result};
 #[path = "batch.rs"]
 mod batch;
 
+/// A busy wait reads the clock on one turn in this many.
+const CLOCK_TURNS: u32 = 32;
+
 /// A worker's links to its servers, and the calls in flight on them.
 pub(crate) struct Links {
     pub(crate) net: Net,
@@ -164,7 +167,7 @@ impl Links {
             // for 200 µs after the call's start, see `start`: with a shorter `after`, the
             // wrapper runs before the wait first sleeps.)
             let long = |s: &SlowWait| self.clock.saturating_duration_since(self.started) >= s.after;
-            if may_wrap && self.turns % 32 == 0 && self.slow.as_ref().is_some_and(long) {
+            if may_wrap && self.turns % CLOCK_TURNS == 0 && self.slow.as_ref().is_some_and(long) {
                 may_wrap = false;
                 if let Some(mut slow) = self.slow.take() {
                     (slow.wrap)(&mut || self.drive(call, false));
@@ -205,7 +208,7 @@ impl Links {
         // The clock is read on few turns of a busy wait (a wait that sleeps ends within its
         // timeout, so the deadline is still seen in time).
         self.turns = self.turns.wrapping_add(1);
-        if self.turns % 32 != 0 {
+        if self.turns % CLOCK_TURNS != 0 {
             if may_wait {
                 self.net.wait(None, Duration::from_millis(1))?;
             }

@@ -188,6 +188,11 @@ impl KVStore {
         }
     }
 
+    /// The `kvstore.optimizer` object this local store runs, if any (see `optimizer`).
+    pub(super) fn runs(&self) -> std::sync::MutexGuard<'_, Option<Py<PyAny>>> {
+        self.optimizer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Where this store lives: what names it to its updater's calls.
     pub(super) fn address(&self) -> usize {
         self as *const KVStore as usize
