@@ -442,7 +442,10 @@ impl KVStore {
 
     /// Starts a push and returns without waiting for it (MXNet's engine runs pushes
     /// asynchronously). The values may be changed at once: a change makes a copy, and the
-    /// call sends what was given. Calls reach the servers in the order they were started.
+    /// call sends what was given. Calls reach the servers in the order they were started, and
+    /// a pull of the key started after it sees it, waited for or not (in `dist_sync`, the
+    /// server answers that pull once the push's round is in). A second push of the key before
+    /// this one's round is in is refused in `dist_sync`: wait for this one first.
     ///
     /// ```
     /// use kvstore::{create, NDArray};

@@ -165,6 +165,23 @@ fn inflight(kv: &mut KVStore) {
         expect_vals("pull in flight", &pulled[0], &[sum; 3]);
         expect_vals("pull into a returned output", &pulled[1], &[sum; 20]);
     }
+    // A pull right after this worker's own push, not waited for, sees the round's result
+    // (the server answers it once the round is in, as MXNet's engine orders a pull after the
+    // push before it); the other workers push late, so the pull comes in mid-round.
+    for step in 5..=6 {
+        let g = step as f64 * (r + 1.0);
+        let sum = step as f64 * w * (w + 1.0) / 2.0;
+        if r > 0.0 {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let push = ok(
+            "push_async",
+            kv.push_async(10, &NDArray::full(&shapes[0], g)),
+        );
+        let out = pulled(kv, 10, &shapes[0], DType::F32);
+        expect_vals("pull after an unwaited push", &out, &[sum; 3]);
+        ok("wait push", kv.wait(push));
+    }
     // A dropped call is still carried out; wait_all waits for it.
     let _ = ok("push_async", kv.push_async(10, &NDArray::ones(&shapes[0])));
     ok("wait_all", kv.wait_all());

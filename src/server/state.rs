@@ -54,6 +54,10 @@ struct Slot {
     pushed: Vec<bool>,
     count: usize,
     held: Vec<Held>,
+    /// Pulls that came after their worker's own push in this round (sync): answered when the
+    /// round completes, so a worker sees what it pushed, as MXNet's engine orders a pull
+    /// after the push before it (`push_async`, then `pull`).
+    behind: Vec<Held>,
     total: u64,
     start: u64,
     /// The other buffer of the double buffer: a value an answer's put still reads stays
@@ -241,7 +245,7 @@ impl ServerState {
         match m.op {
             Op::Init => self.init(peer, m, &payload),
             Op::Push | Op::PushPull => self.push(peer, worker, m, payload),
-            Op::Pull => self.pull(peer, m),
+            Op::Pull => self.pull(peer, worker, m),
             Op::States => self.states(peer, m),
             Op::LoadStates => self.load_states(peer, m, &payload),
             Op::SetOptimizer => {
@@ -321,6 +325,7 @@ impl ServerState {
                 pushed: vec![false; self.num_workers],
                 count: 0,
                 held: Vec::new(),
+                behind: Vec::new(),
                 total: m.total,
                 start: m.start,
                 spare: None,
@@ -367,14 +372,20 @@ impl ServerState {
         Ok(())
     }
 
-    fn pull(&mut self, peer: PeerId, m: &Msg) {
-        match self.check_slot(m) {
-            Err((code, text)) => self.err(peer, m, code, text),
-            Ok(()) => {
-                let v = self.slots[&m.key].stored.clone();
-                self.ok(peer, m, Payload::Array(v));
-            }
+    fn pull(&mut self, peer: PeerId, worker: usize, m: &Msg) {
+        if let Err((code, text)) = self.check_slot(m) {
+            return self.err(peer, m, code, text);
         }
+        let Some(slot) = self.slots.get_mut(&m.key) else {
+            return;
+        };
+        // After this worker's own push of the round: the round's result, once it is in.
+        if slot.pushed.get(worker).copied().unwrap_or(false) {
+            slot.behind.push(Held { peer, req: *m });
+            return;
+        }
+        let v = slot.stored.clone();
+        self.ok(peer, m, Payload::Array(v));
     }
 
     fn push(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: Input<'_>) {
@@ -519,6 +530,7 @@ impl ServerState {
         slot.count = 0;
         slot.pushed.iter_mut().for_each(|p| *p = false);
         let held = std::mem::take(&mut slot.held);
+        let behind = std::mem::take(&mut slot.behind);
         let value = slot.stored.clone();
         for h in held {
             match &res {
@@ -529,61 +541,17 @@ impl ServerState {
                 Err(e) => self.err(h.peer, &h.req, status::FAILED, e.to_string()),
             }
         }
-    }
-
-    /// Worker `rank` left the job (`why`: "disconnected", "finished"). Whether the job goes
-    /// on is the scheduler's to say (a clean exit is no failure); here, every sync round it has
-    /// not pushed cannot complete, so its held pushes fail now, naming it, and so will any
-    /// later sync push. Pulls, and async pushes, are served as before.
-    pub fn worker_gone(&mut self, rank: usize, why: &str) {
-        if rank >= self.num_workers || self.gone.iter().any(|(g, _)| *g == rank) {
-            return;
+        // The pulls behind a push get the value, as a pull now would (the stored one, where
+        // the update failed: the push's own answer says so).
+        for h in behind {
+            self.ok(h.peer, &h.req, Payload::Array(value.clone()));
         }
-        self.gone.push((rank, why.to_string()));
-        if !self.sync {
-            return;
-        }
-        let mut failed = Vec::new();
-        for (key, slot) in self.slots.iter_mut() {
-            if slot.count > 0 && !slot.pushed[rank] {
-                slot.count = 0;
-                slot.pushed.iter_mut().for_each(|p| *p = false);
-                self.released.extend(slot.first.take().map(|k| k.id));
-                failed.extend(slot.held.drain(..).map(|h| (*key, h)));
-            }
-        }
-        for (key, h) in failed {
-            let text = format!("the round of key {key} cannot complete: worker {rank} {why}");
-            self.err(h.peer, &h.req, status::PEER_LOST, text);
-        }
-    }
-
-    /// Stops serving: answers every held request with `reason`, and every later one too.
-    pub fn fail(&mut self, reason: &str) {
-        if self.failed.is_none() {
-            self.failed = Some(reason.to_string());
-        }
-        let mut held = Vec::new();
-        for slot in self.slots.values_mut() {
-            held.append(&mut slot.held);
-            slot.count = 0;
-            slot.pushed.iter_mut().for_each(|p| *p = false);
-            self.released.extend(slot.first.take().map(|k| k.id));
-        }
-        for h in held {
-            self.err(h.peer, &h.req, status::PEER_LOST, reason.to_string());
-        }
-    }
-
-    /// Drops what is addressed to a closed connection.
-    pub fn forget_peer(&mut self, peer: PeerId) {
-        self.outbox.retain(|o| o.to != peer);
-        self.snapshots.remove(&peer);
     }
 }
 
 mod input;
 mod kept;
+mod leave;
 mod states;
 mod updater;
 

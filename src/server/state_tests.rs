@@ -364,3 +364,58 @@ fn a_kept_first_push_is_let_go_when_its_round_fails() {
     two.fail("stopping");
     assert_eq!(two.take_released().collect::<Vec<_>>(), vec![6]);
 }
+
+#[test]
+fn a_workers_pull_after_its_own_push_waits_for_the_round() {
+    let mut s = ServerState::new(2, true);
+    s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
+    replies(&mut s);
+    // Worker 0 pushes and pulls at once (push_async, then pull): its pull waits for the
+    // round, while worker 1's pull, which pushed nothing yet, sees the stored value now.
+    s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Pull, 1, 2, 3), &mut empty());
+    s.handle(1, 1, &req(Op::Pull, 1, 2, 4), &mut empty());
+    assert_eq!(replies(&mut s), vec![(1, 4, 0, vec![0.0; 2])]);
+    s.handle(1, 1, &req(Op::Push, 1, 2, 5), &mut data(2.0, 2));
+    let r = replies(&mut s);
+    assert_eq!(
+        r,
+        vec![
+            (0, 2, 0, vec![]),
+            (1, 5, 0, vec![]),
+            (0, 3, 0, vec![3.0; 2])
+        ]
+    );
+    // A round that fails for a gone worker still answers the pulls behind it, with the
+    // stored value; a failing server answers them with its reason.
+    s.handle(0, 0, &req(Op::Push, 1, 2, 6), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Pull, 1, 2, 7), &mut empty());
+    assert!(replies(&mut s).is_empty());
+    s.worker_gone(1, "disconnected");
+    let r = replies(&mut s);
+    assert_eq!((r[0].1, r[0].2), (6, status::PEER_LOST));
+    assert_eq!(r[1], (0, 7, 0, vec![3.0; 2]));
+    let mut s = ServerState::new(2, true);
+    s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
+    s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Pull, 1, 2, 3), &mut empty());
+    replies(&mut s);
+    s.fail("stopping");
+    let r = replies(&mut s);
+    assert_eq!(
+        r.iter().map(|x| (x.1, x.2)).collect::<Vec<_>>(),
+        [(2, status::PEER_LOST), (3, status::PEER_LOST)]
+    );
+    // A closed connection's pulls are dropped with it.
+    let mut s = ServerState::new(2, true);
+    s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
+    s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Pull, 1, 2, 3), &mut empty());
+    s.forget_peer(0);
+    s.handle(1, 1, &req(Op::Push, 1, 2, 4), &mut data(1.0, 2));
+    let r = replies(&mut s);
+    assert!(
+        r.iter().all(|x| x.1 != 3) && r.iter().any(|x| x.1 == 4),
+        "{r:?}"
+    );
+}

@@ -1,0 +1,68 @@
+//! Workers and connections leaving, and the server failing: what happens to the requests
+//! held for a round.
+
+use super::{Payload, PeerId, ServerState};
+use crate::protocol::status;
+
+impl ServerState {
+    /// Worker `rank` left the job (`why`: "disconnected", "finished"). Whether the job goes
+    /// on is the scheduler's to say (a clean exit is no failure); here, every sync round it has
+    /// not pushed cannot complete, so its held pushes fail now, naming it, and so will any
+    /// later sync push. Pulls, and async pushes, are served as before.
+    pub fn worker_gone(&mut self, rank: usize, why: &str) {
+        if rank >= self.num_workers || self.gone.iter().any(|(g, _)| *g == rank) {
+            return;
+        }
+        self.gone.push((rank, why.to_string()));
+        if !self.sync {
+            return;
+        }
+        let mut failed = Vec::new();
+        let mut served = Vec::new();
+        for (key, slot) in self.slots.iter_mut() {
+            if slot.count > 0 && !slot.pushed[rank] {
+                slot.count = 0;
+                slot.pushed.iter_mut().for_each(|p| *p = false);
+                self.released.extend(slot.first.take().map(|k| k.id));
+                failed.extend(slot.held.drain(..).map(|h| (*key, h)));
+                // The pulls behind the failed pushes get the stored value, as they would now.
+                let value = slot.stored.clone();
+                served.extend(slot.behind.drain(..).map(|h| (h, value.clone())));
+            }
+        }
+        for (key, h) in failed {
+            let text = format!("the round of key {key} cannot complete: worker {rank} {why}");
+            self.err(h.peer, &h.req, status::PEER_LOST, text);
+        }
+        for (h, value) in served {
+            self.ok(h.peer, &h.req, Payload::Array(value));
+        }
+    }
+
+    /// Stops serving: answers every held request with `reason`, and every later one too.
+    pub fn fail(&mut self, reason: &str) {
+        if self.failed.is_none() {
+            self.failed = Some(reason.to_string());
+        }
+        let mut held = Vec::new();
+        for slot in self.slots.values_mut() {
+            held.append(&mut slot.held);
+            held.append(&mut slot.behind);
+            slot.count = 0;
+            slot.pushed.iter_mut().for_each(|p| *p = false);
+            self.released.extend(slot.first.take().map(|k| k.id));
+        }
+        for h in held {
+            self.err(h.peer, &h.req, status::PEER_LOST, reason.to_string());
+        }
+    }
+
+    /// Drops what is addressed to a closed connection.
+    pub fn forget_peer(&mut self, peer: PeerId) {
+        self.outbox.retain(|o| o.to != peer);
+        for slot in self.slots.values_mut() {
+            slot.behind.retain(|h| h.peer != peer);
+        }
+        self.snapshots.remove(&peer);
+    }
+}
