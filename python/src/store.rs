@@ -15,7 +15,7 @@ use crate::shell::{lend_into, Shell};
 use crate::{to_py, updater};
 
 mod calls;
-use calls::{nbytes, read_lines, refs, refs_mut};
+use calls::{nbytes, read_lines, refs, refs_mut, touch_lines};
 
 /// How many times this process is a child made by fork, counted by a `pthread_atfork` handler
 /// (a store remembers the count it was made in: reading the pid on every call is a system
@@ -411,8 +411,11 @@ impl KVStore {
     /// `value` to `key` and pulls into `out`, over copies in the store's own arrays or, `lent`,
     /// over the arrays' own memory as a Rust caller lends it; with `read`, each pull is
     /// followed by a read of what it brought (one load per cache line, as a training step's
-    /// compute reads its weights). The seconds it took.
-    #[pyo3(signature = (key, value, out, iters, lent = false, read = false))]
+    /// compute reads its weights); with `touch`, each push and each pull is followed by a
+    /// write to each 64-byte line of that many bytes of other memory (what an interpreter
+    /// running between calls does to the caches, `benches/cache_sensitivity.py`). The seconds
+    /// it took.
+    #[pyo3(signature = (key, value, out, iters, lent = false, read = false, touch = 0))]
     #[allow(clippy::too_many_arguments)]
     fn _rust_push_pull_loop(
         &self,
@@ -423,6 +426,7 @@ impl KVStore {
         iters: usize,
         lent: bool,
         read: bool,
+        touch: usize,
     ) -> PyResult<f64> {
         let k = keys(key)?.keys.remove(0);
         let arrays = |l: Lent| match lent {
@@ -431,11 +435,14 @@ impl KVStore {
         };
         let v = arrays(crate::arrays::lend(value, false, "value")?).map_err(to_py)?;
         let mut o = arrays(crate::arrays::lend(out, true, "out")?).map_err(to_py)?;
+        let mut other = vec![0u8; touch];
         self.call(py, usize::MAX, move |kv| {
             let t = std::time::Instant::now();
             for _ in 0..iters {
                 kv.push(k.clone(), &v)?;
+                touch_lines(&mut other);
                 kv.pull(k.clone(), &mut o)?;
+                touch_lines(&mut other);
                 if read {
                     read_lines(o.as_bytes());
                 }

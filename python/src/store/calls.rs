@@ -288,6 +288,14 @@ pub(super) fn read_lines(b: &[u8]) {
     std::hint::black_box(b.iter().step_by(64).fold(0u8, |a, &x| a ^ x));
 }
 
+/// One write per 64-byte line of `b`, kept from being optimised away.
+pub(super) fn touch_lines(b: &mut [u8]) {
+    for x in b.iter_mut().step_by(64) {
+        *x = x.wrapping_add(1);
+    }
+    std::hint::black_box(b);
+}
+
 pub(super) fn nbytes(lists: &[Vec<Lent>]) -> usize {
     lists.iter().flatten().map(|l| l.len).sum()
 }
