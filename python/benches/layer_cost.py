@@ -16,6 +16,11 @@ Three Rust loops are the reference, each against the Python loop that does the s
   from its core: a loop that never reads them never pays to bring them back, which a numpy
   array's pull (landing in the store's pages, copied in by this process) pays at once.
 
+A fourth reference, `binding`, is the Python loop's own calls made from Rust
+(`KVStore._binding_push_pull_loop`: the class's `push` and `pull` methods called directly):
+Python's cost over it is the interpreter's share of the layer (its bytecode, the call, the
+arguments' parsing), and the rest of the layer's cost over `lent` is the binding's.
+
 Prints one JSON line per size and reference: seconds per push + pull in Python and in Rust,
 the layer's cost per call (half the difference) as a multiple of the empty call and as a
 fraction of the Rust loop's time. The layer's cost is the median over many short rounds of the
@@ -34,7 +39,7 @@ import numpy as np
 import kvstore
 
 SIZES = [int(s) for s in os.environ.get("LAYER_COST_SIZES", "4096,67108864").split(",")]
-REFERENCES = ["own", "lent", "read"]
+REFERENCES = ["own", "lent", "read", "binding"]
 
 
 def block_for(nbytes):
@@ -88,7 +93,10 @@ def main():
         for k in range(rounds + 2):
             for r in REFERENCES:
                 before = python_loop(kv, i, v, o, iters, r == "read")
-                ru = kv._rust_push_pull_loop(i, v, o, iters, lent=r == "lent", read=r == "read")
+                if r == "binding":
+                    ru = kv._binding_push_pull_loop(i, v, o, iters)
+                else:
+                    ru = kv._rust_push_pull_loop(i, v, o, iters, lent=r == "lent", read=r == "read")
                 after = python_loop(kv, i, v, o, iters, r == "read")
                 if k >= 2:
                     py[r].append((before + after) / 2)

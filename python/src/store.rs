@@ -451,6 +451,26 @@ impl KVStore {
         })
     }
 
+    /// The Python loop's calls made from Rust, for `benches/layer_cost.py`: `iters` calls of
+    /// this class's own `push` and `pull` on `key`, `value` and `out`, all the layer does but
+    /// the interpreter's part (its bytecode, the call, the arguments' parsing). The seconds it
+    /// took.
+    fn _binding_push_pull_loop(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        iters: usize,
+    ) -> PyResult<f64> {
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            self.push(py, key, value, 0)?;
+            self.pull(py, key, Some(out), 0, true)?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+
     /// Reads `out` as `_rust_push_pull_loop` reads what a pull brought, for the Python loop of
     /// `benches/layer_cost.py` that does the same.
     /// (Lent as a pushed value is, at the cost of a claim beyond the empty call's.)
