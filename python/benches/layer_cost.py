@@ -16,6 +16,11 @@ Three Rust loops are the reference, each against the Python loop that does the s
   from its core: a loop that never reads them never pays to bring them back, which a numpy
   array's pull (landing in the store's pages, copied in by this process) pays at once.
 
+In a distributed store, Python's push of a 4 KiB array returns before the servers answer (a
+copy is pushed, and the next call takes its result): the Rust loops push the same way
+(`push_async` of the store's own array, or of a copy of the lent memory, then the pull, then
+the push's wait), so the loops stay the same loop.
+
 A fourth reference, `binding`, is the Python loop's own calls made from Rust
 (`KVStore._binding_push_pull_loop`: the class's `push` and `pull` methods called directly):
 Python's cost over it is the interpreter's share of the layer (its bytecode, the call, the

@@ -15,7 +15,9 @@ use crate::shell::{lend_into, Shell};
 use crate::{to_py, updater};
 
 mod calls;
+mod pushes;
 use calls::{nbytes, read_lines, refs, refs_mut, touch_lines};
+use pushes::{Pushes, ASYNC_BYTES};
 
 /// How many times this process is a child made by fork, counted by a `pthread_atfork` handler
 /// (a store remembers the count it was made in: reading the pid on every call is a system
@@ -48,6 +50,8 @@ struct State {
     /// The last one-array call's key object (held, so that its address names it: keys are
     /// immutable) and the key it is: a loop over the same keys reads each once.
     last_key: Option<(Py<PyAny>, Key)>,
+    /// A distributed store's pushes in flight (`calls::pushes`).
+    pushes: Pushes,
 }
 
 /// A key-value store with MXNet's KVStore API (create one with `kvstore.create`).
@@ -147,7 +151,11 @@ impl KVStore {
     }
 
     /// Pushes values: a list of values for one key is summed, then merged into the stored value
-    /// by the updater (ASSIGN unless one is set). A larger priority is sent first.
+    /// by the updater (ASSIGN unless one is set). A larger priority is sent first. In a
+    /// distributed store, a push of one array of at most 1 MiB returns once the array is
+    /// copied, before the servers answer (as MXNet's push returns at once): its error, if it
+    /// fails, is raised by the next call that waits for it (the key's next push, a pull of the
+    /// key, or any other call); a pull of the key sees it.
     #[pyo3(signature = (key, value, priority = 0))]
     fn push(
         &self,
@@ -157,8 +165,14 @@ impl KVStore {
         priority: i32,
     ) -> PyResult<()> {
         if !is_list(key) && !is_list(value) {
-            // One key, one array: the common call, with nothing to group.
-            let push = |kv: &mut kvstore::KVStore, k: &Key, v: &mut NDArray| {
+            // One key, one array: the common call, with nothing to group. In a distributed
+            // store it returns once the array's bytes are copied (`pushes`).
+            let dist = self.dist;
+            let push = |kv: &mut kvstore::KVStore, p: &mut Pushes, k: &Key, v: &mut NDArray| {
+                if dist && v.nbytes() <= ASYNC_BYTES {
+                    return p.start(kv, k, v, priority);
+                }
+                p.settle(kv, k)?;
                 kv.with_priority(priority).push(k, &*v)
             };
             if let Some(r) = self.one_array(py, key, value, false, push) {
@@ -195,8 +209,11 @@ impl KVStore {
         let out =
             out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
         if !is_list(key) && !is_list(out) {
-            let pull = |kv: &mut kvstore::KVStore, k: &Key, o: &mut NDArray| {
-                kv.with_priority(priority).pull(k, o)
+            // The key's push in flight is over once the pull is (the servers answer it first);
+            // where both failed, the push's error comes first (the pull's follows from it).
+            let pull = |kv: &mut kvstore::KVStore, p: &mut Pushes, k: &Key, o: &mut NDArray| {
+                let pulled = kv.with_priority(priority).pull(k, o);
+                p.settle(kv, k).and(pulled)
             };
             if let Some(r) = self.one_array(py, key, out, true, pull) {
                 return r;
@@ -436,12 +453,26 @@ impl KVStore {
         let v = arrays(crate::arrays::lend(value, false, "value")?).map_err(to_py)?;
         let mut o = arrays(crate::arrays::lend(out, true, "out")?).map_err(to_py)?;
         let mut other = vec![0u8; touch];
+        // Python's push in a distributed store returns before the servers answer (`pushes`):
+        // so does this loop's, of a copy of the lent memory as Python's, or of the store's own
+        // array (a write to it would copy it); the pull, then the push's end.
+        let early = self.dist && v.nbytes() <= ASYNC_BYTES;
+        let mut pushes = Pushes::default();
         self.call(py, usize::MAX, move |kv| {
             let t = std::time::Instant::now();
             for _ in 0..iters {
-                kv.push(k.clone(), &v)?;
+                let mut pending = None;
+                match (early, lent) {
+                    (false, _) => kv.push(k.clone(), &v)?,
+                    (true, true) => pushes.start(kv, &k, &v, 0)?,
+                    (true, false) => pending = Some(kv.push_async(k.clone(), &v)?),
+                }
                 touch_lines(&mut other);
                 kv.pull(k.clone(), &mut o)?;
+                match pending {
+                    Some(p) => drop(kv.wait(p)?),
+                    None => pushes.settle(kv, &k)?,
+                }
                 touch_lines(&mut other);
                 if read {
                     read_lines(o.as_bytes());
@@ -500,12 +531,17 @@ impl KVStore {
 
 impl Drop for KVStore {
     fn drop(&mut self) {
+        let inner = self.inner.get_mut();
         if FORKS.load(Ordering::Relaxed) != self.forks {
             // A forked child must not speak on its parent's links (a distributed store's
             // destructor says goodbye to the servers and the scheduler).
-            let inner = self.inner.get_mut();
             if let Some(kv) = inner.kv.take() {
                 std::mem::forget(kv);
+            }
+        } else if let Some(kv) = inner.kv.as_mut() {
+            // The pushes no call waited for are carried out; one that failed is said.
+            if let Err(e) = inner.pushes.settle_all(kv) {
+                eprintln!("kvstore: a push that no later call waited for failed: {e}");
             }
         }
     }

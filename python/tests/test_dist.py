@@ -115,7 +115,13 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
     assert "child refused: True" in out, out
 
 
-@pytest.mark.parametrize("call", ["kv.push(1, np.ones(4))", "kv.barrier()"])
+@pytest.mark.parametrize("call", [
+    # A push of one array returns at once; the pull after it waits for the round.
+    "kv.push(1, np.ones(4)); kv.pull(1, out=np.zeros(4))",
+    # A push of a list waits for the servers.
+    "kv.push([1], [np.ones(4)])",
+    "kv.barrier()",
+])
 def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path, call):
     p = run_job(tmp_path, """
         kv.init(1, np.zeros(4))
@@ -146,8 +152,8 @@ def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path, call):
 
 
 def test_a_small_call_that_waits_long_lets_other_threads_run(tmp_path):
-    # A small push keeps the GIL while it waits a few microseconds, and lets go of it once it
-    # waits longer: here, for rank 1, a second.
+    # A small pull keeps the GIL while it waits a few microseconds, and lets go of it once it
+    # waits longer: here, behind rank 0's own push, for rank 1's push, a second.
     code, out = run_job(tmp_path, """
         import threading
         kv.init(1, np.zeros(4))
@@ -166,12 +172,15 @@ def test_a_small_call_that_waits_long_lets_other_threads_run(tmp_path):
             before = ticks[0]
             start = time.time()
             kv.push(1, np.ones(4))
+            pushed = time.time() - start
+            kv.pull(1, out=np.zeros(4))
             waited = time.time() - start
             during = ticks[0] - before
             done.set()
             t.join()
             print(f"waited {waited:.2f} s, ticks {during}", flush=True)
-            assert waited > 0.8 and during > 100, (waited, during)
+            # The push returned at once (MXNet's push is asynchronous); the pull waited.
+            assert pushed < 0.5 and waited > 0.8 and during > 100, (pushed, waited, during)
         o = np.zeros(4)
         kv.pull(1, out=o)
         assert (o == 2).all(), o
@@ -218,3 +227,66 @@ def test_the_python_training_example_reaches_its_known_answer():
     for rank in range(2):
         assert "reached the known answer: relative error" in p.stdout, p.stdout
         assert f"(rank {rank} of 2)" in p.stdout, p.stdout
+
+
+def test_a_push_returns_before_the_servers_answer_and_a_pull_sees_it(tmp_path):
+    code, out = run_job(tmp_path, """
+        kv.init(1, np.zeros(4))
+        kv.init(2, np.zeros(300000, dtype=np.float32))
+        if kv.rank == 1:
+            time.sleep(1.0)
+        a = np.full(4, kv.rank + 1.0)
+        start = time.time()
+        kv.push(1, a)
+        pushed = time.time() - start
+        a[:] = -1000                  # the push sent what it was given
+        o = np.zeros(4)
+        kv.pull(1, out=o)             # after this worker's push: the round's result
+        assert (o == 3).all(), o
+        if kv.rank == 0:
+            assert pushed < 0.5, pushed
+            print(f"rank 0's push returned in {pushed:.3f} s", flush=True)
+
+        def update(key, input, stored):
+            stored += input
+
+        kv._set_updater(update)
+        # Two pushes of a key in a row: the second goes after the first's round.
+        kv.push(1, np.ones(4))
+        kv.push(1, np.ones(4))
+        kv.pull(1, out=o)
+        assert (o == 3 + 2 + 2).all(), o
+        # A push of more than 1 MiB waits for the servers, with the same result.
+        big = np.ones(300000, dtype=np.float32)
+        kv.push(2, big)
+        kv.pull(2, out=big)
+        assert (big == 2).all(), big[:4]
+        print(f"worker {kv.rank} done", flush=True)
+        """)
+    assert code == 0, out
+    assert "rank 0's push returned in" in out, out
+    assert "worker 0 done" in out and "worker 1 done" in out, out
+
+
+def test_a_failed_push_is_raised_by_the_next_call(tmp_path):
+    code, out = run_job(tmp_path, """
+        kv.init(5, np.zeros(4))
+
+        def refuse(key, input, stored):
+            raise ValueError(f"no updates for key {key}")
+
+        kv._set_updater(refuse)
+        kv.push(5, np.ones(4))        # returns before the server's updater runs
+        print("push returned", flush=True)
+        o = np.zeros(4)
+        try:
+            kv.pull(5, out=o)
+            print("no error", flush=True)
+        except kvstore.KVStoreError as e:
+            print(f"pull raised: {e}", flush=True)
+        kv.push(5, np.ones(4))        # not waited for by any call: said when the store goes
+        """, workers=1, servers=1)
+    assert "push returned" in out, out
+    assert "pull raised: " in out and "no updates for key 5" in out.split("pull raised: ")[1], out
+    assert "no error" not in out, out
+    assert "a push that no later call waited for failed" in out, out

@@ -8,7 +8,7 @@ use kvstore::{Key, Keys, NDArray, Outputs};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use super::{KVStore, State, FORKS, SIGNAL};
+use super::{KVStore, Pushes, State, FORKS, SIGNAL};
 use crate::args::{plan_outputs, KeyArg};
 use crate::arrays::Lent;
 use crate::claim::{Claim, Claimable};
@@ -110,6 +110,7 @@ impl KVStore {
                 kv: Some(kv),
                 shells: [None, None],
                 last_key: None,
+                pushes: Default::default(),
             }),
             name: name.to_string(),
             pid: std::process::id(),
@@ -160,8 +161,9 @@ impl KVStore {
                 self.pid
             )));
         }
+        // Every other call comes after the pushes in flight, and says if one failed.
         let run = |g: &mut State| match g.kv.as_mut() {
-            Some(kv) => f(kv).map_err(Some),
+            Some(kv) => g.pushes.settle_all(kv).and_then(|()| f(kv)).map_err(Some),
             None => Err(None),
         };
         let mut g = match self.inner.try_claim(py) {
@@ -229,7 +231,8 @@ impl KVStore {
         key: &Bound<'_, PyAny>,
         obj: &Bound<'_, PyAny>,
         writable: bool,
-        f: impl FnOnce(&mut kvstore::KVStore, &Key, &mut NDArray) -> kvstore::Result<()> + Send,
+        f: impl FnOnce(&mut kvstore::KVStore, &mut Pushes, &Key, &mut NDArray) -> kvstore::Result<()>
+            + Send,
     ) -> Option<PyResult<()>> {
         if FORKS.load(Ordering::Relaxed) != self.forks {
             return None;
@@ -239,6 +242,7 @@ impl KVStore {
             kv,
             shells,
             last_key,
+            pushes,
         } = &mut *g;
         let kv = kv.as_mut()?;
         if !matches!(last_key, Some((o, _)) if o.as_ptr() == key.as_ptr()) {
@@ -250,7 +254,7 @@ impl KVStore {
         let key = &last_key.as_ref()?.1;
         let mut lent = lend_into(&mut shells[usize::from(writable)], obj, writable)?;
         let a = lent.array()?;
-        let r = with_gil(py, self.gil(a.nbytes()), || f(kv, key, a));
+        let r = with_gil(py, self.gil(a.nbytes()), || f(kv, pushes, key, a));
         Some(r.map_err(to_py))
     }
 
