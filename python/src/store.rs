@@ -50,7 +50,7 @@ struct State {
     /// The last one-array call's key object (held, so that its address names it: keys are
     /// immutable) and the key it is: a loop over the same keys reads each once.
     last_key: Option<(Py<PyAny>, Key)>,
-    /// A distributed store's pushes in flight (`calls::pushes`).
+    /// A distributed store's pushes in flight (`pushes`).
     pushes: Pushes,
 }
 
