@@ -34,6 +34,9 @@ impl Pushes {
 
     /// Waits for every push in flight: the first error, if one failed.
     pub(crate) fn settle_all(&mut self, kv: &mut kvstore::KVStore) -> kvstore::Result<()> {
+        if self.inflight.is_empty() {
+            return Ok(());
+        }
         let mut first = Ok(());
         for (_, p) in self.inflight.drain() {
             if let (Err(e), true) = (kv.wait(p), first.is_ok()) {

@@ -8,7 +8,8 @@ impl ServerState {
     /// Worker `rank` left the job (`why`: "disconnected", "finished"). Whether the job goes
     /// on is the scheduler's to say (a clean exit is no failure); here, every sync round it has
     /// not pushed cannot complete, so its held pushes fail now, naming it, and so will any
-    /// later sync push. Pulls, and async pushes, are served as before.
+    /// later sync push, and the pulls held behind them get the stored value. Other pulls, and
+    /// async pushes, are served as before.
     pub fn worker_gone(&mut self, rank: usize, why: &str) {
         if rank >= self.num_workers || self.gone.iter().any(|(g, _)| *g == rank) {
             return;
