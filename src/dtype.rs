@@ -196,9 +196,13 @@ macro_rules! half_elem {
             fn to_f64(self) -> f64 {
                 self.to_f64()
             }
+            /// Through f32 (rounded to f32, then to the half type, each to nearest even):
+            /// the same on every CPU (the `half` crate's own conversion from f64 rounds once
+            /// where the CPU lacks F16C and twice where it has it) and on a GPU, which
+            /// converts the same way.
             #[inline(always)]
             fn from_f64(v: f64) -> Self {
-                <$t>::from_f64(v)
+                <$t>::from_f32(v as f32)
             }
         }
     };

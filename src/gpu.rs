@@ -6,6 +6,8 @@
 #[cfg(feature = "cuda")]
 pub(crate) mod device;
 #[cfg(feature = "cuda")]
+pub(crate) mod optim;
+#[cfg(feature = "cuda")]
 mod reduce;
 
 use crate::{Device, KvError, Result};
@@ -59,22 +61,30 @@ pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -
     if values.len() > 1 && reduce::ready(ordinal).is_err() {
         return Ok(false);
     }
-    for (i, v) in values.iter().enumerate() {
-        let Some(src) = v.device_buf() else {
-            return Ok(false);
-        };
-        let moved;
-        let src = if src.ordinal() == ordinal {
-            src
-        } else {
-            moved = src.copy_to(ordinal)?;
-            &moved
-        };
-        if i == 0 {
-            d.copy_from(src)?;
-        } else {
-            reduce::add(d, src, dtype, n)?;
+    // Values on other GPUs are copied here first.
+    let mut moved = Vec::new();
+    for v in values {
+        match v.device_buf() {
+            Some(src) if src.ordinal() != ordinal => moved.push(Some(src.copy_to(ordinal)?)),
+            Some(_) => moved.push(None),
+            None => return Ok(false),
         }
+    }
+    let mut srcs = Vec::with_capacity(values.len());
+    for (v, m) in values.iter().zip(&moved) {
+        match (m, v.device_buf()) {
+            (Some(m), _) => srcs.push(m),
+            (None, Some(src)) => srcs.push(src),
+            (None, None) => return Ok(false),
+        }
+    }
+    if let [only] = srcs[..] {
+        d.copy_from(only)?;
+        return Ok(true);
+    }
+    // One pass over up to FUSED values; more are added to the result, FUSED at a time.
+    for (i, chunk) in srcs.chunks(reduce::FUSED).enumerate() {
+        reduce::sum(d, i > 0, chunk, dtype, n)?;
     }
     Ok(true)
 }

@@ -28,6 +28,10 @@ pub(crate) fn check_like(key: &Key, stored: &NDArray, v: &NDArray) -> Result<()>
 /// `dst = sum(values)`; all have `dst`'s shape and dtype (checked by the caller). On a GPU
 /// where `dst` and every value are GPU arrays of a dtype it sums, else on the host.
 pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) -> Result<()> {
+    // One value is a copy: between a GPU and the host, one copy straight between them.
+    if let [only] = values {
+        return dst.copy_from(only);
+    }
     #[cfg(feature = "cuda")]
     if crate::gpu::sum_on_gpu(dst, values)? {
         return Ok(());

@@ -147,9 +147,10 @@ impl NDArray {
             #[cfg(not(feature = "cuda"))]
             (Device::Gpu(_), _) => unreachable!("no GPU passes the check without cuda"),
             #[cfg(feature = "cuda")]
+            // Page-locked host memory (where CUDA can), as it will likely go back and forth.
             (Device::Cpu(_), Storage::Device(d)) => {
-                let mut b = AlignedBuf::zeroed(d.len());
-                b.bytes_mut().copy_from_slice(d.host()?);
+                let mut b = AlignedBuf::zeroed_pinned(d.len());
+                d.read_to_host(b.bytes_mut())?;
                 Arc::new(Storage::Heap(b))
             }
             (Device::Cpu(_), _) => self.buf,
@@ -310,10 +311,21 @@ impl NDArray {
             return Ok(());
         }
         #[cfg(feature = "cuda")]
-        if let (Some(s), true) = (other.device_buf(), self.device_buf().is_some()) {
-            if let Some(d) = self.device_buf_mut() {
-                return d.copy_from(s);
+        match (other.device_buf(), self.device_buf().is_some()) {
+            (Some(s), true) => {
+                if let Some(d) = self.device_buf_mut() {
+                    return d.copy_from(s);
+                }
             }
+            // Host to GPU and GPU to host: one copy, straight between the host memory and
+            // the device, never through the GPU array's mirror.
+            (None, true) => {
+                if let Some(d) = self.device_buf_mut() {
+                    return d.write_from_host(other.as_bytes());
+                }
+            }
+            (Some(s), false) => return s.read_to_host(self.as_bytes_mut()),
+            (None, false) => {}
         }
         self.as_bytes_mut().copy_from_slice(other.as_bytes());
         Ok(())
@@ -432,6 +444,20 @@ impl NDArray {
     /// on a host where a server shares memory with this process).
     pub fn is_shared_memory(&self) -> bool {
         matches!(&*self.buf, Storage::Region(_))
+    }
+
+    /// Whether the host bytes are page-locked for copies to and from GPUs (MXNet's
+    /// `cpu_pinned` memory): a host copy of a GPU array ([`NDArray::on`] a CPU), and the host
+    /// mirror of a GPU array once a host view made it, where CUDA can pin them. Always false
+    /// without a GPU.
+    pub fn is_pinned(&self) -> bool {
+        match &*self.buf {
+            #[cfg(feature = "cuda")]
+            Storage::Heap(b) => b.is_pinned(),
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.mirror_is_pinned(),
+            _ => false,
+        }
     }
 
     /// Whether the bytes are memory the caller lent ([`NDArray::from_raw_parts`]).

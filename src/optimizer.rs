@@ -2,12 +2,14 @@
 //!
 //! They follow MXNet's update rules (`sgd_update`, `sgd_mom_update`, `adam_update` with the
 //! bias-corrected learning rate of its Python `Adam`), element-wise, so they apply unchanged to
-//! the slice of a big tensor that one server holds.
+//! the slice of a big tensor that one server holds. Where the weight and the gradient are on a
+//! GPU (feature `cuda`), the update runs there, with the state in that GPU's memory, and gives
+//! the host's results bit for bit.
 
 use rustc_hash::FxHashMap;
 
 use crate::dtype::with_dtype;
-use crate::{Element, Key, KvError, NDArray, Result};
+use crate::{DType, Device, Element, Key, KvError, NDArray, Result};
 
 /// An optimizer and its hyper-parameters.
 #[derive(Clone, Debug, PartialEq)]
@@ -195,18 +197,43 @@ impl Optimizer {
     }
 }
 
-/// Per-key state of an optimizer (momentum, moments, step count).
-#[derive(Default)]
+/// Per-key state of an optimizer: the moments (f64, where the weight is updated: in host
+/// memory, or on the weight's GPU) and the step count.
 struct KeyState {
-    m: Vec<f64>,
-    v: Vec<f64>,
+    m: NDArray,
+    v: NDArray,
     t: u64,
+}
+
+impl Default for KeyState {
+    fn default() -> Self {
+        KeyState {
+            m: no_moments(),
+            v: no_moments(),
+            t: 0,
+        }
+    }
 }
 
 /// An optimizer with the state it keeps per key.
 pub struct OptimizerUpdater {
     opt: Optimizer,
     state: FxHashMap<Key, KeyState>,
+}
+
+fn no_moments() -> NDArray {
+    NDArray::zeros_dtype(&[0], DType::F64)
+}
+
+/// Makes `m` hold `n` moments on `device`: zeros where it has none of that size yet, and
+/// moved there where it lives elsewhere (state loaded on the host and used on a GPU, say).
+fn place(m: &mut NDArray, n: usize, device: Device) -> Result<()> {
+    if m.size() != n {
+        *m = NDArray::try_zeros_dtype(&[n], DType::F64)?.on(device)?;
+    } else if m.device() != device {
+        *m = m.copy_to(device)?;
+    }
+    Ok(())
 }
 
 fn prep(g: f64, rescale: f64, clip: f64) -> f64 {
@@ -218,7 +245,21 @@ fn prep(g: f64, rescale: f64, clip: f64) -> f64 {
     }
 }
 
-fn update_typed<T: Element>(opt: &Optimizer, st: &mut KeyState, grad: &[T], weight: &mut [T]) {
+/// Adam's bias-corrected learning rate at step `t` (from 1).
+fn adam_lr(lr: f64, beta1: f64, beta2: f64, t: u64) -> f64 {
+    let t = t.min(i32::MAX as u64) as i32;
+    lr * (1.0 - beta2.powi(t)).sqrt() / (1.0 - beta1.powi(t))
+}
+
+/// One step on the host: `m` and `v` hold the weight's size of moments where `opt` uses them.
+fn update_typed<T: Element>(
+    opt: &Optimizer,
+    lr_t: f64,
+    grad: &[T],
+    weight: &mut [T],
+    m: &mut [f64],
+    v: &mut [f64],
+) {
     match *opt {
         Optimizer::Sgd {
             lr,
@@ -235,8 +276,7 @@ fn update_typed<T: Element>(opt: &Optimizer, st: &mut KeyState, grad: &[T], weig
                     *w = T::from_f64(wf - lr * (g + wd * wf));
                 }
             } else {
-                st.m.resize(weight.len(), 0.0);
-                for ((w, g), m) in weight.iter_mut().zip(grad).zip(st.m.iter_mut()) {
+                for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
                     let wf = w.to_f64();
                     let g = prep(g.to_f64(), rescale_grad, clip_gradient);
                     *m = momentum * *m - lr * (g + wd * wf);
@@ -245,24 +285,19 @@ fn update_typed<T: Element>(opt: &Optimizer, st: &mut KeyState, grad: &[T], weig
             }
         }
         Optimizer::Adam {
-            lr,
             beta1,
             beta2,
             epsilon,
             wd,
             rescale_grad,
             clip_gradient,
+            ..
         } => {
-            st.t += 1;
-            st.m.resize(weight.len(), 0.0);
-            st.v.resize(weight.len(), 0.0);
-            let t = st.t as i32;
-            let lr_t = lr * (1.0 - beta2.powi(t)).sqrt() / (1.0 - beta1.powi(t));
             for (((w, g), m), v) in weight
                 .iter_mut()
                 .zip(grad)
-                .zip(st.m.iter_mut())
-                .zip(st.v.iter_mut())
+                .zip(m.iter_mut())
+                .zip(v.iter_mut())
             {
                 let wf = w.to_f64();
                 // MXNet's adam_update: weight decay joins the gradient before the clip.
@@ -319,12 +354,42 @@ impl OptimizerUpdater {
             });
         }
         let st = self.state.entry(key.clone()).or_default();
+        #[cfg(feature = "cuda")]
+        let on_gpu = crate::gpu::optim::applies(grad, weight);
+        #[cfg(not(feature = "cuda"))]
+        let on_gpu = false;
+        // The state lives where the update runs.
+        let device = if on_gpu {
+            weight.device()
+        } else {
+            Device::default()
+        };
+        let n = weight.size();
+        let mut lr_t = 0.0;
+        match self.opt {
+            Optimizer::Sgd { momentum, .. } if momentum <= 0.0 => {}
+            Optimizer::Sgd { .. } => place(&mut st.m, n, device)?,
+            Optimizer::Adam {
+                lr, beta1, beta2, ..
+            } => {
+                place(&mut st.m, n, device)?;
+                place(&mut st.v, n, device)?;
+                st.t += 1;
+                lr_t = adam_lr(lr, beta1, beta2, st.t);
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if on_gpu {
+            return crate::gpu::optim::step(&self.opt, lr_t, grad, weight, &mut st.m, &mut st.v);
+        }
         let dtype = weight.dtype();
         with_dtype!(dtype, T => update_typed::<T>(
             &self.opt,
-            st,
+            lr_t,
             grad.as_slice::<T>()?,
             weight.as_mut_slice::<T>()?,
+            st.m.as_mut_slice::<f64>()?,
+            st.v.as_mut_slice::<f64>()?,
         ));
         Ok(())
     }
@@ -379,8 +444,9 @@ impl OptimizerUpdater {
             }
             out.extend_from_slice(&st.t.to_le_bytes());
             for v in [&st.m, &st.v] {
-                out.extend_from_slice(&(v.len() as u64).to_le_bytes());
-                for x in v.iter() {
+                out.extend_from_slice(&(v.size() as u64).to_le_bytes());
+                // On a GPU, the moments are read through their host mirror.
+                for x in v.as_slice::<f64>().unwrap_or_default() {
                     out.extend_from_slice(&x.to_le_bytes());
                 }
             }
@@ -434,13 +500,19 @@ impl OptimizerUpdater {
                 _ => return Err(bad("a malformed key")),
             };
             let t = r.u64().ok_or_else(|| bad("truncated"))?;
-            let mut vecs = [Vec::new(), Vec::new()];
+            let mut vecs = [no_moments(), no_moments()];
             for v in &mut vecs {
                 let len = r.len().ok_or_else(|| bad("truncated"))?;
-                if len.checked_mul(8).is_none_or(|b| b > r.0.len()) {
-                    return Err(bad("truncated"));
-                }
-                *v = (0..len).filter_map(|_| r.f64()).collect();
+                let bytes = len
+                    .checked_mul(8)
+                    .and_then(|b| r.take(b))
+                    .ok_or_else(|| bad("truncated"))?;
+                let xs = bytes.chunks_exact(8).map(|b| {
+                    let mut w = [0; 8];
+                    w.copy_from_slice(b);
+                    f64::from_le_bytes(w)
+                });
+                *v = NDArray::from_vec(&[len], xs.collect::<Vec<f64>>())?;
             }
             let [m, v] = vecs;
             state.insert(key, KeyState { m, v, t });

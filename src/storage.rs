@@ -175,11 +175,17 @@ unsafe impl kvstore_transport::Storage for Storage {
 
 /// Byte storage aligned to 8 bytes, so it can be viewed as a slice of any element type. It is a
 /// raw allocation (not a `Vec`), so that a transport may write it through its address while
-/// no reference to it is live.
+/// no reference to it is live. [`AlignedBuf::zeroed_pinned`] makes one page-aligned and
+/// page-locked for GPUs' copies (a GPU array's host mirror, a host copy of a GPU array).
 pub(crate) struct AlignedBuf {
     ptr: std::ptr::NonNull<u64>,
     words: usize,
     len: usize,
+    /// The allocation's alignment: 8, or a page for pinned buffers.
+    align: usize,
+    /// Registered with CUDA (page-locked), and unregistered before it is freed.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pinned: bool,
 }
 
 // SAFETY: the buffer owns its allocation; shared access only reads it.
@@ -187,10 +193,36 @@ unsafe impl Send for AlignedBuf {}
 // SAFETY: as above.
 unsafe impl Sync for AlignedBuf {}
 
+/// The alignment of pinned buffers: a page, so that no two registered ranges share one.
+const PAGE: usize = 4096;
+
 impl AlignedBuf {
     pub(crate) fn zeroed(len: usize) -> Self {
+        AlignedBuf::zeroed_aligned(len, 8)
+    }
+
+    /// `len` zero bytes, page-locked for the GPUs' copies where CUDA can do it (copies to and
+    /// from a GPU then go by DMA, with no bounce buffer), else plain memory.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn zeroed_pinned(len: usize) -> Self {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut b = AlignedBuf::zeroed_aligned(len, PAGE);
+        #[cfg(feature = "cuda")]
+        if b.words > 0 {
+            b.pinned = crate::gpu::device::pin(b.as_mut_ptr(), b.words * 8);
+        }
+        b
+    }
+
+    /// Whether the buffer is page-locked for GPUs' copies.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn is_pinned(&self) -> bool {
+        self.pinned
+    }
+
+    fn zeroed_aligned(len: usize, align: usize) -> Self {
         let words = len.div_ceil(8);
-        let ptr = match std::alloc::Layout::array::<u64>(words) {
+        let ptr = match std::alloc::Layout::from_size_align(words * 8, align) {
             Ok(layout) if words > 0 => {
                 // SAFETY: the layout has a non-zero size.
                 let p = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -201,13 +233,23 @@ impl AlignedBuf {
             }
             _ => std::ptr::NonNull::dangling(),
         };
-        AlignedBuf { ptr, words, len }
+        AlignedBuf {
+            ptr,
+            words,
+            len,
+            align,
+            pinned: false,
+        }
     }
 
     /// Makes the buffer `len` bytes long, keeping its allocation when it is big enough.
     pub(crate) fn set_len(&mut self, len: usize) {
         if len.div_ceil(8) > self.words {
-            *self = AlignedBuf::zeroed(len);
+            *self = if self.align == PAGE {
+                AlignedBuf::zeroed_pinned(len)
+            } else {
+                AlignedBuf::zeroed(len)
+            };
         } else {
             self.len = len;
         }
@@ -246,7 +288,11 @@ impl Default for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        if let Ok(layout) = std::alloc::Layout::array::<u64>(self.words) {
+        #[cfg(feature = "cuda")]
+        if self.pinned {
+            crate::gpu::device::unpin(self.as_mut_ptr());
+        }
+        if let Ok(layout) = std::alloc::Layout::from_size_align(self.words * 8, self.align) {
             if self.words > 0 {
                 // SAFETY: allocated in `zeroed` with this very layout.
                 unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };

@@ -5,7 +5,9 @@
 
 mod util;
 
-use kvstore::{cpu, create, gpu, gpu_count, DType, Device, KvError, NDArray, CUDA_BUILT};
+use kvstore::{
+    cpu, create, gpu, gpu_count, DType, Device, KvError, NDArray, Optimizer, CUDA_BUILT,
+};
 
 const SHAPE: [usize; 2] = [2, 3];
 
@@ -115,39 +117,113 @@ fn the_tutorial_on_gpus_every_value() {
 #[test]
 #[ignore = "needs a GPU"]
 fn sums_on_a_gpu_are_the_host_sums_bit_for_bit() {
-    let n = 1 << 20;
-    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
-        // Values that round differently in each type: (i * 0.37) mod 11 - 5, per device.
-        let host: Vec<NDArray> = (0..5)
-            .map(|d| {
-                let v: Vec<f64> = (0..n)
-                    .map(|i| ((i * (d + 3)) as f64 * 0.37) % 11.0 - 5.0)
-                    .collect();
-                array_of(&[n], dtype, &v)
-            })
-            .collect();
-        let on_gpus: Vec<NDArray> = host
-            .iter()
-            .zip(gpus(5))
-            .map(|(a, d)| a.copy_to(d).unwrap())
-            .collect();
-        let mut cpu_kv = create("local").unwrap();
-        let mut gpu_kv = create("device").unwrap();
-        cpu_kv.init(0, &NDArray::zeros_dtype(&[n], dtype)).unwrap();
-        gpu_kv
-            .init(
-                0,
-                &NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap(),
-            )
-            .unwrap();
-        cpu_kv.push(0, &host).unwrap();
-        gpu_kv.push(0, &on_gpus).unwrap();
-        let mut want = NDArray::zeros_dtype(&[n], dtype);
-        let mut got = NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap();
-        cpu_kv.pull(0, &mut want).unwrap();
-        gpu_kv.pull(0, &mut got).unwrap();
-        assert_eq!(got.as_bytes(), want.as_bytes(), "{dtype}");
+    let n = (1 << 18) + 3;
+    // One kernel sums up to 8 values; more are added 8 at a time to the result.
+    for count in [2, 5, 8, 9, 19] {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            sum_on_gpus_against_the_host(n, count, dtype);
+        }
     }
+}
+
+fn sum_on_gpus_against_the_host(n: usize, count: usize, dtype: DType) {
+    // Values that round differently in each type: (i * 0.37) mod 11 - 5, per device.
+    let host: Vec<NDArray> = (0..count)
+        .map(|d| {
+            let v: Vec<f64> = (0..n)
+                .map(|i| ((i * (d + 3)) as f64 * 0.37) % 11.0 - 5.0)
+                .collect();
+            array_of(&[n], dtype, &v)
+        })
+        .collect();
+    let on_gpus: Vec<NDArray> = host
+        .iter()
+        .zip(gpus(count as u32))
+        .map(|(a, d)| a.copy_to(d).unwrap())
+        .collect();
+    let mut cpu_kv = create("local").unwrap();
+    let mut gpu_kv = create("device").unwrap();
+    cpu_kv.init(0, &NDArray::zeros_dtype(&[n], dtype)).unwrap();
+    gpu_kv
+        .init(
+            0,
+            &NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap(),
+        )
+        .unwrap();
+    cpu_kv.push(0, &host).unwrap();
+    gpu_kv.push(0, &on_gpus).unwrap();
+    let mut want = NDArray::zeros_dtype(&[n], dtype);
+    let mut got = NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap();
+    cpu_kv.pull(0, &mut want).unwrap();
+    gpu_kv.pull(0, &mut got).unwrap();
+    assert_eq!(got.as_bytes(), want.as_bytes(), "{count} values of {dtype}");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn optimizers_on_a_gpu_are_the_hosts_bit_for_bit_and_keep_their_state() {
+    let n = (1 << 16) + 5;
+    let dir = std::env::temp_dir().join(format!("kvstore-gpu-opt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let opts = [
+        Optimizer::sgd(0.1).wd(1e-3),
+        Optimizer::sgd(0.05)
+            .momentum(0.9)
+            .wd(1e-4)
+            .clip_gradient(1.5),
+        Optimizer::adam(0.01)
+            .wd(1e-3)
+            .rescale_grad(0.5)
+            .clip_gradient(2.0),
+    ];
+    for opt in opts {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let what = format!("{} on {dtype}", opt.name());
+            let weight: Vec<f64> = (0..n).map(|i| ((i as f64) * 0.013) % 3.0 - 1.5).collect();
+            let w = array_of(&[n], dtype, &weight);
+            let mut cpu_kv = create("local").unwrap();
+            let mut gpu_kv = create("device").unwrap();
+            cpu_kv.init(7, &w).unwrap();
+            gpu_kv.init(7, &w.copy_to(gpus(1)[0]).unwrap()).unwrap();
+            cpu_kv.set_optimizer(opt.clone()).unwrap();
+            gpu_kv.set_optimizer(opt.clone()).unwrap();
+            let step = |cpu_kv: &mut kvstore::KVStore, gpu_kv: &mut kvstore::KVStore, s: usize| {
+                let grad: Vec<f64> = (0..n)
+                    .map(|i| ((i * (s + 2)) as f64 * 0.71) % 5.0 - 2.5)
+                    .collect();
+                let g = array_of(&[n], dtype, &grad);
+                cpu_kv.push(7, &g).unwrap();
+                gpu_kv.push(7, &g.copy_to(gpus(1)[0]).unwrap()).unwrap();
+                let mut want = NDArray::zeros_dtype(&[n], dtype);
+                let mut got = NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap();
+                cpu_kv.pull(7, &mut want).unwrap();
+                gpu_kv.pull(7, &mut got).unwrap();
+                assert_eq!(got.as_bytes(), want.as_bytes(), "{what}, step {s}");
+            };
+            for s in 0..3 {
+                step(&mut cpu_kv, &mut gpu_kv, s);
+            }
+            // The state kept on the GPU is the host's, and goes back there when saved.
+            let (a, b) = (dir.join("cpu"), dir.join("gpu"));
+            cpu_kv.save_optimizer_states(&a).unwrap();
+            gpu_kv.save_optimizer_states(&b).unwrap();
+            let saved = std::fs::read(&a).unwrap();
+            assert_eq!(std::fs::read(&b).unwrap(), saved, "{what}: saved states");
+            // States loaded from a file go to the GPU on the next update: a fresh device
+            // store, given the host's weight and states, goes on as the host does (without
+            // the states, momentum and Adam's moments and step count would start afresh).
+            let mut now = NDArray::zeros_dtype(&[n], dtype);
+            cpu_kv.pull(7, &mut now).unwrap();
+            let mut fresh = create("device").unwrap();
+            fresh.init(7, &now.on(gpus(1)[0]).unwrap()).unwrap();
+            fresh.set_optimizer(opt.clone()).unwrap();
+            fresh.load_optimizer_states(&a).unwrap();
+            for s in 3..5 {
+                step(&mut cpu_kv, &mut fresh, s);
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -161,8 +237,28 @@ fn every_dtype_goes_to_a_gpu_and_back_unchanged() {
             assert_eq!(g.device(), d);
             assert_eq!(g.to_string(), a.to_string(), "{dtype} on {d}");
             assert!(g == a, "{dtype} on {d}: equal to the host array");
+            assert!(
+                g.is_pinned(),
+                "{dtype} on {d}: its host mirror is page-locked"
+            );
             let back = g.on(cpu(0)).unwrap();
             assert_eq!(back.as_bytes(), a.as_bytes(), "{dtype} back from {d}");
+            assert!(
+                back.is_pinned(),
+                "{dtype} back from {d}: a page-locked host copy"
+            );
+            assert!(!a.is_pinned(), "a host array of its own is plain memory");
+            // Host to GPU and back by copy_from, straight between host memory and the device.
+            let mut g2 = NDArray::zeros_dtype(&[3, 5], dtype).on(d).unwrap();
+            g2.copy_from(&a).unwrap();
+            let mut h = NDArray::zeros_dtype(&[3, 5], dtype);
+            h.copy_from(&g2).unwrap();
+            assert_eq!(
+                h.as_bytes(),
+                a.as_bytes(),
+                "{dtype} through {d} by copy_from"
+            );
+            assert!(g2 == a, "{dtype} on {d} after copy_from");
         }
     }
 }

@@ -61,6 +61,11 @@ pub(crate) struct PushPull {
     /// Push and pull arrays from `kv.alloc` (in the shared-memory pool: no copy to push).
     #[arg(long)]
     alloc: bool,
+    /// Push and pull arrays on gpu(0), staged through host memory (a build with the feature
+    /// `cuda`).
+    #[cfg(feature = "cuda")]
+    #[arg(long, conflicts_with = "alloc")]
+    gpu: bool,
     /// Run every process on this host (the default without --hosts or --hostfile).
     #[arg(long, conflicts_with_all = ["hosts", "hostfile"])]
     local: bool,
@@ -70,6 +75,19 @@ pub(crate) struct PushPull {
     /// Run the job over the hosts of this hostfile (kvrun's --hostfile).
     #[arg(long)]
     hostfile: Option<PathBuf>,
+}
+
+/// Where the pushed and pulled arrays live, for the header.
+fn arrays_name(p: &PushPull) -> &'static str {
+    #[cfg(feature = "cuda")]
+    if p.gpu {
+        return "gpu(0)";
+    }
+    if p.alloc {
+        "kv.alloc"
+    } else {
+        "heap"
+    }
 }
 
 fn sizes_of(p: &PushPull) -> Result<Vec<usize>, String> {
@@ -103,7 +121,12 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
                 a.fill(fill);
                 Ok(a)
             } else {
-                Ok(NDArray::full(&[elems], fill))
+                let a = NDArray::full(&[elems], fill);
+                #[cfg(feature = "cuda")]
+                if p.gpu {
+                    return a.on(kvstore::gpu(0)).map_err(|e| e.to_string());
+                }
+                Ok(a)
             }
         };
         let vals: Vec<NDArray> = (0..p.keys).map(|_| make(1.0)).collect::<Result<_, _>>()?;
@@ -362,7 +385,7 @@ fn print_header(
             p.servers,
             p.keys,
             transport.unwrap_or_else(|| "-".into()),
-            if p.alloc { "kv.alloc" } else { "heap" },
+            arrays_name(p),
             p.op,
             "size",
             "iters",

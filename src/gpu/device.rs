@@ -7,6 +7,10 @@
 //! is asked for and the device holds newer bytes, and written back before the device is next
 //! used when a mutable view changed it. So every host path is right for GPU arrays by
 //! construction (staged through host memory), and GPU paths use the device memory directly.
+//!
+//! Every copy between host memory and a device is waited for before it returns: cudarc's
+//! copies of host slices are queued on the stream and rely on the driver copying pageable
+//! memory before it returns, which it does not do for page-locked memory (the mirrors are).
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -63,6 +67,44 @@ pub(crate) fn gpu(ordinal: u32) -> Result<Arc<Gpu>> {
     })
 }
 
+/// Page-locks the `len` bytes at `ptr` for every CUDA context (`cuMemHostRegister`,
+/// portable), so that copies between them and a GPU go by DMA with no bounce buffer: `false`,
+/// with nothing done, where there is no GPU or CUDA refuses (the memory then stays plain).
+/// The caller owns the range, which no other registration covers (whole pages), and calls
+/// [`unpin`] before freeing it.
+pub(crate) fn pin(ptr: *mut u8, len: usize) -> bool {
+    if super::gpu_count() == 0 {
+        return false;
+    }
+    let Ok(g) = gpu(0) else {
+        return false;
+    };
+    if g.ctx.bind_to_thread().is_err() {
+        return false;
+    }
+    // SAFETY: `ptr` addresses `len` bytes the caller owns and keeps allocated until `unpin`;
+    // registering only page-locks them (no byte changes).
+    let r = unsafe {
+        cudarc::driver::sys::cuMemHostRegister_v2(
+            ptr.cast(),
+            len,
+            cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+        )
+    };
+    r == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+}
+
+/// Undoes [`pin`] for the range starting at `ptr`, before it is freed.
+pub(crate) fn unpin(ptr: *mut u8) {
+    if let Ok(g) = gpu(0) {
+        if g.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` starts a range that `pin` registered and that is still allocated;
+            // unregistering only unlocks its pages. A failure leaves them locked until exit.
+            unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr.cast()) };
+        }
+    }
+}
+
 /// Which copy of a device buffer's bytes is the newer.
 const DEVICE_NEWER: u8 = 0;
 const SYNCED: u8 = 1;
@@ -104,6 +146,7 @@ impl DeviceBuf {
             let mut dst = d.mem.slice_mut(..bytes.len());
             stream
                 .memcpy_htod(bytes, &mut dst)
+                .and_then(|()| stream.synchronize())
                 .map_err(|e| cuda(ordinal, "copying to the device", e))?;
         }
         Ok(d)
@@ -190,12 +233,13 @@ impl DeviceBuf {
 
     /// Copies the device bytes into `mirror` (made if absent).
     fn download(&self, mirror: &mut Option<AlignedBuf>) -> Result<()> {
-        let m = mirror.get_or_insert_with(|| AlignedBuf::zeroed(self.len));
+        let m = mirror.get_or_insert_with(|| AlignedBuf::zeroed_pinned(self.len));
         if self.len > 0 {
             let src = self.mem.slice(..self.len);
             self.gpu
                 .stream
                 .memcpy_dtoh(&src, m.bytes_mut())
+                .and_then(|()| self.gpu.stream.synchronize())
                 .map_err(|e| cuda(self.gpu.ordinal, "copying to the host", e))?;
         }
         Ok(())
@@ -275,6 +319,60 @@ impl DeviceBuf {
             .memcpy_dtod(&from, &mut to)
             .map_err(|e| cuda(ordinal, "copying between devices", e))?;
         src.cross_device_done(&stream, ordinal)
+    }
+
+    /// Whether the host mirror exists and is page-locked (it is made on the first host view,
+    /// pinned where CUDA can).
+    pub(crate) fn mirror_is_pinned(&self) -> bool {
+        if self.state.load(Ordering::Acquire) == DEVICE_NEWER {
+            let _g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: the lock is held, so no other thread replaces the mirror; only a flag
+            // of it is read.
+            return unsafe { &*self.mirror.get() }
+                .as_ref()
+                .is_some_and(AlignedBuf::is_pinned);
+        }
+        // SAFETY: the state is SYNCED or HOST_NEWER: the mirror is not replaced while `&self`
+        // lives.
+        unsafe { &*self.mirror.get() }
+            .as_ref()
+            .is_some_and(AlignedBuf::is_pinned)
+    }
+
+    /// Writes `bytes` (the buffer's length) to the device, straight from host memory: the
+    /// mirror, if any, is stale afterwards and is not read or written.
+    pub(crate) fn write_from_host(&mut self, bytes: &[u8]) -> Result<()> {
+        let ordinal = self.gpu.ordinal;
+        let n = self.len.min(bytes.len());
+        let stream = self.gpu.stream.clone();
+        *self.state.get_mut() = DEVICE_NEWER;
+        if n > 0 {
+            let mut dst = self.mem.slice_mut(..n);
+            stream
+                .memcpy_htod(&bytes[..n], &mut dst)
+                .and_then(|()| stream.synchronize())
+                .map_err(|e| cuda(ordinal, "copying to the device", e))?;
+        }
+        Ok(())
+    }
+
+    /// Copies the bytes into `out` (the buffer's length) on the host: from the mirror where
+    /// it is up to date, else straight from the device, the mirror left as it is.
+    pub(crate) fn read_to_host(&self, out: &mut [u8]) -> Result<()> {
+        let n = self.len.min(out.len());
+        if self.state.load(Ordering::Acquire) != DEVICE_NEWER {
+            out[..n].copy_from_slice(&self.host()?[..n]);
+            return Ok(());
+        }
+        if n > 0 {
+            let src = self.mem.slice(..n);
+            self.gpu
+                .stream
+                .memcpy_dtoh(&src, &mut out[..n])
+                .and_then(|()| self.gpu.stream.synchronize())
+                .map_err(|e| cuda(self.gpu.ordinal, "copying to the host", e))?;
+        }
+        Ok(())
     }
 
     /// The mirror's address, for a transport that reads it (a push) or writes it (a pull's

@@ -1,4 +1,6 @@
-//! Sums on a GPU (feature `cuda`): `dst += src` kernels for f32, f64, f16 and bf16, compiled
+//! Sums on a GPU (feature `cuda`): `dst = s0 + s1 + ...` kernels for f32, f64, f16 and bf16,
+//! each source read once and the result written once (so a sum moves the bytes it must and no
+//! more), compiled
 //! with NVRTC once per process and loaded once per device, with fused multiply-add off so
 //! that a sum on the GPU is the sum on the host, bit for bit (the same order: the first value,
 //! then each next one added, rounded to the element type after each addition, as
@@ -18,13 +20,55 @@ typedef unsigned long long u64;
 #define EACH(n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); \
                      i += (u64)gridDim.x * blockDim.x)
 
-extern "C" __global__ void add_f32(float* d, const float* s, u64 n) {
-    EACH(n) d[i] = d[i] + s[i];
+// The sum of up to 8 sources in one pass, each read once and the result written once:
+// `d = s0 + s1 + ... + s(k-1)` (or `d = d + s0 + ...` with `acc`), left to right, rounded to
+// the element type after each addition, as the host sums (halves are added in f32). Each
+// thread takes 16 bytes of every array at a time where all of them are 16-byte aligned (as
+// whole allocations are), then the elements past the last whole 16 bytes one by one.
+#define SUMS(NAME, T, A, LOAD, STORE)                                                      \
+extern "C" __global__ void NAME(T* d, unsigned acc, unsigned k, u64 n, const T* s0,     \
+                                const T* s1, const T* s2, const T* s3, const T* s4,        \
+                                const T* s5, const T* s6, const T* s7) {                   \
+    const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};                                       \
+    const unsigned L = 16 / sizeof(T);                                                      \
+    u64 first = blockIdx.x * (u64)blockDim.x + threadIdx.x;                                 \
+    u64 stride = (u64)gridDim.x * blockDim.x;                                               \
+    u64 bits = (u64)d;                                                                      \
+    _Pragma("unroll")                                                                       \
+    for (unsigned j = 0; j < 8; j++) if (j < k) bits |= (u64)s[j];                          \
+    u64 nv = (bits % 16 == 0) ? n / L : 0;                                                  \
+    for (u64 v = first; v < nv; v += stride) {                                              \
+        A x[16 / sizeof(T)];                                                                \
+        uint4 in = acc ? ((const uint4*)d)[v] : ((const uint4*)s0)[v];                      \
+        const T* iv = (const T*)&in;                                                        \
+        _Pragma("unroll")                                                                   \
+        for (unsigned l = 0; l < L; l++) x[l] = LOAD(iv[l]);                                \
+        _Pragma("unroll")                                                                   \
+        for (unsigned j = 0; j < 8; j++) {                                                  \
+            if (j < k && (j > 0 || acc)) {                                                  \
+                uint4 b = ((const uint4*)s[j])[v];                                          \
+                const T* bv = (const T*)&b;                                                 \
+                _Pragma("unroll")                                                           \
+                for (unsigned l = 0; l < L; l++) x[l] = LOAD(STORE(x[l] + LOAD(bv[l])));    \
+            }                                                                               \
+        }                                                                                   \
+        uint4 out;                                                                          \
+        T* ov = (T*)&out;                                                                   \
+        _Pragma("unroll")                                                                   \
+        for (unsigned l = 0; l < L; l++) ov[l] = STORE(x[l]);                               \
+        ((uint4*)d)[v] = out;                                                               \
+    }                                                                                       \
+    for (u64 i = nv * L + first; i < n; i += stride) {                                      \
+        A x = acc ? LOAD(d[i]) : LOAD(s0[i]);                                               \
+        _Pragma("unroll")                                                                   \
+        for (unsigned j = 0; j < 8; j++) {                                                  \
+            if (j < k && (j > 0 || acc)) x = LOAD(STORE(x + LOAD(s[j][i])));                \
+        }                                                                                   \
+        d[i] = STORE(x);                                                                    \
+    }                                                                                       \
 }
 
-extern "C" __global__ void add_f64(double* d, const double* s, u64 n) {
-    EACH(n) d[i] = d[i] + s[i];
-}
+#define SAME(x) (x)
 
 __device__ float f16_to_f32(unsigned short h) {
     float f;
@@ -36,10 +80,6 @@ __device__ unsigned short f32_to_f16(float f) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
-}
-
-extern "C" __global__ void add_f16(unsigned short* d, const unsigned short* s, u64 n) {
-    EACH(n) d[i] = f32_to_f16(f16_to_f32(d[i]) + f16_to_f32(s[i]));
 }
 
 __device__ float bf16_to_f32(unsigned short h) {
@@ -54,9 +94,10 @@ __device__ unsigned short f32_to_bf16(float f) {
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-extern "C" __global__ void add_bf16(unsigned short* d, const unsigned short* s, u64 n) {
-    EACH(n) d[i] = f32_to_bf16(bf16_to_f32(d[i]) + bf16_to_f32(s[i]));
-}
+SUMS(sum_f32, float, float, SAME, SAME)
+SUMS(sum_f64, double, double, SAME, SAME)
+SUMS(sum_f16, unsigned short, float, f16_to_f32, f32_to_f16)
+SUMS(sum_bf16, unsigned short, float, bf16_to_f32, f32_to_bf16)
 "#;
 
 /// The dtypes summed on a GPU; others are summed on the host (through the arrays' mirrors).
@@ -66,10 +107,10 @@ pub(crate) fn on_gpu(dtype: DType) -> bool {
 
 fn kernel_name(dtype: DType) -> Option<&'static str> {
     match dtype {
-        DType::F32 => Some("add_f32"),
-        DType::F64 => Some("add_f64"),
-        DType::F16 => Some("add_f16"),
-        DType::BF16 => Some("add_bf16"),
+        DType::F32 => Some("sum_f32"),
+        DType::F64 => Some("sum_f64"),
+        DType::F16 => Some("sum_f16"),
+        DType::BF16 => Some("sum_bf16"),
         _ => None,
     }
 }
@@ -91,15 +132,16 @@ fn ptx() -> Result<&'static cudarc::nvrtc::Ptx> {
             name: Some("kvstore_sums.cu".into()),
             ..Default::default()
         };
-        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| e.to_string())
+        let source = format!("{SOURCE}{}", super::optim::SOURCE);
+        cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| e.to_string())
     })
     .as_ref()
     .map_err(|e| KvError::Device(format!("the GPU sum kernels: {e}")))
 }
 
-/// One device's kernels, by dtype.
+/// One device's kernels, by name.
 struct Kernels {
-    add: Vec<(DType, CudaFunction)>,
+    by_name: Vec<(&'static str, CudaFunction)>,
 }
 
 /// Whether the kernels are ready on device `ordinal` (compiled and loaded now if not yet).
@@ -112,49 +154,80 @@ fn kernels(ordinal: u32) -> Result<Arc<Kernels>> {
     per_device(&LOADED, ordinal, || {
         let g = gpu(ordinal)?;
         let fail = |e: cudarc::driver::DriverError| {
-            KvError::Device(format!("gpu({ordinal}): loading the sum kernels: {e}"))
+            KvError::Device(format!("gpu({ordinal}): loading the kernels: {e}"))
         };
         let module = g.ctx.load_module(ptx()?.clone()).map_err(fail)?;
-        let mut add = Vec::new();
-        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
-            if let Some(name) = kernel_name(dtype) {
-                add.push((dtype, module.load_function(name).map_err(fail)?));
-            }
+        let sums = [DType::F32, DType::F64, DType::F16, DType::BF16].map(kernel_name);
+        let mut by_name = Vec::new();
+        for name in sums.into_iter().flatten().chain(super::optim::NAMES) {
+            by_name.push((name, module.load_function(name).map_err(fail)?));
         }
-        Ok(Arc::new(Kernels { add }))
+        Ok(Arc::new(Kernels { by_name }))
     })
 }
 
-/// `dst += src` on `dst`'s device, for `n` elements of `dtype` (one of [`on_gpu`]'s); `src`
-/// is on the same device.
-pub(crate) fn add(dst: &mut DeviceBuf, src: &DeviceBuf, dtype: DType, n: usize) -> Result<()> {
-    let ordinal = dst.ordinal();
-    let k = kernels(ordinal)?;
-    let f = k
-        .add
+/// The kernel `name` on device `ordinal`.
+pub(crate) fn function(ordinal: u32, name: &str) -> Result<CudaFunction> {
+    kernels(ordinal)?
+        .by_name
         .iter()
-        .find(|(d, _)| *d == dtype)
-        .map(|(_, f)| f)
-        .ok_or_else(|| KvError::Device(format!("no GPU sum for {dtype}")))?;
-    if n == 0 {
+        .find(|(n, _)| *n == name)
+        .map(|(_, f)| f.clone())
+        .ok_or_else(|| KvError::Device(format!("no GPU kernel {name}")))
+}
+
+/// The sources one kernel launch sums.
+pub(crate) const FUSED: usize = 8;
+
+/// `dst = srcs[0] + srcs[1] + ...` (`dst = dst + srcs[0] + ...` with `acc`) on `dst`'s
+/// device, for `n` elements of `dtype` (one of [`on_gpu`]'s), left to right; the sources (1
+/// to [`FUSED`]) are on the same device.
+pub(crate) fn sum(
+    dst: &mut DeviceBuf,
+    acc: bool,
+    srcs: &[&DeviceBuf],
+    dtype: DType,
+    n: usize,
+) -> Result<()> {
+    let ordinal = dst.ordinal();
+    let name =
+        kernel_name(dtype).ok_or_else(|| KvError::Device(format!("no GPU sum for {dtype}")))?;
+    let f = function(ordinal, name)?;
+    if n == 0 || srcs.is_empty() {
         return Ok(());
     }
+    if srcs.len() > FUSED {
+        return Err(KvError::Device(format!(
+            "a GPU sum takes at most {FUSED} values a launch"
+        )));
+    }
     let stream = dst.stream().clone();
-    let s = src.device()?;
+    let mut views = Vec::with_capacity(FUSED);
+    for s in srcs {
+        views.push(s.device()?);
+    }
+    while views.len() < FUSED {
+        views.push(views[0]);
+    }
     let d = dst.device_mut()?;
-    // Enough blocks to fill the device; the loop strides over the rest.
-    let blocks = n.div_ceil(256).min(65_535) as u32;
+    // A thread per 16 bytes, up to enough blocks to fill the device; the loop strides over
+    // the rest.
+    let blocks = n.div_ceil(16 / dtype.size()).div_ceil(256).clamp(1, 65_535) as u32;
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let count = n as u64;
-    let mut launch = stream.launch_builder(f);
-    launch.arg(d).arg(s).arg(&count);
-    // SAFETY: the kernel takes (T* d, const T* s, u64 n): `d` and `s` are buffers of at least
-    // `n` elements of `dtype` (the caller's sizes, checked against the array shapes), on
-    // this device, and `count` is that `n`.
+    let (count, used, acc) = (n as u64, srcs.len() as u32, u32::from(acc));
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(d).arg(&acc).arg(&used).arg(&count);
+    for v in &views {
+        launch.arg(*v);
+    }
+    // SAFETY: the kernel takes (T* d, unsigned acc, unsigned k, u64 n, const T* s0..s7) and
+    // reads `d` (with `acc`) and the first `k` sources: `d` and every source are buffers of at least `n` elements of `dtype` (the
+    // caller's sizes, checked against the array shapes) on this device, `used` is how many
+    // are real (the rest repeat the first, unread) and `count` is `n`.
     unsafe { launch.launch(cfg) }
         .map(|_| ())
         .map_err(|e| KvError::Device(format!("gpu({ordinal}): the sum kernel: {e}")))

@@ -22,22 +22,38 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
 cp "$test_bin" "$out/release/deps/gpu"
+lib_bin=$(cargo test --release --features kvstore/cuda -p kvstore --lib --no-run \
+    --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kvstore" and m.get("executable"):
+        print(m["executable"])')
+cp "$lib_bin" "$out/release/deps/kvstore-lib"
 cp target/release/kvrun target/release/kvperf "$out/release/"
 cp target/release/examples/dist_check target/release/examples/walkthrough "$out/release/examples/"
-strip "$out/release/deps/gpu" "$out/release/kvrun" "$out/release/kvperf" "$out/release/examples/"*
+strip "$out/release/deps/gpu" "$out/release/deps/kvstore-lib" "$out/release/kvrun" "$out/release/kvperf" "$out/release/examples/"*
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# On a GPU machine: the GPU tests (tests/gpu.rs, ignored elsewhere) and the tutorial on every GPU.
+# On a GPU machine: the GPU tests (tests/gpu.rs, ignored elsewhere), the library's unit tests,
+# the tutorial on every GPU, then the benchmarks: the sum on a GPU against a device copy, GPU
+# arrays staged through a local store against pinned copies, and a distributed push+pull of
+# GPU arrays against the same job on host arrays.
 set -uo pipefail
 cd "$(dirname "$0")"
 nvidia-smi || true
 n=$(nvidia-smi -L 2>/dev/null | wc -l)
 release/deps/gpu --include-ignored --test-threads 1
+release/deps/kvstore-lib --test-threads 4 -q 2>&1 | tail -3
 echo "walkthrough on $n GPUs:"
 release/examples/walkthrough --gpus "$n"
-echo "the sum on a GPU against a device copy (kvperf gpu), 64 MiB, 2 and 4 values:"
-release/kvperf gpu --values 2
-release/kvperf gpu --values 4
+echo "the sum on a GPU against a device copy (kvperf gpu), 64 MiB, 2, 4, 8 and 16 values:"
+for v in 2 4 8 16; do release/kvperf gpu --values $v; done
+for t in shm tcp; do
+    echo "push+pull, W=1 S=1 over $t: host arrays, then GPU arrays"
+    release/kvperf pushpull -n 1 -s 1 --transport $t --sizes 64K:64M
+    release/kvperf pushpull -n 1 -s 1 --transport $t --sizes 64K:64M --gpu
+done
 RUN
 chmod +x "$out/run.sh"
 du -sh "$out"
