@@ -93,6 +93,9 @@ pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -
 mod imp {
     use std::sync::OnceLock;
 
+    /// The oldest driver the bindings work with: CUDA 13.0 (Cargo.toml's `cuda-13000`).
+    const NEEDED: i32 = 13_000;
+
     /// The probe's answer: the device count, or why there is none.
     fn probe() -> &'static Result<usize, String> {
         static ANSWER: OnceLock<Result<usize, String>> = OnceLock::new();
@@ -101,13 +104,33 @@ mod imp {
             if !unsafe { cudarc::driver::sys::is_culib_present() } {
                 return Err("the CUDA driver library, libcuda, is not installed".into());
             }
-            // A driver without a symbol the bindings name panics in cudarc: that, too, is a
-            // machine without a usable GPU.
+            // The bindings are CUDA 13.0's (Cargo.toml): an older driver lacks some of the
+            // symbols they name, and cudarc panics on the first call of one. Such a driver,
+            // too, is a machine without a usable GPU.
+            let mut version = 0;
+            // SAFETY: writes one int; CUDA needs no initialisation for it.
+            let asked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+                cudarc::driver::sys::cuDriverGetVersion(&mut version)
+            }));
+            match asked {
+                Ok(cudarc::driver::sys::CUresult::CUDA_SUCCESS) if version >= NEEDED => {}
+                Ok(cudarc::driver::sys::CUresult::CUDA_SUCCESS) => {
+                    return Err(format!(
+                        "the CUDA driver is CUDA {}.{}, older than the {}.{} of this build's \
+                         bindings",
+                        version / 1000,
+                        version % 1000 / 10,
+                        NEEDED / 1000,
+                        NEEDED % 1000 / 10
+                    ))
+                }
+                _ => return Err("the CUDA driver does not say its version".into()),
+            }
             match std::panic::catch_unwind(cudarc::driver::CudaContext::device_count) {
                 Ok(Ok(n)) if n > 0 => Ok(n as usize),
                 Ok(Ok(_)) => Err("the CUDA driver sees no device".into()),
                 Ok(Err(e)) => Err(format!("the CUDA driver failed to start: {e}")),
-                Err(_) => Err("the CUDA driver is older than CUDA 12".into()),
+                Err(_) => Err("the CUDA driver lacks a function this build calls".into()),
             }
         })
     }

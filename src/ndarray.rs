@@ -35,7 +35,7 @@ fn elems(shape: &[usize]) -> usize {
 
 /// The bytes of `shape` of `dtype`, or [`KvError::TooLarge`] where they overflow the address
 /// range.
-fn checked_bytes(shape: &[usize], dtype: DType) -> Result<usize> {
+pub(crate) fn checked_bytes(shape: &[usize], dtype: DType) -> Result<usize> {
     shape
         .iter()
         .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
@@ -68,6 +68,46 @@ impl NDArray {
             dtype,
             device: Device::default(),
             buf: Arc::new(Storage::Heap(AlignedBuf::zeroed(bytes))),
+        })
+    }
+
+    /// Zeros on `device` for a transport to move (`KVStore::alloc_on`): in `region` (a
+    /// transport's zeroed pages of the array's size) where given, else in memory of the
+    /// array's own; page-locked for GPUs' copies where CUDA can. On a GPU, that memory is the
+    /// array's host copy.
+    pub(crate) fn zeros_staged(
+        shape: &[usize],
+        dtype: DType,
+        region: Option<kvstore_transport::Region>,
+        device: Device,
+    ) -> Result<NDArray> {
+        let bytes = checked_bytes(shape, dtype)?;
+        crate::gpu::check(device)?;
+        let storage = match (device, region) {
+            (Device::Cpu(_), Some(region)) => Storage::Region {
+                pin: crate::storage::Pin::new(
+                    kvstore_transport::Storage::ptr(&**region.storage()),
+                    region.len(),
+                ),
+                region,
+            },
+            (Device::Cpu(_), None) => Storage::Heap(AlignedBuf::zeroed_pinned(bytes)),
+            #[cfg(feature = "cuda")]
+            (Device::Gpu(i), Some(region)) => {
+                Storage::Device(crate::gpu::device::DeviceBuf::over_region(i, region)?)
+            }
+            #[cfg(feature = "cuda")]
+            (Device::Gpu(i), None) => {
+                Storage::Device(crate::gpu::device::DeviceBuf::zeroed_with_mirror(i, bytes)?)
+            }
+            #[cfg(not(feature = "cuda"))]
+            (Device::Gpu(_), _) => unreachable!("no GPU passes the check without cuda"),
+        };
+        Ok(NDArray {
+            shape: shape.to_vec(),
+            dtype,
+            device,
+            buf: Arc::new(storage),
         })
     }
 
@@ -219,6 +259,19 @@ impl NDArray {
     /// The storage as bytes.
     pub fn as_bytes(&self) -> &[u8] {
         self.buf.bytes()
+    }
+
+    /// Readies the array to be overwritten whole (a pull's destination): as
+    /// [`NDArray::as_bytes_mut`], except that a GPU array's host copy is not first brought up
+    /// to date from the device.
+    pub(crate) fn prepare_overwrite(&mut self) {
+        match Arc::make_mut(&mut self.buf) {
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.prepare_overwrite(),
+            b => {
+                b.bytes_mut();
+            }
+        }
     }
 
     /// The storage as mutable bytes (copies first if the storage is shared with a clone).
@@ -407,14 +460,21 @@ impl NDArray {
             shape: shape.to_vec(),
             dtype,
             device: Device::default(),
-            buf: Arc::new(Storage::Region(r)),
+            buf: Arc::new(Storage::Region {
+                pin: None,
+                region: r,
+            }),
         }
     }
 
     /// The transport region the bytes live in, if they do.
     pub(crate) fn region(&self) -> Option<&kvstore_transport::Region> {
         match &*self.buf {
-            Storage::Region(r) => Some(r),
+            Storage::Region { region, .. } => Some(region),
+            // A GPU array whose host mirror is the transport's (`KVStore::alloc_on`): the
+            // mirror, brought up to date first.
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.region(),
             _ => None,
         }
     }
@@ -435,7 +495,7 @@ impl NDArray {
     pub(crate) fn is_unique(&mut self) -> bool {
         match Arc::get_mut(&mut self.buf) {
             None => false,
-            Some(Storage::Region(r)) => Arc::strong_count(r.storage()) == 1,
+            Some(Storage::Region { region: r, .. }) => Arc::strong_count(r.storage()) == 1,
             Some(_) => true,
         }
     }
@@ -443,7 +503,12 @@ impl NDArray {
     /// Whether the bytes live in memory a transport allocated (an array from `KVStore::alloc`
     /// on a host where a server shares memory with this process).
     pub fn is_shared_memory(&self) -> bool {
-        matches!(&*self.buf, Storage::Region(_))
+        match &*self.buf {
+            Storage::Region { .. } => true,
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.has_shared_mirror(),
+            _ => false,
+        }
     }
 
     /// Whether the host bytes are page-locked for copies to and from GPUs (MXNet's
@@ -452,11 +517,11 @@ impl NDArray {
     /// without a GPU.
     pub fn is_pinned(&self) -> bool {
         match &*self.buf {
-            #[cfg(feature = "cuda")]
             Storage::Heap(b) => b.is_pinned(),
+            Storage::Region { pin, .. } => pin.is_some(),
             #[cfg(feature = "cuda")]
             Storage::Device(d) => d.mirror_is_pinned(),
-            _ => false,
+            Storage::External(_) => false,
         }
     }
 

@@ -11,8 +11,12 @@ pub(crate) enum Storage {
     /// read-only; the kernel refuses more). Only a cross-memory write by the kernel, into a
     /// range granted for a pull while the call holds the array mutably, writes them from
     /// outside; a call that fails with the answer outstanding takes them out of the caller's
-    /// array.
-    Region(kvstore_transport::Region),
+    /// array. Page-locked for GPUs' copies where `pin` says so (`KVStore::alloc_on`), and
+    /// unlocked before the pages go back to the transport.
+    Region {
+        pin: Option<Pin>,
+        region: kvstore_transport::Region,
+    },
     /// Memory the caller owns (a Python buffer, say), lent to the array and held alive by its
     /// owner. The store cannot keep it from the caller after a failed call, so no peer is ever
     /// granted it to write directly ([`kvstore_transport::Storage::peer_may_write`]): what
@@ -62,7 +66,7 @@ impl Clone for Storage {
     fn clone(&self) -> Storage {
         match self {
             Storage::Heap(b) => Storage::Heap(b.clone()),
-            Storage::Region(_) | Storage::External(_) => {
+            Storage::Region { .. } | Storage::External(_) => {
                 let mut b = AlignedBuf::zeroed(self.bytes().len());
                 b.bytes_mut().copy_from_slice(self.bytes());
                 Storage::Heap(b)
@@ -86,7 +90,7 @@ impl Storage {
             // happens while a call holds the array's `&mut`, and a call that fails with the
             // answer outstanding takes the storage out of the caller's array, so no `&` to it
             // is live then.
-            Storage::Region(r) => unsafe {
+            Storage::Region { region: r, .. } => unsafe {
                 std::slice::from_raw_parts(kvstore_transport::Storage::ptr(&**r.storage()), r.len())
             },
             // SAFETY: `NDArray::from_raw_parts`'s contract: valid for `len` bytes while the
@@ -101,7 +105,7 @@ impl Storage {
         match self {
             Storage::Heap(b) => b.bytes_mut(),
             // SAFETY: as in `bytes`; `&mut self` makes this the only access in this process.
-            Storage::Region(r) => unsafe {
+            Storage::Region { region: r, .. } => unsafe {
                 std::slice::from_raw_parts_mut(
                     kvstore_transport::Storage::ptr(&**r.storage()),
                     r.len(),
@@ -130,7 +134,7 @@ impl Storage {
     pub(crate) fn set_len(&mut self, len: usize) {
         match self {
             Storage::Heap(b) => b.set_len(len),
-            Storage::Region(_) | Storage::External(_) => {
+            Storage::Region { .. } | Storage::External(_) => {
                 *self = Storage::Heap(AlignedBuf::zeroed(len))
             }
             #[cfg(feature = "cuda")]
@@ -152,7 +156,7 @@ unsafe impl kvstore_transport::Storage for Storage {
     fn ptr(&self) -> *mut u8 {
         match self {
             Storage::Heap(b) => b.as_mut_ptr(),
-            Storage::Region(r) => r.storage().ptr(),
+            Storage::Region { region: r, .. } => r.storage().ptr(),
             Storage::External(e) => e.ptr(),
             // The host mirror: a transport moves GPU arrays through it.
             #[cfg(feature = "cuda")]
@@ -162,7 +166,7 @@ unsafe impl kvstore_transport::Storage for Storage {
     fn len(&self) -> usize {
         match self {
             Storage::Heap(b) => b.len,
-            Storage::Region(r) => r.len(),
+            Storage::Region { region: r, .. } => r.len(),
             Storage::External(e) => e.len(),
             #[cfg(feature = "cuda")]
             Storage::Device(d) => d.len(),
@@ -170,6 +174,39 @@ unsafe impl kvstore_transport::Storage for Storage {
     }
     fn peer_may_write(&self) -> bool {
         !matches!(self, Storage::External(_))
+    }
+}
+
+/// A range of host memory page-locked for GPUs' copies (`cuMemHostRegister`: copies between
+/// it and a GPU go by DMA, with no bounce buffer), unlocked when dropped.
+pub(crate) struct Pin {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    ptr: *mut u8,
+}
+
+// SAFETY: only the range's address is kept, to unlock it; nothing is read or written through it.
+unsafe impl Send for Pin {}
+// SAFETY: as above.
+unsafe impl Sync for Pin {}
+
+impl Pin {
+    /// Page-locks the `len` bytes at `ptr`, whole pages that no other pin covers and that the
+    /// caller keeps allocated while the pin lives: `None`, with nothing done, where there is
+    /// no GPU or CUDA refuses.
+    pub(crate) fn new(ptr: *mut u8, len: usize) -> Option<Pin> {
+        #[cfg(feature = "cuda")]
+        if len > 0 && crate::gpu::device::pin(ptr, len) {
+            return Some(Pin { ptr });
+        }
+        let _ = (ptr, len);
+        None
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        crate::gpu::device::unpin(self.ptr);
     }
 }
 
@@ -183,9 +220,8 @@ pub(crate) struct AlignedBuf {
     len: usize,
     /// The allocation's alignment: 8, or a page for pinned buffers.
     align: usize,
-    /// Registered with CUDA (page-locked), and unregistered before it is freed.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pinned: bool,
+    /// Page-locked for GPUs' copies, and unlocked before it is freed.
+    pin: Option<Pin>,
 }
 
 // SAFETY: the buffer owns its allocation; shared access only reads it.
@@ -205,19 +241,14 @@ impl AlignedBuf {
     /// from a GPU then go by DMA, with no bounce buffer), else plain memory.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn zeroed_pinned(len: usize) -> Self {
-        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let mut b = AlignedBuf::zeroed_aligned(len, PAGE);
-        #[cfg(feature = "cuda")]
-        if b.words > 0 {
-            b.pinned = crate::gpu::device::pin(b.as_mut_ptr(), b.words * 8);
-        }
+        b.pin = Pin::new(b.as_mut_ptr(), b.words * 8);
         b
     }
 
     /// Whether the buffer is page-locked for GPUs' copies.
-    #[cfg(feature = "cuda")]
     pub(crate) fn is_pinned(&self) -> bool {
-        self.pinned
+        self.pin.is_some()
     }
 
     fn zeroed_aligned(len: usize, align: usize) -> Self {
@@ -238,7 +269,7 @@ impl AlignedBuf {
             words,
             len,
             align,
-            pinned: false,
+            pin: None,
         }
     }
 
@@ -288,10 +319,8 @@ impl Default for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        #[cfg(feature = "cuda")]
-        if self.pinned {
-            crate::gpu::device::unpin(self.as_mut_ptr());
-        }
+        // Unlocked before it is freed.
+        self.pin = None;
         if let Ok(layout) = std::alloc::Layout::from_size_align(self.words * 8, self.align) {
             if self.words > 0 {
                 // SAFETY: allocated in `zeroed` with this very layout.

@@ -283,6 +283,26 @@ impl KVStore {
         }
     }
 
+    /// [`KVStore::alloc`] on `device`, page-locked for GPUs' copies where CUDA can (MXNet's
+    /// `cpu_pinned` memory). On a CPU: `alloc`'s memory, pinned. On a GPU: a GPU array whose
+    /// host copy, which transports move it through, is that memory: in a distributed store
+    /// with servers on this host, shared-memory pages that a push sends in place after one
+    /// copy from the GPU, and that a pull lands in before one copy to the GPU. A GPU that this
+    /// process does not have is [`KvError::Device`].
+    pub fn alloc_on(
+        &mut self,
+        shape: &[usize],
+        dtype: crate::DType,
+        device: crate::Device,
+    ) -> Result<NDArray> {
+        crate::gpu::check(device)?;
+        let region = match &mut self.inner {
+            Inner::Local(_) => None,
+            Inner::Dist(d) => d.send_pages(crate::ndarray::checked_bytes(shape, dtype)?)?,
+        };
+        NDArray::zeros_staged(shape, dtype, region, device)
+    }
+
     /// Waits until every worker has reached the barrier (returns at once for local stores).
     pub fn barrier(&mut self) -> Result<()> {
         match &mut self.inner {

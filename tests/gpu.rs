@@ -50,6 +50,22 @@ fn a_gpu_that_is_not_there_is_a_typed_error() {
             "a copy past the count",
         );
         assert!(m.starts_with(&format!("gpu({i}): ")), "{m}");
+        let mut kv = create("local").unwrap();
+        let m = device_error(
+            kv.alloc_on(&SHAPE, DType::F32, gpu(i)),
+            "alloc_on past the count",
+        );
+        assert!(m.starts_with(&format!("gpu({i}): ")), "{m}");
+    }
+    // Host memory from alloc_on is page-locked only where there is a GPU.
+    let mut kv = create("local").unwrap();
+    let h = kv.alloc_on(&SHAPE, DType::F64, cpu(0)).unwrap();
+    assert_eq!((h.device(), h.dtype()), (cpu(0), DType::F64));
+    assert_eq!(h.to_vec::<f64>().unwrap(), vec![0.0; 6]);
+    assert_eq!(h.is_pinned(), n > 0);
+    match kv.alloc_on(&[usize::MAX, 2], DType::F32, cpu(0)) {
+        Err(KvError::TooLarge { .. }) => {}
+        other => panic!("an overflowing shape: {other:?}"),
     }
     // CPUs are names: any index is there, and the memory stays where it is.
     let a = NDArray::ones(&SHAPE).on(cpu(7)).unwrap();
@@ -261,6 +277,28 @@ fn every_dtype_goes_to_a_gpu_and_back_unchanged() {
             assert!(g2 == a, "{dtype} on {d} after copy_from");
         }
     }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn alloc_on_gives_page_locked_host_memory_and_gpu_arrays() {
+    let mut kv = create("local").unwrap();
+    kv.init(2, &NDArray::zeros(&SHAPE)).unwrap();
+    let mut h = kv.alloc_on(&SHAPE, DType::F32, cpu(0)).unwrap();
+    assert!(h.is_pinned() && !h.is_shared_memory());
+    let mut g = kv.alloc_on(&SHAPE, DType::F32, gpus(1)[0]).unwrap();
+    assert_eq!(g.device(), gpus(1)[0]);
+    assert_eq!(g.to_vec::<f32>().unwrap(), vec![0.0; 6]);
+    assert!(g.is_pinned(), "a GPU array's host copy is page-locked");
+    h.fill(2.5);
+    kv.push(2, &h).unwrap();
+    kv.pull(2, &mut g).unwrap();
+    assert_eq!(g.to_vec::<f32>().unwrap(), vec![2.5; 6]);
+    g.copy_from(&(NDArray::ones(&SHAPE) * 4.0).on(gpus(1)[0]).unwrap())
+        .unwrap();
+    kv.push(2, &g).unwrap();
+    kv.pull(2, &mut h).unwrap();
+    assert_eq!(h.to_vec::<f32>().unwrap(), vec![4.0; 6]);
 }
 
 #[test]

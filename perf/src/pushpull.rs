@@ -62,9 +62,9 @@ pub(crate) struct PushPull {
     #[arg(long)]
     alloc: bool,
     /// Push and pull arrays on gpu(0), staged through host memory (a build with the feature
-    /// `cuda`).
+    /// `cuda`); with --alloc, through the transport's pages (`kv.alloc_on`).
     #[cfg(feature = "cuda")]
-    #[arg(long, conflicts_with = "alloc")]
+    #[arg(long)]
     gpu: bool,
     /// Run every process on this host (the default without --hosts or --hostfile).
     #[arg(long, conflicts_with_all = ["hosts", "hostfile"])]
@@ -81,7 +81,11 @@ pub(crate) struct PushPull {
 fn arrays_name(p: &PushPull) -> &'static str {
     #[cfg(feature = "cuda")]
     if p.gpu {
-        return "gpu(0)";
+        return if p.alloc {
+            "gpu(0), kv.alloc_on"
+        } else {
+            "gpu(0)"
+        };
     }
     if p.alloc {
         "kv.alloc"
@@ -115,9 +119,21 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         // --alloc: arrays in the transport's pool (pushing them copies nothing).
         let mut make = |fill: f64| -> Result<NDArray, String> {
             if p.alloc {
-                let mut a = kv
-                    .alloc(&[elems], kvstore::DType::F32)
-                    .map_err(|e| e.to_string())?;
+                // With --gpu: GPU arrays staged through the pool's pages (`alloc_on`).
+                #[cfg(feature = "cuda")]
+                let device = if p.gpu {
+                    kvstore::gpu(0)
+                } else {
+                    kvstore::cpu(0)
+                };
+                #[cfg(not(feature = "cuda"))]
+                let device = kvstore::cpu(0);
+                let mut a = if device.is_cpu() {
+                    kv.alloc(&[elems], kvstore::DType::F32)
+                } else {
+                    kv.alloc_on(&[elems], kvstore::DType::F32, device)
+                }
+                .map_err(|e| e.to_string())?;
                 a.fill(fill);
                 Ok(a)
             } else {

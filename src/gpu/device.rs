@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
-use crate::storage::AlignedBuf;
+use crate::storage::{AlignedBuf, Pin};
 use crate::{KvError, Result};
 
 /// A device's context and its stream (non-blocking: it does not wait for the legacy default
@@ -110,6 +110,70 @@ const DEVICE_NEWER: u8 = 0;
 const SYNCED: u8 = 1;
 const HOST_NEWER: u8 = 2;
 
+/// A GPU array's host copy: page-locked memory of its own (made on the first host view), or
+/// the transport's pages (`KVStore::alloc_on`), which a transport sends in place and lands
+/// pulls in, page-locked too where CUDA can.
+pub(crate) enum Mirror {
+    Own(AlignedBuf),
+    Shared {
+        pin: Option<Pin>,
+        region: kvstore_transport::Region,
+    },
+}
+
+impl Mirror {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Mirror::Own(b) => b.bytes(),
+            // SAFETY: the region's storage is valid for its length while the region lives;
+            // peers only read it, and a pull lands in it only while a call holds the array
+            // mutably (as for any array in the transport's pages, `Storage::bytes`).
+            Mirror::Shared { region, .. } => unsafe {
+                std::slice::from_raw_parts(
+                    kvstore_transport::Storage::ptr(&**region.storage()),
+                    region.len(),
+                )
+            },
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Mirror::Own(b) => b.bytes_mut(),
+            // SAFETY: as in `bytes`; `&mut self` makes this the only access in this process.
+            Mirror::Shared { region, .. } => unsafe {
+                std::slice::from_raw_parts_mut(
+                    kvstore_transport::Storage::ptr(&**region.storage()),
+                    region.len(),
+                )
+            },
+        }
+    }
+
+    fn as_mut_ptr(&self) -> *mut u8 {
+        match self {
+            Mirror::Own(b) => b.as_mut_ptr(),
+            Mirror::Shared { region, .. } => kvstore_transport::Storage::ptr(&**region.storage()),
+        }
+    }
+
+    fn is_pinned(&self) -> bool {
+        match self {
+            Mirror::Own(b) => b.is_pinned(),
+            Mirror::Shared { pin, .. } => pin.is_some(),
+        }
+    }
+
+    /// Whether a transport still holds the pages (a send by reference being read): they must
+    /// not be written then.
+    fn in_use(&self) -> bool {
+        match self {
+            Mirror::Own(_) => false,
+            Mirror::Shared { region, .. } => Arc::strong_count(region.storage()) > 1,
+        }
+    }
+}
+
 /// An array's bytes on a GPU, with a host mirror made on the first host view.
 pub(crate) struct DeviceBuf {
     gpu: Arc<Gpu>,
@@ -118,7 +182,7 @@ pub(crate) struct DeviceBuf {
     /// The host copy. Written only while `state` is `DEVICE_NEWER` (under `sync`, or through
     /// `&mut self`), when no host view of it can be live: a view is handed out only once the
     /// state has left `DEVICE_NEWER`, and the state returns there only through `&mut self`.
-    mirror: UnsafeCell<Option<AlignedBuf>>,
+    mirror: UnsafeCell<Option<Mirror>>,
     state: AtomicU8,
     sync: Mutex<()>,
 }
@@ -150,6 +214,68 @@ impl DeviceBuf {
                 .map_err(|e| cuda(ordinal, "copying to the device", e))?;
         }
         Ok(d)
+    }
+
+    /// `region.len()` zero bytes on device `ordinal`, whose host mirror is `region`: zeroed
+    /// pages of a transport (`KVStore::alloc_on`), page-locked here where CUDA can.
+    pub(crate) fn over_region(
+        ordinal: u32,
+        region: kvstore_transport::Region,
+    ) -> Result<DeviceBuf> {
+        let mut d = DeviceBuf::zeroed(ordinal, region.len())?;
+        let pin = Pin::new(
+            kvstore_transport::Storage::ptr(&**region.storage()),
+            region.len(),
+        );
+        let mut m = Mirror::Shared { pin, region };
+        m.bytes_mut().fill(0);
+        *d.mirror.get_mut() = Some(m);
+        // Both copies are zeros.
+        *d.state.get_mut() = SYNCED;
+        Ok(d)
+    }
+
+    /// `len` zero bytes on device `ordinal`, with a page-locked host mirror made at once
+    /// (`KVStore::alloc_on` where the transport has no pages to give).
+    pub(crate) fn zeroed_with_mirror(ordinal: u32, len: usize) -> Result<DeviceBuf> {
+        let mut d = DeviceBuf::zeroed(ordinal, len)?;
+        *d.mirror.get_mut() = Some(Mirror::Own(AlignedBuf::zeroed_pinned(len)));
+        // Both copies are zeros.
+        *d.state.get_mut() = SYNCED;
+        Ok(d)
+    }
+
+    /// The transport's pages that are the host mirror, if they are (`over_region`), brought up
+    /// to date first, for a transport to send in place or land a pull in; `None` otherwise or
+    /// where the device cannot be read (the caller then registers the storage, whose host
+    /// view reports the failure).
+    pub(crate) fn region(&self) -> Option<&kvstore_transport::Region> {
+        self.host().ok()?;
+        // SAFETY: `host` left the state SYNCED or HOST_NEWER: the mirror exists and is not
+        // replaced while `&self` lives.
+        match unsafe { &*self.mirror.get() } {
+            Some(Mirror::Shared { region, .. }) => Some(region),
+            _ => None,
+        }
+    }
+
+    /// Whether the host mirror is a transport's pages (`over_region`).
+    pub(crate) fn has_shared_mirror(&self) -> bool {
+        let _g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the lock is held, so no other thread replaces the mirror; only its kind is
+        // read.
+        matches!(unsafe { &*self.mirror.get() }, Some(Mirror::Shared { .. }))
+    }
+
+    /// Readies the host mirror to be overwritten whole (a pull's destination): made if
+    /// absent, never filled from the device first, and newer than the device afterwards.
+    pub(crate) fn prepare_overwrite(&mut self) {
+        let len = self.len;
+        let mirror = self.mirror.get_mut();
+        if mirror.as_ref().is_none_or(Mirror::in_use) {
+            *mirror = Some(Mirror::Own(AlignedBuf::zeroed_pinned(len)));
+        }
+        *self.state.get_mut() = HOST_NEWER;
     }
 
     fn over(gpu: Arc<Gpu>, mem: CudaSlice<u8>, len: usize) -> DeviceBuf {
@@ -210,7 +336,7 @@ impl DeviceBuf {
         // SAFETY: the state is SYNCED or HOST_NEWER, so the mirror exists and is not written
         // while `&self` lives (writes need `&mut self`, or the state DEVICE_NEWER).
         let mirror = unsafe { &*self.mirror.get() };
-        Ok(mirror.as_ref().map_or(&[][..], AlignedBuf::bytes))
+        Ok(mirror.as_ref().map_or(&[][..], Mirror::bytes))
     }
 
     /// The bytes, written on the host: the mirror (up to date), whose changes go to the
@@ -228,12 +354,16 @@ impl DeviceBuf {
             .mirror
             .get_mut()
             .as_mut()
-            .map_or(&mut [][..], AlignedBuf::bytes_mut))
+            .map_or(&mut [][..], Mirror::bytes_mut))
     }
 
-    /// Copies the device bytes into `mirror` (made if absent).
-    fn download(&self, mirror: &mut Option<AlignedBuf>) -> Result<()> {
-        let m = mirror.get_or_insert_with(|| AlignedBuf::zeroed_pinned(self.len));
+    /// Copies the device bytes into `mirror` (made if absent, and made anew where a transport
+    /// still reads the pages it was).
+    fn download(&self, mirror: &mut Option<Mirror>) -> Result<()> {
+        if mirror.as_ref().is_some_and(Mirror::in_use) {
+            *mirror = None;
+        }
+        let m = mirror.get_or_insert_with(|| Mirror::Own(AlignedBuf::zeroed_pinned(self.len)));
         if self.len > 0 {
             let src = self.mem.slice(..self.len);
             self.gpu
@@ -330,13 +460,13 @@ impl DeviceBuf {
             // of it is read.
             return unsafe { &*self.mirror.get() }
                 .as_ref()
-                .is_some_and(AlignedBuf::is_pinned);
+                .is_some_and(Mirror::is_pinned);
         }
         // SAFETY: the state is SYNCED or HOST_NEWER: the mirror is not replaced while `&self`
         // lives.
         unsafe { &*self.mirror.get() }
             .as_ref()
-            .is_some_and(AlignedBuf::is_pinned)
+            .is_some_and(Mirror::is_pinned)
     }
 
     /// Writes `bytes` (the buffer's length) to the device, straight from host memory: the
@@ -383,9 +513,8 @@ impl DeviceBuf {
         // SAFETY: `host` left the state SYNCED or HOST_NEWER, so the mirror exists and is not
         // replaced while `self` lives; only its address is taken.
         let mirror = unsafe { &*self.mirror.get() };
-        Ok(mirror.as_ref().map_or(
-            std::ptr::NonNull::dangling().as_ptr(),
-            AlignedBuf::as_mut_ptr,
-        ))
+        Ok(mirror
+            .as_ref()
+            .map_or(std::ptr::NonNull::dangling().as_ptr(), Mirror::as_mut_ptr))
     }
 }

@@ -194,7 +194,7 @@ impl<G: Clone> Calls<G> {
             return id;
         }
         for o in &mut outputs {
-            o.as_bytes_mut();
+            o.prepare_overwrite();
         }
         for (i, r) in reqs.iter_mut().enumerate() {
             r.msg.req_id = self.next_req;

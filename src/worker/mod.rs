@@ -353,14 +353,22 @@ impl DistWorker {
     /// An array in this worker's shared pool (pushing it copies nothing), or in process memory
     /// when no server is on this host.
     pub(crate) fn alloc(&mut self, shape: &[usize], dtype: crate::DType) -> Result<NDArray> {
-        let bytes = shape.iter().product::<usize>() * dtype.size();
+        match self.send_pages(crate::ndarray::checked_bytes(shape, dtype)?)? {
+            Some(r) => Ok(NDArray::from_region(shape, dtype, r)),
+            None => NDArray::try_zeros_dtype(shape, dtype),
+        }
+    }
+
+    /// `bytes` zeroed bytes of shared-memory pages that a push sends in place, where servers
+    /// share memory with this process (and `bytes` is not 0).
+    pub(crate) fn send_pages(&mut self, bytes: usize) -> Result<Option<kvstore_transport::Region>> {
         match &mut self.net.net.shm {
-            Some(s) if bytes > 0 => {
-                let r =
-                    kvstore_transport::Backend::alloc(s, bytes, kvstore_transport::Access::Send)?;
-                Ok(NDArray::from_region(shape, dtype, r))
-            }
-            _ => Ok(NDArray::zeros_dtype(shape, dtype)),
+            Some(s) if bytes > 0 => Ok(Some(kvstore_transport::Backend::alloc(
+                s,
+                bytes,
+                kvstore_transport::Access::Send,
+            )?)),
+            _ => Ok(None),
         }
     }
 

@@ -54,6 +54,9 @@ for t in shm tcp; do
     release/kvperf pushpull -n 1 -s 1 --transport $t --sizes 64K:64M
     release/kvperf pushpull -n 1 -s 1 --transport $t --sizes 64K:64M --gpu
 done
+echo "push+pull, W=1 S=1 over shm, arrays in the pool's pages: host arrays, then GPU arrays"
+release/kvperf pushpull -n 1 -s 1 --transport shm --sizes 64K:64M --alloc
+release/kvperf pushpull -n 1 -s 1 --transport shm --sizes 64K:64M --alloc --gpu
 RUN
 chmod +x "$out/run.sh"
 du -sh "$out"
