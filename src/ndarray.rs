@@ -9,6 +9,7 @@ use crate::storage::{AlignedBuf, Storage};
 use crate::{DType, Device, Element, KvError, Result};
 
 mod lent;
+mod place;
 
 /// An n-dimensional array with a shape, a dtype, a device and contiguous (row-major) storage.
 ///
@@ -71,46 +72,6 @@ impl NDArray {
         })
     }
 
-    /// Zeros on `device` for a transport to move (`KVStore::alloc_on`): in `region` (a
-    /// transport's zeroed pages of the array's size) where given, else in memory of the
-    /// array's own; page-locked for GPUs' copies where CUDA can. On a GPU, that memory is the
-    /// array's host copy.
-    pub(crate) fn zeros_staged(
-        shape: &[usize],
-        dtype: DType,
-        region: Option<kvstore_transport::Region>,
-        device: Device,
-    ) -> Result<NDArray> {
-        let bytes = checked_bytes(shape, dtype)?;
-        crate::gpu::check(device)?;
-        let storage = match (device, region) {
-            (Device::Cpu(_), Some(region)) => Storage::Region {
-                pin: crate::storage::Pin::new(
-                    kvstore_transport::Storage::ptr(&**region.storage()),
-                    region.len(),
-                ),
-                region,
-            },
-            (Device::Cpu(_), None) => Storage::Heap(AlignedBuf::zeroed_pinned(bytes)),
-            #[cfg(feature = "cuda")]
-            (Device::Gpu(i), Some(region)) => {
-                Storage::Device(crate::gpu::device::DeviceBuf::over_region(i, region)?)
-            }
-            #[cfg(feature = "cuda")]
-            (Device::Gpu(i), None) => {
-                Storage::Device(crate::gpu::device::DeviceBuf::zeroed_with_mirror(i, bytes)?)
-            }
-            #[cfg(not(feature = "cuda"))]
-            (Device::Gpu(_), _) => unreachable!("no GPU passes the check without cuda"),
-        };
-        Ok(NDArray {
-            shape: shape.to_vec(),
-            dtype,
-            device,
-            buf: Arc::new(storage),
-        })
-    }
-
     /// An f32 array of zeros, or an error where the size overflows.
     pub fn try_zeros(shape: &[usize]) -> Result<NDArray> {
         NDArray::try_zeros_dtype(shape, DType::F32)
@@ -169,68 +130,6 @@ impl NDArray {
         Ok(a)
     }
 
-    /// The array on `device` (MXNet's `ctx=` and `as_in_context`): copied to a GPU's memory,
-    /// or back to the host; between CPUs, the same memory under the other name. A GPU that
-    /// this process does not have (any GPU without the `cuda` feature) is
-    /// [`KvError::Device`].
-    pub fn on(mut self, device: Device) -> Result<NDArray> {
-        crate::gpu::check(device)?;
-        self.buf = match (device, &*self.buf) {
-            #[cfg(feature = "cuda")]
-            (Device::Gpu(i), Storage::Device(d)) if d.ordinal() == i => self.buf,
-            #[cfg(feature = "cuda")]
-            (Device::Gpu(i), Storage::Device(d)) => Arc::new(Storage::Device(d.copy_to(i)?)),
-            #[cfg(feature = "cuda")]
-            (Device::Gpu(i), _) => Arc::new(Storage::Device(
-                crate::gpu::device::DeviceBuf::from_host(i, self.as_bytes())?,
-            )),
-            #[cfg(not(feature = "cuda"))]
-            (Device::Gpu(_), _) => unreachable!("no GPU passes the check without cuda"),
-            #[cfg(feature = "cuda")]
-            // Page-locked host memory (where CUDA can), as it will likely go back and forth.
-            (Device::Cpu(_), Storage::Device(d)) => {
-                let mut b = AlignedBuf::zeroed_pinned(d.len());
-                d.read_to_host(b.bytes_mut())?;
-                Arc::new(Storage::Heap(b))
-            }
-            (Device::Cpu(_), _) => self.buf,
-        };
-        self.device = device;
-        Ok(self)
-    }
-
-    /// A copy of the array on `device` (MXNet's `copyto`), whatever device it is on.
-    pub fn copy_to(&self, device: Device) -> Result<NDArray> {
-        let mut c = self.clone();
-        let same_memory = match (device, self.device) {
-            (Device::Gpu(i), Device::Gpu(j)) => i == j,
-            (to, from) => to.is_cpu() && from.is_cpu(),
-        };
-        if same_memory {
-            // A clone shares the storage until written; a copy owns its own.
-            c.buf = Arc::new((*self.buf).clone());
-        }
-        c.on(device)
-    }
-
-    /// The GPU memory the array lives in, if it does.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn device_buf(&self) -> Option<&crate::gpu::device::DeviceBuf> {
-        match &*self.buf {
-            Storage::Device(d) => Some(d),
-            _ => None,
-        }
-    }
-
-    /// The GPU memory the array lives in, for writing, if it does (copied first if shared).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn device_buf_mut(&mut self) -> Option<&mut crate::gpu::device::DeviceBuf> {
-        match Arc::make_mut(&mut self.buf) {
-            Storage::Device(d) => Some(d),
-            _ => None,
-        }
-    }
-
     /// The shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape
@@ -259,19 +158,6 @@ impl NDArray {
     /// The storage as bytes.
     pub fn as_bytes(&self) -> &[u8] {
         self.buf.bytes()
-    }
-
-    /// Readies the array to be overwritten whole (a pull's destination): as
-    /// [`NDArray::as_bytes_mut`], except that a GPU array's host copy is not first brought up
-    /// to date from the device.
-    pub(crate) fn prepare_overwrite(&mut self) {
-        match Arc::make_mut(&mut self.buf) {
-            #[cfg(feature = "cuda")]
-            Storage::Device(d) => d.prepare_overwrite(),
-            b => {
-                b.bytes_mut();
-            }
-        }
     }
 
     /// The storage as mutable bytes (copies first if the storage is shared with a clone).
@@ -355,46 +241,6 @@ impl NDArray {
         Ok(())
     }
 
-    /// Copies `other`'s elements into this array (same shape and dtype): device to device
-    /// where both are GPU arrays (queued on this array's device, as MXNet's `copyto`; see
-    /// [`NDArray::wait_to_read`]), else through host views.
-    pub fn copy_from(&mut self, other: &NDArray) -> Result<()> {
-        self.check_same(other)?;
-        if Arc::ptr_eq(&self.buf, &other.buf) {
-            return Ok(());
-        }
-        #[cfg(feature = "cuda")]
-        match (other.device_buf(), self.device_buf().is_some()) {
-            (Some(s), true) => {
-                if let Some(d) = self.device_buf_mut() {
-                    return d.copy_from(s);
-                }
-            }
-            // Host to GPU and GPU to host: one copy, straight between the host memory and
-            // the device, never through the GPU array's mirror.
-            (None, true) => {
-                if let Some(d) = self.device_buf_mut() {
-                    return d.write_from_host(other.as_bytes());
-                }
-            }
-            (Some(s), false) => return s.read_to_host(self.as_bytes_mut()),
-            (None, false) => {}
-        }
-        self.as_bytes_mut().copy_from_slice(other.as_bytes());
-        Ok(())
-    }
-
-    /// Waits until the work queued on this array's memory is done (MXNet's `wait_to_read`):
-    /// for an array on a GPU, its device's stream; a host array has none. (Host views wait
-    /// on their own; this is for timing GPU work.)
-    pub fn wait_to_read(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = self.device_buf() {
-            return d.synchronize();
-        }
-        Ok(())
-    }
-
     /// `self += other`, element-wise (same shape and dtype).
     pub fn add_assign(&mut self, other: &NDArray) -> Result<()> {
         self.check_same(other)?;
@@ -448,81 +294,6 @@ impl NDArray {
         self.shape.clear();
         self.shape.extend_from_slice(shape);
         self.dtype = dtype;
-    }
-
-    /// An array over memory a transport allocated (the region must fill the shape).
-    pub(crate) fn from_region(
-        shape: &[usize],
-        dtype: DType,
-        r: kvstore_transport::Region,
-    ) -> NDArray {
-        NDArray {
-            shape: shape.to_vec(),
-            dtype,
-            device: Device::default(),
-            buf: Arc::new(Storage::Region {
-                pin: None,
-                region: r,
-            }),
-        }
-    }
-
-    /// The transport region the bytes live in, if they do.
-    pub(crate) fn region(&self) -> Option<&kvstore_transport::Region> {
-        match &*self.buf {
-            Storage::Region { region, .. } => Some(region),
-            // A GPU array whose host mirror is the transport's (`KVStore::alloc_on`): the
-            // mirror, brought up to date first.
-            #[cfg(feature = "cuda")]
-            Storage::Device(d) => d.region(),
-            _ => None,
-        }
-    }
-
-    /// The storage, for a transport to register (it holds it alive).
-    pub(crate) fn storage(&self) -> Arc<dyn kvstore_transport::Storage> {
-        self.buf.clone()
-    }
-
-    /// Gives the array fresh zeroed storage of its size; the old storage stays with whoever
-    /// holds it (a transport that may still write it).
-    pub(crate) fn replace_storage(&mut self) {
-        self.buf = Arc::new(self.buf.fresh(self.nbytes()));
-    }
-
-    /// Whether no clone shares the storage, and no transport holds its pages (a send by
-    /// reference still being read): a write goes in place, with no copy, and no reader sees it.
-    pub(crate) fn is_unique(&mut self) -> bool {
-        match Arc::get_mut(&mut self.buf) {
-            None => false,
-            Some(Storage::Region { region: r, .. }) => Arc::strong_count(r.storage()) == 1,
-            Some(_) => true,
-        }
-    }
-
-    /// Whether the bytes live in memory a transport allocated (an array from `KVStore::alloc`
-    /// on a host where a server shares memory with this process).
-    pub fn is_shared_memory(&self) -> bool {
-        match &*self.buf {
-            Storage::Region { .. } => true,
-            #[cfg(feature = "cuda")]
-            Storage::Device(d) => d.has_shared_mirror(),
-            _ => false,
-        }
-    }
-
-    /// Whether the host bytes are page-locked for copies to and from GPUs (MXNet's
-    /// `cpu_pinned` memory): a host copy of a GPU array ([`NDArray::on`] a CPU), and the host
-    /// mirror of a GPU array once a host view made it, where CUDA can pin them. Always false
-    /// without a GPU.
-    pub fn is_pinned(&self) -> bool {
-        match &*self.buf {
-            Storage::Heap(b) => b.is_pinned(),
-            Storage::Region { pin, .. } => pin.is_some(),
-            #[cfg(feature = "cuda")]
-            Storage::Device(d) => d.mirror_is_pinned(),
-            Storage::External(_) => false,
-        }
     }
 
     /// Whether the bytes are memory the caller lent ([`NDArray::from_raw_parts`]).

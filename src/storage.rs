@@ -262,7 +262,9 @@ impl AlignedBuf {
                     None => std::alloc::handle_alloc_error(layout),
                 }
             }
-            _ => std::ptr::NonNull::dangling(),
+            Ok(_) => std::ptr::NonNull::dangling(),
+            // As `vec!` does (the fallible constructors check sizes before they get here).
+            Err(_) => panic!("capacity overflow: {len} bytes"),
         };
         AlignedBuf {
             ptr,
