@@ -10,7 +10,10 @@
 //! target/release/kvrun -n 4 -s 2 target/release/examples/train
 //! ```
 //! Options (environment): `TRAIN_STEPS` (default 40), `TRAIN_OUTPUTS` k (default 16384),
-//! `TRAIN_FEATURES` d (default 64), `TRAIN_SAMPLES` n per worker (default 4d/W, at least 16).
+//! `TRAIN_FEATURES` d (default 64), `TRAIN_SAMPLES` n per worker (default 4d/W, at least 16),
+//! `TRAIN_LINGER_MS` (default 0: how long each worker keeps its store after the last step, so
+//! that a job lasts long enough for the launcher's progress reports whatever the machine's
+//! speed).
 
 use std::time::Instant;
 
@@ -135,6 +138,9 @@ fn main() {
         }
         kv.barrier()?;
         kv.pull(0, &mut w)?;
+        std::thread::sleep(std::time::Duration::from_millis(
+            env("TRAIN_LINGER_MS", 0) as u64
+        ));
         let got = w.as_slice::<f32>()?;
         let (mut err, mut norm) = (0.0f64, 0.0f64);
         for (a, b) in got.iter().zip(&w_true) {

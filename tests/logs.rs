@@ -97,7 +97,8 @@ fn kvrun_says_its_version_and_a_jobs_start_and_end() {
 #[test]
 fn kvrun_shows_transports_and_progress_from_the_processes_reports() {
     let mut cmd = Command::new(util::bin("kvrun"));
-    // A small model, many steps: a job of a few seconds.
+    // A small model, many steps, and the stores kept 2.5 s after them: a job of a few
+    // seconds on any machine (the workers report every second, the launcher every 0.5 s).
     cmd.args([
         "--progress",
         "0.5",
@@ -105,6 +106,8 @@ fn kvrun_shows_transports_and_progress_from_the_processes_reports() {
         "TRAIN_OUTPUTS=256",
         "-x",
         "TRAIN_STEPS=150",
+        "-x",
+        "TRAIN_LINGER_MS=2500",
     ])
     .args(["-n", "2", "-s", "2"])
     .arg(util::bin("examples/train"));

@@ -4,8 +4,8 @@
 # (binaries beside `deps/`), stripped to travel light, and a script that runs them there:
 #   tests/gpu/bundle.sh            -> target/gpu-bundle/ (run.sh, release/...)
 #   (on the GPU machine)  target/gpu-bundle/run.sh
-# run.sh prints nvidia-smi, then runs the ignored GPU tests and the walkthrough on every GPU,
-# and measures the sum on a GPU against a device copy (kvperf gpu).
+# run.sh prints nvidia-smi, then runs the ignored GPU tests, the other suites, and the
+# walkthrough on every GPU, then the GPU benchmarks.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=target/gpu-bundle
@@ -14,25 +14,23 @@ mkdir -p "$out/release/deps" "$out/release/examples"
 cargo build --release --features kvstore/cuda -p kvstore-launcher --bins
 cargo build --release --features kvstore-perf/cuda -p kvstore-perf --bins
 cargo build --release --features kvstore/cuda -p kvstore --examples
-test_bin=$(cargo test --release --features kvstore/cuda -p kvstore --test gpu --no-run \
+# The test binaries: the GPU tests, the library's unit tests, and the suites of jobs and
+# stores that need no files of the repository (the GPU machine runs the same build with a GPU
+# present).
+cargo test --release --features kvstore/cuda -p kvstore --lib --tests --no-run \
     --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
+    python3 -c 'import json,shutil,sys
+want = {"gpu", "kvstore", "local", "dist", "chaos", "wire", "logs"}
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
-        print(m["executable"])')
-cp "$test_bin" "$out/release/deps/gpu"
-lib_bin=$(cargo test --release --features kvstore/cuda -p kvstore --lib --no-run \
-    --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kvstore" and m.get("executable"):
-        print(m["executable"])')
-cp "$lib_bin" "$out/release/deps/kvstore-lib"
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and t.get("name") in want and m.get("executable"):
+        name = "kvstore-lib" if t["name"] == "kvstore" else t["name"]
+        shutil.copy(m["executable"], sys.argv[1] + "/" + name)' "$out/release/deps"
 cp target/release/kvrun target/release/kvperf "$out/release/"
-cp target/release/examples/dist_check target/release/examples/walkthrough "$out/release/examples/"
-strip "$out/release/deps/gpu" "$out/release/deps/kvstore-lib" "$out/release/kvrun" "$out/release/kvperf" "$out/release/examples/"*
+cp target/release/examples/dist_check target/release/examples/walkthrough \
+    target/release/examples/train "$out/release/examples/"
+strip "$out/release/deps/"* "$out/release/kvrun" "$out/release/kvperf" "$out/release/examples/"*
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # On a GPU machine: the GPU tests (tests/gpu.rs, ignored elsewhere), the library's unit tests,
@@ -44,7 +42,10 @@ cd "$(dirname "$0")"
 nvidia-smi || true
 n=$(nvidia-smi -L 2>/dev/null | wc -l)
 release/deps/gpu --include-ignored --test-threads 1
-release/deps/kvstore-lib --test-threads 4 -q 2>&1 | tail -3
+for t in kvstore-lib local dist wire logs chaos; do
+    echo "suite $t (a cuda build, with a GPU present):"
+    timeout 120 release/deps/$t --test-threads 4 -q 2>&1 | tail -4
+done
 echo "walkthrough on $n GPUs:"
 release/examples/walkthrough --gpus "$n"
 echo "the sum on a GPU against a device copy (kvperf gpu), 64 MiB, 2, 4, 8 and 16 values:"
