@@ -41,8 +41,8 @@ pub(crate) fn check(device: Device) -> Result<()> {
     }))
 }
 
-/// `dst = sum(values)` on `dst`'s GPU, when `dst` and every value are GPU arrays of a dtype
-/// the kernels sum (values on other GPUs are copied over first); `false`, with nothing done,
+/// `dst = sum(values)` on `dst`'s GPU (two values or more: one is a copy, `local::sum_into`),
+/// when `dst` and every value are GPU arrays of a dtype the kernels sum (values on other GPUs are copied over first); `false`, with nothing done,
 /// otherwise.
 #[cfg(feature = "cuda")]
 pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -> Result<bool> {
@@ -58,30 +58,22 @@ pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -
     let ordinal = d.ordinal();
     // The kernels before any write: where they cannot be had (no NVRTC, a driver older than
     // the program), the host sums, through the arrays' mirrors.
-    if values.len() > 1 && reduce::ready(ordinal).is_err() {
+    if reduce::ready(ordinal).is_err() {
         return Ok(false);
     }
-    // Values on other GPUs are copied here first.
-    let mut moved = Vec::new();
-    for v in values {
-        match v.device_buf() {
-            Some(src) if src.ordinal() != ordinal => moved.push(Some(src.copy_to(ordinal)?)),
-            Some(_) => moved.push(None),
-            None => return Ok(false),
-        }
-    }
-    let mut srcs = Vec::with_capacity(values.len());
-    for (v, m) in values.iter().zip(&moved) {
-        match (m, v.device_buf()) {
-            (Some(m), _) => srcs.push(m),
-            (None, Some(src)) => srcs.push(src),
-            (None, None) => return Ok(false),
-        }
-    }
-    if let [only] = srcs[..] {
-        d.copy_from(only)?;
-        return Ok(true);
-    }
+    // Values on other GPUs are copied here first (every value is on a GPU: checked above).
+    let moved = values
+        .iter()
+        .map(|v| match v.device_buf() {
+            Some(src) if src.ordinal() != ordinal => src.copy_to(ordinal).map(Some),
+            _ => Ok(None),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let srcs: Vec<&device::DeviceBuf> = values
+        .iter()
+        .zip(&moved)
+        .filter_map(|(v, m)| m.as_ref().or(v.device_buf()))
+        .collect();
     // One pass over up to FUSED values; more are added to the result, FUSED at a time.
     for (i, chunk) in srcs.chunks(reduce::FUSED).enumerate() {
         reduce::sum(d, i > 0, chunk, dtype, n)?;

@@ -2,6 +2,8 @@
 //! allocated (`KVStore::alloc`). Both can be registered with a transport, which may write them
 //! through their address while no Rust reference to them is live.
 
+use std::sync::Arc;
+
 /// Where an array's bytes are.
 pub(crate) enum Storage {
     /// Process memory.
@@ -115,6 +117,35 @@ impl Storage {
             Storage::External(e) => unsafe { std::slice::from_raw_parts_mut(e.ptr(), e.len()) },
             #[cfg(feature = "cuda")]
             Storage::Device(d) => d.host_mut().unwrap_or_else(|e| gpu_failed(e)),
+        }
+    }
+
+    /// The transport's pages `region`, page-locked for GPUs' copies where CUDA can.
+    pub(crate) fn pinned_region(region: kvstore_transport::Region) -> Storage {
+        let pin = Pin::new(
+            kvstore_transport::Storage::ptr(&**region.storage()),
+            region.len(),
+        );
+        Storage::Region { pin, region }
+    }
+
+    /// Whether the bytes are page-locked for GPUs' copies (a GPU array: its host mirror).
+    pub(crate) fn is_pinned(&self) -> bool {
+        match self {
+            Storage::Heap(b) => b.is_pinned(),
+            Storage::Region { pin, .. } => pin.is_some(),
+            Storage::External(_) => false,
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => d.mirror_is_pinned(),
+        }
+    }
+
+    /// Whether a transport still holds the pages (a send by reference being read): they must
+    /// not be written in place then.
+    pub(crate) fn pages_held(&self) -> bool {
+        match self {
+            Storage::Region { region, .. } => Arc::strong_count(region.storage()) > 1,
+            _ => false,
         }
     }
 

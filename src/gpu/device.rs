@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
-use crate::storage::{AlignedBuf, Pin};
+use crate::storage::{AlignedBuf, Storage};
 use crate::{KvError, Result};
 
 /// A device's context and its stream (non-blocking: it does not wait for the legacy default
@@ -110,68 +110,9 @@ const DEVICE_NEWER: u8 = 0;
 const SYNCED: u8 = 1;
 const HOST_NEWER: u8 = 2;
 
-/// A GPU array's host copy: page-locked memory of its own (made on the first host view), or
-/// the transport's pages (`KVStore::alloc_on`), which a transport sends in place and lands
-/// pulls in, page-locked too where CUDA can.
-pub(crate) enum Mirror {
-    Own(AlignedBuf),
-    Shared {
-        pin: Option<Pin>,
-        region: kvstore_transport::Region,
-    },
-}
-
-impl Mirror {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Mirror::Own(b) => b.bytes(),
-            // SAFETY: the region's storage is valid for its length while the region lives;
-            // peers only read it, and a pull lands in it only while a call holds the array
-            // mutably (as for any array in the transport's pages, `Storage::bytes`).
-            Mirror::Shared { region, .. } => unsafe {
-                std::slice::from_raw_parts(
-                    kvstore_transport::Storage::ptr(&**region.storage()),
-                    region.len(),
-                )
-            },
-        }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            Mirror::Own(b) => b.bytes_mut(),
-            // SAFETY: as in `bytes`; `&mut self` makes this the only access in this process.
-            Mirror::Shared { region, .. } => unsafe {
-                std::slice::from_raw_parts_mut(
-                    kvstore_transport::Storage::ptr(&**region.storage()),
-                    region.len(),
-                )
-            },
-        }
-    }
-
-    fn as_mut_ptr(&self) -> *mut u8 {
-        match self {
-            Mirror::Own(b) => b.as_mut_ptr(),
-            Mirror::Shared { region, .. } => kvstore_transport::Storage::ptr(&**region.storage()),
-        }
-    }
-
-    fn is_pinned(&self) -> bool {
-        match self {
-            Mirror::Own(b) => b.is_pinned(),
-            Mirror::Shared { pin, .. } => pin.is_some(),
-        }
-    }
-
-    /// Whether a transport still holds the pages (a send by reference being read): they must
-    /// not be written then.
-    fn in_use(&self) -> bool {
-        match self {
-            Mirror::Own(_) => false,
-            Mirror::Shared { region, .. } => Arc::strong_count(region.storage()) > 1,
-        }
-    }
+/// A mirror of `len` bytes of its own: zeroed memory, page-locked where CUDA can.
+fn own_mirror(len: usize) -> Box<Storage> {
+    Box::new(Storage::Heap(AlignedBuf::zeroed_pinned(len)))
 }
 
 /// An array's bytes on a GPU, with a host mirror made on the first host view.
@@ -179,10 +120,12 @@ pub(crate) struct DeviceBuf {
     gpu: Arc<Gpu>,
     mem: CudaSlice<u8>,
     len: usize,
-    /// The host copy. Written only while `state` is `DEVICE_NEWER` (under `sync`, or through
+    /// The host copy: page-locked memory of its own (made on the first host view), or the
+    /// transport's pages (`KVStore::alloc_on`), which a transport sends in place and lands
+    /// pulls in, page-locked too where CUDA can. Written only while `state` is `DEVICE_NEWER` (under `sync`, or through
     /// `&mut self`), when no host view of it can be live: a view is handed out only once the
     /// state has left `DEVICE_NEWER`, and the state returns there only through `&mut self`.
-    mirror: UnsafeCell<Option<Mirror>>,
+    mirror: UnsafeCell<Option<Box<Storage>>>,
     state: AtomicU8,
     sync: Mutex<()>,
 }
@@ -205,41 +148,16 @@ impl DeviceBuf {
     /// A copy of `bytes` on device `ordinal`.
     pub(crate) fn from_host(ordinal: u32, bytes: &[u8]) -> Result<DeviceBuf> {
         let mut d = DeviceBuf::zeroed(ordinal, bytes.len())?;
-        if !bytes.is_empty() {
-            let stream = d.gpu.stream.clone();
-            let mut dst = d.mem.slice_mut(..bytes.len());
-            stream
-                .memcpy_htod(bytes, &mut dst)
-                .and_then(|()| stream.synchronize())
-                .map_err(|e| cuda(ordinal, "copying to the device", e))?;
-        }
+        d.write_from_host(bytes)?;
         Ok(d)
     }
 
-    /// `region.len()` zero bytes on device `ordinal`, whose host mirror is `region`: zeroed
-    /// pages of a transport (`KVStore::alloc_on`), page-locked here where CUDA can.
-    pub(crate) fn over_region(
-        ordinal: u32,
-        region: kvstore_transport::Region,
-    ) -> Result<DeviceBuf> {
-        let mut d = DeviceBuf::zeroed(ordinal, region.len())?;
-        let pin = Pin::new(
-            kvstore_transport::Storage::ptr(&**region.storage()),
-            region.len(),
-        );
-        let mut m = Mirror::Shared { pin, region };
-        m.bytes_mut().fill(0);
-        *d.mirror.get_mut() = Some(m);
-        // Both copies are zeros.
-        *d.state.get_mut() = SYNCED;
-        Ok(d)
-    }
-
-    /// `len` zero bytes on device `ordinal`, with a page-locked host mirror made at once
-    /// (`KVStore::alloc_on` where the transport has no pages to give).
-    pub(crate) fn zeroed_with_mirror(ordinal: u32, len: usize) -> Result<DeviceBuf> {
-        let mut d = DeviceBuf::zeroed(ordinal, len)?;
-        *d.mirror.get_mut() = Some(Mirror::Own(AlignedBuf::zeroed_pinned(len)));
+    /// Zero bytes on device `ordinal`, as many as `mirror` holds, with `mirror` (zeros: the
+    /// transport's zeroed pages, or zeroed memory, page-locked where CUDA can) as the host
+    /// mirror from the start (`KVStore::alloc_on`).
+    pub(crate) fn with_mirror(ordinal: u32, mirror: Storage) -> Result<DeviceBuf> {
+        let mut d = DeviceBuf::zeroed(ordinal, mirror.bytes().len())?;
+        *d.mirror.get_mut() = Some(Box::new(mirror));
         // Both copies are zeros.
         *d.state.get_mut() = SYNCED;
         Ok(d)
@@ -254,8 +172,11 @@ impl DeviceBuf {
         // SAFETY: `host` left the state SYNCED or HOST_NEWER: the mirror exists and is not
         // replaced while `&self` lives.
         match unsafe { &*self.mirror.get() } {
-            Some(Mirror::Shared { region, .. }) => Some(region),
-            _ => None,
+            Some(m) => match &**m {
+                Storage::Region { region, .. } => Some(region),
+                _ => None,
+            },
+            None => None,
         }
     }
 
@@ -264,7 +185,9 @@ impl DeviceBuf {
         let _g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the lock is held, so no other thread replaces the mirror; only its kind is
         // read.
-        matches!(unsafe { &*self.mirror.get() }, Some(Mirror::Shared { .. }))
+        unsafe { &*self.mirror.get() }
+            .as_deref()
+            .is_some_and(|m| matches!(m, Storage::Region { .. }))
     }
 
     /// Readies the host mirror to be overwritten whole (a pull's destination): made if
@@ -272,8 +195,8 @@ impl DeviceBuf {
     pub(crate) fn prepare_overwrite(&mut self) {
         let len = self.len;
         let mirror = self.mirror.get_mut();
-        if mirror.as_ref().is_none_or(Mirror::in_use) {
-            *mirror = Some(Mirror::Own(AlignedBuf::zeroed_pinned(len)));
+        if mirror.as_deref().is_none_or(Storage::pages_held) {
+            *mirror = Some(own_mirror(len));
         }
         *self.state.get_mut() = HOST_NEWER;
     }
@@ -336,7 +259,7 @@ impl DeviceBuf {
         // SAFETY: the state is SYNCED or HOST_NEWER, so the mirror exists and is not written
         // while `&self` lives (writes need `&mut self`, or the state DEVICE_NEWER).
         let mirror = unsafe { &*self.mirror.get() };
-        Ok(mirror.as_ref().map_or(&[][..], Mirror::bytes))
+        Ok(mirror.as_deref().map_or(&[][..], Storage::bytes))
     }
 
     /// The bytes, written on the host: the mirror (up to date), whose changes go to the
@@ -354,25 +277,30 @@ impl DeviceBuf {
             .mirror
             .get_mut()
             .as_mut()
-            .map_or(&mut [][..], Mirror::bytes_mut))
+            .map_or(&mut [][..], |m| m.bytes_mut()))
     }
 
     /// Copies the device bytes into `mirror` (made if absent, and made anew where a transport
     /// still reads the pages it was).
-    fn download(&self, mirror: &mut Option<Mirror>) -> Result<()> {
-        if mirror.as_ref().is_some_and(Mirror::in_use) {
+    fn download(&self, mirror: &mut Option<Box<Storage>>) -> Result<()> {
+        if mirror.as_deref().is_some_and(Storage::pages_held) {
             *mirror = None;
         }
-        let m = mirror.get_or_insert_with(|| Mirror::Own(AlignedBuf::zeroed_pinned(self.len)));
-        if self.len > 0 {
-            let src = self.mem.slice(..self.len);
-            self.gpu
-                .stream
-                .memcpy_dtoh(&src, m.bytes_mut())
-                .and_then(|()| self.gpu.stream.synchronize())
-                .map_err(|e| cuda(self.gpu.ordinal, "copying to the host", e))?;
+        let m = mirror.get_or_insert_with(|| own_mirror(self.len));
+        self.copy_out(m.bytes_mut())
+    }
+
+    /// Copies the device's first `out.len()` bytes into `out`, and waits for the copy.
+    fn copy_out(&self, out: &mut [u8]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let src = self.mem.slice(..out.len());
+        self.gpu
+            .stream
+            .memcpy_dtoh(&src, out)
+            .and_then(|()| self.gpu.stream.synchronize())
+            .map_err(|e| cuda(self.gpu.ordinal, "copying to the host", e))
     }
 
     /// Sends the mirror's changes to the device, if a host write made them.
@@ -454,19 +382,12 @@ impl DeviceBuf {
     /// Whether the host mirror exists and is page-locked (it is made on the first host view,
     /// pinned where CUDA can).
     pub(crate) fn mirror_is_pinned(&self) -> bool {
-        if self.state.load(Ordering::Acquire) == DEVICE_NEWER {
-            let _g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: the lock is held, so no other thread replaces the mirror; only a flag
-            // of it is read.
-            return unsafe { &*self.mirror.get() }
-                .as_ref()
-                .is_some_and(Mirror::is_pinned);
-        }
-        // SAFETY: the state is SYNCED or HOST_NEWER: the mirror is not replaced while `&self`
-        // lives.
+        let _g = self.sync.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the lock is held, so no other thread replaces the mirror; only a flag of it
+        // is read.
         unsafe { &*self.mirror.get() }
-            .as_ref()
-            .is_some_and(Mirror::is_pinned)
+            .as_deref()
+            .is_some_and(Storage::is_pinned)
     }
 
     /// Writes `bytes` (the buffer's length) to the device, straight from host memory: the
@@ -494,15 +415,7 @@ impl DeviceBuf {
             out[..n].copy_from_slice(&self.host()?[..n]);
             return Ok(());
         }
-        if n > 0 {
-            let src = self.mem.slice(..n);
-            self.gpu
-                .stream
-                .memcpy_dtoh(&src, &mut out[..n])
-                .and_then(|()| self.gpu.stream.synchronize())
-                .map_err(|e| cuda(self.gpu.ordinal, "copying to the host", e))?;
-        }
-        Ok(())
+        self.copy_out(&mut out[..n])
     }
 
     /// The mirror's address, for a transport that reads it (a push) or writes it (a pull's
@@ -513,8 +426,9 @@ impl DeviceBuf {
         // SAFETY: `host` left the state SYNCED or HOST_NEWER, so the mirror exists and is not
         // replaced while `self` lives; only its address is taken.
         let mirror = unsafe { &*self.mirror.get() };
-        Ok(mirror
-            .as_ref()
-            .map_or(std::ptr::NonNull::dangling().as_ptr(), Mirror::as_mut_ptr))
+        Ok(mirror.as_deref().map_or(
+            std::ptr::NonNull::dangling().as_ptr(),
+            kvstore_transport::Storage::ptr,
+        ))
     }
 }

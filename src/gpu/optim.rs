@@ -6,7 +6,7 @@
 //! correctly, as the host's do), and rounded back to its type as the host rounds it (halves
 //! through f32, [`crate::Element::from_f64`]).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 
 use super::reduce;
 use crate::{DType, KvError, NDArray, Optimizer, Result};
@@ -33,22 +33,18 @@ __device__ double prep(double g, double rescale, double clip) {
 }
 
 #define OPTIMIZERS(S, T)                                                                   \
-extern "C" __global__ void sgd_##S(T* w, const T* g, u64 n, double lr, double wd,        \
-                                   double rescale, double clip) {                          \
+extern "C" __global__ void sgd_##S(T* w, const T* g, double* m, u64 n, double lr,         \
+                                   double mom, double wd, double rescale, double clip) {   \
     EACH(n) {                                                                               \
         double wf = TO_D_##S(w[i]);                                                         \
         double gf = prep(TO_D_##S(g[i]), rescale, clip);                                    \
-        w[i] = FROM_D_##S(wf - lr * (gf + wd * wf));                                        \
-    }                                                                                       \
-}                                                                                           \
-extern "C" __global__ void sgd_mom_##S(T* w, const T* g, double* m, u64 n, double lr,     \
-                                       double mom, double wd, double rescale, double clip) {\
-    EACH(n) {                                                                               \
-        double wf = TO_D_##S(w[i]);                                                         \
-        double gf = prep(TO_D_##S(g[i]), rescale, clip);                                    \
-        double mi = mom * m[i] - lr * (gf + wd * wf);                                       \
-        m[i] = mi;                                                                          \
-        w[i] = FROM_D_##S(wf + mi);                                                         \
+        if (mom > 0.0) {                                                                    \
+            double mi = mom * m[i] - lr * (gf + wd * wf);                                   \
+            m[i] = mi;                                                                      \
+            w[i] = FROM_D_##S(wf + mi);                                                     \
+        } else {                                                                            \
+            w[i] = FROM_D_##S(wf - lr * (gf + wd * wf));                                    \
+        }                                                                                   \
     }                                                                                       \
 }                                                                                           \
 extern "C" __global__ void adam_##S(T* w, const T* g, double* m, double* v, u64 n,        \
@@ -72,21 +68,16 @@ OPTIMIZERS(bf16, unsigned short)
 "#;
 
 /// The kernels' names, for the sums' program to load.
-pub(super) const NAMES: [&str; 12] = [
+pub(super) const NAMES: [&str; 8] = [
     "sgd_f32",
-    "sgd_mom_f32",
     "adam_f32",
     "sgd_f64",
-    "sgd_mom_f64",
     "adam_f64",
     "sgd_f16",
-    "sgd_mom_f16",
     "adam_f16",
     "sgd_bf16",
-    "sgd_mom_bf16",
     "adam_bf16",
 ];
-
 fn suffix(dtype: DType) -> Option<&'static str> {
     match dtype {
         DType::F32 => Some("f32"),
@@ -139,12 +130,7 @@ pub(crate) fn step(
     if n == 0 {
         return Ok(());
     }
-    let blocks = n.div_ceil(256).min(65_535) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = reduce::grid(n);
     let count = n as u64;
     let stream = w.stream().clone();
     let gs = g.device()?;
@@ -158,38 +144,24 @@ pub(crate) fn step(
             wd,
             rescale_grad,
             clip_gradient,
-        } if momentum <= 0.0 => {
+        } => {
             let f = reduce::function(ordinal, &format!("sgd_{sfx}"))?;
             let ws = w.device_mut()?;
             let mut launch = stream.launch_builder(&f);
-            launch.arg(ws).arg(gs).arg(&count);
-            launch
-                .arg(&lr)
-                .arg(&wd)
-                .arg(&rescale_grad)
-                .arg(&clip_gradient);
-            // SAFETY: sgd_T(T* w, const T* g, u64 n, double lr, wd, rescale, clip): `w` and `g`
-            // hold `n` elements of T (the arrays' sizes, checked equal by the caller) on this
-            // device; the doubles are passed by value.
-            unsafe { launch.launch(cfg) }.map_err(fail)?;
-        }
-        Optimizer::Sgd {
-            lr,
-            momentum,
-            wd,
-            rescale_grad,
-            clip_gradient,
-        } => {
-            let f = reduce::function(ordinal, &format!("sgd_mom_{sfx}"))?;
-            let ms = moment(m, ordinal, n)?;
-            let ws = w.device_mut()?;
-            let mut launch = stream.launch_builder(&f);
-            launch.arg(ws).arg(gs).arg(ms).arg(&count);
-            launch.arg(&lr).arg(&momentum).arg(&wd);
+            launch.arg(ws).arg(gs);
+            // Momentum only where it is positive (MXNet's SGD): plain SGD has no moments,
+            // and the kernel, which then reads none, gets the gradient in their place.
+            if momentum > 0.0 {
+                launch.arg(moment(m, ordinal, n)?);
+            } else {
+                launch.arg(gs);
+            }
+            launch.arg(&count).arg(&lr).arg(&momentum).arg(&wd);
             launch.arg(&rescale_grad).arg(&clip_gradient);
-            // SAFETY: sgd_mom_T(T* w, const T* g, double* m, u64 n, double lr, mom, wd,
-            // rescale, clip): `w` and `g` hold `n` elements of T and `m` holds `n` f64 (its
-            // size checked above), all on this device.
+            // SAFETY: sgd_T(T* w, const T* g, double* m, u64 n, double lr, mom, wd, rescale,
+            // clip): `w` and `g` hold `n` elements of T (the arrays' sizes, checked equal by
+            // the caller) on this device, and `m` `n` f64 (its size checked by `moment`) where
+            // `mom` > 0, the only case in which the kernel reads or writes it.
             unsafe { launch.launch(cfg) }.map_err(fail)?;
         }
         Optimizer::Adam {

@@ -176,6 +176,16 @@ pub(crate) fn function(ordinal: u32, name: &str) -> Result<CudaFunction> {
         .ok_or_else(|| KvError::Device(format!("no GPU kernel {name}")))
 }
 
+/// A launch of `threads` threads in blocks of 256, up to enough blocks to fill the device
+/// (the kernels' loops stride over the rest).
+pub(crate) fn grid(threads: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (threads.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The sources one kernel launch sums.
 pub(crate) const FUSED: usize = 8;
 
@@ -210,14 +220,8 @@ pub(crate) fn sum(
         views.push(views[0]);
     }
     let d = dst.device_mut()?;
-    // A thread per 16 bytes, up to enough blocks to fill the device; the loop strides over
-    // the rest.
-    let blocks = n.div_ceil(16 / dtype.size()).div_ceil(256).clamp(1, 65_535) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    // A thread per 16 bytes.
+    let cfg = grid(n.div_ceil(16 / dtype.size()));
     let (count, used, acc) = (n as u64, srcs.len() as u32, u32::from(acc));
     let mut launch = stream.launch_builder(&f);
     launch.arg(d).arg(&acc).arg(&used).arg(&count);

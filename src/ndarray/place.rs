@@ -21,25 +21,16 @@ impl NDArray {
     ) -> Result<NDArray> {
         let bytes = checked_bytes(shape, dtype)?;
         crate::gpu::check(device)?;
-        let storage = match (device, region) {
-            (Device::Cpu(_), Some(region)) => Storage::Region {
-                pin: crate::storage::Pin::new(
-                    kvstore_transport::Storage::ptr(&**region.storage()),
-                    region.len(),
-                ),
-                region,
-            },
-            (Device::Cpu(_), None) => Storage::Heap(AlignedBuf::zeroed_pinned(bytes)),
+        let host = match region {
+            Some(region) => Storage::pinned_region(region),
+            None => Storage::Heap(AlignedBuf::zeroed_pinned(bytes)),
+        };
+        let storage = match device {
+            Device::Cpu(_) => host,
             #[cfg(feature = "cuda")]
-            (Device::Gpu(i), Some(region)) => {
-                Storage::Device(crate::gpu::device::DeviceBuf::over_region(i, region)?)
-            }
-            #[cfg(feature = "cuda")]
-            (Device::Gpu(i), None) => {
-                Storage::Device(crate::gpu::device::DeviceBuf::zeroed_with_mirror(i, bytes)?)
-            }
+            Device::Gpu(i) => Storage::Device(crate::gpu::device::DeviceBuf::with_mirror(i, host)?),
             #[cfg(not(feature = "cuda"))]
-            (Device::Gpu(_), _) => unreachable!("no GPU passes the check without cuda"),
+            Device::Gpu(_) => unreachable!("no GPU passes the check without cuda"),
         };
         Ok(NDArray {
             shape: shape.to_vec(),
@@ -209,8 +200,7 @@ impl NDArray {
     pub(crate) fn is_unique(&mut self) -> bool {
         match Arc::get_mut(&mut self.buf) {
             None => false,
-            Some(Storage::Region { region: r, .. }) => Arc::strong_count(r.storage()) == 1,
-            Some(_) => true,
+            Some(s) => !s.pages_held(),
         }
     }
 
@@ -230,12 +220,6 @@ impl NDArray {
     /// mirror of a GPU array once a host view made it, where CUDA can pin them. Always false
     /// without a GPU.
     pub fn is_pinned(&self) -> bool {
-        match &*self.buf {
-            Storage::Heap(b) => b.is_pinned(),
-            Storage::Region { pin, .. } => pin.is_some(),
-            #[cfg(feature = "cuda")]
-            Storage::Device(d) => d.mirror_is_pinned(),
-            Storage::External(_) => false,
-        }
+        self.buf.is_pinned()
     }
 }
