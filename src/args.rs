@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use smallvec::smallvec;
+
 use crate::{KvError, NDArray, Result};
 
 /// A key: an integer or a string (MXNet takes both, but not in one store).
@@ -215,6 +217,13 @@ impl<'a> From<&'a mut Vec<Vec<NDArray>>> for Outputs<'a> {
     }
 }
 
+/// A key's values or outputs in a call: mostly one, held inline.
+pub(crate) type List<T> = smallvec::SmallVec<[T; 1]>;
+
+/// Keys paired with their lists: mostly one key, held inline (the common call of one key and
+/// one array allocates nothing for its arguments).
+pub(crate) type Pairs<T> = smallvec::SmallVec<[(Key, List<T>); 1]>;
+
 /// One item, a list, or a list of lists: the three forms of values and of outputs.
 enum Form<T> {
     One(T),
@@ -224,16 +233,16 @@ enum Form<T> {
 
 /// Pairs keys with their lists, as MXNet does: a single key takes one item or a list (one per
 /// device); a list of keys takes a list (one per key) or a list of lists.
-fn pair<T>(keys: Keys, form: Form<T>) -> Result<Vec<(Key, Vec<T>)>> {
+fn pair<T>(keys: Keys, form: Form<T>) -> Result<Pairs<T>> {
     let mismatch = |keys, values| Err(KvError::LengthMismatch { keys, values });
-    let pairs = match (keys, form) {
-        (Keys::One(k), Form::One(v)) => vec![(k, vec![v])],
-        (Keys::One(k), Form::List(vs)) => vec![(k, vs)],
+    let pairs: Pairs<T> = match (keys, form) {
+        (Keys::One(k), Form::One(v)) => smallvec![(k, smallvec![v])],
+        (Keys::One(k), Form::List(vs)) => smallvec![(k, List::from_vec(vs))],
         (Keys::One(k), Form::Nested(vss)) => {
             if vss.len() != 1 {
                 return mismatch(1, vss.len());
             }
-            vec![(k, vss.into_iter().flatten().collect())]
+            smallvec![(k, vss.into_iter().flatten().collect())]
         }
         (Keys::Many(ks), Form::One(v)) => {
             if ks.len() != 1 {
@@ -241,20 +250,26 @@ fn pair<T>(keys: Keys, form: Form<T>) -> Result<Vec<(Key, Vec<T>)>> {
             }
             ks.into_iter()
                 .next()
-                .map(|k| vec![(k, vec![v])])
+                .map(|k| smallvec![(k, smallvec![v])])
                 .unwrap_or_default()
         }
         (Keys::Many(ks), Form::List(vs)) => {
             if ks.len() != vs.len() {
                 return mismatch(ks.len(), vs.len());
             }
-            ks.into_iter().zip(vs).map(|(k, v)| (k, vec![v])).collect()
+            ks.into_iter()
+                .zip(vs)
+                .map(|(k, v)| (k, smallvec![v]))
+                .collect()
         }
         (Keys::Many(ks), Form::Nested(vss)) => {
             if ks.len() != vss.len() {
                 return mismatch(ks.len(), vss.len());
             }
-            ks.into_iter().zip(vss).collect()
+            ks.into_iter()
+                .zip(vss)
+                .map(|(k, vs)| (k, List::from_vec(vs)))
+                .collect()
         }
     };
     for (k, vs) in &pairs {
@@ -280,10 +295,7 @@ fn same_kind_of_device(k: &Key, vs: &[&NDArray]) -> Result<()> {
     )))
 }
 
-pub(crate) fn group_values<'a>(
-    keys: Keys,
-    values: Values<'a>,
-) -> Result<Vec<(Key, Vec<&'a NDArray>)>> {
+pub(crate) fn group_values<'a>(keys: Keys, values: Values<'a>) -> Result<Pairs<&'a NDArray>> {
     let pairs = match values {
         Values::One(v) => pair(keys, Form::One(v))?,
         Values::List(vs) => pair(keys, Form::List(vs))?,
@@ -294,7 +306,7 @@ pub(crate) fn group_values<'a>(
         same_kind_of_device(&pairs[0].0, &pairs[0].1)?;
         return Ok(pairs);
     }
-    let mut grouped: Vec<(Key, Vec<&'a NDArray>)> = Vec::with_capacity(pairs.len());
+    let mut grouped: Pairs<&'a NDArray> = Pairs::with_capacity(pairs.len());
     // A scan for a few keys; a map (no quadratic scan) for many.
     let mut at: rustc_hash::FxHashMap<Key, usize> = Default::default();
     let many = pairs.len() > 16;
@@ -321,10 +333,7 @@ pub(crate) fn group_values<'a>(
 }
 
 /// Keys paired with their outputs.
-pub(crate) fn group_outputs<'a>(
-    keys: Keys,
-    outs: Outputs<'a>,
-) -> Result<Vec<(Key, Vec<&'a mut NDArray>)>> {
+pub(crate) fn group_outputs<'a>(keys: Keys, outs: Outputs<'a>) -> Result<Pairs<&'a mut NDArray>> {
     match outs {
         Outputs::One(v) => pair(keys, Form::One(v)),
         Outputs::List(vs) => pair(keys, Form::List(vs)),

@@ -2,6 +2,7 @@
 
 use rustc_hash::FxHashMap;
 
+use crate::args::List;
 use crate::dtype::with_dtype;
 use crate::ops;
 use crate::{Key, KvError, NDArray, Result, Updater};
@@ -124,7 +125,7 @@ impl LocalStore {
         Ok((v.shape().to_vec(), v.dtype()))
     }
 
-    pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+    pub(crate) fn init(&mut self, pairs: &[(Key, List<&NDArray>)]) -> Result<()> {
         for (i, (k, vs)) in pairs.iter().enumerate() {
             if self.store.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k)
             {
@@ -150,7 +151,7 @@ impl LocalStore {
             .ok_or_else(|| KvError::UnknownKey(k.clone()))
     }
 
-    pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+    pub(crate) fn push(&mut self, pairs: &[(Key, List<&NDArray>)]) -> Result<()> {
         // Validate everything first, so a refused call changes nothing.
         for (k, vs) in pairs {
             let stored = self.stored(k)?;
@@ -186,7 +187,7 @@ impl LocalStore {
         Ok(())
     }
 
-    pub(crate) fn pull(&self, pairs: &mut [(Key, Vec<&mut NDArray>)]) -> Result<()> {
+    pub(crate) fn pull(&self, pairs: &mut [(Key, List<&mut NDArray>)]) -> Result<()> {
         for (k, outs) in pairs.iter() {
             let stored = self.stored(k)?;
             for o in outs {

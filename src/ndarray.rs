@@ -22,13 +22,30 @@ mod place;
 /// assert_eq!(a.to_vec::<f32>().unwrap(), vec![2.0; 6]);
 /// assert_eq!(a.to_string(), "[[2. 2. 2.]\n [2. 2. 2.]]");
 /// ```
-#[derive(Clone)]
 pub struct NDArray {
-    shape: Vec<usize>,
+    shape: Shape,
     dtype: DType,
     device: Device,
     buf: Arc<Storage>,
 }
+
+impl Clone for NDArray {
+    /// Another handle on the same storage (a write through either copies it first).
+    fn clone(&self) -> NDArray {
+        NDArray {
+            // A copy of the dimensions as plain memory (`SmallVec`'s own clone goes element
+            // by element).
+            shape: Shape::from_slice(&self.shape),
+            dtype: self.dtype,
+            device: self.device,
+            buf: self.buf.clone(),
+        }
+    }
+}
+
+/// An array's shape: up to four dimensions held inline, so that making or cloning an array
+/// (which every call does) allocates nothing for it.
+pub(crate) type Shape = smallvec::SmallVec<[usize; 4]>;
 
 fn elems(shape: &[usize]) -> usize {
     shape.iter().product()
@@ -51,7 +68,7 @@ impl NDArray {
     /// An array of zeros of the given dtype.
     pub fn zeros_dtype(shape: &[usize], dtype: DType) -> NDArray {
         NDArray {
-            shape: shape.to_vec(),
+            shape: Shape::from_slice(shape),
             dtype,
             device: Device::default(),
             buf: Arc::new(Storage::Heap(AlignedBuf::zeroed(
@@ -60,12 +77,25 @@ impl NDArray {
         }
     }
 
+    /// An empty array (shape `[0]`) standing in for one a call took for its length; every one
+    /// shares one empty storage, so making it allocates nothing.
+    pub(crate) fn placeholder(dtype: DType) -> NDArray {
+        static EMPTY: std::sync::OnceLock<Arc<Storage>> = std::sync::OnceLock::new();
+        let buf = EMPTY.get_or_init(|| Arc::new(Storage::Heap(AlignedBuf::zeroed(0))));
+        NDArray {
+            shape: Shape::from_slice(&[0]),
+            dtype,
+            device: Device::default(),
+            buf: buf.clone(),
+        }
+    }
+
     /// An array of zeros, or [`KvError::TooLarge`] where the shape's size in bytes overflows
     /// (`zeros_dtype` panics there, as `vec!` does).
     pub fn try_zeros_dtype(shape: &[usize], dtype: DType) -> Result<NDArray> {
         let bytes = checked_bytes(shape, dtype)?;
         Ok(NDArray {
-            shape: shape.to_vec(),
+            shape: Shape::from_slice(shape),
             dtype,
             device: Device::default(),
             buf: Arc::new(Storage::Heap(AlignedBuf::zeroed(bytes))),
@@ -205,7 +235,7 @@ impl NDArray {
     pub fn get(&self, index: &[usize]) -> Result<f64> {
         let oob = || KvError::OutOfBounds {
             index: index.to_vec(),
-            shape: self.shape.clone(),
+            shape: self.shape.to_vec(),
         };
         if index.len() != self.shape.len() {
             return Err(oob());

@@ -86,6 +86,9 @@ pub(crate) struct Net {
     pub(crate) rdma: Option<Box<dyn Backend>>,
     /// When the last completion came, for the spin before sleeping.
     last_active: Instant,
+    /// A completion came since the spin last looked at the time (the clock is read then, not
+    /// at each completion).
+    fresh: bool,
     /// More of the job's processes on this host than cores: a spin yields the core.
     crowded: bool,
     /// Progress calls, and when TCP was last polled: with no TCP peer, a busy loop looks at
@@ -187,6 +190,7 @@ impl Net {
             shm,
             rdma: None,
             last_active: Instant::now(),
+            fresh: false,
             crowded: false,
             calls: 0,
             last_tcp: Instant::now(),
@@ -249,7 +253,7 @@ impl Net {
         }
         if n > 0 {
             self.spins = 0;
-            self.last_active = Instant::now();
+            self.fresh = true;
         }
         Ok(n)
     }
@@ -257,6 +261,17 @@ impl Net {
     /// Something happened at `t` (a call started): a wait spins for a while after it.
     pub(crate) fn active_at(&mut self, t: Instant) {
         self.last_active = t;
+        self.fresh = false;
+    }
+
+    /// Whether the last completion came less than [`SPIN`] ago (one that came since the last
+    /// look counts as now: it came within the last 64 turns).
+    fn spun_briefly(&mut self) -> bool {
+        if std::mem::take(&mut self.fresh) {
+            self.last_active = Instant::now();
+            return true;
+        }
+        self.last_active.elapsed() < SPIN
     }
 
     /// Pushes out what was posted.
@@ -288,7 +303,7 @@ impl Net {
         let peers = self.shm.as_ref().is_some_and(|s| s.has_peers())
             || self.tcp.has_peers()
             || self.rdma.is_some();
-        if peers && (self.spins % 64 != 0 || self.last_active.elapsed() < SPIN) {
+        if peers && (self.spins % 64 != 0 || self.spun_briefly()) {
             if self.crowded {
                 std::thread::yield_now();
             } else {

@@ -1,6 +1,6 @@
 //! `KVStore`: MXNet's API over every store type.
 
-use crate::args::{group_outputs, group_owned, group_values};
+use crate::args::{group_outputs, group_owned, group_values, List};
 use crate::local::LocalStore;
 use crate::optimizer::Optimizer;
 use crate::{Key, Keys, KvError, NDArray, Outputs, Result, Values};
@@ -498,9 +498,9 @@ impl KVStore {
         Ok(Pending(match &mut self.inner {
             Inner::Local(s) => {
                 let mut pairs = pairs;
-                let mut refs: Vec<(Key, Vec<&mut NDArray>)> = pairs
+                let mut refs: Vec<(Key, List<&mut NDArray>)> = pairs
                     .iter_mut()
-                    .map(|(k, o)| (k.clone(), vec![o]))
+                    .map(|(k, o)| (k.clone(), smallvec::smallvec![o]))
                     .collect();
                 let r = s.pull(&mut refs);
                 drop(refs);
@@ -532,10 +532,10 @@ impl KVStore {
                     crate::local::check_like(k, vs[0], o)?;
                 }
                 let mut outs = outs;
-                let mut refs: Vec<(Key, Vec<&mut NDArray>)> = pairs
+                let mut refs: Vec<(Key, List<&mut NDArray>)> = pairs
                     .iter()
                     .zip(outs.iter_mut())
-                    .map(|((k, _), o)| (k.clone(), vec![o]))
+                    .map(|((k, _), o)| (k.clone(), smallvec::smallvec![o]))
                     .collect();
                 let r = s.push(&pairs).and_then(|()| s.pull(&mut refs));
                 drop(refs);

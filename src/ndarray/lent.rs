@@ -42,7 +42,7 @@ impl NDArray {
         let bytes = checked_bytes(shape, dtype)?;
         let ptr = lent_ptr(ptr, bytes, dtype)?;
         Ok(NDArray {
-            shape: shape.to_vec(),
+            shape: super::Shape::from_slice(shape),
             dtype,
             device: Device::default(),
             buf: Arc::new(Storage::External(External {

@@ -33,7 +33,7 @@ impl NDArray {
             Device::Gpu(_) => unreachable!("no GPU passes the check without cuda"),
         };
         Ok(NDArray {
-            shape: shape.to_vec(),
+            shape: super::Shape::from_slice(shape),
             dtype,
             device,
             buf: Arc::new(storage),
@@ -162,7 +162,7 @@ impl NDArray {
         r: kvstore_transport::Region,
     ) -> NDArray {
         NDArray {
-            shape: shape.to_vec(),
+            shape: super::Shape::from_slice(shape),
             dtype,
             device: Device::default(),
             buf: Arc::new(Storage::Region {

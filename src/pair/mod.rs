@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crate::protocol::{flags, slot_imm, Msg, Op};
 use crate::server::slots::{Credit, PutAction, Slots};
 use crate::server::state::{Input, Payload, ServerState};
-use crate::worker::calls::{Action, CallId, Calls, Request, SlotUse};
+use crate::worker::calls::{Action, CallId, Calls, SlotUse};
 use crate::{DType, NDArray};
 
 /// A request from worker `w` to server `s`: its header, data, grant and text.
@@ -186,8 +186,15 @@ impl Job {
     }
 
     /// Starts a call on worker `w`.
-    pub(crate) fn start(&mut self, w: usize, reqs: Vec<Request>, outs: Vec<NDArray>) -> CallId {
-        let id = self.workers[w].calls.start(self.now, reqs, outs);
+    pub(crate) fn start(
+        &mut self,
+        w: usize,
+        reqs: impl Into<crate::worker::calls::Requests>,
+        outs: impl Into<crate::worker::calls::Outputs>,
+    ) -> CallId {
+        let id = self.workers[w]
+            .calls
+            .start(self.now, reqs.into(), outs.into());
         self.actions(w);
         id
     }

@@ -192,8 +192,8 @@ impl Run<'_> {
                         let dest = (kind == Kind::PushPull).then_some(i);
                         (&self.infos[*k], v, dest)
                     })
-                    .collect();
-                value_requests(op, items)
+                    .collect::<Vec<_>>();
+                value_requests(op, items.into_iter())
             }
         };
         let outs = match kind {
@@ -225,12 +225,10 @@ impl Run<'_> {
                     .collect()
             }
             _ => {
-                let items = (0..self.infos.len())
-                    .map(|k| {
-                        let v = NDArray::full(&[self.p.sizes[k]], init_value(k));
-                        (&self.infos[k], v, None)
-                    })
-                    .collect();
+                let items = (0..self.infos.len()).map(|k| {
+                    let v = NDArray::full(&[self.p.sizes[k]], init_value(k));
+                    (&self.infos[k], v, None)
+                });
                 value_requests(Op::Init, items)
             }
         };

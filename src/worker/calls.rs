@@ -28,6 +28,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::protocol::{status, Msg, Op, IMM_FOLLOWS, MAX_REQ_ID};
+pub(crate) use crate::worker::{Outputs, Requests};
 use crate::{KvError, NDArray, Result};
 
 /// One request of a call.
@@ -84,14 +85,14 @@ pub(crate) struct Finished {
     pub(crate) result: Result<()>,
     /// The outputs, in the order given to [`Calls::start`]. After a failure those that were
     /// granted and not answered have fresh zeroed storage.
-    pub(crate) outputs: Vec<NDArray>,
+    pub(crate) outputs: Outputs,
 }
 
 struct Call<G> {
-    reqs: Vec<Request>,
-    outputs: Vec<NDArray>,
-    /// Per request: its progress (one allocation for all of them).
-    per: Vec<PerReq<G>>,
+    reqs: Requests,
+    outputs: Outputs,
+    /// Per request: its progress (inline for one request, else one allocation for all).
+    per: smallvec::SmallVec<[PerReq<G>; 1]>,
     /// Requests not answered yet.
     remaining: usize,
     /// Data sends of this call not yet complete.
@@ -162,8 +163,8 @@ impl<G: Clone> Calls<G> {
     pub(crate) fn start(
         &mut self,
         now: Instant,
-        mut reqs: Vec<Request>,
-        mut outputs: Vec<NDArray>,
+        mut reqs: Requests,
+        mut outputs: Outputs,
     ) -> CallId {
         let id = CallId(self.next_call);
         self.next_call += 1;

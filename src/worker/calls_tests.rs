@@ -11,7 +11,7 @@ fn one_pull(calls: &mut Calls<u64>) -> (CallId, u64) {
         text: Vec::new(),
         dest: Some((0, 0..16)),
     };
-    let call = calls.start(Instant::now(), vec![req], vec![NDArray::zeros(&[4])]);
+    let call = calls.start(Instant::now(), [req].into(), [NDArray::zeros(&[4])].into());
     let Some(Action::Send { req, token, .. }) = calls.poll_action() else {
         panic!("the pull is not sent");
     };

@@ -15,10 +15,10 @@ use kvstore_transport::{Completion, RemoteRegion, Sent, Token, REMOTE_LEN};
 use crate::auth;
 use crate::net::{region_of, Addr, Medium, Net};
 use crate::protocol::{flags, slot_imm, Msg, Op};
-use crate::worker::calls::{Action, CallId, Calls, Finished, Request, SlotUse};
+use crate::worker::calls::{Action, CallId, Calls, Finished, Outputs, Requests, SlotUse};
 use crate::worker::order::queue_place;
 use crate::worker::SlowWait;
-use crate::{KvError, NDArray, Result};
+use crate::{KvError, Result};
 
 #[path = "batch.rs"]
 mod batch;
@@ -126,17 +126,12 @@ impl Links {
         self.interrupt.as_mut().is_some_and(|f| f())
     }
 
-    /// Starts a call and posts what its links have room for.
-    pub(crate) fn start(
-        &mut self,
-        reqs: Vec<Request>,
-        outputs: Vec<NDArray>,
-        priority: i32,
-    ) -> CallId {
-        self.started = Instant::now();
-        self.net.active_at(self.started);
-        let id = self.calls.start(self.started, reqs, outputs);
-        self.calls.set_priority(id, priority);
+    /// Starts a call at `now` with priority `p`, and posts what its links have room for.
+    pub(crate) fn start(&mut self, now: Instant, reqs: Requests, outs: Outputs, p: i32) -> CallId {
+        self.started = now;
+        self.net.active_at(now);
+        let id = self.calls.start(now, reqs, outs);
+        self.calls.set_priority(id, p);
         if let Err(e) = self.post_actions() {
             self.calls.on_fatal(e);
         }
@@ -152,7 +147,7 @@ impl Links {
         }
         self.calls.take(call).unwrap_or_else(|| Finished {
             result: Err(KvError::Protocol("this call was waited for already".into())),
-            outputs: Vec::new(),
+            outputs: Outputs::new(),
         })
     }
 

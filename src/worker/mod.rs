@@ -34,6 +34,12 @@ use crate::optimizer::Optimizer;
 use crate::roles::join;
 use crate::{DType, Key, KvError, NDArray, Result};
 
+/// A call's requests: mostly one (one key held by one server), held inline.
+pub(crate) type Requests = smallvec::SmallVec<[calls::Request; 1]>;
+
+/// A call's outputs: mostly none (a push) or one (a pull), held inline.
+pub(crate) type Outputs = smallvec::SmallVec<[NDArray; 1]>;
+
 /// What a worker knows of a key: its number on the wire, its type, and where its slices live.
 pub(crate) struct KeyInfo {
     pub(crate) id: u64,
@@ -66,8 +72,11 @@ pub struct DistWorker {
     /// the store's memory instead, by call: RDMA writes cannot be stopped by this process, and
     /// such memory goes back to its owner even after a failed call.
     staged: FxHashMap<calls::CallId, Vec<(usize, NDArray)>>,
-    /// Calls in flight that a [`Ticket`] may still claim.
-    claims: Vec<(calls::CallId, std::sync::Weak<()>)>,
+    /// Calls in flight that a [`Ticket`] may still claim, with the ticket's token: a token
+    /// held here alone means the ticket is gone.
+    claims: Vec<(calls::CallId, std::sync::Arc<()>)>,
+    /// Tokens of claimed calls, reused (a call allocates none).
+    spare_claims: Vec<std::sync::Arc<()>>,
     /// Why the scheduler aborted the job, once it said so.
     aborted: Option<String>,
     /// This process's heartbeat to the scheduler (its lock orders writes to the scheduler).
@@ -220,6 +229,7 @@ impl DistWorker {
             spare_notes: Vec::new(),
             staged: FxHashMap::default(),
             claims: Vec::new(),
+            spare_claims: Vec::new(),
             aborted: None,
             beat,
             exit_id,

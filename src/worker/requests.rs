@@ -4,11 +4,12 @@
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
+use crate::args::List;
 use crate::local::sum_into;
 use crate::net::Medium;
 use crate::protocol::shard::{placement, Part};
 use crate::protocol::{Msg, Op, MAX_NDIM};
-use crate::worker::calls::{CallId, Finished, Request};
+use crate::worker::calls::{CallId, Finished, Outputs, Request, Requests};
 use crate::worker::{DistWorker, KeyInfo};
 use crate::{Key, KvError, NDArray, Result};
 
@@ -40,11 +41,11 @@ fn byte_range(p: &Part, es: usize) -> std::ops::Range<usize> {
 }
 
 /// Requests carrying values, slice by slice: `(key, value, output its answer goes to)`.
-pub(crate) fn value_requests(
+pub(crate) fn value_requests<'a>(
     op: Op,
-    items: Vec<(&KeyInfo, NDArray, Option<usize>)>,
-) -> Vec<Request> {
-    let mut reqs = Vec::new();
+    items: impl Iterator<Item = (&'a KeyInfo, NDArray, Option<usize>)>,
+) -> Requests {
+    let mut reqs = Requests::new();
     for (info, value, dest) in items {
         let es = info.dtype.size();
         for p in &info.parts {
@@ -61,8 +62,8 @@ pub(crate) fn value_requests(
 }
 
 /// Requests pulling each key into the output of the same index.
-pub(crate) fn pull_requests<'a>(infos: impl Iterator<Item = &'a KeyInfo>) -> Vec<Request> {
-    let mut reqs = Vec::new();
+pub(crate) fn pull_requests<'a>(infos: impl Iterator<Item = &'a KeyInfo>) -> Requests {
+    let mut reqs = Requests::new();
     for (i, info) in infos.enumerate() {
         let es = info.dtype.size();
         for p in &info.parts {
@@ -81,7 +82,7 @@ pub(crate) fn pull_requests<'a>(infos: impl Iterator<Item = &'a KeyInfo>) -> Vec
 /// Moves an output out of the caller's hands for the length of a call.
 fn take_array(a: &mut NDArray) -> NDArray {
     let dtype = a.dtype();
-    std::mem::replace(a, NDArray::zeros_dtype(&[0], dtype))
+    std::mem::replace(a, NDArray::placeholder(dtype))
 }
 
 /// Gives staged outputs ([`DistWorker::stage`]) back to their places, filled with what the
@@ -111,9 +112,8 @@ pub(crate) struct Note {
 
 impl DistWorker {
     /// Counts a call's requests, and notes it for [`DistWorker::noted_end`].
-    fn note(&mut self, reqs: &[Request]) -> Note {
+    fn note(&mut self, reqs: &[Request], start: std::time::Instant) -> Note {
         // The lists of an ended call's note are reused: no allocation per call.
-        let start = std::time::Instant::now();
         let mut n = self.spare_notes.pop().unwrap_or_else(|| Note {
             start,
             servers: Vec::new(),
@@ -167,7 +167,7 @@ impl DistWorker {
 }
 
 /// After a key's first output was filled, copies it into the key's other outputs.
-fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
+fn copy_to_other_outputs(pairs: &mut [(Key, List<&mut NDArray>)]) {
     // One key with one output (the common call) has nothing to copy.
     if let [(_, list)] = pairs {
         if list.len() <= 1 {
@@ -191,7 +191,7 @@ fn copy_to_other_outputs(pairs: &mut [(Key, Vec<&mut NDArray>)]) {
 
 impl DistWorker {
     /// Rank 0's value is stored; then every worker waits at a barrier (as MXNet does).
-    pub(crate) fn init(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+    pub(crate) fn init(&mut self, pairs: &[(Key, List<&NDArray>)]) -> Result<()> {
         self.checked()?;
         for (i, (k, vs)) in pairs.iter().enumerate() {
             if self.keys.contains_key(k) || vs.len() > 1 || pairs[..i].iter().any(|(p, _)| p == k) {
@@ -217,7 +217,7 @@ impl DistWorker {
         }
         let mut result = Ok(());
         if self.rank == 0 {
-            let mut reqs = Vec::new();
+            let mut reqs = Requests::new();
             for ((_, vs), info) in pairs.iter().zip(&infos) {
                 let es = info.dtype.size();
                 for p in &info.parts {
@@ -242,7 +242,7 @@ impl DistWorker {
         Ok(())
     }
 
-    fn check_values(&self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+    fn check_values(&self, pairs: &[(Key, List<&NDArray>)]) -> Result<()> {
         for (k, vs) in pairs {
             let info = self.info(k)?;
             for v in vs {
@@ -295,10 +295,10 @@ impl DistWorker {
     fn value_requests(
         &mut self,
         op: Op,
-        pairs: &[(Key, Vec<&NDArray>)],
+        pairs: &[(Key, List<&NDArray>)],
         dest: impl Fn(usize) -> Option<usize>,
-    ) -> Result<Vec<Request>> {
-        let mut values = Vec::with_capacity(pairs.len());
+    ) -> Result<Requests> {
+        let mut values: List<NDArray> = List::with_capacity(pairs.len());
         for (k, vs) in pairs {
             values.push(if vs.len() > 1 {
                 let m = self
@@ -311,23 +311,23 @@ impl DistWorker {
                 vs[0].clone()
             });
         }
-        let items: Vec<(&KeyInfo, NDArray, Option<usize>)> = pairs
+        let items = pairs
             .iter()
             .zip(values)
             .enumerate()
-            .map(|(i, ((k, _), v))| (&self.keys[k], v, dest(i)))
-            .collect();
+            .map(|(i, ((k, _), v))| (&self.keys[k], v, dest(i)));
         Ok(value_requests(op, items))
     }
 
     /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
-    pub(crate) fn run(&mut self, reqs: Vec<Request>, outs: &mut [&mut NDArray]) -> Result<()> {
+    pub(crate) fn run(&mut self, reqs: Requests, outs: &mut [&mut NDArray]) -> Result<()> {
         self.checked()?;
-        let note = self.note(&reqs);
-        let mut owned: Vec<NDArray> = outs.iter_mut().map(|o| take_array(o)).collect();
+        let now = std::time::Instant::now();
+        let note = self.note(&reqs, now);
+        let mut owned: Outputs = outs.iter_mut().map(|o| take_array(o)).collect();
         let staged = self.stage(&mut owned);
         let n = reqs.len();
-        let id = self.net.start(reqs, owned, self.priority);
+        let id = self.net.start(now, reqs, owned, self.priority);
         tracing::debug!("call {}: {n} requests", id.0);
         let Finished {
             result,
@@ -365,7 +365,7 @@ impl DistWorker {
             .collect()
     }
 
-    pub(crate) fn push(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<()> {
+    pub(crate) fn push(&mut self, pairs: &[(Key, List<&NDArray>)]) -> Result<()> {
         self.checked()?;
         self.check_values(pairs)?;
         let reqs = self.value_requests(Op::Push, pairs, |_| None)?;
@@ -374,8 +374,8 @@ impl DistWorker {
 
     pub(crate) fn pushpull(
         &mut self,
-        pairs: &[(Key, Vec<&NDArray>)],
-        outs: &mut [(Key, Vec<&mut NDArray>)],
+        pairs: &[(Key, List<&NDArray>)],
+        outs: &mut [(Key, List<&mut NDArray>)],
     ) -> Result<()> {
         self.checked()?;
         self.check_values(pairs)?;
@@ -410,15 +410,15 @@ impl DistWorker {
         Ok(())
     }
 
-    pub(crate) fn pull(&mut self, pairs: &mut [(Key, Vec<&mut NDArray>)]) -> Result<()> {
+    pub(crate) fn pull(&mut self, pairs: &mut [(Key, List<&mut NDArray>)]) -> Result<()> {
         self.checked()?;
         for (k, list) in pairs.iter() {
             for o in list {
                 self.check_output(k, o)?;
             }
         }
-        let mut keys = Vec::new();
-        let mut firsts: Vec<&mut NDArray> = Vec::new();
+        let mut keys: List<&Key> = List::new();
+        let mut firsts: List<&mut NDArray> = List::new();
         for (k, list) in pairs.iter_mut() {
             if let Some(first) = list.first_mut() {
                 keys.push(&*k);
@@ -426,6 +426,7 @@ impl DistWorker {
             }
         }
         let reqs = pull_requests(keys.iter().map(|k| &self.keys[*k]));
+        drop(keys);
         let res = self.run(reqs, &mut firsts);
         drop(firsts);
         res?;
@@ -438,7 +439,7 @@ impl DistWorker {
     pub(crate) fn broadcast(&mut self, op: Op, payload: &[u8], every: bool) -> Result<()> {
         let mut result = Ok(());
         if self.rank == 0 || every {
-            let reqs: Vec<Request> = (0..self.num_servers)
+            let reqs: Requests = (0..self.num_servers)
                 .map(|s| Request {
                     server: s,
                     msg: Msg::new(op),
@@ -456,11 +457,11 @@ impl DistWorker {
 
     /// Starts a call and hands out its ticket (dropping the results of calls over whose
     /// tickets are gone).
-    fn start(&mut self, reqs: Vec<Request>, mut outputs: Vec<NDArray>) -> Ticket {
+    fn start(&mut self, reqs: Requests, mut outputs: Outputs) -> Ticket {
         let staged = &mut self.staged;
         let noted = &mut self.noted;
         self.claims.retain(|(id, claim)| {
-            if claim.strong_count() == 0 && self.net.calls.is_done(*id) {
+            if Arc::strong_count(claim) == 1 && self.net.calls.is_done(*id) {
                 self.net.calls.take(*id);
                 staged.remove(id);
                 noted.remove(id);
@@ -469,24 +470,25 @@ impl DistWorker {
             true
         });
         let lent = self.stage(&mut outputs);
-        let note = self.note(&reqs);
-        let id = self.net.start(reqs, outputs, self.priority);
+        let now = std::time::Instant::now();
+        let note = self.note(&reqs, now);
+        let id = self.net.start(now, reqs, outputs, self.priority);
         self.noted.insert(id, note);
         if !lent.is_empty() {
             self.staged.insert(id, lent);
         }
-        let claim = Arc::new(());
-        self.claims.push((id, Arc::downgrade(&claim)));
+        let claim = self.spare_claims.pop().unwrap_or_default();
+        self.claims.push((id, claim.clone()));
         Ticket { id, _claim: claim }
     }
 
     /// Starts a push; its values may be changed by the caller at once (a change is a copy,
     /// the call keeps what was pushed).
-    pub(crate) fn push_async(&mut self, pairs: &[(Key, Vec<&NDArray>)]) -> Result<Ticket> {
+    pub(crate) fn push_async(&mut self, pairs: &[(Key, List<&NDArray>)]) -> Result<Ticket> {
         self.checked()?;
         self.check_values(pairs)?;
         let reqs = self.value_requests(Op::Push, pairs, |_| None)?;
-        Ok(self.start(reqs, Vec::new()))
+        Ok(self.start(reqs, Outputs::new()))
     }
 
     /// Starts a pull of each key into its output, which the call owns until it is waited for.
@@ -495,15 +497,16 @@ impl DistWorker {
         for (k, o) in &outs {
             self.check_output(k, o)?;
         }
-        let keys: Vec<&Key> = outs.iter().map(|(k, _)| k).collect();
+        let keys: List<&Key> = outs.iter().map(|(k, _)| k).collect();
         let reqs = pull_requests(keys.iter().map(|k| &self.keys[*k]));
+        drop(keys);
         Ok(self.start(reqs, outs.into_iter().map(|(_, o)| o).collect()))
     }
 
     /// Starts a push of each key's values and a pull of the result into its output.
     pub(crate) fn pushpull_async(
         &mut self,
-        pairs: &[(Key, Vec<&NDArray>)],
+        pairs: &[(Key, List<&NDArray>)],
         outs: Vec<NDArray>,
     ) -> Result<Ticket> {
         self.checked()?;
@@ -518,12 +521,18 @@ impl DistWorker {
             self.check_output(k, o)?;
         }
         let reqs = self.value_requests(Op::PushPull, pairs, Some)?;
-        Ok(self.start(reqs, outs))
+        Ok(self.start(reqs, outs.into()))
     }
 
     /// Waits for a call in flight; its outputs come back, filled.
     pub(crate) fn wait(&mut self, t: Ticket) -> Result<Vec<NDArray>> {
-        self.claims.retain(|(id, _)| *id != t.id);
+        if let Some(i) = self.claims.iter().position(|(id, _)| *id == t.id) {
+            let (_, claim) = self.claims.swap_remove(i);
+            if Arc::strong_count(&claim) == 2 && self.spare_claims.len() < 64 {
+                // The ticket's is the other reference, gone at the end of this call.
+                self.spare_claims.push(claim);
+            }
+        }
         let Finished {
             result,
             mut outputs,
@@ -534,7 +543,9 @@ impl DistWorker {
         if let Some(note) = self.noted.remove(&t.id) {
             self.noted_end(note, result.is_ok());
         }
-        result.map(|()| outputs).map_err(|e| self.explain(e))
+        result
+            .map(|()| outputs.into_vec())
+            .map_err(|e| self.explain(e))
     }
 
     /// Waits until no call of this worker is in flight.

@@ -5,9 +5,8 @@
 //! (before it). A pull of the key sees the push: the servers answer a worker's pull after its
 //! own push of that key.
 
-use std::collections::HashMap;
-
 use kvstore::{Key, NDArray, Pending};
+use rustc_hash::FxHashMap;
 
 /// Pushes of one array at most this large return before the servers answer; larger ones wait
 /// (a staging copy per key costs their size in memory, and their transfer outlasts the wait).
@@ -16,8 +15,8 @@ pub(crate) const ASYNC_BYTES: usize = 1 << 20;
 /// The pushes in flight, one per key at most, and each key's staging array.
 #[derive(Default)]
 pub(crate) struct Pushes {
-    inflight: HashMap<Key, Pending>,
-    staging: HashMap<Key, NDArray>,
+    inflight: FxHashMap<Key, Pending>,
+    staging: FxHashMap<Key, NDArray>,
 }
 
 impl Pushes {
