@@ -87,7 +87,7 @@ pub(crate) struct Net {
     /// When the last completion came, for the spin before sleeping.
     last_active: Instant,
     /// A completion came since the spin last looked at the time (the clock is read then, not
-    /// at each completion).
+    /// at each completion; on a crowded host, at the first turn after it).
     fresh: bool,
     /// More of the job's processes on this host than cores: a spin yields the core.
     crowded: bool,
@@ -298,6 +298,11 @@ impl Net {
     ) -> Result<bool> {
         self.flush()?;
         self.spins = self.spins.wrapping_add(1);
+        if self.crowded && self.spins == 1 && std::mem::take(&mut self.fresh) {
+            // Each turn of a crowded host's spin may give the core away for long: the time
+            // of the last completion is read now, not 64 turns later.
+            self.last_active = Instant::now();
+        }
         // Rings are read without a system call; a TCP peer is polled (one `epoll_wait` a
         // turn), which still answers sooner than a sleep and a wake-up.
         let peers = self.shm.as_ref().is_some_and(|s| s.has_peers())

@@ -322,10 +322,10 @@ impl DistWorker {
     /// Runs a call to its end; the outputs are the caller's again afterwards, whatever happened.
     pub(crate) fn run(&mut self, reqs: Requests, outs: &mut [&mut NDArray]) -> Result<()> {
         self.checked()?;
-        let now = std::time::Instant::now();
-        let note = self.note(&reqs, now);
         let mut owned: Outputs = outs.iter_mut().map(|o| take_array(o)).collect();
         let staged = self.stage(&mut owned);
+        let now = std::time::Instant::now();
+        let note = self.note(&reqs, now);
         let n = reqs.len();
         let id = self.net.start(now, reqs, owned, self.priority);
         tracing::debug!("call {}: {n} requests", id.0);
