@@ -42,8 +42,8 @@ pub(crate) fn check(device: Device) -> Result<()> {
 }
 
 /// `dst = sum(values)` on `dst`'s GPU (two values or more: one is a copy, `local::sum_into`),
-/// when `dst` and every value are GPU arrays of a dtype the kernels sum (values on other GPUs are copied over first); `false`, with nothing done,
-/// otherwise.
+/// when `dst` and every value are GPU arrays of a dtype the kernels sum (values on other GPUs
+/// are copied over first); `false`, with nothing done, otherwise.
 #[cfg(feature = "cuda")]
 pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -> Result<bool> {
     let dtype = dst.dtype();

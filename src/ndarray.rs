@@ -77,8 +77,9 @@ impl NDArray {
         }
     }
 
-    /// An empty array (shape `[0]`) standing in for one a call took for its length; every one
-    /// shares one empty storage, so making it allocates nothing.
+    /// An empty array (shape `[0]`): a stand-in for an array taken out of its place for a
+    /// while, or state not made yet. Every one shares one empty storage, so making it
+    /// allocates nothing (a write to it makes its own).
     pub(crate) fn placeholder(dtype: DType) -> NDArray {
         static EMPTY: std::sync::OnceLock<Arc<Storage>> = std::sync::OnceLock::new();
         let buf = EMPTY.get_or_init(|| Arc::new(Storage::Heap(AlignedBuf::zeroed(0))));

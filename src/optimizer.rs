@@ -208,8 +208,8 @@ struct KeyState {
 impl Default for KeyState {
     fn default() -> Self {
         KeyState {
-            m: no_moments(),
-            v: no_moments(),
+            m: NDArray::placeholder(DType::F64),
+            v: NDArray::placeholder(DType::F64),
             t: 0,
         }
     }
@@ -219,10 +219,6 @@ impl Default for KeyState {
 pub struct OptimizerUpdater {
     opt: Optimizer,
     state: FxHashMap<Key, KeyState>,
-}
-
-fn no_moments() -> NDArray {
-    NDArray::zeros_dtype(&[0], DType::F64)
 }
 
 /// Makes `m` hold `n` moments on `device`: zeros where it has none of that size yet, and
@@ -500,7 +496,10 @@ impl OptimizerUpdater {
                 _ => return Err(bad("a malformed key")),
             };
             let t = r.u64().ok_or_else(|| bad("truncated"))?;
-            let mut vecs = [no_moments(), no_moments()];
+            let mut vecs = [
+                NDArray::placeholder(DType::F64),
+                NDArray::placeholder(DType::F64),
+            ];
             for v in &mut vecs {
                 let len = r.len().ok_or_else(|| bad("truncated"))?;
                 let bytes = len

@@ -122,9 +122,10 @@ pub(crate) struct DeviceBuf {
     len: usize,
     /// The host copy: page-locked memory of its own (made on the first host view), or the
     /// transport's pages (`KVStore::alloc_on`), which a transport sends in place and lands
-    /// pulls in, page-locked too where CUDA can. Written only while `state` is `DEVICE_NEWER` (under `sync`, or through
-    /// `&mut self`), when no host view of it can be live: a view is handed out only once the
-    /// state has left `DEVICE_NEWER`, and the state returns there only through `&mut self`.
+    /// pulls in, page-locked too where CUDA can. Written only while `state` is `DEVICE_NEWER`
+    /// (under `sync`, or through `&mut self`), when no host view of it can be live: a view is
+    /// handed out only once the state has left `DEVICE_NEWER`, and the state returns there
+    /// only through `&mut self`.
     mirror: UnsafeCell<Option<Box<Storage>>>,
     state: AtomicU8,
     sync: Mutex<()>,

@@ -417,16 +417,12 @@ impl DistWorker {
                 self.check_output(k, o)?;
             }
         }
-        let mut keys: List<&Key> = List::new();
-        let mut firsts: List<&mut NDArray> = List::new();
-        for (k, list) in pairs.iter_mut() {
-            if let Some(first) = list.first_mut() {
-                keys.push(&*k);
-                firsts.push(&mut **first);
-            }
-        }
-        let reqs = pull_requests(keys.iter().map(|k| &self.keys[*k]));
-        drop(keys);
+        let with_outputs = pairs.iter().filter(|(_, list)| !list.is_empty());
+        let reqs = pull_requests(with_outputs.map(|(k, _)| &self.keys[k]));
+        let mut firsts: List<&mut NDArray> = pairs
+            .iter_mut()
+            .filter_map(|(_, list)| list.first_mut().map(|f| &mut **f))
+            .collect();
         let res = self.run(reqs, &mut firsts);
         drop(firsts);
         res?;
@@ -497,9 +493,7 @@ impl DistWorker {
         for (k, o) in &outs {
             self.check_output(k, o)?;
         }
-        let keys: List<&Key> = outs.iter().map(|(k, _)| k).collect();
-        let reqs = pull_requests(keys.iter().map(|k| &self.keys[*k]));
-        drop(keys);
+        let reqs = pull_requests(outs.iter().map(|(k, _)| &self.keys[k]));
         Ok(self.start(reqs, outs.into_iter().map(|(_, o)| o).collect()))
     }
 

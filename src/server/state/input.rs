@@ -48,7 +48,7 @@ impl Input<'_> {
         match self {
             Input::Owned(a) => {
                 let dtype = a.dtype();
-                Ok(std::mem::replace(a, NDArray::zeros_dtype(&[0], dtype)))
+                Ok(std::mem::replace(a, NDArray::placeholder(dtype)))
             }
             Input::Peer(p, _) => p.to_array(),
         }
