@@ -106,9 +106,19 @@ impl Traffic {
     }
 }
 
-/// The range of key numbers `[2^i - 1, 2^(i+1) - 1)` a key falls in: at most 65 ranges.
+/// The range of key numbers `[2^i - 1, 2^(i+1) - 1)` a key falls in: at most 64 ranges.
 pub fn key_range(id: u64) -> (u64, u64) {
-    let i = 63 - (id.saturating_add(1)).leading_zeros() as u64;
+    range_numbered(range_number(id))
+}
+
+/// The `i` of [`key_range`]'s range for key number `id`: 0 to 63.
+fn range_number(id: u64) -> u8 {
+    63 - (id.saturating_add(1)).leading_zeros() as u8
+}
+
+/// The range of key numbers that [`range_number`] numbers `i`.
+fn range_numbered(i: u8) -> (u64, u64) {
+    let i = u64::from(i);
     let lo = (1u64 << i) - 1;
     let hi = if i >= 63 {
         u64::MAX
@@ -140,65 +150,6 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// One request of a call to `server` over `transport`, for key number `key`.
-    pub(crate) fn request(
-        &mut self,
-        server: usize,
-        transport: &'static str,
-        key: u64,
-        push: Option<u64>,
-        pull: Option<u64>,
-    ) {
-        if self.servers.len() <= server {
-            self.servers.resize_with(server + 1, Traffic::default);
-        }
-        let one = |t: &mut Traffic| {
-            t.requests += 1;
-            if let Some(b) = push {
-                t.pushes += 1;
-                t.bytes_pushed += b;
-            }
-            if let Some(b) = pull {
-                t.pulls += 1;
-                t.bytes_pulled += b;
-            }
-        };
-        one(&mut self.servers[server]);
-        one(self.transports.entry(transport).or_default());
-        one(self.key_ranges.entry(key_range(key)).or_default());
-    }
-
-    /// A call ended, after `took`, having sent requests to `servers` over `transports` for
-    /// keys in `ranges` ([`key_range`]).
-    pub(crate) fn call(
-        &mut self,
-        ok: bool,
-        took: std::time::Duration,
-        servers: &[usize],
-        transports: &[&str],
-        ranges: &[(u64, u64)],
-    ) {
-        self.calls += 1;
-        if !ok {
-            self.failed += 1;
-        }
-        for &s in servers {
-            if let Some(t) = self.servers.get_mut(s) {
-                t.latency.record(took);
-            }
-        }
-        for t in transports {
-            if let Some(t) = self.transports.get_mut(*t) {
-                t.latency.record(took);
-            }
-        }
-        for r in ranges {
-            if let Some(t) = self.key_ranges.get_mut(r) {
-                t.latency.record(took);
-            }
-        }
-    }
-
     /// Everything together.
     pub fn total(&self) -> Traffic {
         let mut t = Traffic::default();
@@ -277,6 +228,144 @@ impl Metrics {
     }
 }
 
+/// Where one request went: its server, its transport (`None`: a server it has no link to,
+/// counted as `-`) and the range of its key's number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Route {
+    pub(crate) server: usize,
+    pub(crate) transport: Option<crate::net::Medium>,
+    /// The number of its range of key numbers.
+    pub(crate) range: u8,
+}
+
+impl Route {
+    pub(crate) fn new(server: usize, transport: Option<crate::net::Medium>, key: u64) -> Route {
+        Route {
+            server,
+            transport,
+            range: range_number(key),
+        }
+    }
+
+    fn transport_name(&self) -> &'static str {
+        self.transport.map_or("-", |m| m.name())
+    }
+}
+
+/// A worker's counts as its calls make them. Each request counts once, under its route; a
+/// call's latency is recorded once under its route where all its requests took one (the
+/// common call: one array, on one server), else once per server, transport and range it
+/// reached. [`Metrics`]'s views (per server, per transport, per range) are the sums of these,
+/// made when read: a call costs a route's lookup (at once where it is the last call's) and
+/// one record.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Tally {
+    calls: u64,
+    failed: u64,
+    routes: Vec<(Route, Traffic)>,
+    /// Where each route is in `routes`.
+    index: rustc_hash::FxHashMap<Route, usize>,
+    /// The last route looked up.
+    last: usize,
+    /// The latencies of the calls that took several routes (their counts are in `routes`).
+    spread: Metrics,
+}
+
+impl Tally {
+    /// The number of route `r`, made on its first request.
+    pub(crate) fn route(&mut self, r: Route) -> usize {
+        if matches!(self.routes.get(self.last), Some((x, _)) if *x == r) {
+            return self.last;
+        }
+        let n = self.routes.len();
+        let i = *self.index.entry(r).or_insert(n);
+        if i == n {
+            self.routes.push((r, Traffic::default()));
+        }
+        self.last = i;
+        i
+    }
+
+    /// One request over route `route` (a number from [`Tally::route`]), pushing and pulling
+    /// so many bytes.
+    pub(crate) fn request(&mut self, route: usize, push: Option<u64>, pull: Option<u64>) {
+        let Some((_, t)) = self.routes.get_mut(route) else {
+            return;
+        };
+        t.requests += 1;
+        if let Some(b) = push {
+            t.pushes += 1;
+            t.bytes_pushed += b;
+        }
+        if let Some(b) = pull {
+            t.pulls += 1;
+            t.bytes_pulled += b;
+        }
+    }
+
+    /// A call whose requests all took route `route` ended, after `took`.
+    pub(crate) fn call_over(&mut self, route: usize, ok: bool, took: std::time::Duration) {
+        self.ended(ok);
+        if let Some((_, t)) = self.routes.get_mut(route) {
+            t.latency.record(took);
+        }
+    }
+
+    /// A call whose requests took several routes ended, after `took`: they reached `servers`,
+    /// over `transports`, for keys in the ranges of `keys` (each once).
+    pub(crate) fn call_spread(
+        &mut self,
+        ok: bool,
+        took: std::time::Duration,
+        servers: &[usize],
+        transports: &[Option<crate::net::Medium>],
+        ranges: &[u8],
+    ) {
+        self.ended(ok);
+        let m = &mut self.spread;
+        for &s in servers {
+            if m.servers.len() <= s {
+                m.servers.resize_with(s + 1, Traffic::default);
+            }
+            m.servers[s].latency.record(took);
+        }
+        for t in transports {
+            let name = t.map_or("-", |m| m.name());
+            m.transports.entry(name).or_default().latency.record(took);
+        }
+        for &r in ranges {
+            let e = m.key_ranges.entry(range_numbered(r)).or_default();
+            e.latency.record(took);
+        }
+    }
+
+    fn ended(&mut self, ok: bool) {
+        self.calls += 1;
+        if !ok {
+            self.failed += 1;
+        }
+    }
+
+    /// The counts per server, per transport and per range of keys.
+    pub(crate) fn view(&self) -> Metrics {
+        let mut m = self.spread.clone();
+        m.calls = self.calls;
+        m.failed = self.failed;
+        for (r, t) in &self.routes {
+            if m.servers.len() <= r.server {
+                m.servers.resize_with(r.server + 1, Traffic::default);
+            }
+            m.servers[r.server].add(t);
+            m.transports.entry(r.transport_name()).or_default().add(t);
+            m.key_ranges
+                .entry(range_numbered(r.range))
+                .or_default()
+                .add(t);
+        }
+        m
+    }
+}
+
 /// Where a slice of a key lives: a server, and the key's elements `start..start + len`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Slice {
@@ -352,29 +441,49 @@ mod tests {
 
     #[test]
     fn counts_add_up_and_print() {
-        let mut m = Metrics::default();
-        m.request(1, "shm", 5, Some(40), Some(40));
-        m.request(0, "tcp", 900, Some(8), None);
-        m.call(
+        use crate::net::Medium;
+        let mut m = Tally::default();
+        // A call over two routes, then two calls over one.
+        let a = m.route(Route::new(1, Some(Medium::Shm), 5));
+        let b = m.route(Route::new(0, Some(Medium::Tcp), 900));
+        m.request(a, Some(40), Some(40));
+        m.request(b, Some(8), None);
+        let ms = |n| std::time::Duration::from_micros(n);
+        m.call_spread(
             true,
-            std::time::Duration::from_micros(30),
-            &[0, 1],
-            &["shm", "tcp"],
-            &[key_range(5), key_range(900)],
+            ms(30),
+            &[1, 0],
+            &[Some(Medium::Shm), Some(Medium::Tcp)],
+            &[range_number(5), range_number(900)],
         );
-        let t = m.total();
-        assert_eq!((t.requests, t.pushes, t.pulls), (2, 2, 1));
-        assert_eq!((t.bytes_pushed, t.bytes_pulled), (48, 40));
-        assert_eq!(m.servers[1].latency.count(), 1);
-        assert_eq!(m.key_ranges.len(), 2);
-        let j = m.to_json();
+        for took in [10, 20] {
+            let again = m.route(Route::new(1, Some(Medium::Shm), 6));
+            assert_eq!(again, a, "key 6 is in key 5's range");
+            m.request(again, None, Some(4));
+            m.call_over(again, took == 10, ms(took));
+        }
+        let v = m.view();
+        assert_eq!((v.calls, v.failed), (3, 1));
+        let t = v.total();
+        assert_eq!((t.requests, t.pushes, t.pulls), (4, 2, 3));
+        assert_eq!((t.bytes_pushed, t.bytes_pulled), (48, 48));
+        // Each call's latency once in each view it reached.
+        assert_eq!(v.servers[1].latency.count(), 3);
+        assert_eq!(v.servers[0].latency.count(), 1);
+        assert_eq!(v.transports["shm"].latency.count(), 3);
+        assert_eq!(v.transports["tcp"].latency.count(), 1);
+        assert_eq!(v.key_ranges[&key_range(5)].latency.count(), 3);
+        assert_eq!(v.key_ranges[&key_range(900)].latency.count(), 1);
+        assert_eq!(v.servers[1].latency.quantile_us(1.0), 30);
+        assert_eq!(v.key_ranges.len(), 2);
+        let j = v.to_json();
         assert!(
-            j.starts_with("{\"calls\":1,") && j.contains("\"shm\":{\"requests\":1"),
+            j.starts_with("{\"calls\":3,") && j.contains("\"shm\":{\"requests\":3"),
             "{j}"
         );
-        let p = m.to_prometheus("role=\"worker\",rank=\"0\"");
+        let p = v.to_prometheus("role=\"worker\",rank=\"0\"");
         assert!(
-            p.contains("kvstore_requests_total{role=\"worker\",rank=\"0\",server=\"1\"} 1"),
+            p.contains("kvstore_requests_total{role=\"worker\",rank=\"0\",server=\"1\"} 3"),
             "{p}"
         );
     }

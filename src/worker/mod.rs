@@ -63,7 +63,7 @@ pub struct DistWorker {
     /// The priority of the calls started next (MXNet's `priority`).
     pub(crate) priority: i32,
     /// What this store counted ([`crate::metrics`]).
-    pub(crate) metrics: crate::metrics::Metrics,
+    pub(crate) metrics: crate::metrics::Tally,
     /// Calls in flight that a [`Ticket`] will claim: when and where they went.
     pub(crate) noted: FxHashMap<calls::CallId, requests::Note>,
     /// Notes of ended calls, kept for their lists' memory.
@@ -224,7 +224,7 @@ impl DistWorker {
             str_ids: FxHashMap::default(),
             merge: FxHashMap::default(),
             priority: 0,
-            metrics: crate::metrics::Metrics::default(),
+            metrics: crate::metrics::Tally::default(),
             noted: FxHashMap::default(),
             spare_notes: Vec::new(),
             staged: FxHashMap::default(),
@@ -316,7 +316,7 @@ impl DistWorker {
 
     /// What this store counted.
     pub(crate) fn metrics(&self) -> crate::metrics::Metrics {
-        let mut m = self.metrics.clone();
+        let mut m = self.metrics.view();
         m.copies = self.transport_copies();
         m.slot_puts = self.slot_puts();
         m.batched = self.batched();

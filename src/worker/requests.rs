@@ -102,10 +102,13 @@ fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
 /// the launcher's progress reports.
 pub(crate) struct Note {
     start: std::time::Instant,
+    /// The route ([`crate::metrics::Tally::route`]) all of its requests took, if one.
+    route: Option<usize>,
+    /// Where requests over several routes went, each once.
     servers: Vec<usize>,
-    transports: Vec<&'static str>,
-    /// The ranges of key numbers (at most 65, whatever the number of keys).
-    ranges: Vec<(u64, u64)>,
+    transports: Vec<Option<Medium>>,
+    /// The numbers of the ranges of key numbers (at most 64, whatever the number of keys).
+    ranges: Vec<u8>,
     /// Bytes of values sent and answered.
     bytes: u64,
 }
@@ -116,22 +119,21 @@ impl DistWorker {
         // The lists of an ended call's note are reused: no allocation per call.
         let mut n = self.spare_notes.pop().unwrap_or_else(|| Note {
             start,
+            route: None,
             servers: Vec::new(),
             transports: Vec::new(),
             ranges: Vec::new(),
             bytes: 0,
         });
         n.start = start;
+        n.route = None;
         n.servers.clear();
         n.transports.clear();
         n.ranges.clear();
         n.bytes = 0;
+        let mut spread = false;
         for r in reqs {
-            let medium = self
-                .net
-                .servers
-                .get(r.server)
-                .map_or("-", |a| a.medium.name());
+            let route = self.metrics.route(self.route_of(r));
             // Pushes and pulls of values (an init, a saved state, are neither).
             let op = r.msg.op;
             let sent = r.data.as_ref().map(|(_, b)| b.len() as u64);
@@ -139,26 +141,42 @@ impl DistWorker {
             n.bytes += sent.unwrap_or(0) + answered.unwrap_or(0);
             let push = sent.filter(|_| matches!(op, Op::Push | Op::PushPull));
             let pull = answered.filter(|_| matches!(op, Op::Pull | Op::PushPull));
-            self.metrics
-                .request(r.server, medium, r.msg.key, push, pull);
-            if !n.servers.contains(&r.server) {
-                n.servers.push(r.server);
-            }
-            if !n.transports.contains(&medium) {
-                n.transports.push(medium);
-            }
-            let range = crate::metrics::key_range(r.msg.key);
-            if !n.ranges.contains(&range) {
-                n.ranges.push(range);
+            self.metrics.request(route, push, pull);
+            spread |= n.route.is_some_and(|x| x != route);
+            n.route = Some(route);
+        }
+        if spread {
+            n.route = None;
+            for r in reqs {
+                let route = self.route_of(r);
+                if !n.servers.contains(&route.server) {
+                    n.servers.push(route.server);
+                }
+                if !n.transports.contains(&route.transport) {
+                    n.transports.push(route.transport);
+                }
+                if !n.ranges.contains(&route.range) {
+                    n.ranges.push(route.range);
+                }
             }
         }
         n
     }
 
+    fn route_of(&self, r: &Request) -> crate::metrics::Route {
+        let medium = self.net.servers.get(r.server).map(|a| a.medium);
+        crate::metrics::Route::new(r.server, medium, r.msg.key)
+    }
+
     /// A noted call ended.
     fn noted_end(&mut self, n: Note, ok: bool) {
-        self.metrics
-            .call(ok, n.start.elapsed(), &n.servers, &n.transports, &n.ranges);
+        let took = n.start.elapsed();
+        match n.route {
+            Some(route) => self.metrics.call_over(route, ok, took),
+            None => self
+                .metrics
+                .call_spread(ok, took, &n.servers, &n.transports, &n.ranges),
+        }
         crate::report::count_call(n.bytes);
         if self.spare_notes.len() < 64 {
             self.spare_notes.push(n);
