@@ -232,10 +232,10 @@ impl Metrics {
 /// counted as `-`) and the range of its key's number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Route {
-    pub(crate) server: usize,
-    pub(crate) transport: Option<crate::net::Medium>,
+    server: usize,
+    transport: Option<crate::net::Medium>,
     /// The number of its range of key numbers.
-    pub(crate) range: u8,
+    range: u8,
 }
 
 impl Route {
@@ -303,46 +303,45 @@ impl Tally {
         }
     }
 
-    /// A call whose requests all took route `route` ended, after `took`.
-    pub(crate) fn call_over(&mut self, route: usize, ok: bool, took: std::time::Duration) {
-        self.ended(ok);
-        if let Some((_, t)) = self.routes.get_mut(route) {
-            t.latency.record(took);
-        }
-    }
-
-    /// A call whose requests took several routes ended, after `took`: they reached `servers`,
-    /// over `transports`, for keys in the ranges of `keys` (each once).
-    pub(crate) fn call_spread(
-        &mut self,
-        ok: bool,
-        took: std::time::Duration,
-        servers: &[usize],
-        transports: &[Option<crate::net::Medium>],
-        ranges: &[u8],
-    ) {
-        self.ended(ok);
-        let m = &mut self.spread;
-        for &s in servers {
-            if m.servers.len() <= s {
-                m.servers.resize_with(s + 1, Traffic::default);
-            }
-            m.servers[s].latency.record(took);
-        }
-        for t in transports {
-            let name = t.map_or("-", |m| m.name());
-            m.transports.entry(name).or_default().latency.record(took);
-        }
-        for &r in ranges {
-            let e = m.key_ranges.entry(range_numbered(r)).or_default();
-            e.latency.record(took);
-        }
-    }
-
-    fn ended(&mut self, ok: bool) {
+    /// A call ended, after `took`, having sent requests over `routes` (numbers from
+    /// [`Tally::route`], each once): its latency is recorded once in each server, transport
+    /// and range it reached.
+    pub(crate) fn call(&mut self, ok: bool, took: std::time::Duration, routes: &[usize]) {
         self.calls += 1;
         if !ok {
             self.failed += 1;
+        }
+        if let [one] = routes {
+            if let Some((_, t)) = self.routes.get_mut(*one) {
+                t.latency.record(took);
+            }
+            return;
+        }
+        // Several routes: each server, transport and range once, however many routes share it.
+        let (table, m) = (&self.routes, &mut self.spread);
+        let at = |i: usize| table.get(i).map(|(r, _)| *r);
+        for (k, r) in routes.iter().enumerate() {
+            let Some(r) = at(*r) else { continue };
+            let (mut server, mut transport, mut range) = (true, true, true);
+            for b in routes[..k].iter().filter_map(|&j| at(j)) {
+                server &= b.server != r.server;
+                transport &= b.transport != r.transport;
+                range &= b.range != r.range;
+            }
+            if server {
+                if m.servers.len() <= r.server {
+                    m.servers.resize_with(r.server + 1, Traffic::default);
+                }
+                m.servers[r.server].latency.record(took);
+            }
+            if transport {
+                let t = m.transports.entry(r.transport_name()).or_default();
+                t.latency.record(took);
+            }
+            if range {
+                let t = m.key_ranges.entry(range_numbered(r.range)).or_default();
+                t.latency.record(took);
+            }
         }
     }
 
@@ -449,18 +448,12 @@ mod tests {
         m.request(a, Some(40), Some(40));
         m.request(b, Some(8), None);
         let ms = |n| std::time::Duration::from_micros(n);
-        m.call_spread(
-            true,
-            ms(30),
-            &[1, 0],
-            &[Some(Medium::Shm), Some(Medium::Tcp)],
-            &[range_number(5), range_number(900)],
-        );
+        m.call(true, ms(30), &[a, b]);
         for took in [10, 20] {
             let again = m.route(Route::new(1, Some(Medium::Shm), 6));
             assert_eq!(again, a, "key 6 is in key 5's range");
             m.request(again, None, Some(4));
-            m.call_over(again, took == 10, ms(took));
+            m.call(took == 10, ms(took), &[again]);
         }
         let v = m.view();
         assert_eq!((v.calls, v.failed), (3, 1));

@@ -102,13 +102,8 @@ fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
 /// the launcher's progress reports.
 pub(crate) struct Note {
     start: std::time::Instant,
-    /// The route ([`crate::metrics::Tally::route`]) all of its requests took, if one.
-    route: Option<usize>,
-    /// Where requests over several routes went, each once.
-    servers: Vec<usize>,
-    transports: Vec<Option<Medium>>,
-    /// The numbers of the ranges of key numbers (at most 64, whatever the number of keys).
-    ranges: Vec<u8>,
+    /// The routes ([`crate::metrics::Tally::route`]) its requests took, each once.
+    routes: Vec<usize>,
     /// Bytes of values sent and answered.
     bytes: u64,
 }
@@ -116,24 +111,20 @@ pub(crate) struct Note {
 impl DistWorker {
     /// Counts a call's requests, and notes it for [`DistWorker::noted_end`].
     fn note(&mut self, reqs: &[Request], start: std::time::Instant) -> Note {
-        // The lists of an ended call's note are reused: no allocation per call.
+        // The list of an ended call's note is reused: no allocation per call.
         let mut n = self.spare_notes.pop().unwrap_or_else(|| Note {
             start,
-            route: None,
-            servers: Vec::new(),
-            transports: Vec::new(),
-            ranges: Vec::new(),
+            routes: Vec::new(),
             bytes: 0,
         });
         n.start = start;
-        n.route = None;
-        n.servers.clear();
-        n.transports.clear();
-        n.ranges.clear();
+        n.routes.clear();
         n.bytes = 0;
-        let mut spread = false;
         for r in reqs {
-            let route = self.metrics.route(self.route_of(r));
+            let medium = self.net.servers.get(r.server).map(|a| a.medium);
+            let route = self
+                .metrics
+                .route(crate::metrics::Route::new(r.server, medium, r.msg.key));
             // Pushes and pulls of values (an init, a saved state, are neither).
             let op = r.msg.op;
             let sent = r.data.as_ref().map(|(_, b)| b.len() as u64);
@@ -142,41 +133,16 @@ impl DistWorker {
             let push = sent.filter(|_| matches!(op, Op::Push | Op::PushPull));
             let pull = answered.filter(|_| matches!(op, Op::Pull | Op::PushPull));
             self.metrics.request(route, push, pull);
-            spread |= n.route.is_some_and(|x| x != route);
-            n.route = Some(route);
-        }
-        if spread {
-            n.route = None;
-            for r in reqs {
-                let route = self.route_of(r);
-                if !n.servers.contains(&route.server) {
-                    n.servers.push(route.server);
-                }
-                if !n.transports.contains(&route.transport) {
-                    n.transports.push(route.transport);
-                }
-                if !n.ranges.contains(&route.range) {
-                    n.ranges.push(route.range);
-                }
+            if !n.routes.contains(&route) {
+                n.routes.push(route);
             }
         }
         n
     }
 
-    fn route_of(&self, r: &Request) -> crate::metrics::Route {
-        let medium = self.net.servers.get(r.server).map(|a| a.medium);
-        crate::metrics::Route::new(r.server, medium, r.msg.key)
-    }
-
     /// A noted call ended.
     fn noted_end(&mut self, n: Note, ok: bool) {
-        let took = n.start.elapsed();
-        match n.route {
-            Some(route) => self.metrics.call_over(route, ok, took),
-            None => self
-                .metrics
-                .call_spread(ok, took, &n.servers, &n.transports, &n.ranges),
-        }
+        self.metrics.call(ok, n.start.elapsed(), &n.routes);
         crate::report::count_call(n.bytes);
         if self.spare_notes.len() < 64 {
             self.spare_notes.push(n);
