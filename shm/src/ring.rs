@@ -4,8 +4,14 @@
 //! index (`tail`, likewise), then `cap` slots of [`SLOT`] bytes. The producer writes a slot, then
 //! publishes it with a release store of `head`; the consumer sees it with an acquire load, reads
 //! it, then frees it with a release store of `tail`.
+//!
+//! Each side keeps its own copy of the other side's index, as it last read it, and reads the
+//! other side's cache line again only when its copy says the ring is full (the producer) or
+//! empty (the consumer): a push does not fetch the line the consumer last wrote, and a pop of
+//! slots already seen published does not fetch the producer's. Every index read from the
+//! segment is checked against the ring's size (the peer may write anything there).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::{Segment, ShmError};
@@ -21,6 +27,9 @@ pub struct Ring {
     seg: Arc<Segment>,
     base: usize,
     cap: u64,
+    /// The other side's index as this side last read it (the producer's copy of `tail`, the
+    /// consumer's of `head`): this process's own memory, not the segment's.
+    seen: AtomicU64,
 }
 
 impl Ring {
@@ -44,25 +53,60 @@ impl Ring {
                 "ring of {cap} slots at {base}"
             )));
         }
-        Ok(Ring { seg, base, cap })
+        Ok(Ring {
+            seg,
+            base,
+            cap,
+            seen: AtomicU64::new(0),
+        })
     }
 
-    fn indices(&self) -> Result<(u64, u64), ShmError> {
-        let head = self
-            .seg
-            .atomic_u64(self.base + HEAD)?
-            .load(Ordering::Acquire);
-        let tail = self
-            .seg
-            .atomic_u64(self.base + TAIL)?
-            .load(Ordering::Acquire);
-        if head.wrapping_sub(tail) > self.cap {
+    fn index(&self, at: usize, order: Ordering) -> Result<u64, ShmError> {
+        Ok(self.seg.atomic_u64(self.base + at)?.load(order))
+    }
+
+    /// Slots in use between `head` and `tail`, refused if more than the ring has.
+    fn used(&self, head: u64, tail: u64) -> Result<u64, ShmError> {
+        let n = head.wrapping_sub(tail);
+        if n > self.cap {
             return Err(ShmError::Corrupt(format!(
                 "ring indices {head}/{tail} for {} slots",
                 self.cap
             )));
         }
-        Ok((head, tail))
+        Ok(n)
+    }
+
+    /// Producer: `head` and the slots in use, reading `tail` from the segment only when the
+    /// copy of it says the ring is full (or does not fit `head`: a fresh copy, or a peer that
+    /// wrote `head`).
+    fn producer(&self) -> Result<(u64, u64), ShmError> {
+        // This side's own index: only it writes the line (a peer's write is caught below).
+        let head = self.index(HEAD, Ordering::Relaxed)?;
+        let seen = self.seen.load(Ordering::Relaxed);
+        if head.wrapping_sub(seen) < self.cap {
+            return Ok((head, head.wrapping_sub(seen)));
+        }
+        // Acquire: the consumer is done with the slots it freed before this store.
+        let tail = self.index(TAIL, Ordering::Acquire)?;
+        self.seen.store(tail, Ordering::Relaxed);
+        Ok((head, self.used(head, tail)?))
+    }
+
+    /// Consumer: `tail` and the slots published, reading `head` from the segment only when
+    /// the copy of it says the ring is empty (or does not fit `tail`).
+    fn consumer(&self) -> Result<(u64, u64), ShmError> {
+        let tail = self.index(TAIL, Ordering::Relaxed)?;
+        let seen = self.seen.load(Ordering::Relaxed);
+        let n = seen.wrapping_sub(tail);
+        if n != 0 && n <= self.cap {
+            // Slots the producer published by the head this side saw (read with acquire).
+            return Ok((tail, n));
+        }
+        // Acquire: the slots before `head` were written before its store.
+        let head = self.index(HEAD, Ordering::Acquire)?;
+        self.seen.store(head, Ordering::Relaxed);
+        Ok((tail, self.used(head, tail)?))
     }
 
     /// Producer: appends a slot (`data` at most [`SLOT`] bytes); `Ok(false)` if the ring is full.
@@ -73,8 +117,8 @@ impl Ring {
                 data.len()
             )));
         }
-        let (head, tail) = self.indices()?;
-        if head.wrapping_sub(tail) == self.cap {
+        let (head, used) = self.producer()?;
+        if used == self.cap {
             return Ok(false);
         }
         // In bounds: `cap` slots lie after the indices (checked in `new`).
@@ -88,8 +132,8 @@ impl Ring {
 
     /// Consumer: takes the oldest slot into `out`; `Ok(false)` if the ring is empty.
     pub fn try_pop(&self, out: &mut [u8; SLOT]) -> Result<bool, ShmError> {
-        let (head, tail) = self.indices()?;
-        if head == tail {
+        let (tail, n) = self.consumer()?;
+        if n == 0 {
             return Ok(false);
         }
         let at = self.base + SLOTS + (tail % self.cap) as usize * SLOT;
@@ -103,14 +147,12 @@ impl Ring {
     /// Whether a push would find no room (for the producer: only the consumer frees slots, so
     /// room seen here stays until the producer pushes).
     pub fn is_full(&self) -> bool {
-        self.indices()
-            .map(|(h, t)| h.wrapping_sub(t) == self.cap)
-            .unwrap_or(true)
+        self.producer().map(|(_, n)| n == self.cap).unwrap_or(true)
     }
 
     /// Whether nothing is waiting (for the consumer).
     pub fn is_empty(&self) -> bool {
-        self.indices().map(|(h, t)| h == t).unwrap_or(false)
+        self.consumer().map(|(_, n)| n == 0).unwrap_or(false)
     }
 }
 
@@ -146,6 +188,51 @@ mod tests {
         let mut out = [0u8; SLOT];
         assert!(matches!(r.try_pop(&mut out), Err(ShmError::Corrupt(_))));
         assert!(Ring::new(seg, 0, 1000).is_err(), "does not fit");
+    }
+
+    #[test]
+    fn each_side_reads_the_others_index_only_when_its_copy_runs_out() {
+        let seg = Arc::new(Segment::create("ring", 4096 * 2).unwrap());
+        let tx = Ring::new(seg.clone(), 0, 4).unwrap();
+        let rx = Ring::new(seg.clone(), 0, 4).unwrap();
+        let mut out = [0u8; SLOT];
+        assert!(tx.try_push(&[1]).unwrap());
+        // Garbage in the consumer's index: the producer's copy says there is room (3 slots),
+        // so it pushes without reading it; once its copy says full, it reads it and refuses.
+        seg.atomic_u64(TAIL)
+            .unwrap()
+            .store(1 << 40, Ordering::SeqCst);
+        for i in 2..5u8 {
+            assert!(tx.try_push(&[i]).unwrap());
+        }
+        assert!(matches!(tx.try_push(&[5]), Err(ShmError::Corrupt(_))));
+        assert!(
+            tx.is_full(),
+            "a ring it cannot read is full to the producer"
+        );
+        seg.atomic_u64(TAIL).unwrap().store(0, Ordering::SeqCst);
+        // The consumer reads `head` once (4 published) and pops them from its copy; garbage
+        // written to `head` meanwhile is seen only when the copy runs out.
+        assert!(rx.try_pop(&mut out).unwrap());
+        assert_eq!(out[0], 1);
+        seg.atomic_u64(HEAD)
+            .unwrap()
+            .store(1 << 40, Ordering::SeqCst);
+        for i in 2..5u8 {
+            assert!(rx.try_pop(&mut out).unwrap());
+            assert_eq!(out[0], i);
+        }
+        assert!(matches!(rx.try_pop(&mut out), Err(ShmError::Corrupt(_))));
+        assert!(
+            !rx.is_empty(),
+            "a ring it cannot read is not empty to the consumer"
+        );
+        // Sound indices again: both sides go on from what the segment says.
+        seg.atomic_u64(HEAD).unwrap().store(4, Ordering::SeqCst);
+        assert!(rx.is_empty());
+        assert!(tx.try_push(&[6]).unwrap());
+        assert!(rx.try_pop(&mut out).unwrap());
+        assert_eq!(out[0], 6);
     }
 
     #[test]
