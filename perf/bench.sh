@@ -25,6 +25,14 @@ for _ in 1 2 3; do
     raw+=("$("$kvperf" lat --transport shm --local --size 4 --iters 20000 2>/dev/null | awk '$1 == "4" { print 2 * $4 }')")
 done
 echo "| 4-byte push+ack p50, us (x raw shm round trip $(med "${raw[@]}") us) | \`kvperf pushpull -n 1 -s 1 --transport shm --size 4 --op push\`; \`kvperf lat --transport shm --local --size 4\` | $(med "${push[@]}") |"
+# The raw shared-memory transport's small-message latency against two threads of one process
+# passing the same message through shared memory with nothing else (the same run).
+lat=()
+for _ in 1 2 3; do
+    j=$("$kvperf" lat --transport shm --local --size 64 --iters 20000 --reference --json 2>/dev/null)
+    lat+=("$(python3 -c "print($(field p50_us <<<"$j") / $(field ref_p50_us <<<"$j"))")")
+done
+echo "| 64-byte shm one-way p50 (x two threads through shared memory) | \`kvperf lat --transport shm --local --size 64 --reference\` | $(med "${lat[@]}") |"
 # Shared memory against TCP, paired: us per iteration, shm/tcp.
 for w in 1 2 3; do for s in 1 2; do for spec in 4K:1:2000 1M:1:200 64M:1:10 1K:1000:20; do
     IFS=: read -r size keys iters <<<"$spec"

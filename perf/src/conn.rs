@@ -244,7 +244,8 @@ impl Conn {
 
     /// The next event, waiting until `deadline`: spins for a while, then sleeps.
     pub fn recv(&mut self, deadline: Instant) -> Result<Event, String> {
-        let start = Instant::now();
+        // Read on the first look at the clock, not per message.
+        let mut start = None;
         let mut polls = 0u32;
         loop {
             if let Some(e) = self.inbox.pop_front() {
@@ -267,7 +268,7 @@ impl Conn {
             if now >= deadline {
                 return Err("timed out waiting for the peer".into());
             }
-            if now - start > self.spin {
+            if now - *start.get_or_insert(now) > self.spin {
                 let left = (deadline - now).min(Duration::from_millis(100));
                 kvstore_transport::wait(&mut [self.b.as_mut()], left).map_err(err)?;
             }

@@ -412,6 +412,53 @@ pub fn socket_pingpong_us(size: usize, iters: usize) -> std::io::Result<f64> {
     Ok(samples[samples.len() / 2])
 }
 
+/// One-way latency (half the median round trip, µs) of `size` bytes passed back and forth
+/// between two threads through shared memory with nothing else: the message written into a
+/// buffer and published by one store, the other thread waiting on that word (a spin), copying
+/// the message out and answering the same way. The floor of any shared-memory transport on
+/// this host (one cache line each way for a small message).
+pub fn shared_pingpong_us(size: usize, iters: usize) -> Result<f64, kvstore_shm::ShmError> {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    // The two flags on their own cache lines, then the two buffers, each page-aligned.
+    let (flag_ab, flag_ba, at_ab) = (0usize, 64usize, 4096usize);
+    let at_ba = at_ab + size.div_ceil(4096).max(1) * 4096;
+    let len = at_ba + size.div_ceil(4096).max(1) * 4096;
+    let seg = Arc::new(kvstore_shm::Segment::create("kvperf-ref", len)?);
+    let n = iters.max(1) as u64;
+    let other = seg.clone();
+    let echo = std::thread::spawn(move || -> Result<(), kvstore_shm::ShmError> {
+        let mut buf = vec![0u8; size];
+        let (ab, ba) = (other.atomic_u64(flag_ab)?, other.atomic_u64(flag_ba)?);
+        for i in 1..=n {
+            while ab.load(Ordering::Acquire) != i {
+                std::hint::spin_loop();
+            }
+            other.read(at_ab, &mut buf)?;
+            other.write(at_ba, &buf)?;
+            ba.store(i, Ordering::Release);
+        }
+        Ok(())
+    });
+    let mut buf = vec![7u8; size];
+    let (ab, ba) = (seg.atomic_u64(flag_ab)?, seg.atomic_u64(flag_ba)?);
+    let mut samples = Vec::with_capacity(n as usize);
+    for i in 1..=n {
+        let t0 = Instant::now();
+        seg.write(at_ab, &buf)?;
+        ab.store(i, Ordering::Release);
+        while ba.load(Ordering::Acquire) != i {
+            std::hint::spin_loop();
+        }
+        seg.read(at_ba, &mut buf)?;
+        samples.push(t0.elapsed().as_nanos() as f64 / 2000.0);
+    }
+    echo.join()
+        .map_err(|_| kvstore_shm::ShmError::Corrupt("the echo thread panicked".into()))??;
+    samples.sort_by(f64::total_cmp);
+    Ok(samples[samples.len() / 2])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -436,5 +483,7 @@ mod tests {
     fn references_are_positive() {
         assert!(memcpy_bandwidth(1 << 16, Duration::from_millis(10)) > 0.0);
         assert!(socket_pingpong_us(64, 20).unwrap() > 0.0);
+        assert!(shared_pingpong_us(64, 20).unwrap() > 0.0);
+        assert!(shared_pingpong_us(0, 20).unwrap() > 0.0);
     }
 }
