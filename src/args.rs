@@ -296,6 +296,11 @@ fn same_kind_of_device(k: &Key, vs: &[&NDArray]) -> Result<()> {
 }
 
 pub(crate) fn group_values<'a>(keys: Keys, values: Values<'a>) -> Result<Pairs<&'a NDArray>> {
+    // One key, one value (the common call): nothing to pair, group or check.
+    let (keys, values) = match (keys, values) {
+        (Keys::One(k), Values::One(v)) => return Ok(smallvec![(k, smallvec![v])]),
+        other => other,
+    };
     let pairs = match values {
         Values::One(v) => pair(keys, Form::One(v))?,
         Values::List(vs) => pair(keys, Form::List(vs))?,
@@ -334,6 +339,10 @@ pub(crate) fn group_values<'a>(keys: Keys, values: Values<'a>) -> Result<Pairs<&
 
 /// Keys paired with their outputs.
 pub(crate) fn group_outputs<'a>(keys: Keys, outs: Outputs<'a>) -> Result<Pairs<&'a mut NDArray>> {
+    let (keys, outs) = match (keys, outs) {
+        (Keys::One(k), Outputs::One(o)) => return Ok(smallvec![(k, smallvec![o])]),
+        other => other,
+    };
     match outs {
         Outputs::One(v) => pair(keys, Form::One(v)),
         Outputs::List(vs) => pair(keys, Form::List(vs)),
