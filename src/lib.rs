@@ -58,6 +58,7 @@ mod rdma;
 mod registry;
 pub mod report;
 mod roles;
+mod rows;
 pub mod scheduler;
 mod secret;
 mod server;

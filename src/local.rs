@@ -187,6 +187,31 @@ impl LocalStore {
         Ok(())
     }
 
+    /// Copies the rows `row_ids` of `k`'s value into `out` (the value's shape), zeroing the
+    /// other rows.
+    pub(crate) fn row_sparse_pull(
+        &self,
+        k: &Key,
+        out: &mut NDArray,
+        row_ids: &[u64],
+    ) -> Result<()> {
+        let stored = self.stored(k)?;
+        check_like(k, stored, out)?;
+        crate::rows::check_host(k, out)?;
+        crate::rows::check_host(k, stored)?;
+        let (rows, row) = crate::rows::row_shape(k, stored.shape())?;
+        let runs = crate::rows::runs(k, row_ids, rows)?;
+        let rb = row * stored.dtype().size();
+        let src = stored.as_bytes();
+        let dst = out.as_bytes_mut();
+        dst.fill(0);
+        for r in runs {
+            let bytes = r.start * rb..r.end * rb;
+            dst[bytes.clone()].copy_from_slice(&src[bytes]);
+        }
+        Ok(())
+    }
+
     pub(crate) fn pull(&self, pairs: &mut [(Key, List<&mut NDArray>)]) -> Result<()> {
         for (k, outs) in pairs.iter() {
             let stored = self.stored(k)?;

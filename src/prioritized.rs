@@ -30,6 +30,16 @@ impl<'s> Prioritized<'s> {
         self.call(|kv| kv.pull(keys, outs))
     }
 
+    /// [`KVStore::row_sparse_pull`] with this priority.
+    pub fn row_sparse_pull(
+        self,
+        key: impl Into<crate::Key>,
+        out: &mut NDArray,
+        row_ids: &[u64],
+    ) -> Result<()> {
+        self.call(|kv| kv.row_sparse_pull(key, out, row_ids))
+    }
+
     /// [`KVStore::pull_into`] with this priority.
     pub fn pull_into<T: crate::Element>(
         self,

@@ -7,6 +7,7 @@ use crate::{Key, Keys, KvError, NDArray, Outputs, Result, Values};
 
 #[path = "store/inspect.rs"]
 mod inspect;
+mod rows;
 
 /// An updater: `(key, input, stored)`; it merges `input` (the sum of the pushed values) into
 /// `stored`, in place. It must keep `stored`'s shape and dtype.

@@ -126,6 +126,36 @@ fn big(kv: &mut KVStore) {
     ok("pushpull big", kv.pushpull(1, &b, &mut out));
     let want: Vec<f64> = (0..221).map(|i| i as f64 * w).collect();
     expect_vals("big pushpull", &out, &want);
+    // Rows 0, 4..=6 and 12 (runs that cross the servers' slices when the value is cut): they
+    // get the stored rows, the others zero.
+    let mut rows = ok("ones", NDArray::from_vec(&[13, 17], vec![1.0f64; 221]));
+    ok(
+        "row_sparse_pull big",
+        kv.row_sparse_pull(1, &mut rows, &[12, 4, 5, 0, 6, 4]),
+    );
+    let want: Vec<f64> = (0..221)
+        .map(|i| match i / 17 {
+            0 | 4..=6 | 12 => i as f64 * w,
+            _ => 0.0,
+        })
+        .collect();
+    expect_vals("big row_sparse_pull", &rows, &want);
+    if kv.row_sparse_pull(1, &mut rows, &[13]).is_ok() {
+        fail("a row past the last was pulled".into());
+    }
+    expect_vals("big row_sparse_pull refused", &rows, &want);
+    let mut one = ok("ones", NDArray::from_vec(&[1000], vec![1.0f32; 1000]));
+    ok(
+        "row_sparse_pull 1-d",
+        kv.row_sparse_pull(0, &mut one, &[999, 3]),
+    );
+    let want: Vec<f64> = (0..1000)
+        .map(|i| match i {
+            3 | 999 => i as f64 * w * (w + 1.0) / 2.0,
+            _ => 0.0,
+        })
+        .collect();
+    expect_vals("1-d row_sparse_pull", &one, &want);
 }
 
 /// Several calls in flight at once: pushes, pushpulls and pulls of plain, shared-memory and

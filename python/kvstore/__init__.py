@@ -14,8 +14,9 @@ differences from MXNet, each documented in README.md:
 
 * In a distributed store an updater set with ``_set_updater`` runs on the servers (MXNet
   ignores it there); it is pickled by value with cloudpickle.
-* ``row_sparse_pull`` and ``set_gradient_compression`` are absent (no sparse arrays, no
-  gradient compression).
+* ``row_sparse_pull`` takes dense numpy outputs of the value's shape: the rows asked for get
+  the stored rows and the others zero (MXNet's row-sparse result, made dense); only those
+  rows travel. ``set_gradient_compression`` is absent (no gradient compression).
 * ``save_optimizer_states`` of a distributed store saves the servers' state (MXNet refuses
   it); call it on one worker. The file is kvstore's own (MXNet's is a pickle).
 * ``create`` refuses a name it does not know (MXNet makes a local store of it).

@@ -16,6 +16,7 @@ use crate::{to_py, updater};
 
 mod calls;
 mod pushes;
+mod rows;
 use calls::{nbytes, read_lines, refs, refs_mut, touch_lines};
 use pushes::{Pushes, ASYNC_BYTES};
 
@@ -227,6 +228,29 @@ impl KVStore {
         let k = keys(key)?;
         let mut outs = per_key(&k, out, true, "out")?;
         self.pull_into(py, k, &mut outs, priority)
+    }
+
+    /// Pulls only the rows `row_ids` (along the first dimension) of each key's value into
+    /// `out`, which has the value's shape: those rows get the stored rows, the others zero
+    /// (MXNet's row-sparse result, made dense). `row_ids` is one 1-D integer array (or list)
+    /// for every output, or a list of them, one per output; ids may repeat and come in any
+    /// order. In a distributed store only those rows travel.
+    #[pyo3(signature = (key, out = None, priority = 0, row_ids = None))]
+    fn row_sparse_pull(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+        row_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let out = out.ok_or_else(|| {
+            PyValueError::new_err("row_sparse_pull needs out= (the arrays to fill)")
+        })?;
+        let ids = row_ids.ok_or_else(|| {
+            PyValueError::new_err("row_sparse_pull needs row_ids= (the rows to pull)")
+        })?;
+        self.rows(py, key, out, priority, ids)
     }
 
     /// Pushes, then pulls the result into `out`; with no `out`, into the values themselves.

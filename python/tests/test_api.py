@@ -110,6 +110,41 @@ def test_pushpull_broadcast_and_priority(kv):
     assert (outs[0] == 1).all() and (outs[1] == 1).all()
 
 
+def test_row_sparse_pull_writes_the_rows_asked_for_and_zeros_the_rest():
+    kv = kvstore.create("local")
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    kv.init("emb", w)
+    out = np.full((4, 3), -1, dtype=np.float32)
+    kv.row_sparse_pull("emb", out=out, row_ids=np.array([3, 1, 3], dtype=np.int64))
+    want = np.zeros((4, 3), dtype=np.float32)
+    want[[1, 3]] = w[[1, 3]]
+    assert (out == want).all(), out
+    # One list of ids for a list of outputs, or one list each; priority as MXNet's.
+    outs = [np.ones((4, 3), dtype=np.float32) for _ in range(2)]
+    kv.row_sparse_pull("emb", out=outs, row_ids=[0], priority=3)
+    assert all((o[0] == w[0]).all() and (o[1:] == 0).all() for o in outs)
+    kv.row_sparse_pull("emb", out=outs, row_ids=[np.array([2]), [0, 1]])
+    assert (outs[0][2] == w[2]).all() and (outs[0][[0, 1, 3]] == 0).all()
+    assert (outs[1][:2] == w[:2]).all() and (outs[1][2:] == 0).all()
+    # Errors: nothing is written.
+    before = out.copy()
+    with pytest.raises(ValueError, match="out of range"):
+        kv.row_sparse_pull("emb", out=out, row_ids=[4])
+    with pytest.raises(ValueError, match="negative"):
+        kv.row_sparse_pull("emb", out=out, row_ids=[-1])
+    with pytest.raises(TypeError):
+        kv.row_sparse_pull("emb", out=out, row_ids="1")
+    with pytest.raises(ValueError, match="row_ids"):
+        kv.row_sparse_pull("emb", out=out)
+    with pytest.raises(ValueError):
+        kv.row_sparse_pull("emb", out=np.zeros((3, 3), dtype=np.float32), row_ids=[0])
+    with pytest.raises(ValueError, match="2 lists of row ids for 1 outputs"):
+        kv.row_sparse_pull("emb", out=out, row_ids=[[0], [1]])
+    with pytest.raises(KeyError):
+        kv.row_sparse_pull("nope", out=out, row_ids=[0])
+    assert (out == before).all()
+
+
 def test_string_keys():
     kv = kvstore.create()
     kv.init(["w", "b"], [np.ones(SHAPE), np.zeros(SHAPE)])

@@ -268,6 +268,23 @@ def test_a_push_returns_before_the_servers_answer_and_a_pull_sees_it(tmp_path):
     assert "worker 0 done" in out and "worker 1 done" in out, out
 
 
+def test_row_sparse_pull_moves_the_rows_of_a_value_cut_over_the_servers(tmp_path):
+    code, out = run_job(tmp_path, """
+        w = np.arange(50 * 8, dtype=np.float64).reshape(50, 8)
+        kv.init("emb", w)
+        kv.push("emb", w * (kv.rank + 1))
+        o = np.full((50, 8), -1.0)
+        rows = [49, 0, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 0]
+        kv.row_sparse_pull("emb", out=o, row_ids=np.array(rows))
+        want = np.zeros((50, 8))
+        want[rows] = w[rows] * 3      # the round's sum of both workers' pushes
+        assert (o == want).all(), o
+        print(f"worker {kv.rank} rows ok", flush=True)
+        """, env={"KVSTORE_BIGARRAY_BOUND": "100"})
+    assert code == 0, out
+    assert "worker 0 rows ok" in out and "worker 1 rows ok" in out, out
+
+
 def test_a_failed_push_is_raised_by_the_next_call(tmp_path):
     code, out = run_job(tmp_path, """
         kv.init(5, np.zeros(4))

@@ -343,7 +343,7 @@ impl ServerState {
                 format!("key {} has not been initialised", m.key),
             ));
         };
-        if s.total != m.total || s.start != m.start || s.stored.size() as u64 != m.len {
+        if s.total != m.total || !rows::names(m, s.start, s.stored.size() as u64) {
             return Err((
                 status::MISMATCH,
                 format!(
@@ -353,7 +353,7 @@ impl ServerState {
                     s.start + s.stored.size() as u64,
                     s.total,
                     m.start,
-                    m.start + m.len,
+                    m.start.saturating_add(m.len),
                     m.total
                 ),
             ));
@@ -384,8 +384,10 @@ impl ServerState {
             slot.behind.push(Held { peer, req: *m });
             return;
         }
-        let v = slot.stored.clone();
-        self.ok(peer, m, Payload::Array(v));
+        match rows::pulled(&slot.stored, slot.start, m) {
+            Ok(p) => self.ok(peer, m, p),
+            Err(e) => self.err(peer, m, status::FAILED, e),
+        }
     }
 
     fn push(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: Input<'_>) {
@@ -531,7 +533,7 @@ impl ServerState {
         slot.pushed.iter_mut().for_each(|p| *p = false);
         let held = std::mem::take(&mut slot.held);
         let behind = std::mem::take(&mut slot.behind);
-        let value = slot.stored.clone();
+        let (value, start) = (slot.stored.clone(), slot.start);
         for h in held {
             match &res {
                 Ok(()) if h.req.op == Op::PushPull => {
@@ -544,7 +546,10 @@ impl ServerState {
         // The pulls behind a push get the value, as a pull now would (the stored one, where
         // the update failed: the push's own answer says so).
         for h in behind {
-            self.ok(h.peer, &h.req, Payload::Array(value.clone()));
+            match rows::pulled(&value, start, &h.req) {
+                Ok(p) => self.ok(h.peer, &h.req, p),
+                Err(e) => self.err(h.peer, &h.req, status::FAILED, e),
+            }
         }
     }
 }
@@ -552,6 +557,7 @@ impl ServerState {
 mod input;
 mod kept;
 mod leave;
+mod rows;
 mod states;
 mod updater;
 

@@ -419,3 +419,31 @@ fn a_workers_pull_after_its_own_push_waits_for_the_round() {
         "{r:?}"
     );
 }
+
+#[test]
+fn a_pull_may_name_a_run_inside_the_slice_and_gets_only_that_run() {
+    let mut s = ServerState::new(1, true);
+    let mut init = NDArray::from_vec(&[6], vec![0f32, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+    s.handle(0, 0, &req(Op::Init, 4, 6, 1), &mut init);
+    replies(&mut s);
+    let part = |op, start, len, id| {
+        let mut m = req(op, 4, 6, id);
+        m.start = start;
+        m.len = len;
+        m
+    };
+    s.handle(0, 0, &part(Op::Pull, 2, 3, 2), &mut empty());
+    assert_eq!(replies(&mut s), vec![(0, 2, 0, vec![2.0, 3.0, 4.0])]);
+    // Past the slice, empty, or overflowing: refused. A push names the slice exactly.
+    for (start, len, id) in [(4, 3, 3), (6, 1, 4), (2, 0, 5), (u64::MAX, 2, 6)] {
+        s.handle(0, 0, &part(Op::Pull, start, len, id), &mut empty());
+        assert_eq!(replies(&mut s)[0].2, status::MISMATCH, "{start}+{len}");
+    }
+    s.handle(0, 0, &part(Op::Push, 2, 3, 7), &mut data(1.0, 3));
+    assert_eq!(replies(&mut s)[0].2, status::MISMATCH);
+    // A run pulled after this worker's push of the round is answered with the round's value.
+    s.handle(0, 0, &req(Op::Push, 4, 6, 8), &mut data(7.0, 6));
+    s.handle(0, 0, &part(Op::Pull, 5, 1, 9), &mut empty());
+    let r = replies(&mut s);
+    assert_eq!(r.last().unwrap(), &(0, 9, 0, vec![7.0]));
+}

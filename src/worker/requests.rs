@@ -414,6 +414,51 @@ impl DistWorker {
         Ok(())
     }
 
+    /// Pulls the rows `row_ids` of `k`'s value into `out` (the value's shape), zeroing the
+    /// other rows: one request per run of consecutive rows and server holding part of it, each
+    /// moving only those rows' bytes.
+    pub(crate) fn row_sparse_pull(
+        &mut self,
+        k: &Key,
+        out: &mut NDArray,
+        row_ids: &[u64],
+    ) -> Result<()> {
+        self.checked()?;
+        self.check_output(k, out)?;
+        crate::rows::check_host(k, out)?;
+        let info = self.info(k)?;
+        let (rows, row) = crate::rows::row_shape(k, &info.shape)?;
+        let es = info.dtype.size();
+        let mut reqs = Requests::new();
+        for r in crate::rows::runs(k, row_ids, rows)? {
+            let (a, b) = ((r.start * row) as u64, (r.end * row) as u64);
+            for p in &info.parts {
+                let (start, end) = (a.max(p.start), b.min(p.start + p.len));
+                if start >= end {
+                    continue;
+                }
+                let part = Part {
+                    server: p.server,
+                    start,
+                    len: end - start,
+                };
+                reqs.push(Request {
+                    server: p.server,
+                    msg: data_msg(Op::Pull, info, &part),
+                    data: None,
+                    text: Vec::new(),
+                    dest: Some((0, byte_range(&part, es))),
+                });
+            }
+        }
+        // The rows not pulled read as zero, as in MXNet's row-sparse result made dense.
+        out.as_bytes_mut().fill(0);
+        if reqs.is_empty() {
+            return Ok(());
+        }
+        self.run(reqs, &mut [out])
+    }
+
     /// Rank 0 (`every`: each rank) sends `op` with `payload` to every server; then every
     /// worker waits at a barrier.
     pub(crate) fn broadcast(&mut self, op: Op, payload: &[u8], every: bool) -> Result<()> {
