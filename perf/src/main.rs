@@ -318,9 +318,10 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     (true, TransportKind::Tcp) => {
                         Some(raw::socket_pingpong_us(r.size, 500).map_err(|e| e.to_string())?)
                     }
-                    (true, TransportKind::Shm) => {
-                        Some(raw::shared_pingpong_us(r.size, 20_000).map_err(|e| e.to_string())?)
-                    }
+                    (true, TransportKind::Shm) => Some(
+                        raw::shared_pingpong_us(r.size, r.iters.clamp(1_000, 20_000))
+                            .map_err(|e| e.to_string())?,
+                    ),
                     _ => None,
                 };
                 points.push((r.size as f64, r.us[1]));
@@ -374,7 +375,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
             if !a.json && a.reference {
                 let what = match a.transport {
                     TransportKind::Tcp => "reference: a plain blocking-socket ping-pong over loopback (half its median round trip)",
-                    TransportKind::Shm => "reference: two threads passing the message back and forth through shared memory with nothing else (a buffer and a flag each way; half their median round trip)",
+                    TransportKind::Shm => "reference: two threads passing the message back and forth through shared memory with nothing else (a buffer and a flag each way; half their median round trip). It copies every byte each way: the transport hands a large message over as pages and may be below it",
                     _ => "reference: none for rdma here (perftest's ib_send_lat is the one to run beside it)",
                 };
                 let _ = writeln!(out, "{what}");

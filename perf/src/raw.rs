@@ -418,20 +418,31 @@ pub fn socket_pingpong_us(size: usize, iters: usize) -> std::io::Result<f64> {
 /// the message out and answering the same way. The floor of any shared-memory transport on
 /// this host (one cache line each way for a small message).
 pub fn shared_pingpong_us(size: usize, iters: usize) -> Result<f64, kvstore_shm::ShmError> {
-    use std::sync::atomic::Ordering;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
+    /// Tells the echo thread to stop, on every way out of the function.
+    struct Stop(Arc<AtomicBool>);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
     // The two flags on their own cache lines, then the two buffers, each page-aligned.
     let (flag_ab, flag_ba, at_ab) = (0usize, 64usize, 4096usize);
     let at_ba = at_ab + size.div_ceil(4096).max(1) * 4096;
     let len = at_ba + size.div_ceil(4096).max(1) * 4096;
     let seg = Arc::new(kvstore_shm::Segment::create("kvperf-ref", len)?);
     let n = iters.max(1) as u64;
-    let other = seg.clone();
+    let (other, stop) = (seg.clone(), Arc::new(AtomicBool::new(false)));
+    let stopped = stop.clone();
     let echo = std::thread::spawn(move || -> Result<(), kvstore_shm::ShmError> {
         let mut buf = vec![0u8; size];
         let (ab, ba) = (other.atomic_u64(flag_ab)?, other.atomic_u64(flag_ba)?);
         for i in 1..=n {
             while ab.load(Ordering::Acquire) != i {
+                if stopped.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
                 std::hint::spin_loop();
             }
             other.read(at_ab, &mut buf)?;
@@ -440,6 +451,8 @@ pub fn shared_pingpong_us(size: usize, iters: usize) -> Result<f64, kvstore_shm:
         }
         Ok(())
     });
+    let guard = Stop(stop);
+    let deadline = Instant::now() + Duration::from_secs(30);
     let mut buf = vec![7u8; size];
     let (ab, ba) = (seg.atomic_u64(flag_ab)?, seg.atomic_u64(flag_ba)?);
     let mut samples = Vec::with_capacity(n as usize);
@@ -447,12 +460,18 @@ pub fn shared_pingpong_us(size: usize, iters: usize) -> Result<f64, kvstore_shm:
         let t0 = Instant::now();
         seg.write(at_ab, &buf)?;
         ab.store(i, Ordering::Release);
+        let mut spins = 0u32;
         while ba.load(Ordering::Acquire) != i {
+            spins = spins.wrapping_add(1);
+            if spins % 4096 == 0 && (echo.is_finished() || Instant::now() >= deadline) {
+                return Err(kvstore_shm::ShmError::Timeout);
+            }
             std::hint::spin_loop();
         }
         seg.read(at_ba, &mut buf)?;
         samples.push(t0.elapsed().as_nanos() as f64 / 2000.0);
     }
+    drop(guard);
     echo.join()
         .map_err(|_| kvstore_shm::ShmError::Corrupt("the echo thread panicked".into()))??;
     samples.sort_by(f64::total_cmp);

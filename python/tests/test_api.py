@@ -143,6 +143,13 @@ def test_row_sparse_pull_writes_the_rows_asked_for_and_zeros_the_rest():
     with pytest.raises(KeyError):
         kv.row_sparse_pull("nope", out=out, row_ids=[0])
     assert (out == before).all()
+    # A bad list or output after a good one: nothing is written, the first output included.
+    firsts = [o.copy() for o in outs]
+    with pytest.raises(ValueError, match="out of range"):
+        kv.row_sparse_pull("emb", out=outs, row_ids=[[0], [9]])
+    with pytest.raises(ValueError):
+        kv.row_sparse_pull("emb", out=[outs[0], np.zeros((4, 2), dtype=np.float32)], row_ids=[1])
+    assert all((o == f).all() for o, f in zip(outs, firsts))
 
 
 def test_string_keys():

@@ -421,7 +421,7 @@ fn a_workers_pull_after_its_own_push_waits_for_the_round() {
 }
 
 #[test]
-fn a_pull_may_name_a_run_inside_the_slice_and_gets_only_that_run() {
+fn a_pull_may_name_a_run_inside_the_slice_and_gets_only_that_run_and_a_push_may_not() {
     let mut s = ServerState::new(1, true);
     let mut init = NDArray::from_vec(&[6], vec![0f32, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
     s.handle(0, 0, &req(Op::Init, 4, 6, 1), &mut init);
@@ -441,9 +441,32 @@ fn a_pull_may_name_a_run_inside_the_slice_and_gets_only_that_run() {
     }
     s.handle(0, 0, &part(Op::Push, 2, 3, 7), &mut data(1.0, 3));
     assert_eq!(replies(&mut s)[0].2, status::MISMATCH);
-    // A run pulled after this worker's push of the round is answered with the round's value.
-    s.handle(0, 0, &req(Op::Push, 4, 6, 8), &mut data(7.0, 6));
-    s.handle(0, 0, &part(Op::Pull, 5, 1, 9), &mut empty());
+}
+
+#[test]
+fn a_run_pulled_behind_a_push_gets_the_rounds_value_or_the_stored_one_if_a_worker_left() {
+    let mut s = ServerState::new(2, true);
+    let mut init = NDArray::from_vec(&[6], vec![0f32, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+    s.handle(0, 0, &req(Op::Init, 4, 6, 1), &mut init);
+    replies(&mut s);
+    let run = |start, len, id| {
+        let mut m = req(Op::Pull, 4, 6, id);
+        m.start = start;
+        m.len = len;
+        m
+    };
+    // Worker 0 pushes, then pulls a run: held until worker 1's push completes the round.
+    s.handle(0, 0, &req(Op::Push, 4, 6, 2), &mut data(1.0, 6));
+    s.handle(0, 0, &run(4, 2, 3), &mut empty());
+    assert!(replies(&mut s).is_empty(), "held behind the push");
+    s.handle(1, 1, &req(Op::Push, 4, 6, 4), &mut data(2.0, 6));
     let r = replies(&mut s);
-    assert_eq!(r.last().unwrap(), &(0, 9, 0, vec![7.0]));
+    assert!(r.contains(&(0, 3, 0, vec![3.0, 3.0])), "{r:?}");
+    // Held again, and worker 1 leaves: the run gets the stored value's run.
+    s.handle(0, 0, &req(Op::Push, 4, 6, 5), &mut data(9.0, 6));
+    s.handle(0, 0, &run(1, 3, 6), &mut empty());
+    assert!(replies(&mut s).is_empty(), "held behind the push");
+    s.worker_gone(1, "disconnected");
+    let r = replies(&mut s);
+    assert!(r.contains(&(0, 6, 0, vec![3.0, 3.0, 3.0])), "{r:?}");
 }

@@ -65,17 +65,36 @@ impl KVStore {
         let k = keys(key)?;
         let mut outs = per_key(&k, out, true, "out")?;
         let lists = row_lists(row_ids, outs.iter().map(Vec::len).sum())?;
+        let mut jobs = Vec::with_capacity(lists.len());
         let mut lists = lists.into_iter();
-        for (key, list) in k.keys.into_iter().zip(outs.iter_mut()) {
+        for (key, list) in k.keys.iter().zip(outs.iter_mut()) {
             for o in list {
-                let ids = lists.next().unwrap_or_default();
-                let key = key.clone();
-                let a = &mut o.array;
-                self.call(py, a.nbytes(), move |kv| {
-                    kv.with_priority(priority).row_sparse_pull(key, a, &ids)
-                })?;
+                jobs.push((key.clone(), &mut o.array, lists.next().unwrap_or_default()));
             }
         }
-        Ok(())
+        let bytes = jobs.iter().map(|(_, a, _)| a.nbytes()).sum();
+        self.call(py, bytes, move |kv| {
+            // Every output and list of ids is checked before the first is written.
+            for (key, a, ids) in &jobs {
+                let (shape, dtype) = kv.key_info(key.clone())?;
+                if a.shape() != shape.as_slice() || a.dtype() != dtype {
+                    return Err(kvstore::KvError::Incompatible(format!(
+                        "key {key}: out has shape {:?} and dtype {}, the value {shape:?} and {dtype}",
+                        a.shape(),
+                        a.dtype()
+                    )));
+                }
+                let rows = shape.first().copied().unwrap_or(0) as u64;
+                if let Some(bad) = ids.iter().find(|&&i| i >= rows) {
+                    return Err(kvstore::KvError::Incompatible(format!(
+                        "key {key}: row id {bad} is out of range for its {rows} rows"
+                    )));
+                }
+            }
+            for (key, a, ids) in jobs {
+                kv.with_priority(priority).row_sparse_pull(key, a, &ids)?;
+            }
+            Ok(())
+        })
     }
 }

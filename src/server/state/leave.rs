@@ -1,7 +1,7 @@
 //! Workers and connections leaving, and the server failing: what happens to the requests
 //! held for a round.
 
-use super::{Payload, PeerId, ServerState};
+use super::{PeerId, ServerState};
 use crate::protocol::status;
 
 impl ServerState {
@@ -26,17 +26,25 @@ impl ServerState {
                 slot.pushed.iter_mut().for_each(|p| *p = false);
                 self.released.extend(slot.first.take().map(|k| k.id));
                 failed.extend(slot.held.drain(..).map(|h| (*key, h)));
-                // The pulls behind the failed pushes get the stored value, as they would now.
+                // The pulls behind the failed pushes get the stored value (or the run of it they
+                // name), as they would now.
                 let value = slot.stored.clone();
-                served.extend(slot.behind.drain(..).map(|h| (h, value.clone())));
+                let start = slot.start;
+                served.extend(slot.behind.drain(..).map(|h| {
+                    let answer = super::rows::pulled(&value, start, &h.req);
+                    (h, answer)
+                }));
             }
         }
         for (key, h) in failed {
             let text = format!("the round of key {key} cannot complete: worker {rank} {why}");
             self.err(h.peer, &h.req, status::PEER_LOST, text);
         }
-        for (h, value) in served {
-            self.ok(h.peer, &h.req, Payload::Array(value));
+        for (h, answer) in served {
+            match answer {
+                Ok(p) => self.ok(h.peer, &h.req, p),
+                Err(e) => self.err(h.peer, &h.req, status::FAILED, e),
+            }
         }
     }
 
