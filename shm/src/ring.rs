@@ -1,23 +1,29 @@
 //! A single-producer single-consumer ring of fixed-size slots in a segment.
 //!
 //! Layout at `base`: the producer's index (`head`, a u64 on its own cache line), the consumer's
-//! index (`tail`, likewise), then `cap` slots of [`SLOT`] bytes. The producer writes a slot, then
-//! publishes it with a release store of `head`; the consumer sees it with an acquire load, reads
-//! it, then frees it with a release store of `tail`.
+//! index (`tail`, likewise), then `cap` slots of [`STRIDE`] bytes, each a sequence word and
+//! [`SLOT`] bytes of data, starting on a cache line. The producer writes a slot's data, then
+//! publishes it with a release store of its sequence word (its index plus one) and advances
+//! `head`; the consumer polls the sequence word of the slot at `tail` with an acquire load, so
+//! that the line it polls is the line the message starts in, reads the slot, then frees it
+//! with a release store of `tail`.
 //!
-//! Each side keeps its own copy of the other side's index, as it last read it, and reads the
-//! other side's cache line again only when its copy says the ring is full (the producer) or
-//! empty (the consumer): a push does not fetch the line the consumer last wrote, and a pop of
-//! slots already seen published does not fetch the producer's. Every index read from the
-//! segment is checked against the ring's size (the peer may write anything there).
+//! The producer keeps its own copy of `tail`, as it last read it, and reads the consumer's
+//! cache line again only when its copy says the ring is full. Every index read from the
+//! segment is checked against the ring's size, and a slot is taken only when its sequence
+//! word is exactly the one due (the peer may write anything there).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::{Segment, ShmError};
 
-/// Bytes per slot.
+/// Bytes of data per slot.
 pub const SLOT: usize = 256;
+/// Bytes a slot takes: its sequence word, its data, and what rounds it up to whole cache lines.
+const STRIDE: usize = SLOT + 64;
+/// Where a slot's data starts, after its sequence word.
+const DATA: usize = 8;
 const HEAD: usize = 0;
 const TAIL: usize = 64;
 const SLOTS: usize = 128;
@@ -27,8 +33,8 @@ pub struct Ring {
     seg: Arc<Segment>,
     base: usize,
     cap: u64,
-    /// The other side's index as this side last read it (the producer's copy of `tail`, the
-    /// consumer's of `head`): this process's own memory, not the segment's.
+    /// The producer's copy of `tail`, as it last read it: this process's own memory, not the
+    /// segment's.
     seen: AtomicU64,
 }
 
@@ -38,7 +44,7 @@ impl Ring {
 
     /// Bytes a ring of `cap` slots takes; `None` beyond [`Ring::MAX_SLOTS`].
     pub fn bytes_needed(cap: u64) -> Option<usize> {
-        (cap <= Self::MAX_SLOTS).then(|| SLOTS + cap as usize * SLOT)
+        (cap <= Self::MAX_SLOTS).then(|| SLOTS + cap as usize * STRIDE)
     }
 
     /// The ring at `base` of `seg`, with `cap` slots (indices start at zero in a fresh segment).
@@ -93,20 +99,23 @@ impl Ring {
         Ok((head, self.used(head, tail)?))
     }
 
-    /// Consumer: `tail` and the slots published, reading `head` from the segment only when
-    /// the copy of it says the ring is empty (or does not fit `tail`).
-    fn consumer(&self) -> Result<(u64, u64), ShmError> {
+    /// Where slot `index` lies (in bounds: `cap` slots lie after the indices, checked in
+    /// `new`).
+    fn slot(&self, index: u64) -> usize {
+        self.base + SLOTS + (index % self.cap) as usize * STRIDE
+    }
+
+    /// Consumer: `tail`, if the slot at `tail` is published (its sequence word is `tail + 1`).
+    fn due(&self) -> Result<Option<u64>, ShmError> {
+        // This side's own index: only it writes the line (a peer's write makes the slots it
+        // names look unpublished, or hands over what the peer wrote: its own loss).
         let tail = self.index(TAIL, Ordering::Relaxed)?;
-        let seen = self.seen.load(Ordering::Relaxed);
-        let n = seen.wrapping_sub(tail);
-        if n != 0 && n <= self.cap {
-            // Slots the producer published by the head this side saw (read with acquire).
-            return Ok((tail, n));
-        }
-        // Acquire: the slots before `head` were written before its store.
-        let head = self.index(HEAD, Ordering::Acquire)?;
-        self.seen.store(head, Ordering::Relaxed);
-        Ok((tail, self.used(head, tail)?))
+        // Acquire: the slot's data was written before its sequence word.
+        let seq = self
+            .seg
+            .atomic_u64(self.slot(tail))?
+            .load(Ordering::Acquire);
+        Ok((seq == tail.wrapping_add(1)).then_some(tail))
     }
 
     /// Producer: appends a slot (`data` at most [`SLOT`] bytes); `Ok(false)` if the ring is full.
@@ -121,23 +130,22 @@ impl Ring {
         if used == self.cap {
             return Ok(false);
         }
-        // In bounds: `cap` slots lie after the indices (checked in `new`).
-        let at = self.base + SLOTS + (head % self.cap) as usize * SLOT;
-        self.seg.write(at, data)?;
+        let at = self.slot(head);
+        self.seg.write(at + DATA, data)?;
+        let next = head.wrapping_add(1);
+        self.seg.atomic_u64(at)?.store(next, Ordering::Release);
         self.seg
             .atomic_u64(self.base + HEAD)?
-            .store(head.wrapping_add(1), Ordering::Release);
+            .store(next, Ordering::Relaxed);
         Ok(true)
     }
 
     /// Consumer: takes the oldest slot into `out`; `Ok(false)` if the ring is empty.
     pub fn try_pop(&self, out: &mut [u8; SLOT]) -> Result<bool, ShmError> {
-        let (tail, n) = self.consumer()?;
-        if n == 0 {
+        let Some(tail) = self.due()? else {
             return Ok(false);
-        }
-        let at = self.base + SLOTS + (tail % self.cap) as usize * SLOT;
-        self.seg.read(at, out)?;
+        };
+        self.seg.read(self.slot(tail) + DATA, out)?;
         self.seg
             .atomic_u64(self.base + TAIL)?
             .store(tail.wrapping_add(1), Ordering::Release);
@@ -152,7 +160,7 @@ impl Ring {
 
     /// Whether nothing is waiting (for the consumer).
     pub fn is_empty(&self) -> bool {
-        self.consumer().map(|(_, n)| n == 0).unwrap_or(false)
+        self.due().map(|d| d.is_none()).unwrap_or(false)
     }
 }
 
@@ -181,17 +189,29 @@ mod tests {
     }
 
     #[test]
-    fn garbage_indices_are_refused() {
-        let seg = Arc::new(Segment::create("ring", 4096).unwrap());
+    fn garbage_indices_and_sequence_words_are_refused_or_never_taken() {
+        let seg = Arc::new(Segment::create("ring", 4096 * 2).unwrap());
         let r = Ring::new(seg.clone(), 0, 4).unwrap();
-        seg.atomic_u64(0).unwrap().store(100, Ordering::SeqCst);
         let mut out = [0u8; SLOT];
-        assert!(matches!(r.try_pop(&mut out), Err(ShmError::Corrupt(_))));
+        // Garbage in the producer's index: the consumer sees nothing published; the producer
+        // refuses its index.
+        seg.atomic_u64(HEAD).unwrap().store(100, Ordering::SeqCst);
+        assert!(!r.try_pop(&mut out).unwrap());
+        assert!(matches!(r.try_push(&[1]), Err(ShmError::Corrupt(_))));
+        seg.atomic_u64(HEAD).unwrap().store(0, Ordering::SeqCst);
+        // A slot's sequence word that is not the one due is not a message.
+        for bad in [0u64, 2, 5, u64::MAX] {
+            seg.atomic_u64(SLOTS).unwrap().store(bad, Ordering::SeqCst);
+            assert!(r.is_empty() && !r.try_pop(&mut out).unwrap(), "{bad}");
+        }
+        assert!(r.try_push(&[7]).unwrap());
+        assert!(r.try_pop(&mut out).unwrap());
+        assert_eq!(out[0], 7);
         assert!(Ring::new(seg, 0, 1000).is_err(), "does not fit");
     }
 
     #[test]
-    fn each_side_reads_the_others_index_only_when_its_copy_runs_out() {
+    fn the_producer_reads_the_consumers_index_only_when_its_copy_runs_out() {
         let seg = Arc::new(Segment::create("ring", 4096 * 2).unwrap());
         let tx = Ring::new(seg.clone(), 0, 4).unwrap();
         let rx = Ring::new(seg.clone(), 0, 4).unwrap();
@@ -210,25 +230,13 @@ mod tests {
             tx.is_full(),
             "a ring it cannot read is full to the producer"
         );
+        // The consumer, at that garbage index, finds no slot due there.
+        assert!(rx.is_empty());
         seg.atomic_u64(TAIL).unwrap().store(0, Ordering::SeqCst);
-        // The consumer reads `head` once (4 published) and pops them from its copy; garbage
-        // written to `head` meanwhile is seen only when the copy runs out.
-        assert!(rx.try_pop(&mut out).unwrap());
-        assert_eq!(out[0], 1);
-        seg.atomic_u64(HEAD)
-            .unwrap()
-            .store(1 << 40, Ordering::SeqCst);
-        for i in 2..5u8 {
+        for i in 1..5u8 {
             assert!(rx.try_pop(&mut out).unwrap());
             assert_eq!(out[0], i);
         }
-        assert!(matches!(rx.try_pop(&mut out), Err(ShmError::Corrupt(_))));
-        assert!(
-            !rx.is_empty(),
-            "a ring it cannot read is not empty to the consumer"
-        );
-        // Sound indices again: both sides go on from what the segment says.
-        seg.atomic_u64(HEAD).unwrap().store(4, Ordering::SeqCst);
         assert!(rx.is_empty());
         assert!(tx.try_push(&[6]).unwrap());
         assert!(rx.try_pop(&mut out).unwrap());
