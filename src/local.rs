@@ -187,20 +187,17 @@ impl LocalStore {
         Ok(())
     }
 
-    /// Copies the rows `row_ids` of `k`'s value into `out` (the value's shape), zeroing the
-    /// other rows.
+    /// Copies the rows `runs` of `k`'s value (`row` elements each; `out` is checked to fit the
+    /// value, [`crate::KVStore::row_sparse_pull`]) into `out`, zeroing the other rows.
     pub(crate) fn row_sparse_pull(
         &self,
         k: &Key,
         out: &mut NDArray,
-        row_ids: &[u64],
+        row: usize,
+        runs: &[std::ops::Range<usize>],
     ) -> Result<()> {
         let stored = self.stored(k)?;
-        check_like(k, stored, out)?;
-        crate::rows::check_host(k, out)?;
         crate::rows::check_host(k, stored)?;
-        let (rows, row) = crate::rows::row_shape(k, stored.shape())?;
-        let runs = crate::rows::runs(k, row_ids, rows)?;
         let rb = row * stored.dtype().size();
         let src = stored.as_bytes();
         let dst = out.as_bytes_mut();

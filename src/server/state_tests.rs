@@ -420,18 +420,26 @@ fn a_workers_pull_after_its_own_push_waits_for_the_round() {
     );
 }
 
-#[test]
-fn a_pull_may_name_a_run_inside_the_slice_and_gets_only_that_run_and_a_push_may_not() {
-    let mut s = ServerState::new(1, true);
+/// A store of `workers` workers holding key 4: the elements 0 to 5.
+fn key_4(workers: usize) -> ServerState {
+    let mut s = ServerState::new(workers, true);
     let mut init = NDArray::from_vec(&[6], vec![0f32, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
     s.handle(0, 0, &req(Op::Init, 4, 6, 1), &mut init);
     replies(&mut s);
-    let part = |op, start, len, id| {
-        let mut m = req(op, 4, 6, id);
-        m.start = start;
-        m.len = len;
-        m
-    };
+    s
+}
+
+/// A request `id` for the run of key 4's elements `start..start + len`.
+fn part(op: Op, start: u64, len: u64, id: u64) -> Msg {
+    let mut m = req(op, 4, 6, id);
+    m.start = start;
+    m.len = len;
+    m
+}
+
+#[test]
+fn a_pull_may_name_a_run_inside_the_slice_and_gets_only_that_run_and_a_push_may_not() {
+    let mut s = key_4(1);
     s.handle(0, 0, &part(Op::Pull, 2, 3, 2), &mut empty());
     assert_eq!(replies(&mut s), vec![(0, 2, 0, vec![2.0, 3.0, 4.0])]);
     // Past the slice, empty, or overflowing: refused. A push names the slice exactly.
@@ -445,26 +453,17 @@ fn a_pull_may_name_a_run_inside_the_slice_and_gets_only_that_run_and_a_push_may_
 
 #[test]
 fn a_run_pulled_behind_a_push_gets_the_rounds_value_or_the_stored_one_if_a_worker_left() {
-    let mut s = ServerState::new(2, true);
-    let mut init = NDArray::from_vec(&[6], vec![0f32, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
-    s.handle(0, 0, &req(Op::Init, 4, 6, 1), &mut init);
-    replies(&mut s);
-    let run = |start, len, id| {
-        let mut m = req(Op::Pull, 4, 6, id);
-        m.start = start;
-        m.len = len;
-        m
-    };
+    let mut s = key_4(2);
     // Worker 0 pushes, then pulls a run: held until worker 1's push completes the round.
     s.handle(0, 0, &req(Op::Push, 4, 6, 2), &mut data(1.0, 6));
-    s.handle(0, 0, &run(4, 2, 3), &mut empty());
+    s.handle(0, 0, &part(Op::Pull, 4, 2, 3), &mut empty());
     assert!(replies(&mut s).is_empty(), "held behind the push");
     s.handle(1, 1, &req(Op::Push, 4, 6, 4), &mut data(2.0, 6));
     let r = replies(&mut s);
     assert!(r.contains(&(0, 3, 0, vec![3.0, 3.0])), "{r:?}");
     // Held again, and worker 1 leaves: the run gets the stored value's run.
     s.handle(0, 0, &req(Op::Push, 4, 6, 5), &mut data(9.0, 6));
-    s.handle(0, 0, &run(1, 3, 6), &mut empty());
+    s.handle(0, 0, &part(Op::Pull, 1, 3, 6), &mut empty());
     assert!(replies(&mut s).is_empty(), "held behind the push");
     s.worker_gone(1, "disconnected");
     let r = replies(&mut s);

@@ -1,7 +1,9 @@
 //! MXNet's `row_sparse_pull`, into dense outputs.
 
+use std::ops::Range;
+
 use super::{Inner, KVStore};
-use crate::{Key, NDArray, Result};
+use crate::{rows, Key, KvError, NDArray, Result};
 
 impl KVStore {
     /// Pulls only the rows `row_ids` of `key`'s value (rows along its first dimension) into
@@ -28,9 +30,45 @@ impl KVStore {
     ) -> Result<()> {
         let key = key.into();
         self.check_keys(std::iter::once(&key))?;
+        let (row, runs) = self.row_runs(&key, out, row_ids)?;
         match &mut self.inner {
-            Inner::Local(s) => s.row_sparse_pull(&key, out, row_ids),
-            Inner::Dist(d) => d.row_sparse_pull(&key, out, row_ids),
+            Inner::Local(s) => s.row_sparse_pull(&key, out, row, &runs),
+            Inner::Dist(d) => d.row_sparse_pull(&key, out, row, &runs),
         }
+    }
+
+    /// What [`KVStore::row_sparse_pull`] would refuse, checked with nothing written: an
+    /// unknown key, an output of another shape or dtype or outside host memory, a row id past
+    /// the last row. A caller pulling into several outputs checks them all first.
+    pub fn check_rows(&self, key: impl Into<Key>, out: &NDArray, row_ids: &[u64]) -> Result<()> {
+        self.row_runs(&key.into(), out, row_ids).map(drop)
+    }
+
+    /// The elements in a row of `key`'s value, and the runs of rows `row_ids` names, once
+    /// `out` is found to fit the value.
+    fn row_runs(
+        &self,
+        key: &Key,
+        out: &NDArray,
+        row_ids: &[u64],
+    ) -> Result<(usize, Vec<Range<usize>>)> {
+        let (shape, dtype) = self.key_info(key.clone())?;
+        if out.shape() != shape.as_slice() {
+            return Err(KvError::ShapeMismatch {
+                key: key.clone(),
+                expected: shape,
+                got: out.shape().to_vec(),
+            });
+        }
+        if out.dtype() != dtype {
+            return Err(KvError::DTypeMismatch {
+                key: key.clone(),
+                expected: dtype,
+                got: out.dtype(),
+            });
+        }
+        rows::check_host(key, out)?;
+        let (n, row) = rows::row_shape(key, &shape)?;
+        Ok((row, rows::runs(key, row_ids, n)?))
     }
 }

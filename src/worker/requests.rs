@@ -414,23 +414,21 @@ impl DistWorker {
         Ok(())
     }
 
-    /// Pulls the rows `row_ids` of `k`'s value into `out` (the value's shape), zeroing the
-    /// other rows: one request per run of consecutive rows and server holding part of it, each
-    /// moving only those rows' bytes.
+    /// Pulls the rows `runs` of `k`'s value (`row` elements each; `out` is checked to fit the
+    /// value, [`crate::KVStore::row_sparse_pull`]) into `out`, zeroing the other rows: one
+    /// request per run and server holding part of it, each moving only those rows' bytes.
     pub(crate) fn row_sparse_pull(
         &mut self,
         k: &Key,
         out: &mut NDArray,
-        row_ids: &[u64],
+        row: usize,
+        runs: &[std::ops::Range<usize>],
     ) -> Result<()> {
         self.checked()?;
-        self.check_output(k, out)?;
-        crate::rows::check_host(k, out)?;
         let info = self.info(k)?;
-        let (rows, row) = crate::rows::row_shape(k, &info.shape)?;
         let es = info.dtype.size();
         let mut reqs = Requests::new();
-        for r in crate::rows::runs(k, row_ids, rows)? {
+        for r in runs {
             let (a, b) = ((r.start * row) as u64, (r.end * row) as u64);
             for p in &info.parts {
                 let (start, end) = (a.max(p.start), b.min(p.start + p.len));

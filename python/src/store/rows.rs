@@ -76,20 +76,7 @@ impl KVStore {
         self.call(py, bytes, move |kv| {
             // Every output and list of ids is checked before the first is written.
             for (key, a, ids) in &jobs {
-                let (shape, dtype) = kv.key_info(key.clone())?;
-                if a.shape() != shape.as_slice() || a.dtype() != dtype {
-                    return Err(kvstore::KvError::Incompatible(format!(
-                        "key {key}: out has shape {:?} and dtype {}, the value {shape:?} and {dtype}",
-                        a.shape(),
-                        a.dtype()
-                    )));
-                }
-                let rows = shape.first().copied().unwrap_or(0) as u64;
-                if let Some(bad) = ids.iter().find(|&&i| i >= rows) {
-                    return Err(kvstore::KvError::Incompatible(format!(
-                        "key {key}: row id {bad} is out of range for its {rows} rows"
-                    )));
-                }
+                kv.check_rows(key.clone(), a, ids)?;
             }
             for (key, a, ids) in jobs {
                 kv.with_priority(priority).row_sparse_pull(key, a, &ids)?;
