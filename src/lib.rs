@@ -29,6 +29,7 @@ mod auth;
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod auth;
+mod compress;
 mod config;
 mod dtype;
 mod error;
@@ -67,6 +68,7 @@ mod store;
 mod worker;
 
 pub use args::{Key, Keys, Outputs, Values};
+pub use compress::Compression;
 pub use config::{Config, RdmaSettings, Role, TransportChoice};
 pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};

@@ -5,7 +5,7 @@ use rustc_hash::FxHashMap;
 use crate::args::List;
 use crate::dtype::with_dtype;
 use crate::ops;
-use crate::{Key, KvError, NDArray, Result, Updater};
+use crate::{Compression, Key, KvError, NDArray, Result, Updater};
 
 /// Checks that `v` has the stored value's shape and dtype.
 pub(crate) fn check_like(key: &Key, stored: &NDArray, v: &NDArray) -> Result<()> {
@@ -74,6 +74,10 @@ pub(crate) struct LocalStore {
     on_devices: bool,
     /// The built-in optimizer the updater runs, if it is one (its state can be saved).
     optimizer: Option<std::sync::Arc<std::sync::Mutex<crate::OptimizerUpdater>>>,
+    /// Gradient compression (`device` stores), and what each (key, value's place in the list
+    /// pushed) has not sent yet, as MXNet keeps a residual per key and device.
+    compression: Option<Compression>,
+    residuals: FxHashMap<(Key, usize), Vec<f32>>,
 }
 
 impl LocalStore {
@@ -84,7 +88,54 @@ impl LocalStore {
             updater: None,
             on_devices,
             optimizer: None,
+            compression: None,
+            residuals: FxHashMap::default(),
         }
+    }
+
+    /// Compresses every push from now on (a `device` store; residuals are kept).
+    pub(crate) fn set_compression(&mut self, c: Compression) -> Result<()> {
+        if !self.on_devices {
+            return Err(KvError::Unsupported(
+                "gradient compression is not supported for a local store (as in MXNet):                  create a device, dist_sync or dist_async store"
+                    .into(),
+            ));
+        }
+        self.compression = Some(c);
+        Ok(())
+    }
+
+    /// The sum of what each of `vs` sends under compression `c`: each value is added to its
+    /// residual, packed, and unpacked (on the host), as MXNet's device store sends it between
+    /// devices; the sum lies on `device`.
+    fn compressed_sum(
+        &mut self,
+        c: Compression,
+        k: &Key,
+        vs: &[&NDArray],
+        device: crate::Device,
+    ) -> Result<NDArray> {
+        let n = vs[0].size();
+        let mut sum = vec![0.0f32; n];
+        let mut packed = vec![0u8; Compression::packed_bytes(n as u64) as usize];
+        let mut sent = vec![0.0f32; n];
+        for (i, v) in vs.iter().enumerate() {
+            let host;
+            let v = if v.device().is_cpu() {
+                *v
+            } else {
+                host = v.copy_to(crate::Device::default())?;
+                &host
+            };
+            let r = self
+                .residuals
+                .entry((k.clone(), i))
+                .or_insert_with(|| vec![0.0; n]);
+            c.quantize(v.as_slice::<f32>()?, r, &mut packed);
+            c.dequantize(&packed, &mut sent)?;
+            crate::ops::add_into(&mut sum, &sent);
+        }
+        NDArray::from_vec(vs[0].shape(), sum)?.on(device)
     }
 
     pub(crate) fn set_updater(&mut self, u: Updater) {
@@ -158,30 +209,45 @@ impl LocalStore {
             for v in vs {
                 check_like(k, stored, v)?;
             }
+            if self.compression.is_some() {
+                Compression::check_dtype(k, stored.dtype())?;
+            }
         }
         for (k, vs) in pairs {
-            let Some(stored) = self.store.get_mut(k) else {
-                return Err(KvError::UnknownKey(k.clone()));
-            };
-            match &mut self.updater {
-                None => sum_into(stored, vs)?,
-                Some(up) => {
-                    let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
-                    if vs.len() == 1 {
-                        up(k, vs[0], stored)?;
-                    } else {
-                        if !self.merge.contains_key(k) {
-                            let m = NDArray::zeros_dtype(&shape, dtype).on(stored.device())?;
-                            self.merge.insert(k.clone(), m);
-                        }
-                        let Some(merged) = self.merge.get_mut(k) else {
-                            return Err(KvError::UnknownKey(k.clone()));
-                        };
-                        sum_into(merged, vs)?;
-                        up(k, merged, stored)?;
+            if let Some(c) = self.compression {
+                let device = self.stored(k)?.device();
+                let sent = self.compressed_sum(c, k, vs, device)?;
+                self.update(k, &[&sent])?;
+                continue;
+            }
+            self.update(k, vs)?;
+        }
+        Ok(())
+    }
+
+    /// Merges the sum of `vs` into `k`'s stored value (checked to fit).
+    fn update(&mut self, k: &Key, vs: &[&NDArray]) -> Result<()> {
+        let Some(stored) = self.store.get_mut(k) else {
+            return Err(KvError::UnknownKey(k.clone()));
+        };
+        match &mut self.updater {
+            None => sum_into(stored, vs)?,
+            Some(up) => {
+                let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
+                if vs.len() == 1 {
+                    up(k, vs[0], stored)?;
+                } else {
+                    if !self.merge.contains_key(k) {
+                        let m = NDArray::zeros_dtype(&shape, dtype).on(stored.device())?;
+                        self.merge.insert(k.clone(), m);
                     }
-                    check_updater_kept_shape(k, stored, &shape, dtype)?;
+                    let Some(merged) = self.merge.get_mut(k) else {
+                        return Err(KvError::UnknownKey(k.clone()));
+                    };
+                    sum_into(merged, vs)?;
+                    up(k, merged, stored)?;
                 }
+                check_updater_kept_shape(k, stored, &shape, dtype)?;
             }
         }
         Ok(())

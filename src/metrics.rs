@@ -75,7 +75,7 @@ pub struct Traffic {
     pub pushes: u64,
     /// Pulls among them (pull and pushpull).
     pub pulls: u64,
-    /// Bytes of values pushed.
+    /// Bytes of values pushed, as they travel (packed, under gradient compression).
     pub bytes_pushed: u64,
     /// Bytes of values pulled.
     pub bytes_pulled: u64,

@@ -5,6 +5,7 @@ use crate::local::LocalStore;
 use crate::optimizer::Optimizer;
 use crate::{Key, Keys, KvError, NDArray, Outputs, Result, Values};
 
+mod compress;
 #[path = "store/inspect.rs"]
 mod inspect;
 mod rows;

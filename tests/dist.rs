@@ -192,6 +192,19 @@ fn dist_async_applies_every_push_every_shape_of_job() {
 }
 
 #[test]
+fn compressed_pushes_send_what_mxnets_rule_sends_sync_and_async() {
+    // Key 1 cut into slices that are no multiple of 16 elements, and kept whole.
+    for (w, s, bound) in [(1, 1, "100"), (2, 3, "100"), (3, 2, "1000000")] {
+        let env = [("KVSTORE_BIGARRAY_BOUND", bound)];
+        let r = kvrun_check(w, s, "compress", "dist_sync", &env);
+        assert_jobs_ok(&r, w, "compress");
+    }
+    let env = [("KVSTORE_BIGARRAY_BOUND", "100")];
+    let r = kvrun_check(3, 2, "compress_async", "dist_async", &env);
+    assert_jobs_ok(&r, 3, "compress_async");
+}
+
+#[test]
 fn several_calls_in_flight_every_transport() {
     for (w, s) in [(1, 1), (2, 2), (3, 2)] {
         let r = kvrun_check(

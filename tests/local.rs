@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use kvstore::{cpu, create, DType, Key, KvError, NDArray, Optimizer};
+use kvstore::{cpu, create, Compression, DType, Key, KvError, NDArray, Optimizer};
 
 const SHAPE: [usize; 2] = [2, 3];
 
@@ -404,4 +404,30 @@ fn optimizer_states_save_and_load_for_local_stores() {
     std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
     assert!(other.load_optimizer_states(&path).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_device_store_compresses_each_value_with_its_own_residual() {
+    let mut kv = create("device").unwrap();
+    kv.set_gradient_compression(Compression::two_bit(0.5).unwrap())
+        .unwrap();
+    kv.init(0, &NDArray::zeros(&[4])).unwrap();
+    kv.init(1, &NDArray::zeros_dtype(&[4], DType::F64)).unwrap();
+    let g = |v: [f32; 4]| NDArray::from_vec(&[4], v.to_vec()).unwrap();
+    let mut out = NDArray::zeros(&[4]);
+    // Device 0 pushes 0.3 each time, device 1 -0.6 then 0.2: what each sends is summed.
+    let sends = [[0.0, -0.5], [0.5, 0.0], [0.0, 0.0]];
+    for (step, d1) in [-0.6, 0.2, 0.2].into_iter().enumerate() {
+        kv.pushpull(0, &vec![g([0.3; 4]), g([d1; 4])], &mut out)
+            .unwrap();
+        let want = sends[step][0] + sends[step][1];
+        assert_eq!(out.to_vec::<f32>().unwrap(), [want; 4], "step {step}");
+    }
+    // float64 values are not compressed: refused, nothing changes.
+    let e = kv.push(1, &NDArray::full_dtype(&[4], 1.0, DType::F64));
+    assert!(matches!(e, Err(KvError::Unsupported(m)) if m.contains("float32")));
+    let e = create("local")
+        .unwrap()
+        .set_gradient_compression(Compression::two_bit(0.5).unwrap());
+    assert!(matches!(e, Err(KvError::Unsupported(m)) if m.contains("local store")));
 }

@@ -76,6 +76,13 @@ fn rdma_big_tensors_are_sliced_and_reassembled() {
 }
 
 #[test]
+fn rdma_compressed_pushes_sync_and_async() {
+    let bound = [("KVSTORE_BIGARRAY_BOUND", "100")];
+    job(2, 3, "compress", "dist_sync", &bound);
+    job(2, 2, "compress_async", "dist_async", &bound);
+}
+
+#[test]
 fn rdma_calls_in_flight_slots_and_batches() {
     let bound = [("KVSTORE_BIGARRAY_BOUND", "1000")];
     job(2, 2, "inflight", "dist_sync", &bound);

@@ -493,3 +493,46 @@ fn a_batch_is_answered_entry_by_entry_and_a_malformed_one_closes_its_link() {
     assert!(r.is_err(), "the link stayed open");
     job.kill_all();
 }
+
+#[test]
+fn a_packed_push_is_judged_by_its_packed_size_and_answered_whole() {
+    use kvstore::protocol::{flags, status, Op};
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let mut s = raw_worker(job.port);
+    let floats = |v: [f32; 4]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+    let init = f32_msg(Op::Init, 1, 4, 1);
+    send_msg(&mut s, &init.encode(), Some(&floats([1.0, 2.0, 3.0, 4.0]))).unwrap();
+    assert_eq!(read_msg(&mut s).status, status::OK);
+    let packed = |op: Op, id: u64| {
+        let mut m = f32_msg(op, 1, 4, id);
+        m.flags = flags::PACKED;
+        m.aux = 0.5f32.to_bits();
+        m
+    };
+    // +t -t 0 +t: four elements in one 32-bit word.
+    let push = packed(Op::Push, 2).encode();
+    send_msg(&mut s, &push, Some(&[0b1110_0011, 0, 0, 0])).unwrap();
+    assert_eq!(read_msg(&mut s).status, status::OK);
+    // A pushpull in a batch: its answer is the whole value, assigned.
+    let entries = [f32_msg(Op::Pull, 1, 4, 3), packed(Op::PushPull, 4)];
+    let body = batch_body(&entries, 4, 2);
+    send_msg(&mut s, &body, Some(&[0xff, 0, 0, 0])).unwrap();
+    assert_eq!(
+        read_answers(&mut s, 2),
+        vec![
+            (3, status::OK, Some(floats([0.5, -0.5, 0.0, 0.5]))),
+            (4, status::OK, Some(floats([0.5; 4]))),
+        ]
+    );
+    // A packed push bringing the value's whole size: the link is closed.
+    send_msg(
+        &mut s,
+        &packed(Op::Push, 5).encode(),
+        Some(&floats([0.0; 4])),
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let r = kvstore_transport::tcp::blocking::read_frame(&mut s, 1 << 20, Some(deadline));
+    assert!(r.is_err(), "the link stayed open");
+    job.kill_all();
+}

@@ -6,6 +6,7 @@
 use kvstore::{cpu, create, DType, KVStore, KvError, NDArray, Optimizer};
 
 mod batches;
+mod compress;
 mod faults;
 mod gpu;
 mod metrics;
@@ -466,6 +467,8 @@ fn main() {
         "states" => states::states(&mut kv),
         "metrics" => metrics::metrics(&mut kv),
         "gpu" => gpu::gpus(&mut kv),
+        "compress" => compress::compress(&mut kv),
+        "compress_async" => compress::compress_async(&mut kv),
         other => fail(format!("unknown scenario {other}")),
     }
     println!("{scenario} ok rank {} of {}", kv.rank(), kv.num_workers());

@@ -16,7 +16,10 @@ differences from MXNet, each documented in README.md:
   ignores it there); it is pickled by value with cloudpickle.
 * ``row_sparse_pull`` takes dense numpy outputs of the value's shape: the rows asked for get
   the stored rows and the others zero (MXNet's row-sparse result, made dense); only those
-  rows travel. ``set_gradient_compression`` is absent (no gradient compression).
+  rows travel.
+* ``set_gradient_compression`` ('2bit', MXNet 1.9's only type) refuses unknown parameters
+  (MXNet ignores them); in a distributed store it must come before the first ``init``, and
+  ``pushpull`` compresses its push too (MXNet's dist store refuses compressed pushpulls).
 * ``save_optimizer_states`` of a distributed store saves the servers' state (MXNet refuses
   it); call it on one worker. The file is kvstore's own (MXNet's is a pickle).
 * ``create`` refuses a name it does not know (MXNet makes a local store of it).

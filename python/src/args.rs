@@ -146,3 +146,25 @@ pub(crate) fn plan_outputs(outs: &mut [Vec<Lent>]) -> PyResult<bool> {
     }
     Ok(shared)
 }
+
+/// MXNet's `compression_params`: a dict of `type` and `threshold`, each value taken as its
+/// `str()` (as MXNet passes them on). Not a dict: TypeError; a bad parameter: ValueError.
+pub(crate) fn compression(params: &Bound<'_, PyAny>) -> PyResult<kvstore::Compression> {
+    let dict = params.cast::<pyo3::types::PyDict>().map_err(|_| {
+        PyTypeError::new_err(
+            "compression_params must be a dict, such as {'type': '2bit', 'threshold': 0.5}",
+        )
+    })?;
+    let mut pairs = Vec::with_capacity(dict.len());
+    for (k, v) in dict.iter() {
+        let k: String = k
+            .extract()
+            .map_err(|_| PyTypeError::new_err("compression_params' keys are str"))?;
+        pairs.push((k, v.str()?.to_str()?.to_string()));
+    }
+    let refs: Vec<(&str, &str)> = pairs
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    kvstore::Compression::from_params(&refs).map_err(|e| PyValueError::new_err(e.to_string()))
+}

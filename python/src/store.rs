@@ -369,6 +369,18 @@ impl KVStore {
         self.control(py, 0, move |kv| kv.update_optimizer(opt))
     }
 
+    /// Compresses pushes of float32 values to 2 bits an element, the rest kept for later
+    /// pushes (MXNet's set_gradient_compression: {'type': '2bit', 'threshold': 0.5}). For
+    /// 'device' and dist stores (before the first init); a local store refuses it.
+    fn set_gradient_compression(
+        &self,
+        py: Python<'_>,
+        compression_params: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let c = crate::args::compression(compression_params)?;
+        self.control(py, 0, move |kv| kv.set_gradient_compression(c))
+    }
+
     /// MXNet's `KVStoreBase.OPTIMIZER`, the capability `is_capable` names.
     #[classattr]
     const OPTIMIZER: &'static str = "optimizer";

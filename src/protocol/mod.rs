@@ -2,12 +2,14 @@
 //!
 //! ```text
 //! meta (112 bytes, little-endian):
-//! 0 op u16 | 2 status u16 | 4 dtype u8 | 5 ndim u8 | 6 flags u16 | 8 sender u32 | 12 reserved u32
+//! 0 op u16 | 2 status u16 | 4 dtype u8 | 5 ndim u8 | 6 flags u16 | 8 sender u32 | 12 aux u32
 //! 16 request id u64 | 24 key u64 | 32 total elements u64 | 40 range start u64 | 48 range length u64
 //! 56 shape: 7 x u64
 //! ```
-//! A data frame's payload is `range length` elements of `dtype`, raw; a control frame's payload
-//! is short text (addresses, names, error messages) or eight f64 (optimizer parameters).
+//! A data frame's payload is `range length` elements of `dtype`, raw, or with [`flags::PACKED`]
+//! (a push of float32 values, 2-bit compressed: [`crate::Compression`]) their packed form, its
+//! threshold's bits in `aux` (0 otherwise); a control frame's payload is short text
+//! (addresses, names, error messages) or eight f64 (optimizer parameters).
 //!
 //! Receive slots ([`flags::SLOT`]): a server's reply to a push may grant the worker a slot (the
 //! grant follows the header) that its next push of the same key slice is put into, once; that
@@ -154,8 +156,12 @@ pub mod flags {
     /// worker maps read-only (shared memory); the worker copies it into the destination it
     /// granted, which the server then never writes.
     pub const DATA: u16 = 2;
+    /// On a push or pushpull of float32 values: its data is their 2-bit packed form
+    /// ([`crate::Compression`]), whose threshold is [`super::Msg::aux`]. An answer's value is
+    /// never packed.
+    pub const PACKED: u16 = 4;
     /// Every bit a message may carry.
-    pub const ALL: u16 = SLOT | DATA;
+    pub const ALL: u16 = SLOT | DATA | PACKED;
 }
 
 /// The bit of a put's immediate that says a message follows; the bits below it are the
@@ -197,6 +203,8 @@ pub struct Msg {
     pub flags: u16,
     /// The sender's rank (or a rank hint in a hello).
     pub sender: u32,
+    /// With [`flags::PACKED`]: the compression's threshold, as `f32` bits; else 0.
+    pub aux: u32,
     /// Request id, echoed by the reply.
     pub req_id: u64,
     /// The key (or the role in a hello).
@@ -221,6 +229,7 @@ impl Msg {
             ndim: 0,
             flags: 0,
             sender: 0,
+            aux: 0,
             req_id: 0,
             key: 0,
             total: 0,
@@ -239,6 +248,7 @@ impl Msg {
         b[5] = self.ndim;
         b[6..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..12].copy_from_slice(&self.sender.to_le_bytes());
+        b[12..16].copy_from_slice(&self.aux.to_le_bytes());
         let words = [self.req_id, self.key, self.total, self.start, self.len];
         for (i, w) in words.iter().chain(self.shape.iter()).enumerate() {
             b[16 + 8 * i..24 + 8 * i].copy_from_slice(&w.to_le_bytes());
@@ -284,6 +294,7 @@ impl Msg {
             ndim,
             flags: fl,
             sender: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+            aux: u32::from_le_bytes([b[12], b[13], b[14], b[15]]),
             req_id: u64_at(16),
             key: u64_at(24),
             total: u64_at(32),
@@ -297,7 +308,28 @@ impl Msg {
                 m.start, m.len, m.total
             )));
         }
+        if m.flags & flags::PACKED != 0 {
+            let valid = matches!(m.op, Op::Push | Op::PushPull)
+                && m.dtype == DType::F32
+                && m.compression().is_some();
+            if !valid {
+                return Err(KvError::Protocol(format!(
+                    "a packed {:?} of {} with threshold bits {:#x}",
+                    m.op, m.dtype, m.aux
+                )));
+            }
+        } else if m.aux != 0 {
+            return Err(KvError::Protocol(format!("aux word {:#x} unused", m.aux)));
+        }
         Ok(m)
+    }
+
+    /// The compression of a packed push ([`flags::PACKED`]).
+    pub fn compression(&self) -> Option<crate::Compression> {
+        if self.flags & flags::PACKED == 0 {
+            return None;
+        }
+        crate::Compression::from_wire(self.aux)
     }
 
     /// Decodes the header at the front of a message body; returns it and the rest of the body
@@ -325,9 +357,27 @@ impl Msg {
         self.flags & flags::SLOT != 0 || self.status != status::OK
     }
 
-    /// The payload length a data frame of this message must have.
+    /// The payload length a data frame of this message must have: the value's bytes, or their
+    /// packed form's ([`flags::PACKED`]).
     pub fn data_bytes(&self) -> Option<u64> {
+        if self.flags & flags::PACKED != 0 {
+            return Some(crate::Compression::packed_bytes(self.len));
+        }
+        self.value_bytes()
+    }
+
+    /// The bytes of the value slice the message names (what an answer to it carries).
+    pub fn value_bytes(&self) -> Option<u64> {
         self.len.checked_mul(self.dtype.size() as u64)
+    }
+
+    /// How a data frame's payload reads: elements and their type (bytes, when packed).
+    pub fn payload_layout(&self) -> (usize, DType) {
+        if self.flags & flags::PACKED != 0 {
+            let n = crate::Compression::packed_bytes(self.len);
+            return (usize::try_from(n).unwrap_or(usize::MAX), DType::U8);
+        }
+        (usize::try_from(self.len).unwrap_or(usize::MAX), self.dtype)
     }
 }
 
@@ -396,6 +446,41 @@ mod tests {
     }
 
     #[test]
+    fn a_packed_push_names_its_threshold_and_carries_a_sixteenth() {
+        let mut m = Msg::new(Op::PushPull);
+        m.dtype = DType::F32;
+        m.total = 100;
+        m.len = 33;
+        m.flags = flags::PACKED;
+        m.aux = 0.25f32.to_bits();
+        let d = Msg::decode(&m.encode()).unwrap();
+        assert_eq!(d.compression().map(|c| c.threshold()), Some(0.25));
+        assert_eq!(d.data_bytes(), Some(12));
+        assert_eq!(d.value_bytes(), Some(132));
+        assert_eq!(d.payload_layout(), (12, DType::U8));
+        // Only pushes of float32 values, with a valid threshold, are packed.
+        for bad in [
+            Msg { op: Op::Pull, ..m },
+            Msg { op: Op::Init, ..m },
+            Msg {
+                dtype: DType::F64,
+                ..m
+            },
+            Msg { aux: 0, ..m },
+            Msg {
+                aux: (-1.0f32).to_bits(),
+                ..m
+            },
+            Msg {
+                aux: f32::INFINITY.to_bits(),
+                ..m
+            },
+        ] {
+            assert!(Msg::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn garbage_is_refused() {
         let m = Msg::new(Op::Push);
         let mut b = m.encode();
@@ -408,7 +493,10 @@ mod tests {
         b[5] = 8;
         assert!(Msg::decode(&b).is_err());
         let mut b = m.encode();
-        b[6] = 4;
+        b[6] = 8;
+        assert!(Msg::decode(&b).is_err());
+        let mut b = m.encode();
+        b[12] = 1;
         assert!(Msg::decode(&b).is_err());
         let mut bad = Msg::new(Op::Push);
         bad.total = 10;

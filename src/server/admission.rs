@@ -25,7 +25,8 @@ pub fn admission(sizes: Sizes) -> Box<kvstore_transport::tcp::Admission> {
                     .unwrap_or_else(|p| p.into_inner())
                     .get(&m.key)
                     .copied();
-                claims == Some(data as u64) && known == claims
+                // A packed push brings less than the key holds.
+                claims == Some(data as u64) && known == m.value_bytes()
             }
             Op::Batch => m.len == data as u64 && data <= crate::protocol::batch::DATA_MAX,
             _ => false,

@@ -28,12 +28,12 @@ pub(super) fn send_batch(
         let mut m = p.out.msg;
         let (text, value): (&[u8], _) = match &p.out.payload {
             Payload::Array(a) if m.status == status::OK => {
-                if Some(a.nbytes() as u64) != m.data_bytes() {
+                if Some(a.nbytes() as u64) != m.value_bytes() {
                     // Never so: the state machine answers with the slice asked for.
                     return Err(TransportError::Refused(format!(
                         "an answer of {} bytes for a slice of {:?}",
                         a.nbytes(),
-                        m.data_bytes()
+                        m.value_bytes()
                     )));
                 }
                 m.flags |= flags::DATA;

@@ -38,6 +38,18 @@ impl<'a> PeerData<'a> {
         v
     }
 
+    /// The bytes, copied to the end of `v`.
+    pub(crate) fn append_to(&self, v: &mut Vec<u8>) {
+        let n = self.nbytes();
+        v.reserve(n);
+        // SAFETY: valid for `nbytes` reads (the constructor's contract); `v` is our own, with
+        // room for `n` more bytes past its length, which are set before it is extended.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr, v.as_mut_ptr().add(v.len()), n);
+            v.set_len(v.len() + n);
+        }
+    }
+
     /// Copies the elements into `dst` (same length and dtype).
     pub fn copy_into(&self, dst: &mut NDArray) -> Result<()> {
         self.check_like(dst)?;

@@ -99,6 +99,8 @@ fn refusal(m: &Msg, why: impl Into<String>) -> Out {
     let mut r = *m;
     r.op = Op::Reply;
     r.status = status::FAILED;
+    r.flags &= !flags::PACKED;
+    r.aux = 0;
     Out {
         to: 0,
         msg: r,
@@ -253,7 +255,7 @@ impl Workers {
         };
         if matches!(m.op, Op::Pull | Op::PushPull | Op::States) {
             match RemoteRegion::from_bytes(rest) {
-                Some(g) if Some(g.len() as u64) == m.data_bytes() => {
+                Some(g) if Some(g.len() as u64) == m.value_bytes() => {
                     self.grants.insert((addr.id(), m.req_id), g);
                 }
                 _ => {
@@ -275,9 +277,11 @@ impl Workers {
                 refuse(state, "payload length does not match the message");
                 return Ok(());
             };
+            let (n, dtype) = m.payload_layout();
             // SAFETY: the backend lends `d.len()` bytes at `d.as_ptr()` for this callback, which
-            // the state machine's call does not outlive.
-            let p = unsafe { PeerData::new(d.as_ptr(), m.len as usize, m.dtype) };
+            // the state machine's call does not outlive; they are `n` elements of `dtype`
+            // (`data_bytes`, checked above).
+            let p = unsafe { PeerData::new(d.as_ptr(), n, dtype) };
             state.handle(addr.id(), rank, &m, Input::Peer(&p, None));
         } else {
             self.control(state, addr, rank, &m, rest)?;
@@ -324,25 +328,23 @@ impl Workers {
             matches!(op, Op::Push | Op::Pull | Op::PushPull)
         })?;
         for e in entries {
-            if e.msg.flags != 0 || !e.text.is_empty() {
+            if e.msg.flags & !flags::PACKED != 0 || !e.text.is_empty() {
                 return Err("a batched request with flags or text".into());
             }
-            if e.msg
-                .data_bytes()
-                .is_none_or(|n| n > batch::ITEM_MAX as u64)
-            {
+            let answer = matches!(e.msg.op, Op::Pull | Op::PushPull);
+            let big = |n: Option<u64>| n.is_none_or(|n| n > batch::ITEM_MAX as u64);
+            if big(e.msg.data_bytes()) || (answer && big(e.msg.value_bytes())) {
                 return Err(format!("a batched request for {} elements", e.msg.len));
             }
             self.batched.insert((addr.id(), e.msg.req_id));
             match (e.data, &data) {
                 (Some(r), Some(d)) => {
+                    let (n, dtype) = e.msg.payload_layout();
                     // SAFETY: `batch::read` checked that the range lies within the `d.len()`
                     // bytes the backend lends at `d.as_ptr()` for this callback, which the
                     // state machine's call does not outlive; the range is the entry's
-                    // `len * dtype.size()` bytes.
-                    let p = unsafe {
-                        PeerData::new(d.as_ptr().add(r.start), e.msg.len as usize, e.msg.dtype)
-                    };
+                    // `data_bytes`: `n` elements of `dtype`.
+                    let p = unsafe { PeerData::new(d.as_ptr().add(r.start), n, dtype) };
                     state.handle(addr.id(), rank, &e.msg, Input::Peer(&p, None));
                 }
                 _ => self.control(state, addr, rank, &e.msg, &[])?,

@@ -21,7 +21,7 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::protocol::{status, Msg, Op, IMM_FOLLOWS};
+use crate::protocol::{flags, status, Msg, Op, IMM_FOLLOWS};
 use crate::server::state::PeerId;
 
 /// The medium a buffer's memory is registered with; buffers are shared within one.
@@ -128,7 +128,8 @@ impl<S: Clone, G: Clone> Slots<S, G> {
         };
         let mut tmpl = *m;
         tmpl.op = Op::Push;
-        tmpl.flags = 0;
+        // A packed push's slot holds its packed form: the pushes put there are packed alike.
+        tmpl.flags &= flags::PACKED;
         self.pending.insert((peer, m.req_id), Slice { tmpl, bytes });
     }
 
@@ -332,7 +333,8 @@ impl<S: Clone, G: Clone> Slots<S, G> {
             ));
         }
         let t = &h.slice.tmpl;
-        if m.total != t.total || m.len != t.len || m.dtype != t.dtype {
+        let packed = |m: &Msg| (m.flags & flags::PACKED, m.aux);
+        if m.total != t.total || m.len != t.len || m.dtype != t.dtype || packed(m) != packed(t) {
             return Err(format!("a message for slot {id} names another slice"));
         }
         self.pending.insert((peer, m.req_id), h.slice.clone());

@@ -193,3 +193,25 @@ fn a_lost_worker_takes_its_credited_buffers_out_and_its_grants_are_revoked() {
     s.on_push(1, &m1);
     assert!(credit(&mut s, 1, 0, &m1).is_some());
 }
+
+#[test]
+fn a_packed_push_earns_a_slot_of_its_packed_size_whose_puts_are_packed() {
+    let mut s = T::new(1000);
+    let mut m = push(Op::Push, 7, 160, 1);
+    m.flags = flags::PACKED;
+    m.aux = 0.5f32.to_bits();
+    s.on_push(3, &m);
+    let g = credit(&mut s, 3, 0, &m).expect("a credit");
+    assert_eq!(s.used(), 40, "160 elements packed");
+    let p = put(&mut s, g, 2, false).unwrap().expect("a push");
+    assert_eq!((p.flags, p.aux, p.len), (flags::PACKED, m.aux, 160));
+    // A pushpull's message after its put must be packed alike.
+    let g = credit(&mut s, 3, 0, &p).expect("a credit");
+    assert_eq!(put(&mut s, g, 4, true).unwrap(), None);
+    let mut msg = push(Op::PushPull, 7, 160, 4);
+    msg.flags = flags::SLOT;
+    assert!(s.on_slot_msg(3, &msg).is_err());
+    msg.flags = flags::SLOT | flags::PACKED;
+    msg.aux = m.aux;
+    assert!(s.on_slot_msg(3, &msg).is_ok());
+}

@@ -132,6 +132,8 @@ pub struct ServerState {
     released: Vec<usize>,
     /// Frames to send, in order.
     pub outbox: Vec<Out>,
+    /// Where packed pushes are unpacked.
+    unpacked: Unpacked,
 }
 
 use super::admission::Sizes;
@@ -141,6 +143,7 @@ fn reply(req: &Msg) -> Msg {
     m.op = Op::Reply;
     m.status = status::OK;
     m.flags = 0;
+    m.aux = 0;
     m
 }
 
@@ -161,6 +164,7 @@ impl ServerState {
             kept: None,
             released: Vec::new(),
             outbox: Vec::new(),
+            unpacked: Unpacked::default(),
         }
     }
 
@@ -390,7 +394,7 @@ impl ServerState {
         }
     }
 
-    fn push(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: Input<'_>) {
+    fn push_value(&mut self, peer: PeerId, worker: usize, m: &Msg, payload: Input<'_>) {
         if let Err((code, text)) = self.check_slot(m) {
             return self.err(peer, m, code, text);
         }
@@ -557,11 +561,13 @@ impl ServerState {
 mod input;
 mod kept;
 mod leave;
+mod packed;
 mod rows;
 mod states;
 mod updater;
 
 use kept::Kept;
+use packed::Unpacked;
 use updater::{apply, Updater};
 
 #[cfg(test)]

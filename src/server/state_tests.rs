@@ -469,3 +469,49 @@ fn a_run_pulled_behind_a_push_gets_the_rounds_value_or_the_stored_one_if_a_worke
     let r = replies(&mut s);
     assert!(r.contains(&(0, 6, 0, vec![3.0, 3.0, 3.0])), "{r:?}");
 }
+
+#[test]
+fn packed_pushes_are_checked_unpacked_and_summed() {
+    let mut s = ServerState::new(2, true);
+    s.handle(0, 0, &req(Op::Init, 1, 5, 1), &mut data(0.0, 5));
+    let mut f64s = NDArray::zeros_dtype(&[5], DType::F64);
+    let init_f64 = Msg {
+        dtype: DType::F64,
+        ..req(Op::Init, 2, 5, 2)
+    };
+    s.handle(0, 0, &init_f64, &mut f64s);
+    let packed = |op, key, id| {
+        let mut m = req(op, key, 5, id);
+        m.flags = crate::protocol::flags::PACKED;
+        m.aux = 0.5f32.to_bits();
+        m
+    };
+    let bytes = |b: &[u8]| NDArray::from_slice(&[b.len()], b).unwrap();
+    // +t -t 0 +t | -t
+    s.handle(
+        0,
+        0,
+        &packed(Op::Push, 1, 3),
+        &mut bytes(&[0b1110_0011, 0b1000_0000, 0, 0]),
+    );
+    // Too few bytes, and a float64 key: refused, and the round goes on without them.
+    s.handle(1, 1, &packed(Op::Push, 1, 4), &mut bytes(&[0xff, 0xff]));
+    s.handle(1, 1, &packed(Op::Push, 2, 5), &mut bytes(&[0xff; 4]));
+    let r = replies(&mut s);
+    let statuses: Vec<(u64, u16)> = r.iter().map(|(_, id, st, _)| (*id, *st)).collect();
+    assert_eq!(
+        statuses,
+        [(1, 0), (2, 0), (4, status::MISMATCH), (5, status::MISMATCH)]
+    );
+    // The second worker's +t everywhere completes the round; the answer is whole.
+    s.handle(
+        1,
+        1,
+        &packed(Op::PushPull, 1, 6),
+        &mut bytes(&[0xff, 0xff, 0, 0]),
+    );
+    let r = replies(&mut s);
+    assert_eq!(r[0], (0, 3, 0, vec![]));
+    assert_eq!(r[1], (1, 6, 0, vec![1.0, 0.0, 0.5, 1.0, 0.0]));
+    assert_eq!(s.stored(2).unwrap().to_vec::<f64>().unwrap(), vec![0.0; 5]);
+}

@@ -10,6 +10,7 @@
 pub(crate) mod calls;
 mod exchange;
 mod order;
+mod packed;
 pub(crate) mod requests;
 mod states;
 
@@ -60,6 +61,10 @@ pub struct DistWorker {
     keys: FxHashMap<Key, KeyInfo>,
     str_ids: FxHashMap<String, u64>,
     merge: FxHashMap<Key, NDArray>,
+    /// The compression of pushes ([`crate::KVStore::set_gradient_compression`]), and what
+    /// each key's pushes have not sent yet.
+    compression: Option<crate::Compression>,
+    residuals: FxHashMap<Key, Vec<f32>>,
     /// The priority of the calls started next (MXNet's `priority`).
     pub(crate) priority: i32,
     /// What this store counted ([`crate::metrics`]).
@@ -223,6 +228,8 @@ impl DistWorker {
             keys: FxHashMap::default(),
             str_ids: FxHashMap::default(),
             merge: FxHashMap::default(),
+            compression: None,
+            residuals: FxHashMap::default(),
             priority: 0,
             metrics: crate::metrics::Tally::default(),
             noted: FxHashMap::default(),

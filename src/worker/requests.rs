@@ -36,7 +36,7 @@ pub(crate) fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
 }
 
 /// The bytes of a value that a part of its key covers.
-fn byte_range(p: &Part, es: usize) -> std::ops::Range<usize> {
+pub(crate) fn byte_range(p: &Part, es: usize) -> std::ops::Range<usize> {
     p.start as usize * es..(p.start + p.len) as usize * es
 }
 
@@ -294,6 +294,13 @@ impl DistWorker {
             } else {
                 vs[0].clone()
             });
+        }
+        if let Some(c) = self
+            .compression
+            .filter(|_| matches!(op, Op::Push | Op::PushPull))
+        {
+            let keys: Vec<&Key> = pairs.iter().map(|(k, _)| k).collect();
+            return self.packed_requests(c, op, &keys, values.into_vec(), dest);
         }
         let items = pairs
             .iter()

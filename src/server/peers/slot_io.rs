@@ -14,10 +14,12 @@ pub(super) fn slot_data<'a>(region: &'a Region, m: &Msg) -> Result<PeerData<'a>,
     if m.data_bytes() != Some(region.len() as u64) {
         return Err("a slot of another size".into());
     }
-    // SAFETY: the region is `len * dtype.size()` bytes (checked) of live storage, held by the
-    // slot for the borrow; a worker writes it only with its credit, which no worker holds
-    // while the server reads (and reads are copies or in-place sums, never slices).
-    Ok(unsafe { PeerData::new(region.storage().ptr(), m.len as usize, m.dtype) })
+    let (n, dtype) = m.payload_layout();
+    // SAFETY: the region is `n * dtype.size()` bytes (`data_bytes`, checked) of live storage,
+    // held by the slot for the borrow; a worker writes it only with its credit, which no
+    // worker holds while the server reads (and reads are copies or in-place sums, never
+    // slices).
+    Ok(unsafe { PeerData::new(region.storage().ptr(), n, dtype) })
 }
 
 impl Workers {
