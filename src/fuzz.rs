@@ -13,7 +13,12 @@ pub fn protocol(data: &[u8]) {
             Some(m),
             "a header decodes as it encodes"
         );
-        let _ = m.data_bytes();
+        let _ = (
+            m.data_bytes(),
+            m.value_bytes(),
+            m.payload_layout(),
+            m.compression(),
+        );
         // The data that came with it: as much as the header's last byte says, at most what
         // is left.
         let data_len = rest.len().min(data.last().map_or(0, |&b| b as usize * 64));

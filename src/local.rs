@@ -97,7 +97,8 @@ impl LocalStore {
     pub(crate) fn set_compression(&mut self, c: Compression) -> Result<()> {
         if !self.on_devices {
             return Err(KvError::Unsupported(
-                "gradient compression is not supported for a local store (as in MXNet):                  create a device, dist_sync or dist_async store"
+                "gradient compression is not supported for a local store (as in MXNet): \
+                 create a device, dist_sync or dist_async store"
                     .into(),
             ));
         }
@@ -105,14 +106,14 @@ impl LocalStore {
         Ok(())
     }
 
-    /// The sum of what each of `vs` sends under compression `c`: each value is added to its
-    /// residual, packed, and unpacked (on the host), as MXNet's device store sends it between
+    /// The sum of what each of `vs` (host arrays) sends under compression `c`: each value is
+    /// added to its residual, packed, and unpacked, as MXNet's device store sends it between
     /// devices; the sum lies on `device`.
     fn compressed_sum(
         &mut self,
         c: Compression,
         k: &Key,
-        vs: &[&NDArray],
+        vs: &[NDArray],
         device: crate::Device,
     ) -> Result<NDArray> {
         let n = vs[0].size();
@@ -120,18 +121,11 @@ impl LocalStore {
         let mut packed = vec![0u8; Compression::packed_bytes(n as u64) as usize];
         let mut sent = vec![0.0f32; n];
         for (i, v) in vs.iter().enumerate() {
-            let host;
-            let v = if v.device().is_cpu() {
-                *v
-            } else {
-                host = v.copy_to(crate::Device::default())?;
-                &host
-            };
             let r = self
                 .residuals
                 .entry((k.clone(), i))
                 .or_insert_with(|| vec![0.0; n]);
-            c.quantize(v.as_slice::<f32>()?, r, &mut packed);
+            c.quantize(v.as_slice::<f32>()?, r, &mut packed)?;
             c.dequantize(&packed, &mut sent)?;
             crate::ops::add_into(&mut sum, &sent);
         }
@@ -213,14 +207,25 @@ impl LocalStore {
                 Compression::check_dtype(k, stored.dtype())?;
             }
         }
-        for (k, vs) in pairs {
-            if let Some(c) = self.compression {
-                let device = self.stored(k)?.device();
-                let sent = self.compressed_sum(c, k, vs, device)?;
-                self.update(k, &[&sent])?;
-                continue;
+        let Some(c) = self.compression else {
+            for (k, vs) in pairs {
+                self.update(k, vs)?;
             }
-            self.update(k, vs)?;
+            return Ok(());
+        };
+        // Every value on the host before any residual changes.
+        let hosts = pairs
+            .iter()
+            .map(|(_, vs)| {
+                vs.iter()
+                    .map(|v| (*v).clone().on(crate::Device::default()))
+                    .collect()
+            })
+            .collect::<Result<Vec<Vec<NDArray>>>>()?;
+        for ((k, _), vs) in pairs.iter().zip(&hosts) {
+            let device = self.stored(k)?.device();
+            let sent = self.compressed_sum(c, k, vs, device)?;
+            self.update(k, &[&sent])?;
         }
         Ok(())
     }

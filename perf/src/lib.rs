@@ -3,6 +3,7 @@
 #![deny(missing_docs)]
 
 pub mod chart;
+pub mod compress;
 pub mod conn;
 #[cfg(feature = "cuda")]
 pub mod gpu;

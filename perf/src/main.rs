@@ -5,7 +5,9 @@
 //!   bandwidth of a raw transport (`tcp`, `shm`), two-sided (`--mode send`) or one-sided
 //!   (`--mode write`). Run `--server` on one side and `kvperf lat HOST` on the other, or
 //!   `--local` to start both.
-//! - `kvperf pushpull`: push+pull through real servers (a job of W workers and S servers).
+//! - `kvperf pushpull`: push+pull through real servers (a job of W workers and S servers);
+//!   `--compress` with 2-bit gradient compression.
+//! - `kvperf compress`: quantize and dequantize against memcpy, one core.
 //!
 //! `--reference` adds figures measured in the same run to read the others against: memcpy
 //! bandwidth for shm, a plain blocking-socket ping-pong and stream for tcp.
@@ -37,6 +39,9 @@ enum Cmd {
     /// The ceiling alone: one push+pull round of threads sharing memory (what `pushpull
     /// --reference` divides by), as `../shared/bench/ps_limit.c` measures it.
     Limit(LimitArgs),
+    /// The cost of 2-bit gradient compression (quantize on the worker, dequantize on the
+    /// server) against memcpy of the same bytes, one core.
+    Compress(kvstore_perf::compress::CompressArgs),
     /// The sum of GPU arrays in a `device` store against a device-to-device copy, as bytes
     /// read plus written per second (a build with the feature `cuda`).
     #[cfg(feature = "cuda")]
@@ -492,6 +497,7 @@ fn main() {
         Cmd::Lat(a) => run_raw("lat", &a),
         Cmd::Bw(a) => run_raw("bw", &a),
         Cmd::Limit(a) => run_limit(&a),
+        Cmd::Compress(a) => kvstore_perf::compress::run(&a),
         #[cfg(feature = "cuda")]
         Cmd::Gpu(a) => kvstore_perf::gpu::run(&a),
         Cmd::Pushpull(p) => match (

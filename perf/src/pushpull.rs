@@ -61,6 +61,10 @@ pub(crate) struct PushPull {
     /// Push and pull arrays from `kv.alloc` (in the shared-memory pool: no copy to push).
     #[arg(long)]
     alloc: bool,
+    /// Compress pushes (`set_gradient_compression`, 2-bit, threshold 1: a push of ones sends
+    /// +1 in each element, so the values pulled are checked as without it).
+    #[arg(long)]
+    compress: bool,
     /// Push and pull arrays on gpu(0), staged through host memory (a build with the feature
     /// `cuda`); with --alloc, through the transport's pages (`kv.alloc_on`).
     #[cfg(feature = "cuda")]
@@ -110,6 +114,10 @@ fn iters_for(p: &PushPull, size: usize) -> usize {
 pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
     let sizes = sizes_of(p)?;
     let mut kv = kvstore::create("dist_sync").map_err(|e| e.to_string())?;
+    if p.compress {
+        let c = kvstore::Compression::two_bit(1.0).map_err(|e| e.to_string())?;
+        kv.set_gradient_compression(c).map_err(|e| e.to_string())?;
+    }
     let mut lines = Vec::new();
     for (i, &size) in sizes.iter().enumerate() {
         let elems = (size / 4).max(1);
@@ -212,7 +220,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             return Err(format!("wrong values pulled at size {size}"));
         }
         lines.push(format!(
-            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{},\"push_p50_us\":{:.3},\"push_p99_us\":{:.3},\"transport\":\"{}\",\"op\":\"{}\"}}",
+            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{},\"push_p50_us\":{:.3},\"push_p99_us\":{:.3},\"transport\":\"{}\",\"op\":\"{}\",\"compress\":{}}}",
             elems * 4,
             p.keys,
             kv.num_workers(),
@@ -221,6 +229,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             push_lat.value_at_quantile(0.99) as f64 / 1000.0,
             kv.transports().first().copied().unwrap_or("-"),
             p.op,
+            p.compress,
         ));
     }
     if kv.rank() == 0 {
@@ -396,13 +405,14 @@ fn print_header(
         let transport = text.lines().next().map(|l| text_field(l, "transport"));
         let _ = writeln!(
             stdout,
-            "W={} S={} keys/call={} transport={} arrays={} op={}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>11}{}",
+            "W={} S={} keys/call={} transport={} arrays={} op={}{}\n{:>8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>11}{}",
             p.workers,
             p.servers,
             p.keys,
             transport.unwrap_or_else(|| "-".into()),
             arrays_name(p),
             p.op,
+            if p.compress { " compressed (2-bit)" } else { "" },
             "size",
             "iters",
             "us/iter",
@@ -479,6 +489,7 @@ fn print_row(
         let row = serde_json::json!({
             "test": "pushpull",
             "op": p.op,
+            "compress": p.compress,
             "transport": text_field(line, "transport"),
             "workers": w as u64,
             "servers": p.servers,

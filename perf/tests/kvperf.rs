@@ -203,10 +203,18 @@ fn pushpull_through_a_real_job() {
             "{r}"
         );
     }
-    for op in ["push", "pull", "pushpull"] {
-        let (code, out, err) = kvperf(&[
+    // Compressed pushes are checked as the others: the pulled values are the workers' sum.
+    for (op, compress) in [
+        ("push", ""),
+        ("pull", ""),
+        ("pushpull", ""),
+        ("push+pull", "--compress"),
+    ] {
+        let mut args = vec![
             "pushpull", "--op", op, "--size", "64K", "--iters", "5", "--json",
-        ]);
+        ];
+        args.extend([compress].into_iter().filter(|c| !c.is_empty()));
+        let (code, out, err) = kvperf(&args);
         assert_eq!(code, Some(0), "{op}: {err}");
         let rows = json_lines(&out);
         assert_eq!(rows.len(), 1, "{out}");
@@ -214,6 +222,8 @@ fn pushpull_through_a_real_job() {
             field(rows[0], "gbps_per_worker") > 0.0 && field(rows[0], "call_p50_us") > 0.0,
             "{out}"
         );
+        let v: serde_json::Value = serde_json::from_str(rows[0]).unwrap();
+        assert_eq!(v["compress"], !compress.is_empty(), "{out}");
     }
     // With references, every line is strict JSON (no NaN: a missing figure is null), and the
     // ceiling of the same W, S and size is there with the ratio to it.

@@ -396,7 +396,10 @@ impl Job {
             data.as_ref()
         };
         let mut input = match data {
-            Some(d) => NDArray::from_bytes(&[msg.len as usize], msg.dtype, d),
+            Some(d) => {
+                let (n, dtype) = msg.payload_layout();
+                NDArray::from_bytes(&[n], dtype, d)
+            }
             None => NDArray::from_bytes(&[text.len()], DType::U8, &text),
         }
         .expect("a request's bytes match its header");
@@ -428,7 +431,8 @@ impl Job {
         self.send(w, s, false, Packet::SendDone { w, token });
         if let PutAction::Push(m) = action {
             let srv = &mut self.servers[s];
-            let mut input = NDArray::from_bytes(&[m.len as usize], m.dtype, &srv.slot_mem[&mem])
+            let (n, dtype) = m.payload_layout();
+            let mut input = NDArray::from_bytes(&[n], dtype, &srv.slot_mem[&mem])
                 .expect("a slot's bytes match its header");
             srv.state.handle(w, w, &m, Input::Owned(&mut input));
             self.route(s);

@@ -2,8 +2,10 @@
 //! an optimizer (rank 0), and runs rounds of several calls in flight (pushes, pulls and
 //! pushpulls of random groups of keys, some sliced over every server), with barriers; some
 //! schedules lose a server or a worker mid-round, or stall a server past the call timeout so
-//! that its answers come late. Every value a call returns is checked exactly (dist_sync) or
-//! against what dist_async allows, and every run must end: a hang is a failure.
+//! that its answers come late. In a third of the schedules pushes travel packed (2-bit
+//! compression, with a threshold per worker and key that is that worker's gradient of the key
+//! in every round, so that what a push sends is the gradient). Every value a call returns is checked exactly (dist_sync) or against what
+//! dist_async allows, and every run must end: a hang is a failure.
 
 use std::time::Duration;
 
@@ -61,6 +63,8 @@ struct Plan {
     scripts: Vec<Vec<Step>>,
     fault: Fault,
     fault_at: Duration,
+    /// Pushes travel packed ([`pack`]).
+    packed: bool,
 }
 
 fn init_value(k: usize) -> f64 {
@@ -68,8 +72,9 @@ fn init_value(k: usize) -> f64 {
 }
 
 /// Worker `w`'s gradient for key `k` in round `r` (every element the same, so a torn value
-/// shows as unequal elements).
-fn grad(w: usize, r: usize, k: usize) -> f64 {
+/// shows as unequal elements); the same in every round where pushes are packed ([`pack`]).
+fn grad(p: &Plan, w: usize, r: usize, k: usize) -> f64 {
+    let r = if p.packed { 0 } else { r };
     (w + 1) as f64 + 10.0 * r as f64 + k as f64
 }
 
@@ -131,17 +136,37 @@ fn plan(rng: &mut fastrand::Rng, c: &Config) -> Plan {
         scripts,
         fault,
         fault_at: Duration::from_micros(rng.u64(0..3000)),
+        packed: false,
     }
 }
 
 /// The value every worker must see for key `k` after round `r` (dist_sync), or at the end.
 fn expected(p: &Plan, c: &Config, k: usize, r: usize) -> f64 {
-    let sum = |r: usize| (0..c.w).map(|w| grad(w, r, k)).sum::<f64>();
+    let sum = |r: usize| (0..c.w).map(|w| grad(p, w, r, k)).sum::<f64>();
     if p.optimizer {
         init_value(k) - (0..=r.min(p.rounds - 1)).map(sum).sum::<f64>()
     } else {
         sum(r.min(p.rounds - 1))
     }
+}
+
+/// Packs a push's data with threshold `t`, its worker's gradient of the key: it sends exactly
+/// the gradient (or zeros), and leaves no residual. (A worker's threshold never changes: the
+/// server reads a push put into a slot by the header of the slice's first push.)
+fn pack(r: &mut Request, t: f32) {
+    let Some((v, bytes)) = r.data.take() else {
+        return;
+    };
+    let vals = &v.as_slice::<f32>().unwrap()[bytes.start / 4..bytes.end / 4];
+    let c = crate::Compression::two_bit(t).unwrap();
+    let mut residual = vec![0.0f32; vals.len()];
+    let mut packed = vec![0u8; crate::Compression::packed_bytes(vals.len() as u64) as usize];
+    c.quantize(vals, &mut residual, &mut packed).unwrap();
+    assert!(residual.iter().all(|r| *r == 0.0), "a push left a residual");
+    r.msg.flags |= crate::protocol::flags::PACKED;
+    r.msg.aux = c.to_wire();
+    let n = packed.len();
+    r.data = Some((NDArray::from_vec(&[n], packed).unwrap(), 0..n));
 }
 
 /// A worker's progress through its script.
@@ -180,7 +205,7 @@ impl Run<'_> {
                     if kind == Kind::PushZero {
                         0.0
                     } else {
-                        grad(w, r, k)
+                        grad(&self.p, w, r, k)
                     }
                 };
                 let items = keys
@@ -193,7 +218,13 @@ impl Run<'_> {
                         (&self.infos[*k], v, dest)
                     })
                     .collect::<Vec<_>>();
-                value_requests(op, items.into_iter())
+                let mut reqs = value_requests(op, items.into_iter());
+                if self.p.packed {
+                    for r in reqs.iter_mut() {
+                        pack(r, grad(&self.p, w, 0, r.msg.key as usize) as f32);
+                    }
+                }
+                reqs
             }
         };
         let outs = match kind {
@@ -379,7 +410,8 @@ struct Outcome {
 /// Runs one seeded schedule to its end.
 fn run(c: &Config, seed: u64) -> Outcome {
     let mut rng = fastrand::Rng::with_seed(seed);
-    let p = plan(&mut rng, c);
+    let mut p = plan(&mut rng, c);
+    p.packed = seed % 3 == 0;
     // Room for every slot, or for few (pushes beyond them go as messages).
     let slot_bytes = if rng.bool() {
         1 << 20

@@ -99,7 +99,8 @@ fn refusal(m: &Msg, why: impl Into<String>) -> Out {
     let mut r = *m;
     r.op = Op::Reply;
     r.status = status::FAILED;
-    r.flags &= !flags::PACKED;
+    // Its text is all that follows (no slot, no value).
+    r.flags = 0;
     r.aux = 0;
     Out {
         to: 0,

@@ -6,7 +6,7 @@ use crate::protocol::{flags, Op};
 use crate::worker::calls::{Request, Requests};
 use crate::worker::requests::{byte_range, data_msg};
 use crate::worker::DistWorker;
-use crate::{Compression, DType, Device, Key, KvError, NDArray, Result};
+use crate::{Compression, DType, Key, KvError, NDArray, Result};
 
 impl DistWorker {
     /// Compresses every push from now on. The job's keys must not be initialised yet, so
@@ -36,16 +36,14 @@ impl DistWorker {
         for k in keys {
             Compression::check_dtype(k, self.info(k)?.dtype)?;
         }
+        // Every value on the host before any residual changes.
+        let values = values
+            .into_iter()
+            .map(|v| v.on(crate::Device::default()))
+            .collect::<Result<Vec<_>>>()?;
         let mut reqs = Requests::new();
         for (i, (k, v)) in keys.iter().zip(values).enumerate() {
             let info = &self.keys[*k];
-            let host;
-            let v = if v.device().is_cpu() {
-                &v
-            } else {
-                host = v.copy_to(Device::default())?;
-                &host
-            };
             let grad = v.as_slice::<f32>()?;
             let residual = self
                 .residuals
@@ -64,7 +62,7 @@ impl DistWorker {
             let bytes = packed.as_bytes_mut();
             for (p, r) in info.parts.iter().zip(&ranges) {
                 let e = p.start as usize..(p.start + p.len) as usize;
-                c.quantize(&grad[e.clone()], &mut residual[e], &mut bytes[r.clone()]);
+                c.quantize(&grad[e.clone()], &mut residual[e], &mut bytes[r.clone()])?;
             }
             for (p, r) in info.parts.iter().zip(ranges) {
                 let mut msg = data_msg(op, info, p);

@@ -1,37 +1,21 @@
-//! Pushes of packed (2-bit compressed) values: unpacked into the server's own buffer, which
+//! Pushes of packed (2-bit compressed) values: unpacked into an array of the server's, which
 //! the push then is, as if the value had come whole.
 
-use super::{Input, PeerId, ServerState};
+use rustc_hash::FxHashMap;
+
+use super::{new_array, Input, PeerId, ServerState};
 use crate::protocol::{status, Msg};
 use crate::{Compression, DType, NDArray};
 
 /// The buffers of unpacking: the packed bytes, copied out of a peer's pages (a sixteenth of
-/// the value), and the value they stand for.
+/// the value), and arrays of the values they stand for, one per length. Such an array is made
+/// as the server's other arrays are (where answers are sent from by reference), and a push
+/// may swap it for the merge buffer of its key, of the same length and kind: no allocation
+/// in steady state, and the stored values stay where they were made.
+#[derive(Default)]
 pub(in crate::server) struct Unpacked {
     bytes: Vec<u8>,
-    value: NDArray,
-}
-
-impl Default for Unpacked {
-    fn default() -> Self {
-        Unpacked {
-            bytes: Vec::new(),
-            value: NDArray::placeholder(DType::F32),
-        }
-    }
-}
-
-impl Unpacked {
-    /// The value of the `m.len` elements that `payload` packs.
-    fn unpack(&mut self, c: Compression, m: &Msg, payload: &Input<'_>) -> crate::Result<()> {
-        self.bytes.clear();
-        match payload {
-            Input::Owned(a) => self.bytes.extend_from_slice(a.as_bytes()),
-            Input::Peer(p, _) => p.append_to(&mut self.bytes),
-        }
-        self.value.reset_as(&[m.len as usize], DType::F32);
-        c.dequantize(&self.bytes, self.value.as_mut_slice::<f32>()?)
-    }
+    values: FxHashMap<usize, NDArray>,
 }
 
 impl ServerState {
@@ -45,11 +29,36 @@ impl ServerState {
         if let Err((code, text)) = self.check_slot(m) {
             return self.err(peer, m, code, text);
         }
-        let mut un = std::mem::take(&mut self.unpacked);
-        match un.unpack(c, m, &payload) {
-            Ok(()) => self.push_value(peer, worker, m, Input::Owned(&mut un.value)),
+        let len = m.len as usize;
+        let mut value = self
+            .unpacked
+            .values
+            .remove(&len)
+            .and_then(|mut v| {
+                let fits = v.is_unique() && v.size() == len && v.dtype() == DType::F32;
+                fits.then_some(v)
+            })
+            .unwrap_or_else(|| new_array(&mut self.alloc, &[len], DType::F32));
+        match unpack(c, &payload, &mut self.unpacked.bytes, &mut value) {
+            Ok(()) => self.push_value(peer, worker, m, Input::Owned(&mut value)),
             Err(e) => self.err(peer, m, status::MISMATCH, e.to_string()),
         }
-        self.unpacked = un;
+        // What the push left in its place (the key's old merge buffer, or a placeholder).
+        self.unpacked.values.insert(len, value);
     }
+}
+
+/// The value `payload` packs, into `value` (its length), through `bytes`.
+fn unpack(
+    c: Compression,
+    payload: &Input<'_>,
+    bytes: &mut Vec<u8>,
+    value: &mut NDArray,
+) -> crate::Result<()> {
+    bytes.clear();
+    match payload {
+        Input::Owned(a) => bytes.extend_from_slice(a.as_bytes()),
+        Input::Peer(p, _) => p.append_to(bytes),
+    }
+    c.dequantize(bytes, value.as_mut_slice::<f32>()?)
 }
