@@ -33,6 +33,22 @@ for _ in 1 2 3; do
     lat+=("$(python3 -c "print($(field p50_us <<<"$j") / $(field ref_p50_us <<<"$j"))")")
 done
 echo "| 64-byte shm one-way p50 (x two threads through shared memory) | \`kvperf lat --transport shm --local --size 64 --reference\` | $(med "${lat[@]}") |"
+# 2-bit gradient compression: quantize (worker) and dequantize (server) against memcpy of the
+# same bytes, one core; then compressed push+pull against uncompressed, paired, per transport.
+for f in quantize_x_memcpy dequantize_x_memcpy; do
+    v=()
+    for _ in 1 2 3; do v+=("$("$kvperf" compress --size 64M --json 2>/dev/null | field "$f")"); done
+    echo "| 64 MiB of f32: $f | \`kvperf compress --size 64M\` | $(med "${v[@]}") |"
+done
+for t in tcp shm; do for f in us_per_iter call_p50_us; do
+    r=()
+    for _ in 1 2 3; do
+        a=$("$kvperf" pushpull -n 2 -s 2 --transport "$t" --size 16M --iters 20 --compress --json 2>/dev/null | field "$f")
+        b=$("$kvperf" pushpull -n 2 -s 2 --transport "$t" --size 16M --iters 20 --json 2>/dev/null | field "$f")
+        r+=("$(python3 -c "print($a / $b)")")
+    done
+    echo "| W=2 S=2 16 MiB $t: $f compressed/uncompressed (call: the push) | \`kvperf pushpull -n 2 -s 2 --transport $t --size 16M --compress\` (and without) | $(med "${r[@]}") |"
+done; done
 # Shared memory against TCP, paired: us per iteration, shm/tcp.
 for w in 1 2 3; do for s in 1 2; do for spec in 4K:1:2000 1M:1:200 64M:1:10 1K:1000:20; do
     IFS=: read -r size keys iters <<<"$spec"

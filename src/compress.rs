@@ -176,12 +176,13 @@ impl Compression {
     /// 16 elements into one 32-bit word (4 bytes).
     #[inline(always)]
     fn quantize_word(self, g: &[f32], r: &mut [f32], out: &mut [u8]) {
-        let mut codes = [0u8; PER_WORD];
+        // Codes in 32-bit lanes, as wide as the values: the loop vectorises whole.
+        let mut codes = [0u32; PER_WORD];
         for ((g, r), c) in g.iter().zip(r.iter_mut()).zip(codes.iter_mut()) {
-            *c = self.quantize_one(*g, r);
+            *c = self.quantize_one(*g, r) as u32;
         }
         for (o, c) in out.iter_mut().zip(codes.chunks_exact(4)) {
-            *o = c[0] << 6 | c[1] << 4 | c[2] << 2 | c[3];
+            *o = ((c[0] << 6) | (c[1] << 4) | (c[2] << 2) | c[3]) as u8;
         }
     }
 
