@@ -138,7 +138,7 @@ impl LocalStore {
     }
 
     /// Runs a built-in optimizer as the updater.
-    pub(crate) fn set_optimizer(&mut self, opt: crate::Optimizer) {
+    pub(crate) fn set_optimizer(&mut self, opt: crate::Multiplied) {
         let shared = std::sync::Arc::new(std::sync::Mutex::new(crate::OptimizerUpdater::new(opt)));
         let u = shared.clone();
         self.updater = Some(Box::new(move |k, g, w| match u.lock() {

@@ -218,6 +218,7 @@ impl Default for KeyState {
 /// An optimizer with the state it keeps per key.
 pub struct OptimizerUpdater {
     opt: Optimizer,
+    mults: Mults,
     state: FxHashMap<Key, KeyState>,
 }
 
@@ -307,10 +308,12 @@ fn update_typed<T: Element>(
 }
 
 impl OptimizerUpdater {
-    /// An updater running `opt`, with fresh state.
-    pub fn new(opt: Optimizer) -> Self {
+    /// An updater running `opt` (with its per-key multipliers, if any), with fresh state.
+    pub fn new(opt: impl Into<Multiplied>) -> Self {
+        let Multiplied { opt, mults } = opt.into();
         OptimizerUpdater {
             opt,
+            mults,
             state: FxHashMap::default(),
         }
     }
@@ -322,7 +325,8 @@ impl OptimizerUpdater {
 
     /// Runs `opt` from the next update on, with the state kept (a new learning rate, say);
     /// an error, with nothing changed, where `opt` is another kind of optimizer.
-    pub fn retune(&mut self, opt: Optimizer) -> Result<()> {
+    pub fn retune(&mut self, opt: impl Into<Multiplied>) -> Result<()> {
+        let Multiplied { opt, mults } = opt.into();
         if !opt.same_kind(&self.opt) {
             return Err(KvError::Incompatible(format!(
                 "the store runs {}, whose state {} cannot take on: set_optimizer starts afresh",
@@ -331,6 +335,7 @@ impl OptimizerUpdater {
             )));
         }
         self.opt = opt;
+        self.mults = mults;
         Ok(())
     }
 
@@ -362,7 +367,17 @@ impl OptimizerUpdater {
         };
         let n = weight.size();
         let mut lr_t = 0.0;
-        match self.opt {
+        // The key's multipliers scale its learning rate and weight decay (MXNet's lr_mult,
+        // wd_mult).
+        let (lr_m, wd_m) = self.mults.of(key);
+        let scaled;
+        let opt = if (lr_m, wd_m) == (1.0, 1.0) {
+            &self.opt
+        } else {
+            scaled = self.opt.scaled(lr_m, wd_m);
+            &scaled
+        };
+        match *opt {
             Optimizer::Sgd { momentum, .. } if momentum <= 0.0 => {}
             Optimizer::Sgd { .. } => place(&mut st.m, n, device)?,
             Optimizer::Adam {
@@ -376,11 +391,11 @@ impl OptimizerUpdater {
         }
         #[cfg(feature = "cuda")]
         if on_gpu {
-            return crate::gpu::optim::step(&self.opt, lr_t, grad, weight, &mut st.m, &mut st.v);
+            return crate::gpu::optim::step(opt, lr_t, grad, weight, &mut st.m, &mut st.v);
         }
         let dtype = weight.dtype();
         with_dtype!(dtype, T => update_typed::<T>(
-            &self.opt,
+            opt,
             lr_t,
             grad.as_slice::<T>()?,
             weight.as_mut_slice::<T>()?,
@@ -391,11 +406,14 @@ impl OptimizerUpdater {
     }
 }
 
-/// The first bytes of saved optimizer states.
-const STATES_MAGIC: &[u8; 8] = b"KVOPTST1";
+/// The first bytes of saved optimizer states (version 2: the optimizer's per-key multipliers
+/// follow its parameters; version 1 files, without them, still load).
+const STATES_MAGIC: &[u8; 8] = b"KVOPTST2";
 /// The first bytes of saved states that carry the optimizer too (MXNet's `dump_optimizer`):
-/// loading them replaces the optimizer with the saved one.
-const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD1";
+/// loading them replaces the optimizer, and its multipliers, with the saved one.
+const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD2";
+/// Version 1's magics (states, dumped).
+const MAGICS_1: [&[u8; 8]; 2] = [b"KVOPTST1", b"KVOPTSD1"];
 
 /// Marks saved states (`OptimizerUpdater::save_states`) as carrying their optimizer; `false`
 /// where `bytes` are not such states.
@@ -411,7 +429,7 @@ pub(crate) fn mark_dumped(bytes: &mut [u8]) -> bool {
 
 /// Whether saved states carry their optimizer ([`mark_dumped`]).
 pub(crate) fn is_dumped(bytes: &[u8]) -> bool {
-    bytes.starts_with(DUMPED_MAGIC)
+    bytes.starts_with(DUMPED_MAGIC) || bytes.starts_with(MAGICS_1[1])
 }
 
 impl OptimizerUpdater {
@@ -422,22 +440,13 @@ impl OptimizerUpdater {
         for w in self.opt.encode() {
             out.extend_from_slice(&w.to_le_bytes());
         }
+        self.mults.save(&mut out);
         let mut keys: Vec<&Key> = self.state.keys().collect();
         keys.sort();
         out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
         for k in keys {
             let st = &self.state[k];
-            match k {
-                Key::Int(i) => {
-                    out.push(0);
-                    out.extend_from_slice(&i.to_le_bytes());
-                }
-                Key::Str(s) => {
-                    out.push(1);
-                    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-                    out.extend_from_slice(s.as_bytes());
-                }
-            }
+            mults::write_key(&mut out, k);
             out.extend_from_slice(&st.t.to_le_bytes());
             for v in [&st.m, &st.v] {
                 out.extend_from_slice(&(v.size() as u64).to_le_bytes());
@@ -466,9 +475,11 @@ impl OptimizerUpdater {
     pub fn load_states(&mut self, bytes: &[u8]) -> Result<bool> {
         let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
         let mut r = Reader(bytes);
-        let dumped = match r.take(8).ok_or_else(|| bad("empty"))? {
-            m if m == STATES_MAGIC => false,
-            m if m == DUMPED_MAGIC => true,
+        let (dumped, version) = match r.take(8).ok_or_else(|| bad("empty"))? {
+            m if m == STATES_MAGIC => (false, 2),
+            m if m == DUMPED_MAGIC => (true, 2),
+            m if m == MAGICS_1[0] => (false, 1),
+            m if m == MAGICS_1[1] => (true, 1),
             _ => return Err(bad("not a file of saved optimizer states")),
         };
         let mut words = [0.0; 8];
@@ -476,6 +487,10 @@ impl OptimizerUpdater {
             *w = r.f64().ok_or_else(|| bad("truncated"))?;
         }
         let saved = Optimizer::decode(&words).map_err(|_| bad("unknown optimizer"))?;
+        let saved_mults = match version {
+            1 => Mults::default(),
+            _ => Mults::load(&mut r).ok_or_else(|| bad("truncated multipliers"))?,
+        };
         if !dumped && !saved.same_kind(&self.opt) {
             return Err(bad(&format!(
                 "saved by {}, loaded into {}",
@@ -486,15 +501,7 @@ impl OptimizerUpdater {
         let n = r.u64().ok_or_else(|| bad("truncated"))?;
         let mut state = FxHashMap::default();
         for _ in 0..n {
-            let key = match r.take(1).ok_or_else(|| bad("truncated"))?[0] {
-                0 => Key::Int(r.u64().ok_or_else(|| bad("truncated"))? as i64),
-                1 => {
-                    let len = r.len().ok_or_else(|| bad("truncated"))?;
-                    let s = r.take(len).ok_or_else(|| bad("truncated"))?;
-                    Key::Str(String::from_utf8(s.to_vec()).map_err(|_| bad("a key is not UTF-8"))?)
-                }
-                _ => return Err(bad("a malformed key")),
-            };
+            let key = mults::read_key(&mut r).ok_or_else(|| bad("a truncated or malformed key"))?;
             let t = r.u64().ok_or_else(|| bad("truncated"))?;
             let mut vecs = [
                 NDArray::placeholder(DType::F64),
@@ -522,6 +529,7 @@ impl OptimizerUpdater {
         self.state = state;
         if dumped {
             self.opt = saved;
+            self.mults = saved_mults;
         }
         Ok(dumped)
     }
@@ -564,6 +572,10 @@ impl<'a> Reader<'a> {
         usize::try_from(self.u64()?).ok()
     }
 }
+
+mod mults;
+pub use mults::Multiplied;
+use mults::Mults;
 
 #[cfg(test)]
 #[path = "optimizer_tests.rs"]

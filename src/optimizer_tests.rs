@@ -153,3 +153,72 @@ fn integer_weights_are_refused() {
     let g = NDArray::zeros_dtype(&[2], crate::DType::I32);
     assert!(u.update(&Key::Int(0), &g, &mut w).is_err());
 }
+
+#[test]
+fn multipliers_scale_a_keys_learning_rate_and_weight_decay() {
+    let opt = Optimizer::sgd(0.1)
+        .wd(0.5)
+        .lr_mult("b", 2.0)
+        .wd_mult("b", 0.0)
+        .lr_mult(3, 0.5);
+    let mut u = OptimizerUpdater::new(opt);
+    // w = 1, g = 1: w - lr * lr_mult * (g + wd * wd_mult * w).
+    for (key, want) in [
+        (Key::from("a"), 1.0 - 0.1 * 1.5),
+        (Key::from("b"), 1.0 - 0.2),
+        (Key::Int(3), 1.0 - 0.05 * 1.5),
+    ] {
+        let mut w = NDArray::ones(&[2]);
+        u.update(&key, &NDArray::ones(&[2]), &mut w).unwrap();
+        let got = w.to_vec::<f32>().unwrap();
+        assert!(
+            got.iter().all(|x| (*x as f64 - want).abs() < 1e-7),
+            "{key}: {got:?}"
+        );
+    }
+}
+
+#[test]
+fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
+    let opt = Optimizer::adam(0.01).lr_mult(7, 0.5).wd_mult("x", 0.0);
+    let mut wire: Vec<u8> = opt
+        .opt
+        .encode()
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    wire.extend(opt.mults.encode(|k| match k {
+        Key::Int(i) => *i as u64,
+        Key::Str(_) => 99,
+    }));
+    let got = Optimizer::decode_with_mults(&wire).unwrap();
+    assert_eq!(got.opt, opt.opt);
+    assert_eq!(got.mults_of(&Key::Int(7)), (0.5, 1.0));
+    assert_eq!(got.mults_of(&Key::Int(99)), (1.0, 0.0));
+    assert!(Optimizer::decode_with_mults(&wire[..wire.len() - 1]).is_err());
+    wire[64 + 8..64 + 16].copy_from_slice(&f64::NAN.to_le_bytes());
+    assert!(Optimizer::decode_with_mults(&wire).is_err());
+    assert!(Optimizer::sgd(0.1)
+        .lr_mult(1, f64::INFINITY)
+        .check()
+        .is_err());
+
+    let mut u = OptimizerUpdater::new(opt.clone());
+    let mut w = NDArray::ones(&[2]);
+    u.update(&Key::Int(7), &NDArray::ones(&[2]), &mut w)
+        .unwrap();
+    let mut other = OptimizerUpdater::new(Optimizer::adam(0.02));
+    assert!(other.load_states(&u.save_states_and_optimizer()).unwrap());
+    assert_eq!((&other.opt, &other.mults), (&opt.opt, &opt.mults));
+    // Without the optimizer, the store's multipliers stay.
+    let mut kept = OptimizerUpdater::new(Optimizer::adam(0.02));
+    assert!(!kept.load_states(&u.save_states()).unwrap());
+    assert_eq!(kept.mults, Mults::default());
+    // A version 1 file (no multipliers) loads.
+    let v2 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
+    let mut v1 = b"KVOPTSD1".to_vec();
+    v1.extend_from_slice(&v2[8..72]);
+    v1.extend_from_slice(&v2[80..]);
+    assert!(kept.load_states(&v1).unwrap());
+    assert_eq!(kept.opt, Optimizer::adam(0.01));
+}

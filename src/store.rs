@@ -2,7 +2,6 @@
 
 use crate::args::{group_outputs, group_owned, group_values, List};
 use crate::local::LocalStore;
-use crate::optimizer::Optimizer;
 use crate::{Key, Keys, KvError, NDArray, Outputs, Result, Values};
 
 mod compress;
@@ -410,8 +409,11 @@ impl KVStore {
         }
     }
 
-    /// Runs a built-in optimizer as the updater (on the servers for distributed stores).
-    pub fn set_optimizer(&mut self, opt: Optimizer) -> Result<()> {
+    /// Runs a built-in optimizer as the updater (on the servers for distributed stores),
+    /// with its per-key multipliers if it has some ([`crate::Multiplied`]).
+    pub fn set_optimizer(&mut self, opt: impl Into<crate::Multiplied>) -> Result<()> {
+        let opt = opt.into();
+        opt.check()?;
         match &mut self.inner {
             Inner::Local(s) => {
                 s.set_optimizer(opt);
@@ -438,7 +440,9 @@ impl KVStore {
     /// kv.pull(0, &mut w).unwrap();
     /// assert_eq!(w.to_vec::<f32>().unwrap(), [0.75, 0.75]);
     /// ```
-    pub fn update_optimizer(&mut self, opt: Optimizer) -> Result<()> {
+    pub fn update_optimizer(&mut self, opt: impl Into<crate::Multiplied>) -> Result<()> {
+        let opt = opt.into();
+        opt.check()?;
         match &mut self.inner {
             Inner::Local(s) => s.optimizer()?.retune(opt),
             Inner::Dist(_) => Err(KvError::Unsupported(

@@ -225,13 +225,16 @@ fn inflight(kv: &mut KVStore) {
 
 fn optimizers(kv: &mut KVStore) {
     let w = kv.num_workers();
+    // The sliced key learns twice as fast, without weight decay, on every server.
     let sgd = Optimizer::Sgd {
         lr: 0.1,
         momentum: 0.9,
         wd: 0.01,
         rescale_grad: 1.0 / w as f64,
         clip_gradient: 0.0,
-    };
+    }
+    .lr_mult(6, 2.0)
+    .wd_mult(6, 0.0);
     // The reference: a local store with the same optimizer, fed the same summed gradients.
     let mut reference = create("local").unwrap();
     ok("set_optimizer", kv.set_optimizer(sgd.clone()));
@@ -264,24 +267,31 @@ fn optimizers(kv: &mut KVStore) {
             &pulled(&mut reference, 6, &[600], DType::F32).to_f64_vec(),
         );
     }
-    // Plain SGD lr 0.1 on ones from every worker, rescaled by 1/W: -0.1 whatever W (MXNet).
+    // Plain SGD lr 0.1 on ones from every worker, rescaled by 1/W: -0.1 whatever W (MXNet);
+    // -0.2 for key 12, whose learning rate is doubled.
+    let plain = Optimizer::sgd(0.1).rescale_grad(1.0 / w as f64);
+    ok("sgd plain", kv.set_optimizer(plain.lr_mult(12, 2.0)));
     ok(
-        "sgd plain",
-        kv.set_optimizer(Optimizer::Sgd {
-            lr: 0.1,
-            momentum: 0.0,
-            wd: 0.0,
-            rescale_grad: 1.0 / w as f64,
-            clip_gradient: 0.0,
-        }),
+        "init 8, 12",
+        kv.init(
+            [8, 12],
+            vec![&NDArray::zeros(&SHAPE), &NDArray::zeros(&SHAPE)],
+        ),
     );
-    ok("init 8", kv.init(8, &NDArray::zeros(&SHAPE)));
-    ok("push 8", kv.push(8, &NDArray::ones(&SHAPE)));
-    let got = pulled(kv, 8, &SHAPE, DType::F32).to_f64_vec();
-    if got.iter().any(|&x| (x + 0.1).abs() > 1e-7) {
-        fail(format!("sgd on ones: {got:?}"));
+    ok(
+        "push 8, 12",
+        kv.push(
+            [8, 12],
+            vec![&NDArray::ones(&SHAPE), &NDArray::ones(&SHAPE)],
+        ),
+    );
+    for (key, want) in [(8, -0.1), (12, -0.2)] {
+        let got = pulled(kv, key, &SHAPE, DType::F32).to_f64_vec();
+        if got.iter().any(|&x| (x - want).abs() > 1e-7) {
+            fail(format!("sgd on ones, key {key}: {got:?}"));
+        }
     }
-    let adam = Optimizer::adam(0.01);
+    let adam = Optimizer::adam(0.01).lr_mult(10, 0.5);
     ok("adam", kv.set_optimizer(adam.clone()));
     let mut reference = create("local").unwrap();
     ok("ref adam", reference.set_optimizer(adam));

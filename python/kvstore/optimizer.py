@@ -8,10 +8,15 @@ afterwards (``set_learning_rate``, or ``opt.wd = ...``) applies from the next up
 the optimizer's state (momentum, moments) is kept. A distributed store's servers keep the
 parameters ``set_optimizer`` sent them, as MXNet's do.
 
+Per-parameter multipliers are MXNet's: ``set_lr_mult`` and ``set_wd_mult`` take a dict from
+a key (an int, or a str, or a parameter's name that ``param_idx2name`` gives an int key) to a
+factor of the learning rate or the weight decay, and with ``param_idx2name`` the parameters
+whose names end in neither ``_weight`` nor ``_gamma`` get no weight decay (a ``wd_mult`` of 0),
+as in MXNet. They travel to the servers with the optimizer.
+
 What MXNet's constructors take but kvstore cannot honour is refused with a ``ValueError``
-rather than ignored: a learning-rate scheduler, per-parameter multipliers
-(``param_idx2name`` that would change a weight decay, ``sym``, ``param_dict``),
-``begin_num_update`` and ``multi_precision``.
+rather than ignored: a learning-rate scheduler, multipliers from a symbol or a parameter dict
+(``sym``, ``param_dict``), ``begin_num_update`` and ``multi_precision``.
 """
 
 import weakref
@@ -22,7 +27,7 @@ __all__ = ["Optimizer", "SGD", "Adam", "create"]
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
-            "epsilon")
+            "epsilon", "lr_mult", "wd_mult", "idx2name")
 _UNSET = object()
 
 
@@ -56,6 +61,8 @@ class Optimizer:
         if param_idx2name is not None and not isinstance(param_idx2name, dict):
             raise TypeError("param_idx2name should be a dict of param indexes to names")
         self.idx2name = dict(param_idx2name or {})
+        self.set_lr_mult({})
+        self.set_wd_mult({})
         self.lr = float(self._default_lr if learning_rate is None else learning_rate)
         self.wd = float(wd)
         self.rescale_grad = float(rescale_grad)
@@ -73,6 +80,40 @@ class Optimizer:
         """Sets a new learning rate, used from the next update on by the local stores running
         this optimizer."""
         self.lr = float(lr)
+
+    def set_lr_mult(self, args_lr_mult: Dict[Any, float]) -> None:
+        """Sets the learning rate's factor per key or parameter name (MXNet's
+        ``set_lr_mult``), replacing the earlier ones."""
+        self.lr_mult = _mults(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult: Dict[Any, float]) -> None:
+        """Sets the weight decay's factor per key or parameter name (MXNet's ``set_wd_mult``),
+        replacing the earlier ones: the parameters ``param_idx2name`` names that end in neither
+        ``_weight`` nor ``_gamma`` get 0 unless ``args_wd_mult`` says otherwise."""
+        wd = {n: 0.0 for n in self.idx2name.values()
+              if not (n.endswith("_weight") or n.endswith("_gamma"))}
+        wd.update(_mults(args_wd_mult))
+        self.wd_mult = wd
+
+    def _mult_of(self, mults: Dict[Any, float], key: Any) -> float:
+        # MXNet's _get_lr and _get_wd: the key itself, else its parameter's name.
+        if key in mults:
+            return mults[key]
+        if key in self.idx2name:
+            return mults.get(self.idx2name[key], 1.0)
+        return 1.0
+
+    def _key_mults(self) -> Dict[Any, Tuple[float, float]]:
+        """Each key some multiplier may apply to, with its factors (lr, wd)."""
+        keys = set(self.lr_mult) | set(self.wd_mult) | set(self.idx2name)
+        out = {}
+        for k in keys:
+            if isinstance(k, bool) or not isinstance(k, (int, str)):
+                raise TypeError(f"a multiplier's key is an int or a str, not {k!r}")
+            m = (self._mult_of(self.lr_mult, k), self._mult_of(self.wd_mult, k))
+            if m != (1.0, 1.0):
+                out[k] = m
+        return out
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _TUNABLE:
@@ -101,15 +142,8 @@ class Optimizer:
         return {"learning_rate": self.lr, "wd": self.wd,
                 "rescale_grad": self.rescale_grad, "clip_gradient": self.clip_gradient}
 
-    def _kvstore_spec(self) -> Tuple[str, Dict[str, Optional[float]]]:
-        # MXNet gives a weight decay multiplier of 0 to parameters whose names do not end in
-        # `_weight` or `_gamma`; kvstore has no per-parameter multipliers.
-        if self.wd != 0.0 and any(not (n.endswith("_weight") or n.endswith("_gamma"))
-                                  for n in self.idx2name.values()):
-            raise ValueError("param_idx2name names parameters whose weight decay MXNet "
-                             "would turn off (names not ending in _weight or _gamma); "
-                             "per-parameter multipliers are not supported")
-        return self.name, self._params()
+    def _kvstore_spec(self) -> Tuple[str, Dict[str, Optional[float]], Dict[Any, Tuple[float, float]]]:
+        return self.name, self._params(), self._key_mults()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
@@ -150,6 +184,12 @@ class Adam(Optimizer):
     def _params(self) -> Dict[str, Optional[float]]:
         return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2,
                 "epsilon": self.epsilon}
+
+
+def _mults(d: Dict[Any, float]) -> Dict[Any, float]:
+    if not isinstance(d, dict):
+        raise TypeError("multipliers are a dict of keys or parameter names to factors")
+    return {k: float(v) for k, v in d.items()}
 
 
 def create(name: str, **kwargs: Any) -> Optimizer:

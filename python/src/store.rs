@@ -75,14 +75,14 @@ pub(crate) struct KVStore {
 }
 
 /// The optimizer a `kvstore.optimizer` object describes (`_kvstore_spec()`).
-fn optimizer_of(obj: &Bound<'_, PyAny>) -> PyResult<Optimizer> {
+fn optimizer_of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
     if !obj.hasattr("_kvstore_spec")? {
         return Err(PyTypeError::new_err(
             "set_optimizer takes a kvstore.optimizer object (SGD, Adam)",
         ));
     }
     let spec = obj.call_method0("_kvstore_spec")?;
-    let (name, p): (String, Bound<'_, PyDict>) = spec.extract()?;
+    let (name, p, mults): (String, Bound<'_, PyDict>, Bound<'_, PyDict>) = spec.extract()?;
     let get = |k: &str, default: f64| -> PyResult<f64> {
         match p.get_item(k)? {
             Some(v) if !v.is_none() => v.extract(),
@@ -101,10 +101,17 @@ fn optimizer_of(obj: &Bound<'_, PyAny>) -> PyResult<Optimizer> {
             )))
         }
     };
-    Ok(opt
-        .wd(get("wd", 0.0)?)
-        .rescale_grad(get("rescale_grad", 1.0)?)
-        .clip_gradient(get("clip_gradient", 0.0)?))
+    let mut opt = kvstore::Multiplied::from(
+        opt.wd(get("wd", 0.0)?)
+            .rescale_grad(get("rescale_grad", 1.0)?)
+            .clip_gradient(get("clip_gradient", 0.0)?),
+    );
+    for (k, m) in mults.iter() {
+        let (lr, wd): (f64, f64) = m.extract()?;
+        let k = crate::args::key(&k)?;
+        opt = opt.lr_mult(k.clone(), lr).wd_mult(k, wd);
+    }
+    Ok(opt)
 }
 
 #[pymethods]

@@ -296,12 +296,32 @@ def test_optimizers_take_mxnet_s_constructors_and_refuse_what_they_cannot_honour
                 {"sym": object()}]:
         with pytest.raises(ValueError):
             opt.SGD(**bad)
+
+
+def test_per_parameter_multipliers_as_mxnet_s():
     kv = kvstore.create()
-    kv.init(0, np.ones(2))
-    # MXNet would give a bias no weight decay: kvstore has no per-parameter multipliers.
-    with pytest.raises(ValueError, match="param_idx2name"):
-        kv.set_optimizer(opt.SGD(wd=0.1, param_idx2name={0: "fc1_bias"}))
-    kv.set_optimizer(opt.SGD(wd=0.1, param_idx2name={0: "fc1_weight"}))
+    kv.init([0, 1, 2], [np.ones(2)] * 3)
+    # As in MXNet, param_idx2name gives a bias (a name ending in neither _weight nor _gamma)
+    # no weight decay; set_lr_mult takes keys or names.
+    o = opt.SGD(learning_rate=0.1, wd=0.5,
+                param_idx2name={0: "fc1_weight", 1: "fc1_bias", 2: "bn_gamma"})
+    assert o.wd_mult == {"fc1_bias": 0.0}
+    o.set_lr_mult({"fc1_weight": 2.0, 2: 0.5})
+    kv.set_optimizer(o)
+    kv.push([0, 1, 2], [np.ones(2)] * 3)
+    out = [np.zeros(2) for _ in range(3)]
+    kv.pull([0, 1, 2], out=out)
+    # w - lr * lr_mult * (g + wd * wd_mult * w), from w = 1, g = 1.
+    np.testing.assert_allclose([o[0] for o in out], [1 - 0.2 * 1.5, 1 - 0.1, 1 - 0.05 * 1.5])
+    # A change to the object's multipliers applies from the next update on.
+    o.set_wd_mult({"fc1_bias": 1.0})
+    kv.push(1, np.zeros(2))
+    kv.pull(1, out=out[1])
+    np.testing.assert_allclose(out[1], (1 - 0.1) * (1 - 0.1 * 0.5))
+    with pytest.raises(TypeError):
+        o.set_lr_mult([("fc1_weight", 2.0)])
+    with pytest.raises(TypeError):
+        kv.set_optimizer(opt.SGD(param_idx2name={(0, 1): "w"}))
 
 
 def test_a_local_store_runs_the_optimizer_object_it_was_given():

@@ -88,10 +88,12 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
         out = np.zeros(big, dtype=np.float32)
         kv.pushpull(4, g, out=out)
         assert (out == 6).all(), out       # 0 + (1 + 2) * 2
-        kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1))
+        sgd = kvstore.optimizer.SGD(learning_rate=0.1)
+        sgd.set_lr_mult({4: 2.0})             # on both servers' slices
+        kv.set_optimizer(sgd)
         kv.push(4, g)
         kv.pull(4, out=out)
-        assert np.allclose(out, 6 - 0.1 * 3), out
+        assert np.allclose(out, 6 - 0.2 * 3), out
         m = kv.metrics()
         assert m["calls"] > 0 and len(m["servers"]) == 2, m
         # Pushes of slices: key 3 once; key 4 (two slices) in a pushpull and a push.

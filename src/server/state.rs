@@ -257,11 +257,7 @@ impl ServerState {
                     Ok(b) => b,
                     Err(e) => return self.err(peer, m, status::FAILED, e.to_string()),
                 };
-                let words: Vec<f64> = bytes
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
-                    .collect();
-                match Optimizer::decode(&words) {
+                match Optimizer::decode_with_mults(&bytes) {
                     Ok(o) => {
                         self.updater = Updater::Optimizer(OptimizerUpdater::new(o));
                         self.ok(peer, m, Payload::None);

@@ -49,6 +49,9 @@ pub(crate) struct KeyInfo {
     pub(crate) parts: Vec<Part>,
 }
 
+/// The most an optimizer and its multipliers take on the wire (a control message).
+const MAX_OPTIMIZER_BYTES: usize = 28 * 1024;
+
 /// A worker's handle on a distributed store.
 pub struct DistWorker {
     cfg: Config,
@@ -448,10 +451,26 @@ impl DistWorker {
             .ok_or_else(|| KvError::UnknownKey(k.clone()))
     }
 
-    /// Rank 0 sends the optimizer to every server; every worker waits until it is in place.
-    pub(crate) fn set_optimizer(&mut self, opt: &Optimizer) -> Result<()> {
-        Optimizer::decode(&opt.encode())?;
-        let bytes: Vec<u8> = opt.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
+    /// Rank 0 sends the optimizer to every server: its parameters, then its multipliers with
+    /// each key by its number (every worker numbers str keys alike, here too); every worker
+    /// waits until it is in place.
+    pub(crate) fn set_optimizer(&mut self, opt: &crate::Multiplied) -> Result<()> {
+        Optimizer::decode(&opt.opt.encode())?;
+        opt.check()?;
+        let mut bytes: Vec<u8> = opt
+            .opt
+            .encode()
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        bytes.extend(opt.mults.encode(|k| self.key_id(k)));
+        if bytes.len() > MAX_OPTIMIZER_BYTES {
+            return Err(KvError::Unsupported(format!(
+                "multipliers for {} keys: at most {} travel to the servers",
+                (bytes.len() - 64) / 24,
+                (MAX_OPTIMIZER_BYTES - 64) / 24
+            )));
+        }
         self.broadcast(Op::SetOptimizer, &bytes, false)
     }
 

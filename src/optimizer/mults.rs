@@ -1,0 +1,214 @@
+//! Per-key multipliers of an optimizer's learning rate and weight decay (MXNet's
+//! `Optimizer.set_lr_mult` and `set_wd_mult`, and the multipliers its `param_idx2name` implies).
+
+use rustc_hash::FxHashMap;
+
+use super::{Optimizer, Reader};
+use crate::{Key, KvError, Result};
+
+/// An optimizer with per-key multipliers of its learning rate and weight decay: a key's update
+/// runs with `lr * lr_mult(key)` and `wd * wd_mult(key)` (1 for keys not named), as MXNet's
+/// optimizers do with their `lr_mult` and `wd_mult`. Made by [`Optimizer::lr_mult`] and
+/// [`Optimizer::wd_mult`]; an [`Optimizer`] converts into one with no multipliers.
+///
+/// ```
+/// use kvstore::{create, NDArray, Optimizer};
+/// let mut kv = create("local").unwrap();
+/// kv.init(["w", "b"], vec![&NDArray::ones(&[2]), &NDArray::ones(&[2])]).unwrap();
+/// // The bias learns twice as fast and takes no weight decay.
+/// let opt = Optimizer::sgd(0.1).wd(0.5).lr_mult("b", 2.0).wd_mult("b", 0.0);
+/// kv.set_optimizer(opt).unwrap();
+/// kv.push(["w", "b"], vec![&NDArray::ones(&[2]), &NDArray::ones(&[2])]).unwrap();
+/// let (mut w, mut b) = (NDArray::zeros(&[2]), NDArray::zeros(&[2]));
+/// kv.pull(["w", "b"], vec![&mut w, &mut b]).unwrap();
+/// assert_eq!(w.to_vec::<f32>().unwrap(), [0.85, 0.85]); // 1 - 0.1 * (1 + 0.5 * 1)
+/// assert_eq!(b.to_vec::<f32>().unwrap(), [0.8, 0.8]); // 1 - 0.2 * 1
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct Multiplied {
+    pub(crate) opt: Optimizer,
+    pub(crate) mults: Mults,
+}
+
+/// Each named key's `(lr_mult, wd_mult)`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Mults(FxHashMap<Key, (f64, f64)>);
+
+/// Bytes of one multiplier on the wire: the key's number, then the two factors.
+const ENTRY: usize = 24;
+
+impl From<Optimizer> for Multiplied {
+    fn from(opt: Optimizer) -> Multiplied {
+        Multiplied {
+            opt,
+            mults: Mults::default(),
+        }
+    }
+}
+
+impl Optimizer {
+    /// This optimizer with `key`'s learning rate multiplied by `m` (MXNet's `lr_mult`).
+    pub fn lr_mult(self, key: impl Into<Key>, m: f64) -> Multiplied {
+        Multiplied::from(self).lr_mult(key, m)
+    }
+
+    /// This optimizer with `key`'s weight decay multiplied by `m` (MXNet's `wd_mult`).
+    pub fn wd_mult(self, key: impl Into<Key>, m: f64) -> Multiplied {
+        Multiplied::from(self).wd_mult(key, m)
+    }
+
+    /// This optimizer with its learning rate and weight decay multiplied.
+    pub(crate) fn scaled(&self, lr_m: f64, wd_m: f64) -> Optimizer {
+        let mut o = self.clone();
+        match &mut o {
+            Optimizer::Sgd { lr, wd, .. } | Optimizer::Adam { lr, wd, .. } => {
+                *lr *= lr_m;
+                *wd *= wd_m;
+            }
+        }
+        o
+    }
+}
+
+impl Optimizer {
+    /// What a worker sends: the parameters' 8 words, then [`Mults::encode`]'s entries.
+    pub(crate) fn decode_with_mults(bytes: &[u8]) -> Result<Multiplied> {
+        let (head, rest) = bytes
+            .split_at_checked(64)
+            .ok_or_else(|| KvError::Protocol("malformed optimizer parameters".into()))?;
+        let words: Vec<f64> = head
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
+            .collect();
+        Ok(Multiplied {
+            opt: Optimizer::decode(&words)?,
+            mults: Mults::decode(rest)?,
+        })
+    }
+}
+
+impl Multiplied {
+    /// Multiplies `key`'s learning rate by `m` (replacing an earlier factor for it).
+    pub fn lr_mult(mut self, key: impl Into<Key>, m: f64) -> Multiplied {
+        self.mults.0.entry(key.into()).or_insert((1.0, 1.0)).0 = m;
+        self
+    }
+
+    /// Multiplies `key`'s weight decay by `m` (replacing an earlier factor for it).
+    pub fn wd_mult(mut self, key: impl Into<Key>, m: f64) -> Multiplied {
+        self.mults.0.entry(key.into()).or_insert((1.0, 1.0)).1 = m;
+        self
+    }
+
+    /// The optimizer, without the multipliers.
+    pub fn optimizer(&self) -> &Optimizer {
+        &self.opt
+    }
+
+    /// `key`'s factors: `(lr_mult, wd_mult)`.
+    pub fn mults_of(&self, key: &Key) -> (f64, f64) {
+        self.mults.of(key)
+    }
+
+    /// An error naming a factor that is not a finite number.
+    pub(crate) fn check(&self) -> Result<()> {
+        for (k, (l, w)) in &self.mults.0 {
+            if !(l.is_finite() && w.is_finite()) {
+                return Err(KvError::Unsupported(format!(
+                    "key {k}: multipliers must be finite, not lr_mult {l}, wd_mult {w}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Mults {
+    pub(crate) fn of(&self, key: &Key) -> (f64, f64) {
+        self.0.get(key).copied().unwrap_or((1.0, 1.0))
+    }
+
+    /// For the wire: each key by its number (`id`), then its factors, in key order.
+    pub(crate) fn encode(&self, mut id: impl FnMut(&Key) -> u64) -> Vec<u8> {
+        let mut entries: Vec<(u64, (f64, f64))> = self.0.iter().map(|(k, m)| (id(k), *m)).collect();
+        entries.sort_by_key(|e| e.0);
+        let mut out = Vec::with_capacity(entries.len() * ENTRY);
+        for (k, (l, w)) in entries {
+            out.extend_from_slice(&k.to_le_bytes());
+            out.extend_from_slice(&l.to_le_bytes());
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        out
+    }
+
+    /// What [`Mults::encode`] wrote, each key as the number it was sent as.
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Mults> {
+        if bytes.len() % ENTRY != 0 {
+            return Err(KvError::Protocol("malformed optimizer multipliers".into()));
+        }
+        let mut r = Reader(bytes);
+        let mut m = FxHashMap::default();
+        while let (Some(k), Some(l), Some(w)) = (r.u64(), r.f64(), r.f64()) {
+            if !(l.is_finite() && w.is_finite()) {
+                return Err(KvError::Protocol("a multiplier that is not finite".into()));
+            }
+            m.insert(Key::Int(k as i64), (l, w));
+        }
+        Ok(Mults(m))
+    }
+
+    /// For a file of saved states: the count, then each key as the states write keys, and its
+    /// factors, in key order.
+    pub(super) fn save(&self, out: &mut Vec<u8>) {
+        let mut keys: Vec<&Key> = self.0.keys().collect();
+        keys.sort();
+        out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        for k in keys {
+            let (l, w) = self.0[k];
+            write_key(out, k);
+            out.extend_from_slice(&l.to_le_bytes());
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+    }
+
+    /// What [`Mults::save`] wrote; `None` where it is cut short or malformed.
+    pub(super) fn load(r: &mut Reader<'_>) -> Option<Mults> {
+        let n = r.u64()?;
+        let mut m = FxHashMap::default();
+        for _ in 0..n {
+            let k = read_key(r)?;
+            let (l, w) = (r.f64()?, r.f64()?);
+            m.insert(k, (l, w));
+        }
+        Some(Mults(m))
+    }
+}
+
+/// A key in a file of saved states: a tag (0 int, 1 str), then the int or the str's length and
+/// bytes.
+pub(super) fn write_key(out: &mut Vec<u8>, k: &Key) {
+    match k {
+        Key::Int(i) => {
+            out.push(0);
+            out.extend_from_slice(&i.to_le_bytes());
+        }
+        Key::Str(s) => {
+            out.push(1);
+            out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+            out.extend_from_slice(s.as_bytes());
+        }
+    }
+}
+
+/// What [`write_key`] wrote; `None` where it is cut short or malformed.
+pub(super) fn read_key(r: &mut Reader<'_>) -> Option<Key> {
+    match r.take(1)?[0] {
+        0 => Some(Key::Int(r.u64()? as i64)),
+        1 => {
+            let len = r.len()?;
+            let s = r.take(len)?;
+            String::from_utf8(s.to_vec()).ok().map(Key::Str)
+        }
+        _ => None,
+    }
+}
