@@ -574,6 +574,7 @@ impl<'a> Reader<'a> {
 }
 
 mod mults;
+pub(crate) use mults::encode_mults;
 pub use mults::Multiplied;
 use mults::Mults;
 

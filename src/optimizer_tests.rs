@@ -187,15 +187,19 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
         .iter()
         .flat_map(|w| w.to_le_bytes())
         .collect();
-    wire.extend(opt.mults.encode(|k| match k {
-        Key::Int(i) => *i as u64,
-        Key::Str(_) => 99,
-    }));
+    let numbered = opt.mults.entries().map(|(k, m)| match k {
+        Key::Int(i) => (*i as u64, m),
+        Key::Str(_) => (99, m),
+    });
+    wire.extend(encode_mults(numbered.collect()));
     let got = Optimizer::decode_with_mults(&wire).unwrap();
     assert_eq!(got.opt, opt.opt);
     assert_eq!(got.mults_of(&Key::Int(7)), (0.5, 1.0));
     assert_eq!(got.mults_of(&Key::Int(99)), (1.0, 0.0));
     assert!(Optimizer::decode_with_mults(&wire[..wire.len() - 1]).is_err());
+    let mut twice = wire.clone();
+    twice.extend_from_slice(&wire[64..64 + 24]);
+    assert!(Optimizer::decode_with_mults(&twice).is_err());
     wire[64 + 8..64 + 16].copy_from_slice(&f64::NAN.to_le_bytes());
     assert!(Optimizer::decode_with_mults(&wire).is_err());
     assert!(Optimizer::sgd(0.1)

@@ -237,12 +237,17 @@ fn optimizers(kv: &mut KVStore) {
     .wd_mult(6, 0.0);
     // The reference: a local store with the same optimizer, fed the same summed gradients.
     let mut reference = create("local").unwrap();
-    ok("set_optimizer", kv.set_optimizer(sgd.clone()));
-    ok("ref optimizer", reference.set_optimizer(sgd));
+    // Multipliers name keys the servers know by number: after the first init.
+    match kv.set_optimizer(sgd.clone()) {
+        Err(KvError::Unsupported(m)) if m.contains("after the first init") => {}
+        other => fail(format!("multipliers before init: {other:?}")),
+    }
     let init = NDArray::ones(&[3, 4]);
     let bigw = arange(600, 0.5, DType::F32);
     ok("init", kv.init([4, 6], vec![&init, &bigw]));
     ok("ref init", reference.init([4, 6], vec![&init, &bigw]));
+    ok("set_optimizer", kv.set_optimizer(sgd.clone()));
+    ok("ref optimizer", reference.set_optimizer(sgd));
     for step in 0..5 {
         let g = NDArray::full(&[3, 4], (kv.rank() + step) as f64);
         let gb = NDArray::full(&[600], (kv.rank() + 1) as f64);
@@ -270,7 +275,6 @@ fn optimizers(kv: &mut KVStore) {
     // Plain SGD lr 0.1 on ones from every worker, rescaled by 1/W: -0.1 whatever W (MXNet);
     // -0.2 for key 12, whose learning rate is doubled.
     let plain = Optimizer::sgd(0.1).rescale_grad(1.0 / w as f64);
-    ok("sgd plain", kv.set_optimizer(plain.lr_mult(12, 2.0)));
     ok(
         "init 8, 12",
         kv.init(
@@ -278,6 +282,7 @@ fn optimizers(kv: &mut KVStore) {
             vec![&NDArray::zeros(&SHAPE), &NDArray::zeros(&SHAPE)],
         ),
     );
+    ok("sgd plain", kv.set_optimizer(plain.lr_mult(12, 2.0)));
     ok(
         "push 8, 12",
         kv.push(
@@ -292,11 +297,11 @@ fn optimizers(kv: &mut KVStore) {
         }
     }
     let adam = Optimizer::adam(0.01).lr_mult(10, 0.5);
-    ok("adam", kv.set_optimizer(adam.clone()));
     let mut reference = create("local").unwrap();
-    ok("ref adam", reference.set_optimizer(adam));
     ok("init 10", kv.init(10, &NDArray::ones(&[5])));
     ok("ref init 10", reference.init(10, &NDArray::ones(&[5])));
+    ok("adam", kv.set_optimizer(adam.clone()));
+    ok("ref adam", reference.set_optimizer(adam));
     for _ in 0..3 {
         ok(
             "push adam",

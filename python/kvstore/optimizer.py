@@ -19,6 +19,8 @@ rather than ignored: a learning-rate scheduler, multipliers from a symbol or a p
 (``sym``, ``param_dict``), ``begin_num_update`` and ``multi_precision``.
 """
 
+import math
+import numbers
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
@@ -29,6 +31,38 @@ __all__ = ["Optimizer", "SGD", "Adam", "create"]
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
             "epsilon", "lr_mult", "wd_mult", "idx2name")
 _UNSET = object()
+# The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
+_WATCHED = ("lr_mult", "wd_mult", "idx2name")
+
+
+class _Watched(dict):
+    """A dict of an optimizer's that tells the optimizer when it is changed in place (MXNet
+    reads ``lr_mult``, ``wd_mult`` and ``idx2name`` at each update)."""
+
+    def __init__(self, owner: "Optimizer", name: str, items: Dict[Any, Any]) -> None:
+        super().__init__(items)
+        self._owner = weakref.ref(owner)
+        self._name = name
+
+    def _changed(self, old: Dict[Any, Any]) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._dict_changed(self, old)
+
+
+def _watching(method: str) -> Any:
+    def changed(self: _Watched, *args: Any, **kwargs: Any) -> Any:
+        old = dict(self)
+        out = getattr(dict, method)(self, *args, **kwargs)
+        self._changed(old)
+        return out
+    changed.__name__ = method
+    return changed
+
+
+for _m in ("__setitem__", "__delitem__", "update", "pop", "popitem", "clear", "setdefault",
+           "__ior__"):
+    setattr(_Watched, _m, _watching(_m))
 
 
 class Optimizer:
@@ -108,14 +142,33 @@ class Optimizer:
         keys = set(self.lr_mult) | set(self.wd_mult) | set(self.idx2name)
         out = {}
         for k in keys:
-            if isinstance(k, bool) or not isinstance(k, (int, str)):
+            if isinstance(k, bool) or not isinstance(k, (numbers.Integral, str)):
                 raise TypeError(f"a multiplier's key is an int or a str, not {k!r}")
-            m = (self._mult_of(self.lr_mult, k), self._mult_of(self.wd_mult, k))
+            m = (float(self._mult_of(self.lr_mult, k)), float(self._mult_of(self.wd_mult, k)))
+            if not all(math.isfinite(x) for x in m):
+                raise ValueError(f"key {k!r}: multipliers must be finite, not {m}")
             if m != (1.0, 1.0):
-                out[k] = m
+                out[k if isinstance(k, str) else int(k)] = m
         return out
 
+    def _dict_changed(self, d: _Watched, old: Dict[Any, Any]) -> None:
+        """One of the watched dicts changed in place: the stores running this optimizer take
+        it, or the change is undone and the error raised."""
+        try:
+            for store in list(self._stores):
+                store._retune_optimizer(self)
+        except BaseException:
+            dict.clear(d)
+            dict.update(d, old)
+            for store in list(self._stores):
+                store._retune_optimizer(self)
+            raise
+
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in _WATCHED:
+            if not isinstance(value, dict):
+                raise TypeError(f"{name} is a dict")
+            value = _Watched(self, name, value)
         if name not in _TUNABLE:
             object.__setattr__(self, name, value)
             return

@@ -313,11 +313,20 @@ def test_per_parameter_multipliers_as_mxnet_s():
     kv.pull([0, 1, 2], out=out)
     # w - lr * lr_mult * (g + wd * wd_mult * w), from w = 1, g = 1.
     np.testing.assert_allclose([o[0] for o in out], [1 - 0.2 * 1.5, 1 - 0.1, 1 - 0.05 * 1.5])
-    # A change to the object's multipliers applies from the next update on.
+    # A change to the object's multipliers applies from the next update on, made in place too
+    # (MXNet reads the dicts at each update).
     o.set_wd_mult({"fc1_bias": 1.0})
     kv.push(1, np.zeros(2))
     kv.pull(1, out=out[1])
     np.testing.assert_allclose(out[1], (1 - 0.1) * (1 - 0.1 * 0.5))
+    o.lr_mult[np.int64(1)] = 0.0
+    kv.push(1, np.ones(2))
+    before = out[1].copy()
+    kv.pull(1, out=out[1])
+    np.testing.assert_allclose(out[1], before)
+    with pytest.raises(ValueError):
+        o.lr_mult["fc1_weight"] = float("nan")
+    assert o.lr_mult == {"fc1_weight": 2.0, 2: 0.5, 1: 0.0}
     with pytest.raises(TypeError):
         o.set_lr_mult([("fc1_weight", 2.0)])
     with pytest.raises(TypeError):

@@ -128,20 +128,20 @@ impl Mults {
         self.0.get(key).copied().unwrap_or((1.0, 1.0))
     }
 
-    /// For the wire: each key by its number (`id`), then its factors, in key order.
-    pub(crate) fn encode(&self, mut id: impl FnMut(&Key) -> u64) -> Vec<u8> {
-        let mut entries: Vec<(u64, (f64, f64))> = self.0.iter().map(|(k, m)| (id(k), *m)).collect();
-        entries.sort_by_key(|e| e.0);
-        let mut out = Vec::with_capacity(entries.len() * ENTRY);
-        for (k, (l, w)) in entries {
-            out.extend_from_slice(&k.to_le_bytes());
-            out.extend_from_slice(&l.to_le_bytes());
-            out.extend_from_slice(&w.to_le_bytes());
-        }
-        out
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 
-    /// What [`Mults::encode`] wrote, each key as the number it was sent as.
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &Key> {
+        self.0.keys()
+    }
+
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (&Key, (f64, f64))> {
+        self.0.iter().map(|(k, m)| (k, *m))
+    }
+
+    /// What [`encode_mults`] wrote, each key as the number it was sent as; a number twice, or
+    /// a factor that is not finite, is an error.
     pub(crate) fn decode(bytes: &[u8]) -> Result<Mults> {
         if bytes.len() % ENTRY != 0 {
             return Err(KvError::Protocol("malformed optimizer multipliers".into()));
@@ -152,7 +152,9 @@ impl Mults {
             if !(l.is_finite() && w.is_finite()) {
                 return Err(KvError::Protocol("a multiplier that is not finite".into()));
             }
-            m.insert(Key::Int(k as i64), (l, w));
+            if m.insert(Key::Int(k as i64), (l, w)).is_some() {
+                return Err(KvError::Protocol(format!("multipliers for key {k} twice")));
+            }
         }
         Ok(Mults(m))
     }
@@ -178,10 +180,25 @@ impl Mults {
         for _ in 0..n {
             let k = read_key(r)?;
             let (l, w) = (r.f64()?, r.f64()?);
+            if !(l.is_finite() && w.is_finite()) {
+                return None;
+            }
             m.insert(k, (l, w));
         }
         Some(Mults(m))
     }
+}
+
+/// Multipliers for the wire: each key by its number, then its factors, in number order.
+pub(crate) fn encode_mults(mut entries: Vec<(u64, (f64, f64))>) -> Vec<u8> {
+    entries.sort_by_key(|e| e.0);
+    let mut out = Vec::with_capacity(entries.len() * ENTRY);
+    for (k, (l, w)) in entries {
+        out.extend_from_slice(&k.to_le_bytes());
+        out.extend_from_slice(&l.to_le_bytes());
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+    out
 }
 
 /// A key in a file of saved states: a tag (0 int, 1 str), then the int or the str's length and

@@ -452,8 +452,12 @@ impl DistWorker {
     }
 
     /// Rank 0 sends the optimizer to every server: its parameters, then its multipliers with
-    /// each key by its number (every worker numbers str keys alike, here too); every worker
-    /// waits until it is in place.
+    /// each key by its number; every worker waits until it is in place.
+    ///
+    /// Multipliers name keys the servers know by number: the store's keys must be known
+    /// (a key initialised), those of the other kind are left out (they cannot apply: the
+    /// parameter names that `param_idx2name` maps to int keys, say), and a str key must be
+    /// initialised (numbers are given to str keys in the order they are first used).
     pub(crate) fn set_optimizer(&mut self, opt: &crate::Multiplied) -> Result<()> {
         Optimizer::decode(&opt.opt.encode())?;
         opt.check()?;
@@ -463,7 +467,30 @@ impl DistWorker {
             .iter()
             .flat_map(|w| w.to_le_bytes())
             .collect();
-        bytes.extend(opt.mults.encode(|k| self.key_id(k)));
+        if !opt.mults.is_empty() {
+            let Some(str_keys) = self.keys.keys().next().map(|k| matches!(k, Key::Str(_))) else {
+                return Err(KvError::Unsupported(
+                    "an optimizer with multipliers must come after the first init of a \
+                     distributed store (as MXNet's Trainer and Module call set_optimizer)"
+                        .into(),
+                ));
+            };
+            let mine = |k: &Key| matches!(k, Key::Str(_)) == str_keys;
+            if let Some(k) = opt
+                .mults
+                .keys()
+                .find(|k| mine(k) && !self.keys.contains_key(*k))
+            {
+                return Err(KvError::UnknownKey(k.clone()));
+            }
+            let numbered: Vec<(u64, (f64, f64))> = opt
+                .mults
+                .entries()
+                .filter(|(k, _)| mine(k))
+                .map(|(k, m)| (self.key_id(k), m))
+                .collect();
+            bytes.extend(crate::optimizer::encode_mults(numbered));
+        }
         if bytes.len() > MAX_OPTIMIZER_BYTES {
             return Err(KvError::Unsupported(format!(
                 "multipliers for {} keys: at most {} travel to the servers",
