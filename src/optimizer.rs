@@ -323,8 +323,9 @@ impl OptimizerUpdater {
         &self.opt
     }
 
-    /// Runs `opt` from the next update on, with the state kept (a new learning rate, say);
-    /// an error, with nothing changed, where `opt` is another kind of optimizer.
+    /// Runs `opt` from the next update on, with its multipliers in place of the earlier ones
+    /// (an [`Optimizer`] has none) and the state kept (a new learning rate, say); an error,
+    /// with nothing changed, where `opt` is another kind of optimizer.
     pub fn retune(&mut self, opt: impl Into<Multiplied>) -> Result<()> {
         let Multiplied { opt, mults } = opt.into();
         if !opt.same_kind(&self.opt) {
@@ -460,7 +461,8 @@ impl OptimizerUpdater {
     }
 
     /// [`OptimizerUpdater::save_states`] with the optimizer itself (MXNet's
-    /// `dump_optimizer=True`): loading them replaces the optimizer with the saved one.
+    /// `dump_optimizer=True`): loading them replaces the optimizer, and its multipliers, with
+    /// the saved ones.
     pub fn save_states_and_optimizer(&self) -> Vec<u8> {
         let mut out = self.save_states();
         mark_dumped(&mut out);

@@ -181,12 +181,7 @@ fn multipliers_scale_a_keys_learning_rate_and_weight_decay() {
 #[test]
 fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     let opt = Optimizer::adam(0.01).lr_mult(7, 0.5).wd_mult("x", 0.0);
-    let mut wire: Vec<u8> = opt
-        .opt
-        .encode()
-        .iter()
-        .flat_map(|w| w.to_le_bytes())
-        .collect();
+    let mut wire = opt.opt.encode_bytes();
     let numbered = opt.mults.entries().map(|(k, m)| match k {
         Key::Int(i) => (*i as u64, m),
         Key::Str(_) => (99, m),

@@ -426,6 +426,9 @@ fn a_device_store_compresses_each_value_with_its_own_residual() {
     // float64 values are not compressed: refused, nothing changes.
     let e = kv.push(1, &NDArray::full_dtype(&[4], 1.0, DType::F64));
     assert!(matches!(e, Err(KvError::Unsupported(m)) if m.contains("float32")));
+    let mut f = NDArray::full_dtype(&[4], 7.0, DType::F64);
+    kv.pull(1, &mut f).unwrap();
+    assert_eq!(f.to_vec::<f64>().unwrap(), [0.0; 4]);
     let e = create("local")
         .unwrap()
         .set_gradient_compression(Compression::two_bit(0.5).unwrap());

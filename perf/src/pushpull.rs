@@ -189,6 +189,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         // Each push (request and acknowledgement) is timed too.
         let mut push_lat = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3)
             .map_err(|e| e.to_string())?;
+        let pushed_before = kv.metrics().total().bytes_pushed;
         let start = Instant::now();
         for _ in 0..iters {
             let t0 = Instant::now();
@@ -205,6 +206,8 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             }
         }
         let secs = start.elapsed().as_secs_f64();
+        // Bytes this worker's pushes put on the wire per iteration (packed, with --compress).
+        let pushed = (kv.metrics().total().bytes_pushed - pushed_before) / iters as u64;
         if p.op == "push" {
             kv.pull(keys.clone(), &mut outs)
                 .map_err(|e| e.to_string())?;
@@ -220,7 +223,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
             return Err(format!("wrong values pulled at size {size}"));
         }
         lines.push(format!(
-            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{},\"push_p50_us\":{:.3},\"push_p99_us\":{:.3},\"transport\":\"{}\",\"op\":\"{}\",\"compress\":{}}}",
+            "{{\"size\":{},\"keys\":{},\"iters\":{iters},\"secs\":{secs},\"workers\":{},\"servers\":{},\"push_p50_us\":{:.3},\"push_p99_us\":{:.3},\"transport\":\"{}\",\"op\":\"{}\",\"compress\":{},\"push_bytes_per_iter\":{pushed}}}",
             elems * 4,
             p.keys,
             kv.num_workers(),
@@ -490,6 +493,7 @@ fn print_row(
             "test": "pushpull",
             "op": p.op,
             "compress": p.compress,
+            "push_bytes_per_iter": field(line, "push_bytes_per_iter") as u64,
             "transport": text_field(line, "transport"),
             "workers": w as u64,
             "servers": p.servers,

@@ -224,6 +224,13 @@ fn pushpull_through_a_real_job() {
         );
         let v: serde_json::Value = serde_json::from_str(rows[0]).unwrap();
         assert_eq!(v["compress"], !compress.is_empty(), "{out}");
+        // What the pushes put on the wire: 64 KiB a push, or packed, a sixteenth.
+        let pushed = match (op, compress.is_empty()) {
+            ("pull", _) => 0,
+            (_, true) => 65536,
+            (_, false) => 4096,
+        };
+        assert_eq!(v["push_bytes_per_iter"], pushed, "{out}");
     }
     // With references, every line is strict JSON (no NaN: a missing figure is null), and the
     // ceiling of the same W, S and size is there with the ratio to it.

@@ -27,8 +27,10 @@ differences from MXNet, each documented in README.md:
   bool key is a TypeError.
 * An updater gets a str key as ``str`` (MXNet gives ``bytes``) and a read-only ``input``.
 * The optimizers compute in float64 and round once into the weight's dtype (MXNet computes in
-  the weight's dtype); what they cannot honour (an ``lr_scheduler``, per-parameter
-  multipliers, ``begin_num_update``, ``multi_precision``) is a ValueError.
+  the weight's dtype); what they cannot honour (an ``lr_scheduler``, multipliers read from a
+  ``sym`` or a ``param_dict``, ``begin_num_update``, ``multi_precision``) is a ValueError.
+  Their per-parameter multipliers (``set_lr_mult``, ``set_wd_mult``, ``param_idx2name``'s
+  defaults) are MXNet's.
 """
 
 from typing import Any, Dict

@@ -53,7 +53,13 @@ class _Watched(dict):
 def _watching(method: str) -> Any:
     def changed(self: _Watched, *args: Any, **kwargs: Any) -> Any:
         old = dict(self)
-        out = getattr(dict, method)(self, *args, **kwargs)
+        try:
+            out = getattr(dict, method)(self, *args, **kwargs)
+        except BaseException:
+            # A change that failed part way is undone.
+            dict.clear(self)
+            dict.update(self, old)
+            raise
         self._changed(old)
         return out
     changed.__name__ = method
@@ -168,6 +174,8 @@ class Optimizer:
         if name in _WATCHED:
             if not isinstance(value, dict):
                 raise TypeError(f"{name} is a dict")
+            if value is self.__dict__.get(name):
+                return  # `opt.lr_mult |= {...}` assigns the dict it changed in place
             value = _Watched(self, name, value)
         if name not in _TUNABLE:
             object.__setattr__(self, name, value)
@@ -186,6 +194,16 @@ class Optimizer:
                 for store in list(self._stores):
                     store._retune_optimizer(self)
             raise
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # A copy (copy, deepcopy, pickle) runs in no store, and its dicts are its own.
+        return {k: (dict(v) if k in _WATCHED else v) for k, v in self.__dict__.items()
+                if k != "_stores"}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        object.__setattr__(self, "_stores", weakref.WeakSet())
+        for k, v in state.items():
+            object.__setattr__(self, k, _Watched(self, k, v) if k in _WATCHED else v)
 
     def _attached_to(self, store: Any) -> None:
         """Called by a local store's ``set_optimizer``: the store runs this optimizer."""

@@ -378,13 +378,20 @@ impl KVStore {
 
     /// Compresses pushes of float32 values to 2 bits an element, the rest kept for later
     /// pushes (MXNet's set_gradient_compression: {'type': '2bit', 'threshold': 0.5}). For
-    /// 'device' and dist stores (before the first init); a local store refuses it.
+    /// stores whose MXNet name has 'device' or 'dist' (dist ones before the first init); the
+    /// others ('local', 'nccl') refuse it, as MXNet's do.
     fn set_gradient_compression(
         &self,
         py: Python<'_>,
         compression_params: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let c = crate::args::compression(compression_params)?;
+        if !(self.name.contains("device") || self.name.contains("dist")) {
+            return Err(crate::KVStoreError::new_err(format!(
+                "gradient compression is not supported for a {} store (as in MXNet)",
+                self.name
+            )));
+        }
         self.control(py, 0, move |kv| kv.set_gradient_compression(c))
     }
 

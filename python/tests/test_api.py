@@ -327,6 +327,17 @@ def test_per_parameter_multipliers_as_mxnet_s():
     with pytest.raises(ValueError):
         o.lr_mult["fc1_weight"] = float("nan")
     assert o.lr_mult == {"fc1_weight": 2.0, 2: 0.5, 1: 0.0}
+    # The store kept what it ran: key 0 still learns at twice the rate, weight decay 0.5.
+    kv.push(0, np.ones(2))
+    w0 = out[0].copy()
+    kv.pull(0, out=out[0])
+    np.testing.assert_allclose(out[0], w0 - 0.2 * (1 + 0.5 * w0))
+    # Copies are the copies' own: changing one leaves the store alone.
+    import copy
+    c = copy.deepcopy(o)
+    c.lr_mult["fc1_weight"] = 9.0
+    o.lr_mult |= {"fc1_weight": 2.0}
+    assert o.lr_mult["fc1_weight"] == 2.0 and c.lr_mult["fc1_weight"] == 9.0
     with pytest.raises(TypeError):
         o.set_lr_mult([("fc1_weight", 2.0)])
     with pytest.raises(TypeError):

@@ -71,7 +71,12 @@ impl Optimizer {
 }
 
 impl Optimizer {
-    /// What a worker sends: the parameters' 8 words, then [`Mults::encode`]'s entries.
+    /// The parameters' 8 words, as bytes: the head of what a worker sends.
+    pub(crate) fn encode_bytes(&self) -> Vec<u8> {
+        self.encode().iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    /// What a worker sends: the parameters' 8 words, then [`encode_mults`]'s entries.
     pub(crate) fn decode_with_mults(bytes: &[u8]) -> Result<Multiplied> {
         let (head, rest) = bytes
             .split_at_checked(64)
@@ -84,6 +89,17 @@ impl Optimizer {
             opt: Optimizer::decode(&words)?,
             mults: Mults::decode(rest)?,
         })
+    }
+}
+
+impl super::OptimizerUpdater {
+    /// Adds the multipliers a worker sent ([`Mults::decode`]'s bytes) to those it runs, the
+    /// optimizer's parameters and state kept: those of keys initialised after the optimizer
+    /// was set.
+    pub(crate) fn add_mults(&mut self, bytes: &[u8]) -> Result<()> {
+        let added = Mults::decode(bytes)?;
+        self.mults.0.extend(added.0);
+        Ok(())
     }
 }
 
@@ -126,14 +142,6 @@ impl Multiplied {
 impl Mults {
     pub(crate) fn of(&self, key: &Key) -> (f64, f64) {
         self.0.get(key).copied().unwrap_or((1.0, 1.0))
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    pub(crate) fn keys(&self) -> impl Iterator<Item = &Key> {
-        self.0.keys()
     }
 
     pub(crate) fn entries(&self) -> impl Iterator<Item = (&Key, (f64, f64))> {

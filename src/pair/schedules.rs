@@ -3,8 +3,8 @@
 //! pushpulls of random groups of keys, some sliced over every server), with barriers; some
 //! schedules lose a server or a worker mid-round, or stall a server past the call timeout so
 //! that its answers come late. In a third of the schedules pushes travel packed (2-bit
-//! compression, with a threshold per worker and key that is that worker's gradient of the key
-//! in every round, so that what a push sends is the gradient). Every value a call returns is checked exactly (dist_sync) or against what
+//! compression, with a threshold per worker and key that is the size of that worker's gradient
+//! of the key in every round, so that what a push sends is the gradient). Every value a call returns is checked exactly (dist_sync) or against what
 //! dist_async allows, and every run must end: a hang is a failure.
 
 use std::time::Duration;
@@ -65,6 +65,8 @@ struct Plan {
     fault_at: Duration,
     /// Pushes travel packed ([`pack`]).
     packed: bool,
+    /// Packed gradients change sign each round.
+    alternate: bool,
 }
 
 fn init_value(k: usize) -> f64 {
@@ -72,9 +74,14 @@ fn init_value(k: usize) -> f64 {
 }
 
 /// Worker `w`'s gradient for key `k` in round `r` (every element the same, so a torn value
-/// shows as unequal elements); the same in every round where pushes are packed ([`pack`]).
+/// shows as unequal elements); where pushes are packed ([`pack`]), the same size in every
+/// round, its sign alternating in dist_sync (so rounds still differ; dist_async's checks
+/// bound values by sums of positive gradients).
 fn grad(p: &Plan, w: usize, r: usize, k: usize) -> f64 {
-    let r = if p.packed { 0 } else { r };
+    if p.packed {
+        let sign = if p.alternate && r % 2 == 1 { -1.0 } else { 1.0 };
+        return sign * ((w + 1) as f64 + k as f64);
+    }
     (w + 1) as f64 + 10.0 * r as f64 + k as f64
 }
 
@@ -137,6 +144,7 @@ fn plan(rng: &mut fastrand::Rng, c: &Config) -> Plan {
         fault,
         fault_at: Duration::from_micros(rng.u64(0..3000)),
         packed: false,
+        alternate: false,
     }
 }
 
@@ -150,8 +158,8 @@ fn expected(p: &Plan, c: &Config, k: usize, r: usize) -> f64 {
     }
 }
 
-/// Packs a push's data with threshold `t`, its worker's gradient of the key: it sends exactly
-/// the gradient (or zeros), and leaves no residual. (A worker's threshold never changes: the
+/// Packs a push's data with threshold `t`, the size of its worker's gradient of the key: it
+/// sends exactly the gradient (or zeros), and leaves no residual. (A worker's threshold never changes: the
 /// server reads a push put into a slot by the header of the slice's first push.)
 fn pack(r: &mut Request, t: f32) {
     let Some((v, bytes)) = r.data.take() else {
@@ -412,6 +420,7 @@ fn run(c: &Config, seed: u64) -> Outcome {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut p = plan(&mut rng, c);
     p.packed = seed % 3 == 0;
+    p.alternate = p.packed && c.sync;
     // Room for every slot, or for few (pushes beyond them go as messages).
     let slot_bytes = if rng.bool() {
         1 << 20

@@ -9,7 +9,8 @@
 //! A data frame's payload is `range length` elements of `dtype`, raw, or with [`flags::PACKED`]
 //! (a push of float32 values, 2-bit compressed: [`crate::Compression`]) their packed form, its
 //! threshold's bits in `aux` (0 otherwise); a control frame's payload is short text
-//! (addresses, names, error messages) or eight f64 (optimizer parameters).
+//! (addresses, names, error messages), or an optimizer: eight f64 of its parameters, then 24
+//! bytes per key of its multipliers (the key's number, `lr_mult`, `wd_mult`).
 //!
 //! Receive slots ([`flags::SLOT`]): a server's reply to a push may grant the worker a slot (the
 //! grant follows the header) that its next push of the same key slice is put into, once; that
@@ -57,7 +58,8 @@ pub enum Op {
     PushPull = 12,
     /// Server to worker: the answer to a request (same request id); error text if status != 0.
     Reply = 13,
-    /// Worker to server: run this built-in optimizer (payload: 8 f64).
+    /// Worker to server: run this built-in optimizer (payload: 8 f64, then its multipliers);
+    /// with `key` 1, add these multipliers (payload: them alone) to the optimizer it runs.
     SetOptimizer = 14,
     /// Worker to server: run the registered updater of this name (payload: the name).
     SetUpdater = 15,

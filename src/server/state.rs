@@ -257,6 +257,17 @@ impl ServerState {
                     Ok(b) => b,
                     Err(e) => return self.err(peer, m, status::FAILED, e.to_string()),
                 };
+                if m.key == crate::worker::ADD_MULTS {
+                    // Multipliers of keys initialised since: for the optimizer it runs, if any.
+                    let added = match &mut self.updater {
+                        Updater::Optimizer(u) => u.add_mults(&bytes),
+                        _ => Ok(()),
+                    };
+                    return match added {
+                        Ok(()) => self.ok(peer, m, Payload::None),
+                        Err(e) => self.err(peer, m, status::FAILED, e.to_string()),
+                    };
+                }
                 match Optimizer::decode_with_mults(&bytes) {
                     Ok(o) => {
                         self.updater = Updater::Optimizer(OptimizerUpdater::new(o));

@@ -9,6 +9,8 @@
 
 pub(crate) mod calls;
 mod exchange;
+mod optimizer;
+pub(crate) use optimizer::ADD_MULTS;
 mod order;
 mod packed;
 pub(crate) mod requests;
@@ -31,7 +33,6 @@ use crate::protocol::{role, Msg, Op};
 use crate::worker::exchange::Links;
 
 use crate::config::Config;
-use crate::optimizer::Optimizer;
 use crate::roles::join;
 use crate::{DType, Key, KvError, NDArray, Result};
 
@@ -49,9 +50,6 @@ pub(crate) struct KeyInfo {
     pub(crate) parts: Vec<Part>,
 }
 
-/// The most an optimizer and its multipliers take on the wire (a control message).
-const MAX_OPTIMIZER_BYTES: usize = 28 * 1024;
-
 /// A worker's handle on a distributed store.
 pub struct DistWorker {
     cfg: Config,
@@ -64,6 +62,9 @@ pub struct DistWorker {
     keys: FxHashMap<Key, KeyInfo>,
     str_ids: FxHashMap<String, u64>,
     merge: FxHashMap<Key, NDArray>,
+    /// The optimizer sent to the servers last: its multipliers of keys initialised later go
+    /// to them at their init ([`DistWorker::set_optimizer`]).
+    optimizer: Option<crate::Multiplied>,
     /// The compression of pushes ([`crate::KVStore::set_gradient_compression`]), and what
     /// each key's pushes have not sent yet.
     compression: Option<crate::Compression>,
@@ -231,6 +232,7 @@ impl DistWorker {
             keys: FxHashMap::default(),
             str_ids: FxHashMap::default(),
             merge: FxHashMap::default(),
+            optimizer: None,
             compression: None,
             residuals: FxHashMap::default(),
             priority: 0,
@@ -451,56 +453,6 @@ impl DistWorker {
             .ok_or_else(|| KvError::UnknownKey(k.clone()))
     }
 
-    /// Rank 0 sends the optimizer to every server: its parameters, then its multipliers with
-    /// each key by its number; every worker waits until it is in place.
-    ///
-    /// Multipliers name keys the servers know by number: the store's keys must be known
-    /// (a key initialised), those of the other kind are left out (they cannot apply: the
-    /// parameter names that `param_idx2name` maps to int keys, say), and a str key must be
-    /// initialised (numbers are given to str keys in the order they are first used).
-    pub(crate) fn set_optimizer(&mut self, opt: &crate::Multiplied) -> Result<()> {
-        Optimizer::decode(&opt.opt.encode())?;
-        opt.check()?;
-        let mut bytes: Vec<u8> = opt
-            .opt
-            .encode()
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .collect();
-        if !opt.mults.is_empty() {
-            let Some(str_keys) = self.keys.keys().next().map(|k| matches!(k, Key::Str(_))) else {
-                return Err(KvError::Unsupported(
-                    "an optimizer with multipliers must come after the first init of a \
-                     distributed store (as MXNet's Trainer and Module call set_optimizer)"
-                        .into(),
-                ));
-            };
-            let mine = |k: &Key| matches!(k, Key::Str(_)) == str_keys;
-            if let Some(k) = opt
-                .mults
-                .keys()
-                .find(|k| mine(k) && !self.keys.contains_key(*k))
-            {
-                return Err(KvError::UnknownKey(k.clone()));
-            }
-            let numbered: Vec<(u64, (f64, f64))> = opt
-                .mults
-                .entries()
-                .filter(|(k, _)| mine(k))
-                .map(|(k, m)| (self.key_id(k), m))
-                .collect();
-            bytes.extend(crate::optimizer::encode_mults(numbered));
-        }
-        if bytes.len() > MAX_OPTIMIZER_BYTES {
-            return Err(KvError::Unsupported(format!(
-                "multipliers for {} keys: at most {} travel to the servers",
-                (bytes.len() - 64) / 24,
-                (MAX_OPTIMIZER_BYTES - 64) / 24
-            )));
-        }
-        self.broadcast(Op::SetOptimizer, &bytes, false)
-    }
-
     /// Rank 0 selects a registered updater on every server; every worker waits for it.
     pub(crate) fn set_interrupt(&mut self, f: Box<dyn FnMut() -> bool + Send>) {
         self.net.interrupt = Some(f);
@@ -514,6 +466,7 @@ impl DistWorker {
         // Every process runs the same program: a name unknown here is unknown on the servers,
         // and every worker (not only rank 0) must hear so.
         crate::registry::lookup(name)?;
+        self.optimizer = None;
         // Every rank asks (setting the same updater twice is harmless), so that a server
         // that lacks it answers every rank with the same error.
         self.broadcast(Op::SetUpdater, name.as_bytes(), true)

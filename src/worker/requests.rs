@@ -223,7 +223,8 @@ impl DistWorker {
         for ((k, _), info) in pairs.iter().zip(infos) {
             self.keys.insert(k.clone(), info);
         }
-        Ok(())
+        let new: Vec<&Key> = pairs.iter().map(|(k, _)| k).collect();
+        self.mults_of_new_keys(&new)
     }
 
     fn check_values(&self, pairs: &[(Key, List<&NDArray>)]) -> Result<()> {
@@ -467,12 +468,17 @@ impl DistWorker {
     /// Rank 0 (`every`: each rank) sends `op` with `payload` to every server; then every
     /// worker waits at a barrier.
     pub(crate) fn broadcast(&mut self, op: Op, payload: &[u8], every: bool) -> Result<()> {
+        self.broadcast_msg(Msg::new(op), payload, every)
+    }
+
+    /// [`DistWorker::broadcast`] of this header.
+    pub(crate) fn broadcast_msg(&mut self, msg: Msg, payload: &[u8], every: bool) -> Result<()> {
         let mut result = Ok(());
         if self.rank == 0 || every {
             let reqs: Requests = (0..self.num_servers)
                 .map(|s| Request {
                     server: s,
-                    msg: Msg::new(op),
+                    msg,
                     data: None,
                     text: payload.to_vec(),
                     dest: None,
