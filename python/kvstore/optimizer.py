@@ -90,7 +90,8 @@ class Optimizer:
             raise ValueError("lr_scheduler is not supported: change the learning rate with "
                              "set_learning_rate")
         if sym is not None or param_dict:
-            raise ValueError("per-parameter multipliers (sym, param_dict) are not supported")
+            raise ValueError("multipliers read from a symbol or a parameter dict (sym, "
+                             "param_dict) are not supported: use set_lr_mult and set_wd_mult")
         if begin_num_update != 0:
             raise ValueError("begin_num_update is not supported: every key's update count "
                              "starts at 0")
