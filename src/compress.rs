@@ -190,6 +190,26 @@ impl Compression {
     /// with a compressed push. `packed` may be any bytes at all (a peer's): every pattern is
     /// a value, and only its first [`Compression::packed_bytes`] of `out.len()` bytes are read.
     pub fn dequantize(self, packed: &[u8], out: &mut [f32]) -> Result<()> {
+        self.unpack(packed, out, |o, v| o.copy_from_slice(v))
+    }
+
+    /// `out += ` the value `packed` stands for ([`Compression::dequantize`]), in one pass:
+    /// what a sum of compressed values does.
+    pub(crate) fn dequantize_add(self, packed: &[u8], out: &mut [f32]) -> Result<()> {
+        self.unpack(packed, out, |o, v| {
+            o.iter_mut().zip(v).for_each(|(o, v)| *o += v);
+        })
+    }
+
+    /// Hands `put` each run of (at most) 4 elements of `out` with the values `packed` gives
+    /// them.
+    #[inline(always)]
+    fn unpack(
+        self,
+        packed: &[u8],
+        out: &mut [f32],
+        put: impl Fn(&mut [f32], &[f32]),
+    ) -> Result<()> {
         let need = Self::packed_bytes(out.len() as u64);
         if (packed.len() as u64) < need {
             return Err(KvError::Protocol(format!(
@@ -209,15 +229,15 @@ impl Compression {
             // Large values: the four elements of every byte value, looked up whole.
             let table: Vec<[f32; 4]> = (0..=255).map(of).collect();
             for (o4, &byte) in o.chunks_exact_mut(4).zip(packed) {
-                o4.copy_from_slice(&table[byte as usize]);
+                put(o4, &table[byte as usize]);
             }
         } else {
             for (o4, &byte) in o.chunks_exact_mut(4).zip(packed) {
-                o4.copy_from_slice(&of(byte));
+                put(o4, &of(byte));
             }
         }
         if let Some(&byte) = packed.get(whole / 4).filter(|_| !rest.is_empty()) {
-            rest.copy_from_slice(&of(byte)[..rest.len()]);
+            put(rest, &of(byte)[..rest.len()]);
         }
         Ok(())
     }
@@ -311,6 +331,9 @@ mod tests {
                 assert_eq!(packed.len(), n.div_ceil(16) * 4);
                 assert_eq!(out, reference(&g, &mut r_ref, 0.3));
                 assert_eq!(r, r_ref);
+                let mut acc = vec![1.0f32; n];
+                c.dequantize_add(&packed, &mut acc).unwrap();
+                assert!(acc.iter().zip(&out).all(|(a, o)| *a == 1.0 + o));
             }
         }
     }

@@ -119,15 +119,13 @@ impl LocalStore {
         let n = vs[0].size();
         let mut sum = vec![0.0f32; n];
         let mut packed = vec![0u8; Compression::packed_bytes(n as u64) as usize];
-        let mut sent = vec![0.0f32; n];
         for (i, v) in vs.iter().enumerate() {
             let r = self
                 .residuals
                 .entry((k.clone(), i))
                 .or_insert_with(|| vec![0.0; n]);
             c.quantize(v.as_slice::<f32>()?, r, &mut packed)?;
-            c.dequantize(&packed, &mut sent)?;
-            crate::ops::add_into(&mut sum, &sent);
+            c.dequantize_add(&packed, &mut sum)?;
         }
         NDArray::from_vec(vs[0].shape(), sum)?.on(device)
     }

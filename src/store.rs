@@ -424,9 +424,9 @@ impl KVStore {
     }
 
     /// Changes the parameters of the built-in optimizer a local store runs (a new learning
-    /// rate, say), and its multipliers (an [`crate::Optimizer`] has none: they go), keeping its state
-    /// (momentum, moments, step counts), as MXNet's local store
-    /// sees changes to the optimizer object it was given. A distributed store's servers keep
+    /// rate, say), and its multipliers (an [`crate::Optimizer`] has none: they go), keeping
+    /// its state (momentum, moments, step counts), as MXNet's local store sees changes to the
+    /// optimizer object it was given. A distributed store's servers keep
     /// what [`KVStore::set_optimizer`] sent them (as MXNet's do): an error there, and where
     /// the store runs no built-in optimizer or another kind.
     ///

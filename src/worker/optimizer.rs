@@ -23,8 +23,8 @@ impl DistWorker {
     /// store's cannot apply and are left out (the parameter names that `param_idx2name` maps
     /// to int keys, say).
     pub(crate) fn set_optimizer(&mut self, opt: &Multiplied) -> Result<()> {
+        // (`KVStore::set_optimizer` checked the multipliers.)
         Optimizer::decode(&opt.opt.encode())?;
-        opt.check()?;
         let mut payload = opt.opt.encode_bytes();
         payload.extend(self.numbered_mults(opt, |_| true)?);
         self.broadcast(Op::SetOptimizer, &payload, false)?;

@@ -48,17 +48,21 @@ impl ServerState {
     }
 }
 
-/// The value `payload` packs, into `value` (its length), through `bytes`.
+/// The value `payload` packs, into `value` (its length): read where it lies when it is this
+/// process's, else through `bytes`, a copy (a peer's pages are never viewed as a slice).
 fn unpack(
     c: Compression,
     payload: &Input<'_>,
     bytes: &mut Vec<u8>,
     value: &mut NDArray,
 ) -> crate::Result<()> {
-    bytes.clear();
+    let out = value.as_mut_slice::<f32>()?;
     match payload {
-        Input::Owned(a) => bytes.extend_from_slice(a.as_bytes()),
-        Input::Peer(p, _) => p.append_to(bytes),
+        Input::Owned(a) => c.dequantize(a.as_bytes(), out),
+        Input::Peer(p, _) => {
+            bytes.clear();
+            p.append_to(bytes);
+            c.dequantize(bytes, out)
+        }
     }
-    c.dequantize(bytes, value.as_mut_slice::<f32>()?)
 }
