@@ -78,7 +78,7 @@ pub use logging::{init_logging, DEFAULT_FILTER};
 /// Whether this build has the RDMA transport (the `rdma` feature).
 pub const RDMA_BUILT: bool = cfg!(feature = "rdma");
 pub use ndarray::NDArray;
-pub use optimizer::{Multiplied, Optimizer, OptimizerUpdater};
+pub use optimizer::{LrScheduler, Multiplied, Optimizer, OptimizerUpdater};
 pub use prioritized::Prioritized;
 pub use registry::{register_updater, register_updater_factory, SharedUpdater, UpdaterFactory};
 pub use roles::{run_role, run_role_if_not_worker};

@@ -58,10 +58,16 @@ pub(crate) fn checked_bytes(shape: &[usize], dtype: DType) -> Result<usize> {
         .iter()
         .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
         .filter(|&b| b <= isize::MAX as usize)
-        .ok_or_else(|| KvError::TooLarge {
-            shape: shape.to_vec(),
-            dtype,
-        })
+        .ok_or_else(|| too_large(shape, dtype))
+}
+
+#[cold]
+#[inline(never)]
+fn too_large(shape: &[usize], dtype: DType) -> KvError {
+    KvError::TooLarge {
+        shape: shape.to_vec(),
+        dtype,
+    }
 }
 
 impl NDArray {

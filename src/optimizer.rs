@@ -219,6 +219,11 @@ impl Default for KeyState {
 pub struct OptimizerUpdater {
     opt: Optimizer,
     mults: Mults,
+    schedule: Option<LrScheduler>,
+    /// Where every key's update count starts (MXNet's `begin_num_update`).
+    begin_num_update: u64,
+    /// The most updates any key has had (MXNet's `num_update`): what the scheduler is given.
+    num_update: u64,
     state: FxHashMap<Key, KeyState>,
 }
 
@@ -310,11 +315,35 @@ fn update_typed<T: Element>(
 impl OptimizerUpdater {
     /// An updater running `opt` (with its per-key multipliers, if any), with fresh state.
     pub fn new(opt: impl Into<Multiplied>) -> Self {
-        let Multiplied { opt, mults } = opt.into();
+        let Multiplied {
+            opt,
+            mults,
+            schedule,
+            begin_num_update,
+        } = opt.into();
         OptimizerUpdater {
             opt,
             mults,
+            schedule,
+            begin_num_update,
+            num_update: begin_num_update,
             state: FxHashMap::default(),
+        }
+    }
+
+    /// The most updates any key has had (MXNet's `num_update`), counted from
+    /// `begin_num_update`.
+    pub fn num_update(&self) -> u64 {
+        self.num_update
+    }
+
+    /// The learning rate the next update would start from (MXNet's `learning_rate`: the
+    /// scheduler's rate at [`OptimizerUpdater::num_update`], advancing it as MXNet's does, or
+    /// the optimizer's), before a key's multiplier.
+    pub fn learning_rate(&mut self) -> f64 {
+        match &mut self.schedule {
+            Some(s) => s.lr(self.num_update),
+            None => self.opt.learning_rate(),
         }
     }
 
@@ -326,8 +355,16 @@ impl OptimizerUpdater {
     /// Runs `opt` from the next update on, with its multipliers in place of the earlier ones
     /// (an [`Optimizer`] has none) and the state kept (a new learning rate, say); an error,
     /// with nothing changed, where `opt` is another kind of optimizer.
+    ///
+    /// A scheduler with the same rule as the running one keeps running where it is (the state
+    /// it reached); another starts from its own state. The update counts are kept.
     pub fn retune(&mut self, opt: impl Into<Multiplied>) -> Result<()> {
-        let Multiplied { opt, mults } = opt.into();
+        let Multiplied {
+            opt,
+            mults,
+            schedule,
+            begin_num_update: _,
+        } = opt.into();
         if !opt.same_kind(&self.opt) {
             return Err(KvError::Incompatible(format!(
                 "the store runs {}, whose state {} cannot take on: set_optimizer starts afresh",
@@ -337,6 +374,10 @@ impl OptimizerUpdater {
         }
         self.opt = opt;
         self.mults = mults;
+        match (&self.schedule, schedule) {
+            (Some(old), Some(new)) if old.same_rule(&new) => {}
+            (_, new) => self.schedule = new,
+        }
         Ok(())
     }
 
@@ -355,7 +396,19 @@ impl OptimizerUpdater {
                 reason: format!("optimizers need a float dtype, not {}", weight.dtype()),
             });
         }
-        let st = self.state.entry(key.clone()).or_default();
+        let begin = self.begin_num_update;
+        let st = self.state.entry(key.clone()).or_insert_with(|| KeyState {
+            t: begin,
+            ..KeyState::default()
+        });
+        // Every key's count, and the most of them, as MXNet's `_update_count`; then the rate,
+        // as its `_get_lr`.
+        st.t += 1;
+        self.num_update = self.num_update.max(st.t);
+        let lr = match &mut self.schedule {
+            Some(s) => Some(s.lr(self.num_update)),
+            None => None,
+        };
         #[cfg(feature = "cuda")]
         let on_gpu = crate::gpu::optim::applies(grad, weight);
         #[cfg(not(feature = "cuda"))]
@@ -372,11 +425,16 @@ impl OptimizerUpdater {
         // wd_mult).
         let (lr_m, wd_m) = self.mults.of(key);
         let scaled;
-        let opt = if (lr_m, wd_m) == (1.0, 1.0) {
-            &self.opt
-        } else {
-            scaled = self.opt.scaled(lr_m, wd_m);
-            &scaled
+        let opt = match lr {
+            None if (lr_m, wd_m) == (1.0, 1.0) => &self.opt,
+            None => {
+                scaled = self.opt.scaled(lr_m, wd_m);
+                &scaled
+            }
+            Some(lr) => {
+                scaled = self.opt.clone().lr(lr).scaled(lr_m, wd_m);
+                &scaled
+            }
         };
         match *opt {
             Optimizer::Sgd { momentum, .. } if momentum <= 0.0 => {}
@@ -386,7 +444,6 @@ impl OptimizerUpdater {
             } => {
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
-                st.t += 1;
                 lr_t = adam_lr(lr, beta1, beta2, st.t);
             }
         }
@@ -407,14 +464,16 @@ impl OptimizerUpdater {
     }
 }
 
-/// The first bytes of saved optimizer states (version 2: the optimizer's per-key multipliers
-/// follow its parameters; version 1 files, without them, still load).
-const STATES_MAGIC: &[u8; 8] = b"KVOPTST2";
+/// The first bytes of saved optimizer states (version 3: the optimizer's per-key multipliers,
+/// then its scheduler and the count it began from, follow its parameters; files of version 2,
+/// without the scheduler, and 1, without the multipliers either, still load).
+const STATES_MAGIC: &[u8; 8] = b"KVOPTST3";
 /// The first bytes of saved states that carry the optimizer too (MXNet's `dump_optimizer`):
-/// loading them replaces the optimizer, and its multipliers, with the saved one.
-const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD2";
-/// Version 1's magics (states, dumped).
+/// loading them replaces the optimizer, its multipliers and its scheduler with the saved ones.
+const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD3";
+/// Earlier versions' magics (states, dumped).
 const MAGICS_1: [&[u8; 8]; 2] = [b"KVOPTST1", b"KVOPTSD1"];
+const MAGICS_2: [&[u8; 8]; 2] = [b"KVOPTST2", b"KVOPTSD2"];
 
 /// Marks saved states (`OptimizerUpdater::save_states`) as carrying their optimizer; `false`
 /// where `bytes` are not such states.
@@ -430,7 +489,9 @@ pub(crate) fn mark_dumped(bytes: &mut [u8]) -> bool {
 
 /// Whether saved states carry their optimizer ([`mark_dumped`]).
 pub(crate) fn is_dumped(bytes: &[u8]) -> bool {
-    bytes.starts_with(DUMPED_MAGIC) || bytes.starts_with(MAGICS_1[1])
+    [DUMPED_MAGIC, MAGICS_2[1], MAGICS_1[1]]
+        .iter()
+        .any(|m| bytes.starts_with(*m))
 }
 
 impl OptimizerUpdater {
@@ -442,6 +503,7 @@ impl OptimizerUpdater {
             out.extend_from_slice(&w.to_le_bytes());
         }
         self.mults.save(&mut out);
+        write_extras(&mut out, self.schedule.as_ref(), self.begin_num_update);
         let mut keys: Vec<&Key> = self.state.keys().collect();
         keys.sort();
         out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
@@ -478,8 +540,10 @@ impl OptimizerUpdater {
         let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
         let mut r = Reader(bytes);
         let (dumped, version) = match r.take(8).ok_or_else(|| bad("empty"))? {
-            m if m == STATES_MAGIC => (false, 2),
-            m if m == DUMPED_MAGIC => (true, 2),
+            m if m == STATES_MAGIC => (false, 3),
+            m if m == DUMPED_MAGIC => (true, 3),
+            m if m == MAGICS_2[0] => (false, 2),
+            m if m == MAGICS_2[1] => (true, 2),
             m if m == MAGICS_1[0] => (false, 1),
             m if m == MAGICS_1[1] => (true, 1),
             _ => return Err(bad("not a file of saved optimizer states")),
@@ -492,6 +556,11 @@ impl OptimizerUpdater {
         let saved_mults = match version {
             1 => Mults::default(),
             _ => Mults::load(&mut r).ok_or_else(|| bad("truncated multipliers"))?,
+        };
+        let (saved_schedule, saved_begin) = match version {
+            1 | 2 => (None, 0),
+            _ => schedule::read_extras(&mut r)
+                .ok_or_else(|| bad("a truncated or malformed learning-rate scheduler"))?,
         };
         if !dumped && !saved.same_kind(&self.opt) {
             return Err(bad(&format!(
@@ -528,11 +597,18 @@ impl OptimizerUpdater {
         if !r.0.is_empty() {
             return Err(bad("bytes after the last key"));
         }
-        self.state = state;
         if dumped {
             self.opt = saved;
             self.mults = saved_mults;
+            self.schedule = saved_schedule;
+            self.begin_num_update = saved_begin;
         }
+        // The most updates a key has had, as the counts saved say.
+        self.num_update = state
+            .values()
+            .map(|s| s.t)
+            .fold(self.begin_num_update, u64::max);
+        self.state = state;
         Ok(dumped)
     }
 }
@@ -541,6 +617,13 @@ impl Optimizer {
     /// Whether `other` is the same optimizer, whatever its parameters (its state fits).
     fn same_kind(&self, other: &Optimizer) -> bool {
         std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
+
+    /// The learning rate.
+    pub fn learning_rate(&self) -> f64 {
+        match *self {
+            Optimizer::Sgd { lr, .. } | Optimizer::Adam { lr, .. } => lr,
+        }
     }
 
     /// MXNet's name of the optimizer.
@@ -576,9 +659,12 @@ impl<'a> Reader<'a> {
 }
 
 mod mults;
+mod schedule;
 pub(crate) use mults::encode_mults;
 pub use mults::Multiplied;
 use mults::Mults;
+pub(crate) use schedule::write_extras;
+pub use schedule::LrScheduler;
 
 #[cfg(test)]
 #[path = "optimizer_tests.rs"]

@@ -181,7 +181,7 @@ fn multipliers_scale_a_keys_learning_rate_and_weight_decay() {
 #[test]
 fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     let opt = Optimizer::adam(0.01).lr_mult(7, 0.5).wd_mult("x", 0.0);
-    let mut wire = opt.opt.encode_bytes();
+    let mut wire = opt.encode_head();
     let numbered = opt.mults.entries().map(|(k, m)| match k {
         Key::Int(i) => (*i as u64, m),
         Key::Str(_) => (99, m),
@@ -192,10 +192,13 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     assert_eq!(got.mults_of(&Key::Int(7)), (0.5, 1.0));
     assert_eq!(got.mults_of(&Key::Int(99)), (1.0, 0.0));
     assert!(Optimizer::decode_with_mults(&wire[..wire.len() - 1]).is_err());
+    // The multipliers follow the head: 64 bytes of parameters, the scheduler's length, and
+    // its 9 bytes (no scheduler, count from 0).
+    let at = 64 + 8 + 9;
     let mut twice = wire.clone();
-    twice.extend_from_slice(&wire[64..64 + 24]);
+    twice.extend_from_slice(&wire[at..at + 24]);
     assert!(Optimizer::decode_with_mults(&twice).is_err());
-    wire[64 + 8..64 + 16].copy_from_slice(&f64::NAN.to_le_bytes());
+    wire[at + 8..at + 16].copy_from_slice(&f64::NAN.to_le_bytes());
     assert!(Optimizer::decode_with_mults(&wire).is_err());
     assert!(Optimizer::sgd(0.1)
         .lr_mult(1, f64::INFINITY)
@@ -213,11 +216,18 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     let mut kept = OptimizerUpdater::new(Optimizer::adam(0.02));
     assert!(!kept.load_states(&u.save_states()).unwrap());
     assert_eq!(kept.mults, Mults::default());
-    // A version 1 file (no multipliers) loads.
-    let v2 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
+    // Files of version 1 (no multipliers) and 2 (no scheduler) load. A version 3 file:
+    // magic, parameters (64), no multipliers (8), no scheduler and count 0 (9), no keys.
+    let v3 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
+    assert_eq!(v3.len(), 8 + 64 + 8 + 9 + 8);
     let mut v1 = b"KVOPTSD1".to_vec();
-    v1.extend_from_slice(&v2[8..72]);
-    v1.extend_from_slice(&v2[80..]);
+    v1.extend_from_slice(&v3[8..72]);
+    v1.extend_from_slice(&v3[89..]);
     assert!(kept.load_states(&v1).unwrap());
+    assert_eq!(kept.opt, Optimizer::adam(0.01));
+    let mut v2 = b"KVOPTSD2".to_vec();
+    v2.extend_from_slice(&v3[8..80]);
+    v2.extend_from_slice(&v3[89..]);
+    assert!(kept.load_states(&v2).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
 }

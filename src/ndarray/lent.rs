@@ -13,12 +13,17 @@ use crate::{DType, Device, KvError, Result};
 /// `ptr` as the start of `bytes` bytes of `dtype`: aligned for it, and non-null unless empty.
 fn lent_ptr(ptr: *mut u8, bytes: usize, dtype: DType) -> Result<NonNull<u8>> {
     match NonNull::new(ptr) {
-        Some(p) if (p.as_ptr() as usize) % dtype.size() == 0 => Ok(p),
+        // A dtype's size is a power of two: a mask, not a division.
+        Some(p) if (p.as_ptr() as usize) & (dtype.size() - 1) == 0 => Ok(p),
         _ if bytes == 0 => Ok(NonNull::<u64>::dangling().cast()),
-        _ => Err(KvError::Incompatible(format!(
-            "memory at {ptr:p} is not aligned for {dtype}"
-        ))),
+        _ => Err(misaligned(ptr, dtype)),
     }
+}
+
+#[cold]
+#[inline(never)]
+fn misaligned(ptr: *mut u8, dtype: DType) -> KvError {
+    KvError::Incompatible(format!("memory at {ptr:p} is not aligned for {dtype}"))
 }
 
 impl NDArray {
@@ -83,36 +88,51 @@ impl NDArray {
     /// times `dtype`'s size bytes, aligned for `dtype`, valid for reads and writes until the
     /// owner is dropped or the array is pointed elsewhere again, and used by nothing else while
     /// the array, a clone of it, or a call using it is live.
+    #[inline]
     pub unsafe fn repoint(&mut self, ptr: *mut u8, shape: &[usize], dtype: DType) -> Result<()> {
         let bytes = checked_bytes(shape, dtype)?;
         let p = lent_ptr(ptr, bytes, dtype)?;
+        let Storage::External(e) = &*self.buf else {
+            return Err(not_repointable(
+                "only an array over lent memory can be pointed elsewhere",
+            ));
+        };
         // No other `Arc` (a clone) and no `Weak` (a transport's cache) names the storage, and
         // `&mut self` holds the only one: nothing else can read the fields now, nor reach
         // them until this returns. (The fence orders this after a clone's last use, which
         // dropping it published.)
-        let alone = Arc::strong_count(&self.buf) == 1 && Arc::weak_count(&self.buf) == 0;
-        let Storage::External(e) = &*self.buf else {
-            return Err(KvError::Unsupported(
-                "only an array over lent memory can be pointed elsewhere".into(),
-            ));
-        };
-        if !alone {
-            return Err(KvError::Unsupported(
-                "an array whose storage a clone shares cannot be pointed elsewhere".into(),
+        if Arc::strong_count(&self.buf) != 1 || Arc::weak_count(&self.buf) != 0 {
+            return Err(not_repointable(
+                "an array whose storage a clone shares cannot be pointed elsewhere",
             ));
         }
         fence(Ordering::Acquire);
         e.ptr.store(p.as_ptr(), Ordering::Relaxed);
         e.len.store(bytes, Ordering::Relaxed);
-        self.shape.clear();
-        // Element by element: an array has a few dimensions, fewer than a memcpy call costs.
-        for &n in shape {
-            self.shape.push(n);
+        // In place where the number of dimensions stays (a binding's calls, mostly), element
+        // by element otherwise: an array has a few, fewer than a memcpy call costs.
+        if self.shape.len() == shape.len() {
+            for (d, &n) in self.shape.iter_mut().zip(shape) {
+                *d = n;
+            }
+        } else {
+            self.shape.clear();
+            for &n in shape {
+                self.shape.push(n);
+            }
         }
         self.dtype = dtype;
         self.device = Device::default();
         Ok(())
     }
+}
+
+/// Why an array cannot be pointed elsewhere (out of line: `repoint` is inlined into its
+/// callers, and this is their rare case).
+#[cold]
+#[inline(never)]
+fn not_repointable(why: &str) -> KvError {
+    KvError::Unsupported(why.into())
 }
 
 #[cfg(test)]

@@ -24,10 +24,16 @@ use crate::{Key, KvError, Result};
 /// assert_eq!(w.to_vec::<f32>().unwrap(), [0.85, 0.85]); // 1 - 0.1 * (1 + 0.5 * 1)
 /// assert_eq!(b.to_vec::<f32>().unwrap(), [0.8, 0.8]); // 1 - 0.2 * 1
 /// ```
+///
+/// It also carries what else MXNet's optimizers take beyond their rule: a learning-rate
+/// scheduler ([`Optimizer::lr_scheduler`]) and the update count to start from
+/// ([`Optimizer::begin_num_update`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Multiplied {
     pub(crate) opt: Optimizer,
     pub(crate) mults: Mults,
+    pub(crate) schedule: Option<super::LrScheduler>,
+    pub(crate) begin_num_update: u64,
 }
 
 /// Each named key's `(lr_mult, wd_mult)`.
@@ -42,6 +48,8 @@ impl From<Optimizer> for Multiplied {
         Multiplied {
             opt,
             mults: Mults::default(),
+            schedule: None,
+            begin_num_update: 0,
         }
     }
 }
@@ -70,24 +78,45 @@ impl Optimizer {
     }
 }
 
-impl Optimizer {
-    /// The parameters' 8 words, as bytes: the head of what a worker sends.
-    pub(crate) fn encode_bytes(&self) -> Vec<u8> {
-        self.encode().iter().flat_map(|w| w.to_le_bytes()).collect()
+impl Multiplied {
+    /// The head of what a worker sends: the parameters' 8 words, then the length of the
+    /// scheduler's bytes and those bytes (the multipliers follow, numbered by the worker).
+    pub(crate) fn encode_head(&self) -> Vec<u8> {
+        let mut out: Vec<u8> = self
+            .opt
+            .encode()
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        let mut extras = Vec::new();
+        super::write_extras(&mut extras, self.schedule.as_ref(), self.begin_num_update);
+        out.extend_from_slice(&(extras.len() as u64).to_le_bytes());
+        out.extend(extras);
+        out
     }
+}
 
-    /// What a worker sends: the parameters' 8 words, then [`encode_mults`]'s entries.
+impl Optimizer {
+    /// What a worker sends: the parameters' 8 words, the length of the schedule's bytes and
+    /// those bytes ([`super::schedule::write_extras`]), then [`encode_mults`]'s entries.
     pub(crate) fn decode_with_mults(bytes: &[u8]) -> Result<Multiplied> {
-        let (head, rest) = bytes
-            .split_at_checked(64)
-            .ok_or_else(|| KvError::Protocol("malformed optimizer parameters".into()))?;
+        let malformed = || KvError::Protocol("malformed optimizer parameters".into());
+        let (head, rest) = bytes.split_at_checked(64).ok_or_else(malformed)?;
         let words: Vec<f64> = head
             .chunks_exact(8)
             .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
             .collect();
+        let mut r = Reader(rest);
+        let extras = r.len().and_then(|n| r.take(n)).ok_or_else(malformed)?;
+        let mut er = Reader(extras);
+        let (schedule, begin_num_update) = super::schedule::read_extras(&mut er)
+            .filter(|_| er.0.is_empty())
+            .ok_or_else(|| KvError::Protocol("malformed learning-rate scheduler".into()))?;
         Ok(Multiplied {
             opt: Optimizer::decode(&words)?,
-            mults: Mults::decode(rest)?,
+            mults: Mults::decode(r.0)?,
+            schedule,
+            begin_num_update,
         })
     }
 }
@@ -126,7 +155,7 @@ impl Multiplied {
         self.mults.of(key)
     }
 
-    /// An error naming a factor that is not a finite number.
+    /// An error naming a factor that is not a finite number, or what the scheduler refuses.
     pub(crate) fn check(&self) -> Result<()> {
         for (k, (l, w)) in &self.mults.0 {
             if !(l.is_finite() && w.is_finite()) {
@@ -135,7 +164,10 @@ impl Multiplied {
                 )));
             }
         }
-        Ok(())
+        match &self.schedule {
+            Some(s) => s.check(),
+            None => Ok(()),
+        }
     }
 }
 

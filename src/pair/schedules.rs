@@ -251,8 +251,7 @@ impl Run<'_> {
         }
         let reqs = match step {
             Step::SetOptimizer => {
-                let words = Optimizer::sgd(1.0).encode();
-                let text: Vec<u8> = words.iter().flat_map(|x| x.to_le_bytes()).collect();
+                let text = crate::Multiplied::from(Optimizer::sgd(1.0)).encode_head();
                 (0..self.c.s)
                     .map(|s| Request {
                         server: s,

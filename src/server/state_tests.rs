@@ -65,8 +65,7 @@ fn double_push_in_a_round_is_refused() {
 #[test]
 fn optimizer_runs_once_per_round_on_the_sum() {
     let mut s = ServerState::new(2, true);
-    let words = Optimizer::sgd(0.1).encode();
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let bytes = crate::Multiplied::from(Optimizer::sgd(0.1)).encode_head();
     let mut p = NDArray::from_slice(&[bytes.len()], &bytes).unwrap();
     s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut p);
     s.handle(0, 0, &req(Op::Init, 9, 3, 2), &mut data(0.0, 3));
@@ -162,11 +161,7 @@ fn a_gone_worker_fails_the_rounds_that_wait_on_it_and_only_those() {
 
 /// Sets SGD with learning rate `lr` as the server's updater (as request 1).
 fn set_sgd(s: &mut ServerState, lr: f64) {
-    let w: Vec<u8> = Optimizer::sgd(lr)
-        .encode()
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
+    let w = crate::Multiplied::from(Optimizer::sgd(lr)).encode_head();
     let mut params = NDArray::from_bytes(&[w.len()], DType::U8, &w).unwrap();
     s.handle(0, 0, &req(Op::SetOptimizer, 0, 0, 1), &mut params);
 }

@@ -25,8 +25,17 @@ impl DistWorker {
     pub(crate) fn set_optimizer(&mut self, opt: &Multiplied) -> Result<()> {
         // (`KVStore::set_optimizer` checked the multipliers.)
         Optimizer::decode(&opt.opt.encode())?;
-        let mut payload = opt.opt.encode_bytes();
-        payload.extend(self.numbered_mults(opt, |_| true)?);
+        let mut payload = opt.encode_head();
+        let mults = self.numbered_mults(opt, |_| true)?;
+        if payload.len() + mults.len() > MAX_OPTIMIZER_BYTES {
+            return Err(KvError::Unsupported(format!(
+                "the optimizer takes {} bytes with its scheduler and multipliers: at most {} \
+                 travel to the servers",
+                payload.len() + mults.len(),
+                MAX_OPTIMIZER_BYTES
+            )));
+        }
+        payload.extend(mults);
         self.broadcast(Op::SetOptimizer, &payload, false)?;
         self.optimizer = Some(opt.clone());
         Ok(())
