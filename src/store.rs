@@ -454,6 +454,19 @@ impl KVStore {
         }
     }
 
+    /// The most updates any key has had from the optimizer a local store runs (MXNet's
+    /// `Optimizer.num_update`, what its scheduler is given), counted from its
+    /// `begin_num_update`. An error where the store runs no built-in optimizer, and in a
+    /// distributed store, whose servers each count their own.
+    pub fn optimizer_num_update(&self) -> Result<u64> {
+        match &self.inner {
+            Inner::Local(s) => Ok(s.optimizer()?.num_update()),
+            Inner::Dist(_) => Err(KvError::Unsupported(
+                "a distributed store's servers count their optimizer's updates".into(),
+            )),
+        }
+    }
+
     /// Selects, by name, an updater registered with [`crate::register_updater`]; in a distributed
     /// store it runs on the servers.
     pub fn set_server_updater(&mut self, name: &str) -> Result<()> {

@@ -27,20 +27,21 @@ differences from MXNet, each documented in README.md:
   bool key is a TypeError.
 * An updater gets a str key as ``str`` (MXNet gives ``bytes``) and a read-only ``input``.
 * The optimizers compute in float64 and round once into the weight's dtype (MXNet computes in
-  the weight's dtype); what they cannot honour (an ``lr_scheduler``, multipliers read from a
-  ``sym`` or a ``param_dict``, ``begin_num_update``, ``multi_precision``) is a ValueError.
-  Their per-parameter multipliers (``set_lr_mult``, ``set_wd_mult``, ``param_idx2name``'s
-  defaults) are MXNet's.
+  the weight's dtype); what they cannot honour (multipliers read from a ``sym`` or a
+  ``param_dict``, ``multi_precision``) is a ValueError. Their per-parameter multipliers
+  (``set_lr_mult``, ``set_wd_mult``, ``param_idx2name``'s defaults), ``begin_num_update`` and
+  learning-rate schedulers (``kvstore.lr_scheduler``: MXNet's four, run by the store where
+  the optimizer runs; a scheduler of your own is a TypeError) are MXNet's.
 """
 
 from typing import Any, Dict
 
-from . import optimizer
+from . import lr_scheduler, optimizer
 from ._native import KVStore, KVStoreError, PeerLost, Timeout
 from ._native import create as _create
 
 __all__ = ["create", "KVStore", "KVStoreBase", "KVStoreError", "PeerLost", "Timeout",
-           "optimizer"]
+           "lr_scheduler", "optimizer"]
 
 
 class KVStoreBase:

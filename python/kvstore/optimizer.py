@@ -14,22 +14,31 @@ factor of the learning rate or the weight decay, and with ``param_idx2name`` the
 whose names end in neither ``_weight`` nor ``_gamma`` get no weight decay (a ``wd_mult`` of 0),
 as in MXNet. They travel to the servers with the optimizer.
 
+A learning-rate scheduler (``lr_scheduler``, one of ``kvstore.lr_scheduler``'s, which are
+MXNet's) runs where the optimizer runs, given ``num_update`` (the most updates any key has
+had, counted from ``begin_num_update``) at every update, as in MXNet; so does Adam's bias
+correction, from ``begin_num_update`` too.
+
 What MXNet's constructors take but kvstore cannot honour is refused with a ``ValueError``
-rather than ignored: a learning-rate scheduler, multipliers from a symbol or a parameter dict
-(``sym``, ``param_dict``), ``begin_num_update`` and ``multi_precision``.
+rather than ignored: multipliers from a symbol or a parameter dict (``sym``, ``param_dict``)
+and ``multi_precision``; a scheduler of your own (one that overrides ``__call__``) is a
+``TypeError``.
 """
 
 import math
 import numbers
+import warnings
 import weakref
 from typing import Any, Dict, Optional, Tuple
+
+from . import lr_scheduler as _schedulers
 
 __all__ = ["Optimizer", "SGD", "Adam", "create"]
 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
-            "epsilon", "lr_mult", "wd_mult", "idx2name")
+            "epsilon", "lr_mult", "wd_mult", "idx2name", "lr_scheduler")
 _UNSET = object()
 # The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
 _WATCHED = ("lr_mult", "wd_mult", "idx2name")
@@ -86,15 +95,18 @@ class Optimizer:
                  sym: Any = None, begin_num_update: int = 0, multi_precision: bool = False,
                  param_dict: Any = None) -> None:
         object.__setattr__(self, "_stores", weakref.WeakSet())
-        if lr_scheduler is not None:
-            raise ValueError("lr_scheduler is not supported: change the learning rate with "
-                             "set_learning_rate")
+        if lr_scheduler is not None and not _schedulers._runnable(lr_scheduler):
+            raise TypeError("lr_scheduler is one of kvstore.lr_scheduler's schedulers "
+                            "(FactorScheduler, MultiFactorScheduler, PolyScheduler, "
+                            "CosineScheduler), whose rule the store runs; not "
+                            f"{type(lr_scheduler).__name__}")
         if sym is not None or param_dict:
             raise ValueError("multipliers read from a symbol or a parameter dict (sym, "
                              "param_dict) are not supported: use set_lr_mult and set_wd_mult")
-        if begin_num_update != 0:
-            raise ValueError("begin_num_update is not supported: every key's update count "
-                             "starts at 0")
+        if not isinstance(begin_num_update, int) or isinstance(begin_num_update, bool):
+            raise TypeError("begin_num_update is an int")
+        if begin_num_update < 0:
+            raise ValueError("begin_num_update must be 0 or more")
         if multi_precision:
             raise ValueError("multi_precision is not supported (float16 weights are updated "
                              "without a float32 master copy); for float32 weights it changes "
@@ -104,22 +116,54 @@ class Optimizer:
         self.idx2name = dict(param_idx2name or {})
         self.set_lr_mult({})
         self.set_wd_mult({})
-        self.lr = float(self._default_lr if learning_rate is None else learning_rate)
+        # As MXNet: with a scheduler and no learning_rate, the scheduler's base_lr is the rate
+        # to start from; a learning_rate given replaces it.
+        if lr_scheduler is None and learning_rate is None:
+            learning_rate = self._default_lr
+        if lr_scheduler is not None and learning_rate is not None:
+            if lr_scheduler.base_lr != learning_rate:
+                warnings.warn("learning rate from ``lr_scheduler`` has been overwritten by "
+                              "``learning_rate`` in optimizer.", UserWarning, stacklevel=2)
+                lr_scheduler.base_lr = learning_rate
+        self.lr = None if learning_rate is None else float(learning_rate)
         self.wd = float(wd)
         self.rescale_grad = float(rescale_grad)
         self.clip_gradient = None if clip_gradient is None else float(clip_gradient)
-        self.lr_scheduler = None
-        self.begin_num_update = 0
+        self.lr_scheduler = lr_scheduler
+        self.begin_num_update = begin_num_update
+        self._num_update = begin_num_update
         self.multi_precision = False
 
     @property
+    def num_update(self) -> int:
+        """The most updates any key has had (MXNet's ``num_update``): from a local store that
+        runs this optimizer, as it counts them; otherwise ``begin_num_update`` (a distributed
+        store's servers count their own, as MXNet's do)."""
+        counts = [store._optimizer_num_update() for store in list(self._stores)]
+        return max([self._num_update, *counts])
+
+    @num_update.setter
+    def num_update(self, n: int) -> None:
+        self._num_update = n
+
+    @property
     def learning_rate(self) -> float:
-        """The learning rate (as MXNet's property: set it with ``set_learning_rate``)."""
+        """The learning rate (as MXNet's property): the scheduler's at ``num_update``, if
+        there is one (which advances it, as in MXNet), else the one ``set_learning_rate``
+        set."""
+        if self.lr_scheduler is not None:
+            return self.lr_scheduler(self.num_update)
         return self.lr
 
     def set_learning_rate(self, lr: float) -> None:
         """Sets a new learning rate, used from the next update on by the local stores running
-        this optimizer."""
+        this optimizer. With a scheduler it raises a UserWarning and changes nothing, as
+        MXNet's does."""
+        if self.lr_scheduler is not None:
+            raise UserWarning("LRScheduler of the optimizer has already been defined. Note "
+                              "that set_learning_rate can mutate the value of the learning "
+                              "rate of the optimizer only when the LRScheduler of the "
+                              "optimizer is undefined.")
         self.lr = float(lr)
 
     def set_lr_mult(self, args_lr_mult: Dict[Any, float]) -> None:
@@ -214,8 +258,15 @@ class Optimizer:
         return {"learning_rate": self.lr, "wd": self.wd,
                 "rescale_grad": self.rescale_grad, "clip_gradient": self.clip_gradient}
 
-    def _kvstore_spec(self) -> Tuple[str, Dict[str, Optional[float]], Dict[Any, Tuple[float, float]]]:
-        return self.name, self._params(), self._key_mults()
+    def _kvstore_spec(self) -> Tuple[str, Dict[str, Any], Dict[Any, Tuple[float, float]]]:
+        params: Dict[str, Any] = dict(self._params())
+        params["begin_num_update"] = self.begin_num_update
+        if self.lr_scheduler is not None:
+            # The rate to start from is the scheduler's (which a learning_rate given at
+            # construction replaced).
+            params["learning_rate"] = self.lr_scheduler.base_lr
+            params["lr_scheduler"] = self.lr_scheduler._spec()
+        return self.name, params, self._key_mults()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._params().items())

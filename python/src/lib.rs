@@ -4,6 +4,7 @@
 mod args;
 mod arrays;
 mod claim;
+mod schedule;
 mod shell;
 mod store;
 mod updater;

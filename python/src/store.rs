@@ -106,6 +106,12 @@ fn optimizer_of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
             .rescale_grad(get("rescale_grad", 1.0)?)
             .clip_gradient(get("clip_gradient", 0.0)?),
     );
+    if let Some(b) = p.get_item("begin_num_update")? {
+        opt = opt.begin_num_update(b.extract()?);
+    }
+    if let Some(s) = p.get_item("lr_scheduler")? {
+        opt = opt.lr_scheduler(crate::schedule::of(&s.cast_into::<PyDict>()?)?);
+    }
     for (k, m) in mults.iter() {
         let (lr, wd): (f64, f64) = m.extract()?;
         let k = crate::args::key(&k)?;
@@ -374,6 +380,15 @@ impl KVStore {
         }
         let opt = optimizer_of(optimizer)?;
         self.control(py, 0, move |kv| kv.update_optimizer(opt))
+    }
+
+    /// The most updates any key has had from the optimizer this local store runs (for the
+    /// optimizer's `num_update`); 0 where it runs none, or in a distributed store.
+    fn _optimizer_num_update(&self, py: Python<'_>) -> PyResult<u64> {
+        if self.dist {
+            return Ok(0);
+        }
+        self.control(py, 0, |kv| Ok(kv.optimizer_num_update().unwrap_or(0)))
     }
 
     /// Compresses pushes of float32 values to 2 bits an element, the rest kept for later

@@ -331,3 +331,40 @@ def test_multipliers_reach_the_servers_by_str_key(tmp_path):
     assert code == 0, out
     for w in range(2):
         assert f"worker {w} done" in out, out
+
+
+def test_the_servers_run_the_learning_rate_scheduler(tmp_path):
+    code, out = run_job(tmp_path, """
+        from kvstore.lr_scheduler import FactorScheduler, CosineScheduler
+        # Every server runs the scheduler on the updates it makes: a key on one server, and
+        # one cut over both (bound 100). A gradient of -1 from each worker adds the rate
+        # times the number of workers at each round.
+        kv.init(["small", "big"], [np.zeros(3), np.zeros(300)])
+        kv.set_optimizer(kvstore.optimizer.SGD(
+            learning_rate=1.0, lr_scheduler=FactorScheduler(step=2, factor=0.5),
+            rescale_grad=1.0 / kv.num_workers))
+        small, big = np.zeros(3), np.zeros(300)
+        for _ in range(5):
+            kv.push(["small", "big"], [-np.ones(3), -np.ones(300)])
+        kv.pull(["small", "big"], out=[small, big])
+        # Rates 1, 1, 0.5, 0.5, 0.25 (MXNet's FactorScheduler(2, 0.5) from 1).
+        np.testing.assert_array_equal(small, 3.25)
+        np.testing.assert_array_equal(big, 3.25)
+        # A new optimizer counts afresh, from begin_num_update (10: the cosine's warm-up is
+        # over), on the server of a key initialised after it.
+        kv.set_optimizer(kvstore.optimizer.SGD(
+            learning_rate=0.4, begin_num_update=10, rescale_grad=1.0 / kv.num_workers,
+            lr_scheduler=CosineScheduler(max_update=12, base_lr=0.4, final_lr=0.2,
+                                         warmup_steps=10, warmup_begin_lr=0.0)))
+        kv.init("late", np.zeros(3))
+        late = np.zeros(3)
+        for _ in range(3):
+            kv.push("late", -np.ones(3))
+        kv.pull("late", out=late)
+        # num_update 11, 12, 13: 0.2 + 0.2 * (1 + cos(pi / 2)) / 2, then 0.2, then 0.2.
+        np.testing.assert_allclose(late, 0.3 + 0.2 + 0.2, rtol=0, atol=1e-12)
+        print(f"worker {kv.rank} done", flush=True)
+        """, env={"KVSTORE_BIGARRAY_BOUND": "100"})
+    assert code == 0, out
+    for w in range(2):
+        assert f"worker {w} done" in out, out

@@ -186,6 +186,16 @@ impl LrScheduler {
         self
     }
 
+    /// This scheduler resumed where one stood: its rate, the update count of the last step
+    /// it passed, and how many of its steps it passed (a `multi_factor` scheduler's). What an
+    /// MXNet scheduler object holds as `base_lr`, `count` and `cur_step_ind`.
+    pub fn resumed(mut self, base_lr: f64, count: u64, steps_passed: u64) -> LrScheduler {
+        self.base_lr = base_lr;
+        self.count = count;
+        self.passed = steps_passed;
+        self
+    }
+
     /// The rate after `num_update` updates (MXNet's `__call__`), advancing the scheduler's
     /// state as MXNet's does.
     pub fn lr(&mut self, num_update: u64) -> f64 {
@@ -294,6 +304,9 @@ impl LrScheduler {
                 }
                 if !(factor.is_finite() && *factor <= 1.0) {
                     return bad(format!("factor {factor} must be at most 1"));
+                }
+                if self.passed > steps.len() as u64 {
+                    return bad(format!("{} steps passed of {}", self.passed, steps.len()));
                 }
             }
             Rule::Poly {
@@ -494,9 +507,6 @@ impl LrScheduler {
                     return None;
                 }
                 let steps = (0..n).map(|_| r.u64()).collect::<Option<Vec<u64>>>()?;
-                if passed > n {
-                    return None;
-                }
                 Rule::MultiFactor { steps, factor }
             }
             POLY => Rule::Poly {

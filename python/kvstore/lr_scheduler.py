@@ -1,0 +1,209 @@
+"""Learning-rate schedulers with MXNet 1.9's ``mx.lr_scheduler`` constructors and rates:
+``FactorScheduler``, ``MultiFactorScheduler``, ``PolyScheduler`` and ``CosineScheduler``, each
+with a warm-up (``warmup_steps``, ``warmup_begin_lr``, ``warmup_mode``).
+
+Give one to an optimizer (``kvstore.optimizer.SGD(learning_rate=0.1,
+lr_scheduler=FactorScheduler(step=100, factor=0.9))``) and the store runs it at every update,
+where the optimizer runs: in a local store, or on every server of a distributed one, as MXNet's
+servers run the optimizer they were sent. The store runs the scheduler's rule in Rust, with
+the state the object had when ``set_optimizer`` took it; calling the object yourself gives
+MXNet's rates too (``scheduler(num_update)``), as the optimizer's ``learning_rate`` does.
+
+A scheduler of your own (a subclass that overrides ``__call__``) cannot run in the store and
+is refused by the optimizer with a TypeError.
+"""
+
+import math
+from typing import Any, Dict, List
+
+__all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "PolyScheduler",
+           "CosineScheduler"]
+
+
+class LRScheduler:
+    """The common part of MXNet's schedulers: ``base_lr`` (the rate to start from; an
+    optimizer given ``learning_rate`` replaces it) and the warm-up, which goes from
+    ``warmup_begin_lr`` to the ``base_lr`` given here over ``warmup_steps`` updates
+    ('linear') or stays at ``warmup_begin_lr`` ('constant')."""
+
+    def __init__(self, base_lr: float = 0.01, warmup_steps: int = 0,
+                 warmup_begin_lr: float = 0, warmup_mode: str = "linear") -> None:
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool):
+            raise TypeError("warmup_steps is an int")
+        if warmup_steps < 0:
+            raise ValueError("warmup_steps must be 0 or more")
+        if warmup_begin_lr > base_lr:
+            raise ValueError("base_lr must be at least warmup_begin_lr")
+        if warmup_mode not in ("linear", "constant"):
+            raise ValueError("warmup_mode is 'linear' or 'constant'")
+        self.base_lr = base_lr
+        self.warmup_steps = warmup_steps
+        self.warmup_begin_lr = warmup_begin_lr
+        self.warmup_final_lr = base_lr
+        self.warmup_mode = warmup_mode
+
+    def get_warmup_lr(self, num_update: int) -> float:
+        """The warm-up's rate after ``num_update`` updates (fewer than ``warmup_steps``)."""
+        if self.warmup_mode == "constant":
+            return self.warmup_begin_lr
+        span = self.warmup_final_lr - self.warmup_begin_lr
+        return self.warmup_begin_lr + span * float(num_update) / float(self.warmup_steps)
+
+    def __call__(self, num_update: int) -> float:
+        raise NotImplementedError("a scheduler's __call__ gives its rate")
+
+    def _spec(self) -> Dict[str, Any]:
+        """What the store runs: the rule, the warm-up and the state reached."""
+        return {"warmup_steps": self.warmup_steps, "warmup_begin_lr": self.warmup_begin_lr,
+                "warmup_final_lr": self.warmup_final_lr,
+                "warmup_constant": self.warmup_mode == "constant", "base_lr": self.base_lr}
+
+
+def _check_factor(factor: float) -> None:
+    if not factor <= 1.0:
+        raise ValueError("factor must be at most 1 (the rate only goes down)")
+
+
+def _check_count(name: str, n: Any) -> None:
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError(f"{name} is an int")
+    if n < 1:
+        raise ValueError(f"{name} must be at least 1")
+
+
+class FactorScheduler(LRScheduler):
+    """MXNet's ``FactorScheduler``: the rate is multiplied by ``factor`` each time the update
+    count passes another ``step`` updates, and never goes below ``stop_factor_lr``."""
+
+    def __init__(self, step: int, factor: float = 1, stop_factor_lr: float = 1e-8,
+                 base_lr: float = 0.01, warmup_steps: int = 0, warmup_begin_lr: float = 0,
+                 warmup_mode: str = "linear") -> None:
+        super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
+        _check_count("step", step)
+        _check_factor(factor)
+        self.step = step
+        self.factor = factor
+        self.stop_factor_lr = stop_factor_lr
+        self.count = 0
+
+    def __call__(self, num_update: int) -> float:
+        if num_update < self.warmup_steps:
+            return self.get_warmup_lr(num_update)
+        while num_update > self.count + self.step:
+            self.count += self.step
+            self.base_lr = max(self.base_lr * self.factor, self.stop_factor_lr)
+        return self.base_lr
+
+    def _spec(self) -> Dict[str, Any]:
+        return {**super()._spec(), "kind": "factor", "step": self.step, "factor": self.factor,
+                "stop_factor_lr": self.stop_factor_lr, "count": self.count}
+
+
+class MultiFactorScheduler(LRScheduler):
+    """MXNet's ``MultiFactorScheduler``: the rate is multiplied by ``factor`` once the update
+    count passes each of the increasing counts in ``step``."""
+
+    def __init__(self, step: List[int], factor: float = 1, base_lr: float = 0.01,
+                 warmup_steps: int = 0, warmup_begin_lr: float = 0,
+                 warmup_mode: str = "linear") -> None:
+        super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
+        if not isinstance(step, list) or not step:
+            raise TypeError("step is a list of at least one update count")
+        for i, s in enumerate(step):
+            _check_count("each step", s)
+            if i and s <= step[i - 1]:
+                raise ValueError("step must be an increasing list")
+        _check_factor(factor)
+        self.step = step
+        self.factor = factor
+        self.cur_step_ind = 0
+        self.count = 0
+
+    def __call__(self, num_update: int) -> float:
+        if num_update < self.warmup_steps:
+            return self.get_warmup_lr(num_update)
+        while self.cur_step_ind < len(self.step) and num_update > self.step[self.cur_step_ind]:
+            self.count = self.step[self.cur_step_ind]
+            self.cur_step_ind += 1
+            self.base_lr *= self.factor
+        return self.base_lr
+
+    def _spec(self) -> Dict[str, Any]:
+        return {**super()._spec(), "kind": "multi_factor", "steps": list(self.step),
+                "factor": self.factor, "count": self.count, "passed": self.cur_step_ind}
+
+
+class _Decay(LRScheduler):
+    """A rate that falls from ``base_lr`` to ``final_lr`` between the warm-up's end and
+    ``max_update``, then stays."""
+
+    def __init__(self, max_update: int, base_lr: float, final_lr: float, warmup_steps: int,
+                 warmup_begin_lr: float, warmup_mode: str) -> None:
+        super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
+        _check_count("max_update", max_update)
+        if max_update <= warmup_steps:
+            raise ValueError("max_update must be above warmup_steps")
+        self.base_lr_orig = base_lr
+        self.max_update = max_update
+        self.final_lr = final_lr
+        self.max_steps = max_update - warmup_steps
+
+    def _decayed(self, after_warmup: int) -> float:
+        raise NotImplementedError
+
+    def __call__(self, num_update: int) -> float:
+        if num_update < self.warmup_steps:
+            return self.get_warmup_lr(num_update)
+        if num_update <= self.max_update:
+            self.base_lr = self._decayed(num_update - self.warmup_steps)
+        return self.base_lr
+
+    def _spec(self) -> Dict[str, Any]:
+        return {**super()._spec(), "max_update": self.max_update,
+                "base_lr_orig": self.base_lr_orig, "final_lr": self.final_lr}
+
+
+class PolyScheduler(_Decay):
+    """MXNet's ``PolyScheduler``: after the warm-up the rate falls as ``(1 - done)**pwr``."""
+
+    def __init__(self, max_update: int, base_lr: float = 0.01, pwr: float = 2,
+                 final_lr: float = 0, warmup_steps: int = 0, warmup_begin_lr: float = 0,
+                 warmup_mode: str = "linear") -> None:
+        super().__init__(max_update, base_lr, final_lr, warmup_steps, warmup_begin_lr,
+                         warmup_mode)
+        self.power = pwr
+
+    def _decayed(self, after_warmup: int) -> float:
+        left = 1 - float(after_warmup) / float(self.max_steps)
+        return self.final_lr + (self.base_lr_orig - self.final_lr) * pow(left, self.power)
+
+    def _spec(self) -> Dict[str, Any]:
+        return {**super()._spec(), "kind": "poly", "pwr": float(self.power)}
+
+
+class CosineScheduler(_Decay):
+    """MXNet's ``CosineScheduler``: after the warm-up the rate falls along half a cosine."""
+
+    def __init__(self, max_update: int, base_lr: float = 0.01, final_lr: float = 0,
+                 warmup_steps: int = 0, warmup_begin_lr: float = 0,
+                 warmup_mode: str = "linear") -> None:
+        super().__init__(max_update, base_lr, final_lr, warmup_steps, warmup_begin_lr,
+                         warmup_mode)
+
+    def _decayed(self, after_warmup: int) -> float:
+        turn = math.pi * after_warmup / self.max_steps
+        return self.final_lr + (self.base_lr_orig - self.final_lr) * (1 + math.cos(turn)) / 2
+
+    def _spec(self) -> Dict[str, Any]:
+        return {**super()._spec(), "kind": "cosine"}
+
+
+_RULES = (FactorScheduler, MultiFactorScheduler, PolyScheduler, CosineScheduler)
+
+
+def _runnable(s: Any) -> bool:
+    """Whether the store can run ``s``: one of these schedulers, its rule not overridden."""
+    kinds = [k for k in _RULES if isinstance(s, k)]
+    return bool(kinds) and all(
+        getattr(type(s), m) is getattr(kinds[0], m)
+        for m in ("__call__", "get_warmup_lr", "_decayed") if hasattr(kinds[0], m))

@@ -1,0 +1,126 @@
+"""Learning-rate schedulers: MXNet 1.9.1's rates (the expected values are what its
+lr_scheduler.py answers for the same arguments), run by a local store where the optimizer runs,
+saved with its states, and refused where the store cannot run them."""
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import lr_scheduler as lrs
+from kvstore import optimizer as opt
+
+
+def test_the_schedulers_give_mxnet_s_rates():
+    f = lrs.FactorScheduler(3, 0.9, stop_factor_lr=0.2, base_lr=0.3, warmup_steps=2,
+                            warmup_begin_lr=0.1)
+    f.base_lr = 0.5  # what an optimizer given learning_rate=0.5 does
+    assert [f(n) for n in range(11)] == [0.1, 0.2, 0.5, 0.5, 0.45, 0.45, 0.45, 0.405, 0.405,
+                                         0.405, 0.36450000000000005]
+    m = lrs.MultiFactorScheduler([2, 5, 6], 0.1, base_lr=0.5)
+    assert [m(n) for n in range(8)] == [0.5, 0.5, 0.5, 0.05, 0.05, 0.05, 0.005000000000000001,
+                                        0.0005000000000000001]
+    p = lrs.PolyScheduler(10, base_lr=0.2, pwr=2, final_lr=0.01, warmup_steps=3,
+                          warmup_begin_lr=0.05)
+    assert [p(n) for n in (0, 3, 4, 9, 10, 12)] == [0.05, 0.2, 0.14959183673469392,
+                                                    0.013877551020408167, 0.01, 0.01]
+    c = lrs.CosineScheduler(8, base_lr=0.4, final_lr=0.1, warmup_steps=2,
+                            warmup_mode="constant")
+    # Past max_update it keeps the rate it last computed (at 7, then at 8).
+    assert [c(n) for n in (1, 2, 3, 7, 9, 8, 9)] == [0.0, 0.4, 0.37990381056766587,
+                                                     0.1200961894323342, 0.1200961894323342,
+                                                     0.1, 0.1]
+    for bad in [lambda: lrs.FactorScheduler(0), lambda: lrs.FactorScheduler(2, factor=2),
+                lambda: lrs.MultiFactorScheduler([3, 3]), lambda: lrs.PolyScheduler(0),
+                lambda: lrs.CosineScheduler(5, warmup_steps=5),
+                lambda: lrs.FactorScheduler(2, base_lr=0.1, warmup_begin_lr=0.2),
+                lambda: lrs.FactorScheduler(2, warmup_mode="cubic")]:
+        with pytest.raises(ValueError):
+            bad()
+
+
+def grad_steps(kv, key, n):
+    """n pushes of a gradient of -1 (SGD adds the rate at each), then the weight."""
+    for _ in range(n):
+        kv.push(key, -np.ones(2))
+    out = np.zeros(2)
+    kv.pull(key, out=out)
+    return out
+
+
+def test_a_local_store_runs_the_scheduler_and_counts_updates_as_mxnet():
+    kv = kvstore.create()
+    kv.init([0, 1], [np.zeros(2), np.zeros(2)])
+    s = lrs.FactorScheduler(step=2, factor=0.5)
+    o = opt.SGD(learning_rate=1.0, lr_scheduler=s)
+    assert (o.lr, s.base_lr) == (1.0, 1.0)
+    kv.set_optimizer(o)
+    # Rates 1, 1, 0.5, 0.5 for key 0; key 1's first update comes at num_update 4.
+    np.testing.assert_array_equal(grad_steps(kv, 0, 4), 3.0)
+    assert o.num_update == 4
+    np.testing.assert_array_equal(grad_steps(kv, 1, 1), 0.5)
+    assert o.learning_rate == 0.5
+    # A change to another parameter keeps the scheduler where it stands.
+    o.wd = 0.0
+    np.testing.assert_array_equal(grad_steps(kv, 0, 1), 3.25)
+    # MXNet refuses set_learning_rate with a scheduler.
+    with pytest.raises(UserWarning):
+        o.set_learning_rate(0.1)
+    # A new rule starts from its own state.
+    o.lr_scheduler = lrs.MultiFactorScheduler([100], base_lr=2.0)
+    np.testing.assert_array_equal(grad_steps(kv, 0, 1), 5.25)
+
+
+def test_learning_rate_none_takes_the_scheduler_s_and_a_given_one_replaces_it():
+    with pytest.warns(UserWarning, match="overwritten"):
+        o = opt.SGD(learning_rate=0.3, lr_scheduler=lrs.PolyScheduler(4, base_lr=0.2))
+    assert o.lr_scheduler.base_lr == 0.3
+    o = opt.SGD(lr_scheduler=lrs.PolyScheduler(4, base_lr=0.2, pwr=1))
+    assert o.lr is None and o.learning_rate == 0.2
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    kv.set_optimizer(o)
+    # num_update 1, 2, 3, 4: 0.15, 0.1, 0.05, 0.0.
+    np.testing.assert_allclose(grad_steps(kv, 0, 4), 0.3, rtol=0, atol=1e-15)
+
+
+def test_begin_num_update_starts_adam_s_step_and_the_schedule():
+    kv = kvstore.create()
+    kv.init(0, np.zeros(1))
+    kv.set_optimizer(opt.Adam(learning_rate=0.1, begin_num_update=10))
+    kv.push(0, np.ones(1))
+    out = np.zeros(1)
+    kv.pull(0, out=out)
+    lr_t = 0.1 * np.sqrt(1 - 0.999 ** 11) / (1 - 0.9 ** 11)
+    np.testing.assert_allclose(out, -lr_t * 0.1 / (np.sqrt(0.001) + 1e-8), rtol=1e-12)
+
+
+def test_schedulers_the_store_cannot_run_are_refused():
+    class Mine(lrs.FactorScheduler):
+        def __call__(self, num_update):
+            return 0.5
+
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        opt.SGD(lr_scheduler=Mine(2))
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        opt.SGD(lr_scheduler=lambda n: 0.1)
+
+    class Named(lrs.CosineScheduler):  # the rule kept: it runs
+        pass
+
+    assert opt.SGD(lr_scheduler=Named(5)).lr_scheduler.max_update == 5
+    with pytest.raises(TypeError):
+        opt.SGD(begin_num_update=1.5)
+
+
+def test_the_scheduler_is_saved_with_a_dumped_optimizer(tmp_path):
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    kv.set_optimizer(opt.SGD(learning_rate=1.0, lr_scheduler=lrs.FactorScheduler(2, 0.5)))
+    grad_steps(kv, 0, 3)
+    kv.save_optimizer_states(str(tmp_path / "s"), dump_optimizer=True)
+    other = kvstore.create()
+    other.init(0, np.zeros(2))
+    other.set_optimizer(opt.SGD(learning_rate=9.0))
+    other.load_optimizer_states(str(tmp_path / "s"))
+    # Updates 4 and 5 at rates 0.5 and 0.25, as the saved store would go on.
+    np.testing.assert_array_equal(grad_steps(other, 0, 2), 0.75)
