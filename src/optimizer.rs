@@ -464,155 +464,6 @@ impl OptimizerUpdater {
     }
 }
 
-/// The first bytes of saved optimizer states (version 3: the optimizer's per-key multipliers,
-/// then its scheduler and the count it began from, follow its parameters; files of version 2,
-/// without the scheduler, and 1, without the multipliers either, still load).
-const STATES_MAGIC: &[u8; 8] = b"KVOPTST3";
-/// The first bytes of saved states that carry the optimizer too (MXNet's `dump_optimizer`):
-/// loading them replaces the optimizer, its multipliers and its scheduler with the saved ones.
-const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD3";
-/// Earlier versions' magics (states, dumped).
-const MAGICS_1: [&[u8; 8]; 2] = [b"KVOPTST1", b"KVOPTSD1"];
-const MAGICS_2: [&[u8; 8]; 2] = [b"KVOPTST2", b"KVOPTSD2"];
-
-/// Marks saved states (`OptimizerUpdater::save_states`) as carrying their optimizer; `false`
-/// where `bytes` are not such states.
-pub(crate) fn mark_dumped(bytes: &mut [u8]) -> bool {
-    match bytes.get_mut(..8) {
-        Some(head) if head == STATES_MAGIC => {
-            head.copy_from_slice(DUMPED_MAGIC);
-            true
-        }
-        _ => false,
-    }
-}
-
-/// Whether saved states carry their optimizer ([`mark_dumped`]).
-pub(crate) fn is_dumped(bytes: &[u8]) -> bool {
-    [DUMPED_MAGIC, MAGICS_2[1], MAGICS_1[1]]
-        .iter()
-        .any(|m| bytes.starts_with(*m))
-}
-
-impl OptimizerUpdater {
-    /// The per-key state (momentum, moments, step counts) as bytes, for
-    /// [`OptimizerUpdater::load_states`]: MXNet's `save_optimizer_states`.
-    pub fn save_states(&self) -> Vec<u8> {
-        let mut out = STATES_MAGIC.to_vec();
-        for w in self.opt.encode() {
-            out.extend_from_slice(&w.to_le_bytes());
-        }
-        self.mults.save(&mut out);
-        write_extras(&mut out, self.schedule.as_ref(), self.begin_num_update);
-        let mut keys: Vec<&Key> = self.state.keys().collect();
-        keys.sort();
-        out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
-        for k in keys {
-            let st = &self.state[k];
-            mults::write_key(&mut out, k);
-            out.extend_from_slice(&st.t.to_le_bytes());
-            for v in [&st.m, &st.v] {
-                out.extend_from_slice(&(v.size() as u64).to_le_bytes());
-                // On a GPU, the moments are read through their host mirror.
-                for x in v.as_slice::<f64>().unwrap_or_default() {
-                    out.extend_from_slice(&x.to_le_bytes());
-                }
-            }
-        }
-        out
-    }
-
-    /// [`OptimizerUpdater::save_states`] with the optimizer itself (MXNet's
-    /// `dump_optimizer=True`): loading them replaces the optimizer, and its multipliers, with
-    /// the saved ones.
-    pub fn save_states_and_optimizer(&self) -> Vec<u8> {
-        let mut out = self.save_states();
-        mark_dumped(&mut out);
-        out
-    }
-
-    /// Replaces the per-key state with what [`OptimizerUpdater::save_states`] saved, which
-    /// must come from an optimizer of the same kind; and with what
-    /// [`OptimizerUpdater::save_states_and_optimizer`] saved, the optimizer too (its kind
-    /// and parameters): then `true`. A malformed or truncated input is an error and changes
-    /// nothing.
-    pub fn load_states(&mut self, bytes: &[u8]) -> Result<bool> {
-        let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
-        let mut r = Reader(bytes);
-        let (dumped, version) = match r.take(8).ok_or_else(|| bad("empty"))? {
-            m if m == STATES_MAGIC => (false, 3),
-            m if m == DUMPED_MAGIC => (true, 3),
-            m if m == MAGICS_2[0] => (false, 2),
-            m if m == MAGICS_2[1] => (true, 2),
-            m if m == MAGICS_1[0] => (false, 1),
-            m if m == MAGICS_1[1] => (true, 1),
-            _ => return Err(bad("not a file of saved optimizer states")),
-        };
-        let mut words = [0.0; 8];
-        for w in &mut words {
-            *w = r.f64().ok_or_else(|| bad("truncated"))?;
-        }
-        let saved = Optimizer::decode(&words).map_err(|_| bad("unknown optimizer"))?;
-        let saved_mults = match version {
-            1 => Mults::default(),
-            _ => Mults::load(&mut r).ok_or_else(|| bad("truncated multipliers"))?,
-        };
-        let (saved_schedule, saved_begin) = match version {
-            1 | 2 => (None, 0),
-            _ => schedule::read_extras(&mut r)
-                .ok_or_else(|| bad("a truncated or malformed learning-rate scheduler"))?,
-        };
-        if !dumped && !saved.same_kind(&self.opt) {
-            return Err(bad(&format!(
-                "saved by {}, loaded into {}",
-                saved.name(),
-                self.opt.name()
-            )));
-        }
-        let n = r.u64().ok_or_else(|| bad("truncated"))?;
-        let mut state = FxHashMap::default();
-        for _ in 0..n {
-            let key = mults::read_key(&mut r).ok_or_else(|| bad("a truncated or malformed key"))?;
-            let t = r.u64().ok_or_else(|| bad("truncated"))?;
-            let mut vecs = [
-                NDArray::placeholder(DType::F64),
-                NDArray::placeholder(DType::F64),
-            ];
-            for v in &mut vecs {
-                let len = r.len().ok_or_else(|| bad("truncated"))?;
-                let bytes = len
-                    .checked_mul(8)
-                    .and_then(|b| r.take(b))
-                    .ok_or_else(|| bad("truncated"))?;
-                let xs = bytes.chunks_exact(8).map(|b| {
-                    let mut w = [0; 8];
-                    w.copy_from_slice(b);
-                    f64::from_le_bytes(w)
-                });
-                *v = NDArray::from_vec(&[len], xs.collect::<Vec<f64>>())?;
-            }
-            let [m, v] = vecs;
-            state.insert(key, KeyState { m, v, t });
-        }
-        if !r.0.is_empty() {
-            return Err(bad("bytes after the last key"));
-        }
-        if dumped {
-            self.opt = saved;
-            self.mults = saved_mults;
-            self.schedule = saved_schedule;
-            self.begin_num_update = saved_begin;
-        }
-        // The most updates a key has had, as the counts saved say.
-        self.num_update = state
-            .values()
-            .map(|s| s.t)
-            .fold(self.begin_num_update, u64::max);
-        self.state = state;
-        Ok(dumped)
-    }
-}
-
 impl Optimizer {
     /// Whether `other` is the same optimizer, whatever its parameters (its state fits).
     fn same_kind(&self, other: &Optimizer) -> bool {
@@ -660,11 +511,13 @@ impl<'a> Reader<'a> {
 
 mod mults;
 mod schedule;
+mod states;
 pub(crate) use mults::encode_mults;
 pub use mults::Multiplied;
 use mults::Mults;
 pub(crate) use schedule::write_extras;
 pub use schedule::LrScheduler;
+pub(crate) use states::{is_dumped, mark_dumped};
 
 #[cfg(test)]
 #[path = "optimizer_tests.rs"]
