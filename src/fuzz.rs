@@ -30,6 +30,17 @@ pub fn protocol(data: &[u8]) {
             }
         }
     }
+    // A SetOptimizer's body (a worker's optimizer, scheduler and multipliers), and saved
+    // optimizer states (a LoadStates body): a server reads both from its peers.
+    if let Ok(m) = crate::Optimizer::decode_with_mults(data) {
+        let mut u = crate::OptimizerUpdater::new(m);
+        let mut w = crate::NDArray::zeros(&[2]);
+        for _ in 0..3 {
+            let _ = u.update(&crate::Key::Int(0), &crate::NDArray::ones(&[2]), &mut w);
+        }
+        let _ = u.learning_rate();
+    }
+    let _ = crate::OptimizerUpdater::new(crate::Optimizer::adam(0.1)).load_states(data);
     // What a node's hello says of it, after its nonce (the scheduler reads it).
     let _ = crate::scheduler::node_lines(data);
     let text = String::from_utf8_lossy(data);

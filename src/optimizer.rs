@@ -220,6 +220,9 @@ pub struct OptimizerUpdater {
     opt: Optimizer,
     mults: Mults,
     schedule: Option<LrScheduler>,
+    /// The scheduler as the caller last gave it (`new`, `retune`): given again, the running
+    /// one goes on where it stands.
+    given: Option<LrScheduler>,
     /// Where every key's update count starts (MXNet's `begin_num_update`).
     begin_num_update: u64,
     /// The most updates any key has had (MXNet's `num_update`): what the scheduler is given.
@@ -247,10 +250,11 @@ fn prep(g: f64, rescale: f64, clip: f64) -> f64 {
     }
 }
 
-/// Adam's bias-corrected learning rate at step `t` (from 1).
+/// Adam's bias-corrected learning rate at step `t` (from 1), with MXNet's arithmetic:
+/// `lr * (sqrt(1 - beta2^t) / (1 - beta1^t))`, the powers by `pow` as Python's `**`.
 fn adam_lr(lr: f64, beta1: f64, beta2: f64, t: u64) -> f64 {
-    let t = t.min(i32::MAX as u64) as i32;
-    lr * (1.0 - beta2.powi(t)).sqrt() / (1.0 - beta1.powi(t))
+    let t = t as f64;
+    lr * ((1.0 - beta2.powf(t)).sqrt() / (1.0 - beta1.powf(t)))
 }
 
 /// One step on the host: `m` and `v` hold the weight's size of moments where `opt` uses them.
@@ -324,6 +328,7 @@ impl OptimizerUpdater {
         OptimizerUpdater {
             opt,
             mults,
+            given: schedule.clone(),
             schedule,
             begin_num_update,
             num_update: begin_num_update,
@@ -356,8 +361,9 @@ impl OptimizerUpdater {
     /// (an [`Optimizer`] has none) and the state kept (a new learning rate, say); an error,
     /// with nothing changed, where `opt` is another kind of optimizer.
     ///
-    /// A scheduler with the same rule as the running one keeps running where it is (the state
-    /// it reached); another starts from its own state. The update counts are kept.
+    /// The scheduler it was last given, given again, goes on where it stands; another
+    /// scheduler (or the same rule in another state) starts from its own state. The update
+    /// counts are kept.
     pub fn retune(&mut self, opt: impl Into<Multiplied>) -> Result<()> {
         let Multiplied {
             opt,
@@ -374,9 +380,9 @@ impl OptimizerUpdater {
         }
         self.opt = opt;
         self.mults = mults;
-        match (&self.schedule, schedule) {
-            (Some(old), Some(new)) if old.same_rule(&new) => {}
-            (_, new) => self.schedule = new,
+        if schedule != self.given {
+            self.schedule = schedule.clone();
+            self.given = schedule;
         }
         Ok(())
     }
@@ -403,7 +409,10 @@ impl OptimizerUpdater {
         });
         // Every key's count, and the most of them, as MXNet's `_update_count`; then the rate,
         // as its `_get_lr`.
-        st.t += 1;
+        st.t = st.t.checked_add(1).ok_or_else(|| KvError::Updater {
+            key: key.clone(),
+            reason: "the update count overflows".into(),
+        })?;
         self.num_update = self.num_update.max(st.t);
         let lr = match &mut self.schedule {
             Some(s) => Some(s.lr(self.num_update)),

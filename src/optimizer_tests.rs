@@ -230,4 +230,19 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     v2.extend_from_slice(&v3[89..]);
     assert!(kept.load_states(&v2).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
+    // A version 2 file with a key's state, without the optimizer: the state and its count.
+    let mut two = OptimizerUpdater::new(Optimizer::adam(0.01));
+    let mut w = NDArray::ones(&[2]);
+    for _ in 0..2 {
+        two.update(&Key::Int(4), &NDArray::ones(&[2]), &mut w)
+            .unwrap();
+    }
+    let v3 = two.save_states();
+    let mut v2 = b"KVOPTST2".to_vec();
+    v2.extend_from_slice(&v3[8..80]);
+    v2.extend_from_slice(&v3[89..]);
+    let mut loaded = OptimizerUpdater::new(Optimizer::adam(0.5));
+    assert!(!loaded.load_states(&v2).unwrap());
+    assert_eq!(loaded.num_update(), 2);
+    assert_eq!(loaded.save_states()[89..], v3[89..]);
 }

@@ -3,7 +3,7 @@
 //! It prints `SCENARIO ok rank R` and exits 0 when every value is what MXNet gives, and
 //! exits non-zero with the mismatch otherwise.
 
-use kvstore::{cpu, create, DType, KVStore, KvError, NDArray, Optimizer};
+use kvstore::{cpu, create, DType, KVStore, KvError, LrScheduler, NDArray, Optimizer};
 
 mod batches;
 mod compress;
@@ -293,27 +293,49 @@ fn optimizers(kv: &mut KVStore) {
             fail(format!("sgd on ones, key {key}: {got:?}"));
         }
     }
-    let adam = Optimizer::adam(0.01).lr_mult(10, 0.5);
+    // Adam with a learning-rate scheduler (a warm-up to update 3, then halved after updates 2
+    // and 3) and
+    // counts from 1 (its bias correction too): every server runs it on the keys and slices
+    // it holds (key 14 is cut over the servers), each counting its own updates.
+    let schedule = LrScheduler::multi_factor([2, 3], 0.5).warmup(3, 0.001);
+    let adam = Optimizer::adam(0.01)
+        .lr_mult(10, 0.5)
+        .lr_scheduler(schedule)
+        .begin_num_update(1);
     let mut reference = create("local").unwrap();
     ok("adam", kv.set_optimizer(adam.clone()));
     ok("ref adam", reference.set_optimizer(adam));
-    ok("init 10", kv.init(10, &NDArray::ones(&[5])));
-    ok("ref init 10", reference.init(10, &NDArray::ones(&[5])));
-    for _ in 0..3 {
+    let (small, big) = (NDArray::ones(&[5]), arange(600, 0.5, DType::F32));
+    ok("init 10, 14", kv.init([10, 14], vec![&small, &big]));
+    ok(
+        "ref init 10, 14",
+        reference.init([10, 14], vec![&small, &big]),
+    );
+    for step in 0..4 {
+        let g = |r: usize, n: usize| NDArray::full(&[n], (r + step + 1) as f64);
         ok(
             "push adam",
-            kv.push(10, &NDArray::full(&[5], (kv.rank() + 1) as f64)),
+            kv.push([10, 14], vec![&g(kv.rank(), 5), &g(kv.rank(), 600)]),
         );
-        let all: Vec<NDArray> = (0..w)
-            .map(|r| NDArray::full(&[5], (r + 1) as f64))
-            .collect();
-        ok("ref push adam", reference.push(10, &all));
+        let all = |n: usize| (0..w).map(|r| g(r, n)).collect::<Vec<NDArray>>();
+        ok(
+            "ref push adam",
+            reference.push([10, 14], &vec![all(5), all(600)]),
+        );
     }
-    expect_vals(
-        "adam",
-        &pulled(kv, 10, &[5], DType::F32),
-        &pulled(&mut reference, 10, &[5], DType::F32).to_f64_vec(),
-    );
+    for (key, n) in [(10, 5), (14, 600)] {
+        expect_vals(
+            "adam with a scheduler",
+            &pulled(kv, key, &[n], DType::F32),
+            &pulled(&mut reference, key, &[n], DType::F32).to_f64_vec(),
+        );
+    }
+    let count = reference.optimizer_num_update();
+    if !matches!(count, Ok(5)) {
+        fail(format!(
+            "the reference's num_update after 4 updates from 1: {count:?}"
+        ));
+    }
 }
 
 fn custom(kv: &mut KVStore) {

@@ -14,6 +14,8 @@ is refused by the optimizer with a TypeError.
 """
 
 import math
+import numbers
+import operator
 from typing import Any, Dict, List
 
 __all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "PolyScheduler",
@@ -28,8 +30,7 @@ class LRScheduler:
 
     def __init__(self, base_lr: float = 0.01, warmup_steps: int = 0,
                  warmup_begin_lr: float = 0, warmup_mode: str = "linear") -> None:
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool):
-            raise TypeError("warmup_steps is an int")
+        warmup_steps = _count("warmup_steps", warmup_steps)
         if warmup_steps < 0:
             raise ValueError("warmup_steps must be 0 or more")
         if warmup_begin_lr > base_lr:
@@ -64,11 +65,18 @@ def _check_factor(factor: float) -> None:
         raise ValueError("factor must be at most 1 (the rate only goes down)")
 
 
-def _check_count(name: str, n: Any) -> None:
-    if not isinstance(n, int) or isinstance(n, bool):
-        raise TypeError(f"{name} is an int")
+def _count(name: str, n: Any) -> int:
+    """``n`` as an int (an int or a numpy integer: update counts are whole)."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} is an int, not {n!r}")
+    return operator.index(n)
+
+
+def _check_count(name: str, n: Any) -> int:
+    n = _count(name, n)
     if n < 1:
         raise ValueError(f"{name} must be at least 1")
+    return n
 
 
 class FactorScheduler(LRScheduler):
@@ -79,7 +87,7 @@ class FactorScheduler(LRScheduler):
                  base_lr: float = 0.01, warmup_steps: int = 0, warmup_begin_lr: float = 0,
                  warmup_mode: str = "linear") -> None:
         super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
-        _check_count("step", step)
+        step = _check_count("step", step)
         _check_factor(factor)
         self.step = step
         self.factor = factor
@@ -91,7 +99,12 @@ class FactorScheduler(LRScheduler):
             return self.get_warmup_lr(num_update)
         while num_update > self.count + self.step:
             self.count += self.step
+            before = self.base_lr
             self.base_lr = max(self.base_lr * self.factor, self.stop_factor_lr)
+            if self.base_lr == before:
+                # At its floor the rate stays: the steps left are counted at once.
+                self.count += (num_update - self.count - 1) // self.step * self.step
+                break
         return self.base_lr
 
     def _spec(self) -> Dict[str, Any]:
@@ -109,8 +122,8 @@ class MultiFactorScheduler(LRScheduler):
         super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
         if not isinstance(step, list) or not step:
             raise TypeError("step is a list of at least one update count")
+        step = [_check_count("each step", s) for s in step]
         for i, s in enumerate(step):
-            _check_count("each step", s)
             if i and s <= step[i - 1]:
                 raise ValueError("step must be an increasing list")
         _check_factor(factor)
@@ -140,9 +153,10 @@ class _Decay(LRScheduler):
     def __init__(self, max_update: int, base_lr: float, final_lr: float, warmup_steps: int,
                  warmup_begin_lr: float, warmup_mode: str) -> None:
         super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
-        _check_count("max_update", max_update)
-        if max_update <= warmup_steps:
-            raise ValueError("max_update must be above warmup_steps")
+        max_update = _check_count("max_update", max_update)
+        if max_update == warmup_steps:
+            # MXNet divides by their difference at that update (a ZeroDivisionError).
+            raise ValueError("max_update must not be warmup_steps")
         self.base_lr_orig = base_lr
         self.max_update = max_update
         self.final_lr = final_lr
@@ -159,6 +173,13 @@ class _Decay(LRScheduler):
         return self.base_lr
 
     def _spec(self) -> Dict[str, Any]:
+        # The store derives the decay's span and the warm-up's end from max_update,
+        # warmup_steps and base_lr_orig, as the constructor set them.
+        if (self.max_steps != self.max_update - self.warmup_steps
+                or self.warmup_final_lr != self.base_lr_orig):
+            raise ValueError("this scheduler's max_steps or warmup_final_lr no longer follow "
+                             "from its max_update, warmup_steps and base_lr_orig (changed "
+                             "after it was made): the store cannot run it; make a new one")
         return {**super()._spec(), "max_update": self.max_update,
                 "base_lr_orig": self.base_lr_orig, "final_lr": self.final_lr}
 
@@ -171,6 +192,9 @@ class PolyScheduler(_Decay):
                  warmup_mode: str = "linear") -> None:
         super().__init__(max_update, base_lr, final_lr, warmup_steps, warmup_begin_lr,
                          warmup_mode)
+        if not pwr >= 0:
+            # MXNet's rate would be infinite at max_update (a ZeroDivisionError).
+            raise ValueError("pwr must be 0 or more")
         self.power = pwr
 
     def _decayed(self, after_warmup: int) -> float:

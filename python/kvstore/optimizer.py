@@ -95,18 +95,14 @@ class Optimizer:
                  sym: Any = None, begin_num_update: int = 0, multi_precision: bool = False,
                  param_dict: Any = None) -> None:
         object.__setattr__(self, "_stores", weakref.WeakSet())
-        if lr_scheduler is not None and not _schedulers._runnable(lr_scheduler):
-            raise TypeError("lr_scheduler is one of kvstore.lr_scheduler's schedulers "
-                            "(FactorScheduler, MultiFactorScheduler, PolyScheduler, "
-                            "CosineScheduler), whose rule the store runs; not "
-                            f"{type(lr_scheduler).__name__}")
+        _check_scheduler(lr_scheduler)
         if sym is not None or param_dict:
             raise ValueError("multipliers read from a symbol or a parameter dict (sym, "
                              "param_dict) are not supported: use set_lr_mult and set_wd_mult")
         if not isinstance(begin_num_update, int) or isinstance(begin_num_update, bool):
             raise TypeError("begin_num_update is an int")
-        if begin_num_update < 0:
-            raise ValueError("begin_num_update must be 0 or more")
+        if not 0 <= begin_num_update <= 2**53:
+            raise ValueError("begin_num_update must be from 0 to 2**53")
         if multi_precision:
             raise ValueError("multi_precision is not supported (float16 weights are updated "
                              "without a float32 master copy); for float32 weights it changes "
@@ -216,6 +212,8 @@ class Optimizer:
             raise
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "lr_scheduler":
+            _check_scheduler(value)
         if name in _WATCHED:
             if not isinstance(value, dict):
                 raise TypeError(f"{name} is a dict")
@@ -307,6 +305,14 @@ class Adam(Optimizer):
     def _params(self) -> Dict[str, Optional[float]]:
         return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2,
                 "epsilon": self.epsilon}
+
+
+def _check_scheduler(s: Any) -> None:
+    if s is not None and not _schedulers._runnable(s):
+        raise TypeError("lr_scheduler is one of kvstore.lr_scheduler's schedulers "
+                        "(FactorScheduler, MultiFactorScheduler, PolyScheduler, "
+                        "CosineScheduler), whose rule the store runs; not "
+                        f"{type(s).__name__}")
 
 
 def _mults(d: Dict[Any, float]) -> Dict[Any, float]:

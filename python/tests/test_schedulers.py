@@ -29,6 +29,7 @@ def test_the_schedulers_give_mxnet_s_rates():
     assert [c(n) for n in (1, 2, 3, 7, 9, 8, 9)] == [0.0, 0.4, 0.37990381056766587,
                                                      0.1200961894323342, 0.1200961894323342,
                                                      0.1, 0.1]
+    assert lrs.FactorScheduler(np.int64(2)).step == 2
     for bad in [lambda: lrs.FactorScheduler(0), lambda: lrs.FactorScheduler(2, factor=2),
                 lambda: lrs.MultiFactorScheduler([3, 3]), lambda: lrs.PolyScheduler(0),
                 lambda: lrs.CosineScheduler(5, warmup_steps=5),
@@ -59,15 +60,73 @@ def test_a_local_store_runs_the_scheduler_and_counts_updates_as_mxnet():
     assert o.num_update == 4
     np.testing.assert_array_equal(grad_steps(kv, 1, 1), 0.5)
     assert o.learning_rate == 0.5
-    # A change to another parameter keeps the scheduler where it stands.
-    o.wd = 0.0
-    np.testing.assert_array_equal(grad_steps(kv, 0, 1), 3.25)
     # MXNet refuses set_learning_rate with a scheduler.
     with pytest.raises(UserWarning):
         o.set_learning_rate(0.1)
-    # A new rule starts from its own state.
+    # A new scheduler starts from its own state.
     o.lr_scheduler = lrs.MultiFactorScheduler([100], base_lr=2.0)
-    np.testing.assert_array_equal(grad_steps(kv, 0, 1), 5.25)
+    np.testing.assert_array_equal(grad_steps(kv, 0, 1), 5.0)
+    # One the store cannot run is refused, and the store goes on with the one it runs.
+    class Mine(lrs.FactorScheduler):
+        def __call__(self, num_update):
+            return 0.5
+
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        o.lr_scheduler = Mine(2)
+    np.testing.assert_array_equal(grad_steps(kv, 0, 1), 7.0)
+
+
+def test_a_change_to_other_parameters_keeps_the_scheduler_where_it_stands():
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    o = opt.SGD(learning_rate=0.2, lr_scheduler=lrs.PolyScheduler(4, base_lr=0.2, pwr=1))
+    kv.set_optimizer(o)
+    # Rates 0.15, 0.1, 0.05, 0, then 0: past max_update a decay keeps the rate it last
+    # computed (one started afresh there would give 0.2).
+    np.testing.assert_allclose(grad_steps(kv, 0, 5), 0.3, rtol=0, atol=1e-15)
+    o.wd = 0.0
+    np.testing.assert_allclose(grad_steps(kv, 0, 1), 0.3, rtol=0, atol=1e-15)
+
+
+def test_the_store_runs_the_rates_the_python_objects_give():
+    # Random schedulers through a local store (SGD on gradients of -1 adds each rate to the
+    # weight, in float64), against the same objects' own rates summed in the same order.
+    import copy
+    import random
+    rng = random.Random(7)
+    for _ in range(60):
+        kind = rng.choice("fmpc")
+        ws = rng.choice([0, 0, 2, 5])
+        warm = dict(warmup_steps=ws, warmup_begin_lr=rng.choice([0, 0.001]),
+                    warmup_mode=rng.choice(["linear", "constant"]))
+        base = rng.choice([0.01, 0.3, 0.1234])
+        if kind == "f":
+            s = lrs.FactorScheduler(rng.randint(1, 4), rng.choice([0.9, 0.5, 1.0]),
+                                    stop_factor_lr=rng.choice([1e-8, 0.05]), base_lr=base,
+                                    **warm)
+        elif kind == "m":
+            s = lrs.MultiFactorScheduler(sorted(rng.sample(range(1, 20), 3)),
+                                         rng.choice([0.9, 0.1]), base_lr=base, **warm)
+        elif kind == "p":
+            s = lrs.PolyScheduler(rng.randint(ws + 1, 20), base_lr=base,
+                                  pwr=rng.choice([1, 2, 0.5]),
+                                  final_lr=rng.choice([0, 0.001]), **warm)
+        else:
+            s = lrs.CosineScheduler(rng.randint(ws + 1, 20), base_lr=base,
+                                    final_lr=rng.choice([0, 0.001]), **warm)
+        begin = rng.choice([0, 3])
+        o = opt.SGD(learning_rate=rng.choice([None, 0.7]), lr_scheduler=s,
+                    begin_num_update=begin)
+        mine = copy.deepcopy(o.lr_scheduler)
+        kv = kvstore.create()
+        kv.init(0, np.zeros(2))
+        kv.set_optimizer(o)
+        n = rng.randint(1, 25)
+        want = 0.0
+        for k in range(1, n + 1):
+            want += mine(begin + k)
+        got = grad_steps(kv, 0, n)
+        assert got[0] == want, (s._spec(), begin, n)
 
 
 def test_learning_rate_none_takes_the_scheduler_s_and_a_given_one_replaces_it():
@@ -110,6 +169,18 @@ def test_schedulers_the_store_cannot_run_are_refused():
     assert opt.SGD(lr_scheduler=Named(5)).lr_scheduler.max_update == 5
     with pytest.raises(TypeError):
         opt.SGD(begin_num_update=1.5)
+    with pytest.raises(ValueError):
+        opt.SGD(begin_num_update=2**53 + 1)
+    # A decay whose attributes no longer agree (changed after it was made) cannot run.
+    p = lrs.PolyScheduler(10, warmup_steps=2)
+    p.warmup_steps = 3
+    with pytest.raises(ValueError, match="make a new one"):
+        kvstore.create().set_optimizer(opt.SGD(lr_scheduler=p))
+    # What MXNet accepts but would divide by zero is refused up front; a max_update before
+    # the warm-up's end runs, as in MXNet.
+    with pytest.raises(ValueError):
+        lrs.PolyScheduler(5, pwr=-1)
+    assert lrs.CosineScheduler(2, base_lr=0.4, warmup_steps=4)(9) == 0.4
 
 
 def test_the_scheduler_is_saved_with_a_dumped_optimizer(tmp_path):

@@ -164,6 +164,12 @@ impl Multiplied {
                 )));
             }
         }
+        if self.begin_num_update > super::schedule::MAX_BEGIN {
+            return Err(KvError::Unsupported(format!(
+                "begin_num_update {} is above 2^53",
+                self.begin_num_update
+            )));
+        }
         match &self.schedule {
             Some(s) => s.check(),
             None => Ok(()),

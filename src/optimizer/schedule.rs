@@ -214,11 +214,21 @@ impl LrScheduler {
                 factor,
                 stop_factor_lr,
             } => {
-                while num_update > self.count.saturating_add(*step) {
+                // (A step of 0, which `check` refuses, would never end: taken as 1.)
+                let step = (*step).max(1);
+                while num_update > self.count.saturating_add(step) {
                     self.count += step;
+                    let before = self.base_lr;
                     self.base_lr *= factor;
                     if self.base_lr < *stop_factor_lr {
                         self.base_lr = *stop_factor_lr;
+                    }
+                    if self.base_lr == before {
+                        // At its floor (or a factor of 1) the rate stays: the steps left are
+                        // counted at once, not one by one (a count from a large
+                        // begin_num_update).
+                        self.count += (num_update - self.count - 1) / step * step;
+                        break;
                     }
                 }
             }
@@ -238,9 +248,11 @@ impl LrScheduler {
                 pwr,
                 final_lr,
             } => {
-                if num_update <= *max_update {
-                    let span = (max_update - w.steps) as f64;
-                    let left = 1.0 - (num_update - w.steps) as f64 / span;
+                // (Past the warm-up, `num_update` is at least its steps; a span of 0, which
+                // `check` refuses, would divide by zero.)
+                let span = max_update.saturating_sub(w.steps);
+                if num_update <= *max_update && span > 0 {
+                    let left = 1.0 - (num_update - w.steps) as f64 / span as f64;
                     self.base_lr = final_lr + (base_lr_orig - final_lr) * left.powf(*pwr);
                 }
             }
@@ -249,9 +261,9 @@ impl LrScheduler {
                 base_lr_orig,
                 final_lr,
             } => {
-                if num_update <= *max_update {
-                    let span = (max_update - w.steps) as f64;
-                    let turn = std::f64::consts::PI * (num_update - w.steps) as f64 / span;
+                let span = max_update.saturating_sub(w.steps);
+                if num_update <= *max_update && span > 0 {
+                    let turn = std::f64::consts::PI * (num_update - w.steps) as f64 / span as f64;
                     self.base_lr = final_lr + (base_lr_orig - final_lr) * (1.0 + turn.cos()) / 2.0;
                 }
             }
@@ -264,11 +276,6 @@ impl LrScheduler {
     pub(crate) fn starting_at(mut self, lr: f64) -> LrScheduler {
         self.base_lr = lr;
         self
-    }
-
-    /// Whether `other` is this scheduler, whatever the state each reached.
-    pub(crate) fn same_rule(&self, other: &LrScheduler) -> bool {
-        self.rule == other.rule && self.warmup == other.warmup
     }
 
     /// An error naming what MXNet's constructor refuses (and what would divide by zero).
@@ -302,6 +309,9 @@ impl LrScheduler {
                 if steps.is_empty() || steps[0] < 1 || steps.windows(2).any(|p| p[1] <= p[0]) {
                     return bad("steps must be an increasing list of counts from 1".into());
                 }
+                if steps.len() as u64 > MAX_STEPS {
+                    return bad(format!("{} steps: at most {MAX_STEPS}", steps.len()));
+                }
                 if !(factor.is_finite() && *factor <= 1.0) {
                     return bad(format!("factor {factor} must be at most 1"));
                 }
@@ -321,6 +331,10 @@ impl LrScheduler {
                 {
                     return bad("base_lr, pwr and final_lr must be finite".into());
                 }
+                if *pwr < 0.0 {
+                    // MXNet's rate would be infinite at max_update (a ZeroDivisionError).
+                    return bad(format!("pwr {pwr} must be 0 or more"));
+                }
                 return decay_span(*max_update, w.steps).or_else(bad);
             }
             Rule::Cosine {
@@ -338,12 +352,13 @@ impl LrScheduler {
     }
 }
 
-/// A decay needs updates after its warm-up (MXNet divides by their number).
+/// A decay's `max_update`: at least 1, and not the warm-up's end (MXNet would divide by zero
+/// there; one before it is never reached, and the rate stays where the warm-up left it).
 fn decay_span(max_update: u64, warmup: u64) -> std::result::Result<(), String> {
     match max_update {
         0 => Err("max_update must be at least 1".into()),
-        m if m <= warmup => Err(format!(
-            "max_update {m} must be above warmup_steps {warmup}"
+        m if m == warmup => Err(format!(
+            "max_update {m} must not be warmup_steps (MXNet divides by their difference)"
         )),
         _ => Ok(()),
     }
@@ -406,8 +421,12 @@ pub(super) fn read_extras(r: &mut Reader<'_>) -> Option<(Option<LrScheduler>, u6
         1 => Some(LrScheduler::read(r)?),
         _ => return None,
     };
-    Some((schedule, r.u64()?))
+    Some((schedule, r.u64().filter(|&n| n <= MAX_BEGIN)?))
 }
+
+/// The most a `begin_num_update` may be (2^53: every count up to it is exact as a float, and
+/// none overflows).
+pub(crate) const MAX_BEGIN: u64 = 1 << 53;
 
 /// Kinds of rule on the wire and in saved states.
 const FACTOR: u8 = 1;

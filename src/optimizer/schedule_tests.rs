@@ -124,7 +124,7 @@ fn poly_and_cosine_as_mxnet() {
 }
 
 #[test]
-fn what_mxnet_refuses_is_refused() {
+fn what_mxnet_refuses_or_cannot_run_is_refused() {
     let refused = [
         LrScheduler::factor(0, 0.5),
         LrScheduler::factor(2, 1.5),
@@ -136,12 +136,22 @@ fn what_mxnet_refuses_is_refused() {
         LrScheduler::cosine(5, 0.1).warmup(5, 0.0),
         LrScheduler::cosine(5, 0.1).warmup(1, 0.2),
         LrScheduler::poly(5, f64::INFINITY, 2.0),
+        LrScheduler::poly(5, 0.1, -1.0),
+        LrScheduler::multi_factor((1..=1025).collect::<Vec<u64>>(), 0.5),
     ];
     for s in refused {
         assert!(s.check().is_err(), "{s:?}");
         assert!(crate::Optimizer::sgd(0.1).lr_scheduler(s).check().is_err());
     }
     assert!(LrScheduler::multi_factor([1, 3], 0.5).check().is_ok());
+    // MXNet runs a decay whose max_update comes before the warm-up's end: past the warm-up
+    // the rate stays where it starts.
+    let mut early = LrScheduler::cosine(2, 0.4).warmup(4, 0.0).starting_at(0.3);
+    assert!(early.check().is_ok());
+    assert_eq!(
+        [early.lr(3), early.lr(4), early.lr(9)],
+        [0.30000000000000004, 0.3, 0.3]
+    );
 }
 
 #[test]
@@ -197,17 +207,46 @@ fn the_rate_follows_the_most_updates_of_any_key() {
     assert_eq!(u.num_update(), 4);
     step(&mut u, 0, &mut a);
     assert_eq!((u.num_update(), u.learning_rate()), (5, 0.25));
+}
 
-    // Saved and loaded (with the optimizer): the counts and the scheduler's state go on.
+#[test]
+fn the_scheduler_it_was_given_goes_on_where_it_stands() {
+    // A decay past max_update keeps the rate it last computed (0 here); one started afresh
+    // there gives the rate it starts from (the optimizer's, 0.2).
+    let opt = crate::Optimizer::sgd(0.2).lr_scheduler(LrScheduler::poly(4, 0.2, 1.0));
+    let mut u = OptimizerUpdater::new(opt.clone());
+    let mut a = NDArray::zeros_dtype(&[1], DType::F64);
+    for _ in 0..5 {
+        step(&mut u, 0, &mut a);
+    }
+    // Rates 0.15, 0.1, 0.05, 0, then 0 (past max_update).
+    assert!((a.to_vec::<f64>().unwrap()[0] - 0.3).abs() < 1e-15);
+    assert_eq!((u.num_update(), u.learning_rate()), (5, 0.0));
+    // Saved and loaded with the optimizer: the counts and the scheduler's state go on.
     let mut other = OptimizerUpdater::new(crate::Optimizer::sgd(9.0));
     assert!(other.load_states(&u.save_states_and_optimizer()).unwrap());
-    assert_eq!((other.num_update(), other.learning_rate()), (5, 0.25));
-    // A retune with the same rule keeps the scheduler where it is; another rule starts anew.
-    u.retune(opt.clone()).unwrap();
-    assert_eq!(u.learning_rate(), 0.25);
-    let other_rule = crate::Optimizer::sgd(1.0).lr_scheduler(LrScheduler::factor(4, 0.5));
+    assert_eq!((other.num_update(), other.learning_rate()), (5, 0.0));
+    // The same scheduler given again (a retune of other parameters) goes on.
+    u.retune(opt.clone().lr_mult(3, 2.0)).unwrap();
+    assert_eq!(u.learning_rate(), 0.0);
+    // Another one starts from its own state.
+    let other_rule = crate::Optimizer::sgd(0.2).lr_scheduler(LrScheduler::poly(4, 0.2, 2.0));
     u.retune(other_rule).unwrap();
-    assert_eq!(u.learning_rate(), 0.5);
+    assert_eq!(u.learning_rate(), 0.2);
+    // So does one at another rate, the same rule otherwise (MXNet's new scheduler object).
+    u.retune(opt.clone()).unwrap();
+    assert_eq!(u.learning_rate(), 0.2);
+    // A scheduler stuck at its floor counts the steps left at once: a count from 2^53.
+    let far = crate::Optimizer::sgd(1.0)
+        .lr_scheduler(LrScheduler::factor(1, 0.5).stop_factor_lr(0.25))
+        .begin_num_update(super::MAX_BEGIN);
+    let mut u = OptimizerUpdater::new(far);
+    step(&mut u, 0, &mut a);
+    assert_eq!(u.learning_rate(), 0.25);
+    assert!(crate::Optimizer::sgd(0.1)
+        .begin_num_update(super::MAX_BEGIN + 1)
+        .check()
+        .is_err());
 }
 
 #[test]
@@ -222,4 +261,17 @@ fn begin_num_update_starts_the_counts_and_adams_step() {
     let lr_t = 0.1 * (1.0 - 0.999f64.powi(11)).sqrt() / (1.0 - 0.9f64.powi(11));
     let want = -lr_t * 0.1 / (0.001f64.sqrt() + 1e-8);
     assert!((w.to_vec::<f64>().unwrap()[0] - want).abs() < 1e-15);
+}
+
+#[test]
+fn the_fuzzers_seed_is_a_set_optimizer_body_with_a_scheduler() {
+    // tests/fuzz/corpus/protocol/set-optimizer: Adam, multi_factor([2, 3], 0.5) with a
+    // 3-update warm-up, counts from 1, key 10's multipliers (0.5, 1).
+    let seed = include_bytes!("../../tests/fuzz/corpus/protocol/set-optimizer");
+    let m = crate::Optimizer::decode_with_mults(seed).unwrap();
+    let want = crate::Optimizer::adam(0.01)
+        .lr_mult(10, 0.5)
+        .lr_scheduler(LrScheduler::multi_factor([2, 3], 0.5).warmup(3, 0.001))
+        .begin_num_update(1);
+    assert_eq!(m, want);
 }

@@ -142,6 +142,7 @@ impl OptimizerUpdater {
         if dumped {
             self.opt = saved;
             self.mults = saved_mults;
+            self.given = saved_schedule.clone();
             self.schedule = saved_schedule;
             self.begin_num_update = saved_begin;
         }

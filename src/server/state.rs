@@ -270,7 +270,7 @@ impl ServerState {
                 }
                 match Optimizer::decode_with_mults(&bytes) {
                     Ok(o) => {
-                        self.updater = Updater::Optimizer(OptimizerUpdater::new(o));
+                        self.updater = Updater::Optimizer(Box::new(OptimizerUpdater::new(o)));
                         self.ok(peer, m, Payload::None);
                     }
                     Err(e) => self.err(peer, m, status::FAILED, e.to_string()),

@@ -8,7 +8,7 @@ use crate::{Key, KvError, NDArray};
 /// What a server merges pushes with.
 pub(super) enum Updater {
     Assign,
-    Optimizer(OptimizerUpdater),
+    Optimizer(Box<OptimizerUpdater>),
     Named(String, SharedUpdater),
 }
 
