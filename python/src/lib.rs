@@ -4,7 +4,7 @@
 mod args;
 mod arrays;
 mod claim;
-mod schedule;
+mod optimizer;
 mod shell;
 mod store;
 mod updater;

@@ -3,10 +3,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use kvstore::{Key, Keys, NDArray, Optimizer, Outputs, Values};
+use kvstore::{Key, Keys, NDArray, Outputs, Values};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 use crate::args::{is_list, keys, per_key, plan_outputs};
 use crate::arrays::Lent;
@@ -72,52 +71,6 @@ pub(crate) struct KVStore {
     /// The `kvstore.optimizer` object a local store runs (`set_optimizer`): a change to its
     /// parameters is applied to the store's (`_retune_optimizer`), as in MXNet.
     optimizer: std::sync::Mutex<Option<Py<PyAny>>>,
-}
-
-/// The optimizer a `kvstore.optimizer` object describes (`_kvstore_spec()`).
-fn optimizer_of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
-    if !obj.hasattr("_kvstore_spec")? {
-        return Err(PyTypeError::new_err(
-            "set_optimizer takes a kvstore.optimizer object (SGD, Adam)",
-        ));
-    }
-    let spec = obj.call_method0("_kvstore_spec")?;
-    let (name, p, mults): (String, Bound<'_, PyDict>, Bound<'_, PyDict>) = spec.extract()?;
-    let get = |k: &str, default: f64| -> PyResult<f64> {
-        match p.get_item(k)? {
-            Some(v) if !v.is_none() => v.extract(),
-            _ => Ok(default),
-        }
-    };
-    let opt = match name.as_str() {
-        "sgd" => Optimizer::sgd(get("learning_rate", 0.01)?).momentum(get("momentum", 0.0)?),
-        "adam" => Optimizer::adam(get("learning_rate", 0.001)?)
-            .beta1(get("beta1", 0.9)?)
-            .beta2(get("beta2", 0.999)?)
-            .epsilon(get("epsilon", 1e-8)?),
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "optimizer {other:?} does not run in the store; it runs sgd and adam"
-            )))
-        }
-    };
-    let mut opt = kvstore::Multiplied::from(
-        opt.wd(get("wd", 0.0)?)
-            .rescale_grad(get("rescale_grad", 1.0)?)
-            .clip_gradient(get("clip_gradient", 0.0)?),
-    );
-    if let Some(b) = p.get_item("begin_num_update")? {
-        opt = opt.begin_num_update(b.extract()?);
-    }
-    if let Some(s) = p.get_item("lr_scheduler")? {
-        opt = opt.lr_scheduler(crate::schedule::of(&s.cast_into::<PyDict>()?)?);
-    }
-    for (k, m) in mults.iter() {
-        let (lr, wd): (f64, f64) = m.extract()?;
-        let k = crate::args::key(&k)?;
-        opt = opt.lr_mult(k.clone(), lr).wd_mult(k, wd);
-    }
-    Ok(opt)
 }
 
 #[pymethods]
@@ -362,7 +315,7 @@ impl KVStore {
     /// (`set_learning_rate`, say) applies from the next update on, with the state kept.
     fn set_optimizer(slf: &Bound<'_, Self>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
         let me = slf.get();
-        let opt = optimizer_of(optimizer)?;
+        let opt = crate::optimizer::of(optimizer)?;
         me.control(slf.py(), 0, move |kv| kv.set_optimizer(opt))?;
         if !me.dist {
             *me.runs() = Some(optimizer.clone().unbind());
@@ -378,7 +331,7 @@ impl KVStore {
         if !runs {
             return Ok(());
         }
-        let opt = optimizer_of(optimizer)?;
+        let opt = crate::optimizer::of(optimizer)?;
         self.control(py, 0, move |kv| kv.update_optimizer(opt))
     }
 
