@@ -183,11 +183,13 @@ impl NDArray {
     }
 
     /// The number of elements.
+    #[inline]
     pub fn size(&self) -> usize {
         elems(&self.shape)
     }
 
     /// The number of bytes of storage.
+    #[inline]
     pub fn nbytes(&self) -> usize {
         self.size() * self.dtype.size()
     }

@@ -88,7 +88,9 @@ impl NDArray {
     /// times `dtype`'s size bytes, aligned for `dtype`, valid for reads and writes until the
     /// owner is dropped or the array is pointed elsewhere again, and used by nothing else while
     /// the array, a clone of it, or a call using it is live.
-    #[inline]
+    // Inlined: a binding calls it twice a call (to lend an array, then to name no memory),
+    // and the second's constant arguments fold away.
+    #[inline(always)]
     pub unsafe fn repoint(&mut self, ptr: *mut u8, shape: &[usize], dtype: DType) -> Result<()> {
         let bytes = checked_bytes(shape, dtype)?;
         let p = lent_ptr(ptr, bytes, dtype)?;
