@@ -51,17 +51,35 @@ enum Rule {
         steps: Vec<u64>,
         factor: f64,
     },
-    Poly {
-        max_update: u64,
-        base_lr_orig: f64,
-        pwr: f64,
-        final_lr: f64,
-    },
-    Cosine {
+    /// From `base_lr_orig` to `final_lr` between the warm-up's end and `max_update`.
+    Decay {
         max_update: u64,
         base_lr_orig: f64,
         final_lr: f64,
+        curve: Curve,
     },
+}
+
+/// The shape of a decay: MXNet's `PolyScheduler` (its power) or `CosineScheduler`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Curve {
+    Poly(f64),
+    Cosine,
+}
+
+impl Curve {
+    /// The share of the decay's span still to go after `done` of its `span` updates, with
+    /// MXNet's arithmetic (its cosine's `(b - f) * (1 + cos) / 2` halves exactly, so the
+    /// half may come first).
+    fn left(self, done: u64, span: u64) -> f64 {
+        match self {
+            Curve::Poly(pwr) => (1.0 - done as f64 / span as f64).powf(pwr),
+            Curve::Cosine => {
+                let turn = std::f64::consts::PI * done as f64 / span as f64;
+                (1.0 + turn.cos()) / 2.0
+            }
+        }
+    }
 }
 
 /// MXNet's warm-up: for the first `steps` updates the rate goes from `begin_lr` towards
@@ -119,23 +137,22 @@ impl LrScheduler {
     /// from `base_lr` to the final rate (0 unless set) as `(1 - n / max)^pwr` over the
     /// updates up to `max_update`, then stays.
     pub fn poly(max_update: u64, base_lr: f64, pwr: f64) -> LrScheduler {
-        let rule = Rule::Poly {
-            max_update,
-            base_lr_orig: base_lr,
-            pwr,
-            final_lr: 0.0,
-        };
-        LrScheduler::with(rule, base_lr)
+        LrScheduler::decay(max_update, base_lr, Curve::Poly(pwr))
     }
 
     /// MXNet's `CosineScheduler(max_update, base_lr)`: after the warm-up, the rate falls from
     /// `base_lr` to the final rate (0 unless set) along half a cosine up to `max_update`,
     /// then stays.
     pub fn cosine(max_update: u64, base_lr: f64) -> LrScheduler {
-        let rule = Rule::Cosine {
+        LrScheduler::decay(max_update, base_lr, Curve::Cosine)
+    }
+
+    fn decay(max_update: u64, base_lr: f64, curve: Curve) -> LrScheduler {
+        let rule = Rule::Decay {
             max_update,
             base_lr_orig: base_lr,
             final_lr: 0.0,
+            curve,
         };
         LrScheduler::with(rule, base_lr)
     }
@@ -147,8 +164,7 @@ impl LrScheduler {
     pub fn base_lr(mut self, lr: f64) -> LrScheduler {
         self.base_lr = lr;
         self.warmup.final_lr = lr;
-        if let Rule::Poly { base_lr_orig, .. } | Rule::Cosine { base_lr_orig, .. } = &mut self.rule
-        {
+        if let Rule::Decay { base_lr_orig, .. } = &mut self.rule {
             *base_lr_orig = lr;
         }
         self
@@ -166,7 +182,7 @@ impl LrScheduler {
     /// The rate a `poly` or `cosine` scheduler ends at (MXNet's `final_lr`); no effect on the
     /// others.
     pub fn final_lr(mut self, lr: f64) -> LrScheduler {
-        if let Rule::Poly { final_lr, .. } | Rule::Cosine { final_lr, .. } = &mut self.rule {
+        if let Rule::Decay { final_lr, .. } = &mut self.rule {
             *final_lr = lr;
         }
         self
@@ -242,29 +258,18 @@ impl LrScheduler {
                     self.base_lr *= factor;
                 }
             }
-            Rule::Poly {
+            Rule::Decay {
                 max_update,
                 base_lr_orig,
-                pwr,
                 final_lr,
+                curve,
             } => {
                 // (Past the warm-up, `num_update` is at least its steps; a span of 0, which
                 // `check` refuses, would divide by zero.)
                 let span = max_update.saturating_sub(w.steps);
                 if num_update <= *max_update && span > 0 {
-                    let left = 1.0 - (num_update - w.steps) as f64 / span as f64;
-                    self.base_lr = final_lr + (base_lr_orig - final_lr) * left.powf(*pwr);
-                }
-            }
-            Rule::Cosine {
-                max_update,
-                base_lr_orig,
-                final_lr,
-            } => {
-                let span = max_update.saturating_sub(w.steps);
-                if num_update <= *max_update && span > 0 {
-                    let turn = std::f64::consts::PI * (num_update - w.steps) as f64 / span as f64;
-                    self.base_lr = final_lr + (base_lr_orig - final_lr) * (1.0 + turn.cos()) / 2.0;
+                    let left = curve.left(num_update - w.steps, span);
+                    self.base_lr = final_lr + (base_lr_orig - final_lr) * left;
                 }
             }
         }
@@ -319,31 +324,20 @@ impl LrScheduler {
                     return bad(format!("{} steps passed of {}", self.passed, steps.len()));
                 }
             }
-            Rule::Poly {
-                max_update,
-                base_lr_orig,
-                pwr,
-                final_lr,
-            } => {
-                if ![*base_lr_orig, *pwr, *final_lr]
-                    .iter()
-                    .all(|x| x.is_finite())
-                {
-                    return bad("base_lr, pwr and final_lr must be finite".into());
-                }
-                if *pwr < 0.0 {
-                    // MXNet's rate would be infinite at max_update (a ZeroDivisionError).
-                    return bad(format!("pwr {pwr} must be 0 or more"));
-                }
-                return decay_span(*max_update, w.steps).or_else(bad);
-            }
-            Rule::Cosine {
+            Rule::Decay {
                 max_update,
                 base_lr_orig,
                 final_lr,
+                curve,
             } => {
                 if !(base_lr_orig.is_finite() && final_lr.is_finite()) {
                     return bad("base_lr and final_lr must be finite".into());
+                }
+                if let Curve::Poly(pwr) = curve {
+                    // MXNet's rate would be infinite at max_update (a ZeroDivisionError).
+                    if !(pwr.is_finite() && *pwr >= 0.0) {
+                        return bad(format!("pwr {pwr} must be finite and 0 or more"));
+                    }
                 }
                 return decay_span(*max_update, w.steps).or_else(bad);
             }
@@ -446,8 +440,14 @@ impl LrScheduler {
         let kind = match &self.rule {
             Rule::Factor { .. } => FACTOR,
             Rule::MultiFactor { .. } => MULTI_FACTOR,
-            Rule::Poly { .. } => POLY,
-            Rule::Cosine { .. } => COSINE,
+            Rule::Decay {
+                curve: Curve::Poly(_),
+                ..
+            } => POLY,
+            Rule::Decay {
+                curve: Curve::Cosine,
+                ..
+            } => COSINE,
         };
         out.push(kind);
         out.push(u8::from(w.constant));
@@ -474,24 +474,18 @@ impl LrScheduler {
                     u(out, *s);
                 }
             }
-            Rule::Poly {
-                max_update,
-                base_lr_orig,
-                pwr,
-                final_lr,
-            } => {
-                u(out, *max_update);
-                f(out, *base_lr_orig);
-                f(out, *pwr);
-                f(out, *final_lr);
-            }
-            Rule::Cosine {
+            Rule::Decay {
                 max_update,
                 base_lr_orig,
                 final_lr,
+                curve,
             } => {
+                // A poly's power between its start and end rates.
                 u(out, *max_update);
                 f(out, *base_lr_orig);
+                if let Curve::Poly(pwr) = curve {
+                    f(out, *pwr);
+                }
                 f(out, *final_lr);
             }
         }
@@ -528,17 +522,19 @@ impl LrScheduler {
                 let steps = (0..n).map(|_| r.u64()).collect::<Option<Vec<u64>>>()?;
                 Rule::MultiFactor { steps, factor }
             }
-            POLY => Rule::Poly {
-                max_update: r.u64()?,
-                base_lr_orig: r.f64()?,
-                pwr: r.f64()?,
-                final_lr: r.f64()?,
-            },
-            COSINE => Rule::Cosine {
-                max_update: r.u64()?,
-                base_lr_orig: r.f64()?,
-                final_lr: r.f64()?,
-            },
+            POLY | COSINE => {
+                let (max_update, base_lr_orig) = (r.u64()?, r.f64()?);
+                let curve = match kind {
+                    POLY => Curve::Poly(r.f64()?),
+                    _ => Curve::Cosine,
+                };
+                Rule::Decay {
+                    max_update,
+                    base_lr_orig,
+                    final_lr: r.f64()?,
+                    curve,
+                }
+            }
             _ => return None,
         };
         let s = LrScheduler {
