@@ -135,7 +135,7 @@ class Optimizer:
         """The most updates any key has had (MXNet's ``num_update``): from a local store that
         runs this optimizer, as it counts them; otherwise ``begin_num_update`` (a distributed
         store's servers count their own, as MXNet's do)."""
-        counts = [store._optimizer_num_update() for store in list(self._stores)]
+        counts = [store._optimizer_num_update(self) for store in list(self._stores)]
         return max([self._num_update, *counts])
 
     @num_update.setter

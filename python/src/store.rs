@@ -335,10 +335,12 @@ impl KVStore {
         self.control(py, 0, move |kv| kv.update_optimizer(opt))
     }
 
-    /// The most updates any key has had from the optimizer this local store runs (for the
-    /// optimizer's `num_update`); 0 where it runs none, or in a distributed store.
-    fn _optimizer_num_update(&self, py: Python<'_>) -> PyResult<u64> {
-        if self.dist {
+    /// The most updates any key has had from `optimizer`, where this local store runs it (for
+    /// the optimizer's `num_update`); 0 where it runs another (or none, or loaded another
+    /// with saved states), and in a distributed store.
+    fn _optimizer_num_update(&self, py: Python<'_>, optimizer: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let runs = self.runs().as_ref().is_some_and(|o| o.is(optimizer));
+        if self.dist || !runs {
             return Ok(0);
         }
         self.control(py, 0, |kv| Ok(kv.optimizer_num_update().unwrap_or(0)))

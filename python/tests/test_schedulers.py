@@ -191,7 +191,10 @@ def test_the_scheduler_is_saved_with_a_dumped_optimizer(tmp_path):
     kv.save_optimizer_states(str(tmp_path / "s"), dump_optimizer=True)
     other = kvstore.create()
     other.init(0, np.zeros(2))
-    other.set_optimizer(opt.SGD(learning_rate=9.0))
+    o = opt.SGD(learning_rate=9.0)
+    other.set_optimizer(o)
     other.load_optimizer_states(str(tmp_path / "s"))
     # Updates 4 and 5 at rates 0.5 and 0.25, as the saved store would go on.
     np.testing.assert_array_equal(grad_steps(other, 0, 2), 0.75)
+    # The store runs the loaded optimizer now, not `o`: its count is not o's.
+    assert o.num_update == 0
