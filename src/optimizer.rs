@@ -1,10 +1,11 @@
 //! Built-in optimizers that run where the updater runs (in the store, or on the servers).
 //!
-//! They follow MXNet's update rules (`sgd_update`, `sgd_mom_update`, `adam_update` with the
-//! bias-corrected learning rate of its Python `Adam`), element-wise, so they apply unchanged to
-//! the slice of a big tensor that one server holds. Where the weight and the gradient are on a
-//! GPU (feature `cuda`), the update runs there, with the state in that GPU's memory, and gives
-//! the host's results bit for bit.
+//! They follow MXNet's update rules (`sgd_update`, `sgd_mom_update`, `nag_mom_update`,
+//! `adam_update` with the bias-corrected learning rate of its Python `Adam`), element-wise, so
+//! they apply unchanged to the slice of a big tensor that one server holds. Where the weight
+//! and the gradient are on a GPU (feature `cuda`), SGD's and Adam's updates run there, with the
+//! state in that GPU's memory, and give the host's results bit for bit (NAG has no GPU update:
+//! an error there).
 
 use rustc_hash::FxHashMap;
 
@@ -23,6 +24,19 @@ pub enum Optimizer {
         /// Weight decay.
         wd: f64,
         /// Factor applied to the gradient first (e.g. 1/batch size).
+        rescale_grad: f64,
+        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
+    },
+    /// Nesterov accelerated gradient (MXNet's `NAG`): plain SGD without momentum.
+    Nag {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum (0 for plain SGD).
+        momentum: f64,
+        /// Weight decay.
+        wd: f64,
+        /// Factor applied to the gradient first.
         rescale_grad: f64,
         /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
         clip_gradient: f64,
@@ -58,6 +72,18 @@ impl Optimizer {
         }
     }
 
+    /// Nesterov accelerated gradient with learning rate `lr` (momentum 0 until set: plain
+    /// SGD, as MXNet's `NAG`).
+    pub fn nag(lr: f64) -> Optimizer {
+        Optimizer::Nag {
+            lr,
+            momentum: 0.0,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: 0.0,
+        }
+    }
+
     /// Adam with MXNet's default betas and epsilon.
     pub fn adam(lr: f64) -> Optimizer {
         Optimizer::Adam {
@@ -74,14 +100,16 @@ impl Optimizer {
     /// Sets the learning rate.
     pub fn lr(mut self, value: f64) -> Optimizer {
         match &mut self {
-            Optimizer::Sgd { lr, .. } | Optimizer::Adam { lr, .. } => *lr = value,
+            Optimizer::Sgd { lr, .. } | Optimizer::Nag { lr, .. } | Optimizer::Adam { lr, .. } => {
+                *lr = value
+            }
         }
         self
     }
 
-    /// Sets SGD's momentum (no effect on Adam).
+    /// Sets SGD's or NAG's momentum (no effect on Adam).
     pub fn momentum(mut self, value: f64) -> Optimizer {
-        if let Optimizer::Sgd { momentum, .. } = &mut self {
+        if let Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. } = &mut self {
             *momentum = value;
         }
         self
@@ -90,7 +118,9 @@ impl Optimizer {
     /// Sets the weight decay.
     pub fn wd(mut self, value: f64) -> Optimizer {
         match &mut self {
-            Optimizer::Sgd { wd, .. } | Optimizer::Adam { wd, .. } => *wd = value,
+            Optimizer::Sgd { wd, .. } | Optimizer::Nag { wd, .. } | Optimizer::Adam { wd, .. } => {
+                *wd = value
+            }
         }
         self
     }
@@ -98,9 +128,9 @@ impl Optimizer {
     /// Sets the factor applied to gradients first (e.g. 1/batch size).
     pub fn rescale_grad(mut self, value: f64) -> Optimizer {
         match &mut self {
-            Optimizer::Sgd { rescale_grad, .. } | Optimizer::Adam { rescale_grad, .. } => {
-                *rescale_grad = value
-            }
+            Optimizer::Sgd { rescale_grad, .. }
+            | Optimizer::Nag { rescale_grad, .. }
+            | Optimizer::Adam { rescale_grad, .. } => *rescale_grad = value,
         }
         self
     }
@@ -108,9 +138,9 @@ impl Optimizer {
     /// Clips rescaled gradients to `[-value, value]` (0 or less: no clipping).
     pub fn clip_gradient(mut self, value: f64) -> Optimizer {
         match &mut self {
-            Optimizer::Sgd { clip_gradient, .. } | Optimizer::Adam { clip_gradient, .. } => {
-                *clip_gradient = value
-            }
+            Optimizer::Sgd { clip_gradient, .. }
+            | Optimizer::Nag { clip_gradient, .. }
+            | Optimizer::Adam { clip_gradient, .. } => *clip_gradient = value,
         }
         self
     }
@@ -149,6 +179,13 @@ impl Optimizer {
                 rescale_grad,
                 clip_gradient,
             } => [1.0, lr, momentum, wd, rescale_grad, clip_gradient, 0.0, 0.0],
+            Optimizer::Nag {
+                lr,
+                momentum,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            } => [3.0, lr, momentum, wd, rescale_grad, clip_gradient, 0.0, 0.0],
             Optimizer::Adam {
                 lr,
                 beta1,
@@ -191,6 +228,13 @@ impl Optimizer {
                 wd: w[5],
                 rescale_grad: w[6],
                 clip_gradient: w[7],
+            }),
+            3 => Ok(Optimizer::Nag {
+                lr: w[1],
+                momentum: w[2],
+                wd: w[3],
+                rescale_grad: w[4],
+                clip_gradient: w[5],
             }),
             k => Err(KvError::Protocol(format!("unknown optimizer kind {k}"))),
         }
@@ -288,6 +332,32 @@ fn update_typed<T: Element>(
                     *m = momentum * *m - lr * (g + wd * wf);
                     *w = T::from_f64(wf + *m);
                 }
+            }
+        }
+        Optimizer::Nag {
+            lr,
+            momentum,
+            wd,
+            rescale_grad,
+            clip_gradient,
+        } => {
+            if momentum <= 0.0 {
+                // MXNet's NAG without momentum is its `sgd_update`.
+                let sgd = Optimizer::sgd(lr)
+                    .wd(wd)
+                    .rescale_grad(rescale_grad)
+                    .clip_gradient(clip_gradient);
+                return update_typed(&sgd, lr_t, grad, weight, m, v);
+            }
+            // MXNet's `nag_mom_update`, in its order: the momentum decays, the weight moves by
+            // it and by (1 + momentum) times the step, then the step joins the momentum.
+            for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64(), rescale_grad, clip_gradient);
+                *m *= momentum;
+                let step = lr * (g + wd * wf);
+                *w = T::from_f64(wf - *m + (momentum + 1.0) * (*m - step));
+                *m -= step;
             }
         }
         Optimizer::Adam {
@@ -446,8 +516,9 @@ impl OptimizerUpdater {
             }
         };
         match *opt {
-            Optimizer::Sgd { momentum, .. } if momentum <= 0.0 => {}
-            Optimizer::Sgd { .. } => place(&mut st.m, n, device)?,
+            Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. }
+                if momentum <= 0.0 => {}
+            Optimizer::Sgd { .. } | Optimizer::Nag { .. } => place(&mut st.m, n, device)?,
             Optimizer::Adam {
                 lr, beta1, beta2, ..
             } => {
@@ -482,7 +553,9 @@ impl Optimizer {
     /// The learning rate.
     pub fn learning_rate(&self) -> f64 {
         match *self {
-            Optimizer::Sgd { lr, .. } | Optimizer::Adam { lr, .. } => lr,
+            Optimizer::Sgd { lr, .. } | Optimizer::Nag { lr, .. } | Optimizer::Adam { lr, .. } => {
+                lr
+            }
         }
     }
 
@@ -490,6 +563,7 @@ impl Optimizer {
     pub fn name(&self) -> &'static str {
         match self {
             Optimizer::Sgd { .. } => "sgd",
+            Optimizer::Nag { .. } => "nag",
             Optimizer::Adam { .. } => "adam",
         }
     }

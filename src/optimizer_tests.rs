@@ -91,7 +91,11 @@ fn adam_first_step_moves_by_lr() {
 
 #[test]
 fn encoding_round_trips_and_rejects_garbage() {
-    for o in [Optimizer::sgd(0.3), Optimizer::adam(0.001)] {
+    for o in [
+        Optimizer::sgd(0.3),
+        Optimizer::nag(0.2).momentum(0.9).wd(0.1),
+        Optimizer::adam(0.001),
+    ] {
         assert_eq!(Optimizer::decode(&o.encode()).unwrap(), o);
     }
     assert!(Optimizer::decode(&[9.0; 8]).is_err());
@@ -245,4 +249,50 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     assert!(!loaded.load_states(&v2).unwrap());
     assert_eq!(loaded.num_update(), 2);
     assert_eq!(loaded.save_states()[89..], v3[89..]);
+}
+
+#[test]
+fn nag_steps_as_mxnets_nag_mom_update() {
+    // MXNet's nag_mom_update (src/operator/optimizer_op-inl.h, NAGMomKernel), restated in its
+    // order for float64 weights: the momentum decays, the weight moves by it and by
+    // (1 + momentum) times the step, then the step joins the momentum.
+    let (lr, mom, wd, rescale, clip) = (0.1, 0.9, 0.01, 0.5, 0.8);
+    let opt = Optimizer::nag(lr)
+        .momentum(mom)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip);
+    let mut u = OptimizerUpdater::new(opt);
+    let mut w = NDArray::from_vec(&[3], vec![1.0f64, -2.0, 0.5]).unwrap();
+    let (mut want_w, mut want_m) = ([1.0f64, -2.0, 0.5], [0.0f64; 3]);
+    for step in 0..4 {
+        let grads = [3.0 - step as f64, -0.4 * step as f64, 1.0];
+        let g = NDArray::from_vec(&[3], grads.to_vec()).unwrap();
+        u.update(&Key::Int(0), &g, &mut w).unwrap();
+        for i in 0..3 {
+            let (w0, cg) = (want_w[i], (rescale * grads[i]).clamp(-clip, clip));
+            want_m[i] *= mom;
+            want_w[i] = w0 - want_m[i] + (mom + 1.0) * (want_m[i] - lr * (cg + wd * w0));
+            want_m[i] -= lr * (cg + wd * w0);
+        }
+        assert_eq!(w.to_vec::<f64>().unwrap(), want_w, "step {step}");
+    }
+    // Without momentum it is SGD, as MXNet's NAG.
+    let mut nag = OptimizerUpdater::new(Optimizer::nag(0.1).wd(0.5));
+    let mut sgd = OptimizerUpdater::new(Optimizer::sgd(0.1).wd(0.5));
+    let (mut a, mut b) = (NDArray::ones(&[2]), NDArray::ones(&[2]));
+    for _ in 0..3 {
+        nag.update(&Key::Int(0), &NDArray::ones(&[2]), &mut a)
+            .unwrap();
+        sgd.update(&Key::Int(0), &NDArray::ones(&[2]), &mut b)
+            .unwrap();
+    }
+    assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    // Its state is saved, and only a NAG takes it.
+    let saved = u.save_states();
+    assert!(OptimizerUpdater::new(Optimizer::sgd(0.1))
+        .load_states(&saved)
+        .is_err());
+    let mut back = OptimizerUpdater::new(Optimizer::nag(0.3));
+    assert!(!back.load_states(&saved).unwrap());
 }

@@ -293,6 +293,24 @@ fn optimizers(kv: &mut KVStore) {
             fail(format!("sgd on ones, key {key}: {got:?}"));
         }
     }
+    // NAG with momentum on a sliced key, against the same reference.
+    let nag = Optimizer::nag(0.05).momentum(0.9).wd(0.01);
+    let mut reference = create("local").unwrap();
+    ok("nag", kv.set_optimizer(nag.clone()));
+    ok("ref nag", reference.set_optimizer(nag));
+    ok("init 16", kv.init(16, &bigw));
+    ok("ref init 16", reference.init(16, &bigw));
+    for step in 0..3 {
+        let g = |r: usize| NDArray::full(&[600], (r + step) as f64 - 1.0);
+        ok("push nag", kv.push(16, &g(kv.rank())));
+        let all: Vec<NDArray> = (0..w).map(g).collect();
+        ok("ref push nag", reference.push(16, &all));
+    }
+    expect_vals(
+        "nag on a sliced key",
+        &pulled(kv, 16, &[600], DType::F32),
+        &pulled(&mut reference, 16, &[600], DType::F32).to_f64_vec(),
+    );
     // Adam with a learning-rate scheduler (a warm-up to update 3, then halved after updates 2
     // and 3) and
     // counts from 1 (its bias correction too): every server runs it on the keys and slices

@@ -1,7 +1,7 @@
 """The optimizers a store runs as its updater (on the servers of a distributed store), with
 MXNet 1.9's constructors: ``kv.set_optimizer(kvstore.optimizer.SGD(momentum=0.9,
 learning_rate=0.1, wd=1e-4))``. Their update rules are MXNet's ``sgd_update``,
-``sgd_mom_update`` and ``adam_update``.
+``sgd_mom_update``, ``nag_mom_update`` and ``adam_update``.
 
 As in MXNet, a local store runs the optimizer object it was given: a change to its parameters
 afterwards (``set_learning_rate``, or ``opt.wd = ...``) applies from the next update on, and
@@ -33,7 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from . import lr_scheduler as _schedulers
 
-__all__ = ["Optimizer", "SGD", "Adam", "create"]
+__all__ = ["Optimizer", "SGD", "NAG", "Adam", "create"]
 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
@@ -287,6 +287,20 @@ class SGD(Optimizer):
         return {**super()._params(), "momentum": self.momentum}
 
 
+class NAG(Optimizer):
+    """Nesterov accelerated gradient (MXNet's ``NAG(momentum=0.0, **kwargs)``, its
+    ``nag_mom_update``; without momentum, plain SGD). Its update runs on the host."""
+
+    name = "nag"
+
+    def __init__(self, momentum: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.momentum = float(momentum)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "momentum": self.momentum}
+
+
 class Adam(Optimizer):
     """Adam, with MXNet's bias-corrected learning rate (MXNet's ``Adam(learning_rate=0.001,
     beta1=0.9, beta2=0.999, epsilon=1e-8, lazy_update=True, **kwargs)``)."""
@@ -323,7 +337,7 @@ def _mults(d: Dict[Any, float]) -> Dict[Any, float]:
 
 def create(name: str, **kwargs: Any) -> Optimizer:
     """An optimizer by MXNet's name: ``create('sgd', learning_rate=0.1)``."""
-    kinds = {"sgd": SGD, "adam": Adam}
+    kinds = {"sgd": SGD, "nag": NAG, "adam": Adam}
     if name.lower() not in kinds:
         raise ValueError(f"unknown optimizer {name!r}; kvstore runs {sorted(kinds)}")
     return kinds[name.lower()](**kwargs)

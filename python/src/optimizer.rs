@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
     if !obj.hasattr("_kvstore_spec")? {
         return Err(PyTypeError::new_err(
-            "set_optimizer takes a kvstore.optimizer object (SGD, Adam)",
+            "set_optimizer takes a kvstore.optimizer object (SGD, NAG, Adam)",
         ));
     }
     let spec = obj.call_method0("_kvstore_spec")?;
@@ -23,13 +23,14 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
     };
     let opt = match name.as_str() {
         "sgd" => Optimizer::sgd(get("learning_rate", 0.01)?).momentum(get("momentum", 0.0)?),
+        "nag" => Optimizer::nag(get("learning_rate", 0.01)?).momentum(get("momentum", 0.0)?),
         "adam" => Optimizer::adam(get("learning_rate", 0.001)?)
             .beta1(get("beta1", 0.9)?)
             .beta2(get("beta2", 0.999)?)
             .epsilon(get("epsilon", 1e-8)?),
         other => {
             return Err(PyValueError::new_err(format!(
-                "optimizer {other:?} does not run in the store; it runs sgd and adam"
+                "optimizer {other:?} does not run in the store; it runs sgd, nag and adam"
             )))
         }
     };

@@ -281,6 +281,28 @@ def test_optimizers_match_mxnet_rules():
     assert opt.SGD().learning_rate == 0.01 and opt.Adam().lr == 0.001
 
 
+def test_nag_is_mxnet_s_nag_mom_update():
+    # MXNet's NAGMomKernel restated in numpy, float64, in its order.
+    lr, mom, wd, rescale, clip = 0.1, 0.9, 0.01, 0.5, 0.8
+    kv = kvstore.create()
+    w0 = np.array([1.0, -2.0, 0.5])
+    kv.init(0, w0)
+    o = opt.create("nag", momentum=mom, learning_rate=lr, wd=wd, rescale_grad=rescale,
+                   clip_gradient=clip)
+    assert isinstance(o, opt.NAG)
+    kv.set_optimizer(o)
+    want, m = w0.copy(), np.zeros(3)
+    out = np.zeros(3)
+    for step in range(4):
+        g = np.array([3.0 - step, -0.4 * step, 1.0])
+        kv.push(0, g)
+        cg = np.clip(rescale * g, -clip, clip)
+        m = mom * m
+        want, m = want - m + (mom + 1) * (m - lr * (cg + wd * want)), m - lr * (cg + wd * want)
+        kv.pull(0, out=out)
+        np.testing.assert_array_equal(out, want)
+
+
 def test_optimizers_take_mxnet_s_constructors_and_refuse_what_they_cannot_honour():
     s = opt.SGD(0.9)  # MXNet's SGD(momentum=0.0, lazy_update=True, **kwargs)
     assert (s.momentum, s.lr, s.learning_rate) == (0.9, 0.01, 0.01)

@@ -191,6 +191,12 @@ pub(crate) fn step(
             // f64 each (their sizes checked above), all on this device.
             unsafe { launch.launch(cfg) }.map_err(fail)?;
         }
+        Optimizer::Nag { .. } => {
+            return Err(KvError::Unsupported(format!(
+                "gpu({ordinal}): nag has no GPU update (sgd and adam do); keep the weights of \
+                 a store that runs it on the host"
+            )))
+        }
     }
     Ok(())
 }

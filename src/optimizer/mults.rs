@@ -69,7 +69,9 @@ impl Optimizer {
     pub(crate) fn scaled(&self, lr_m: f64, wd_m: f64) -> Optimizer {
         let mut o = self.clone();
         match &mut o {
-            Optimizer::Sgd { lr, wd, .. } | Optimizer::Adam { lr, wd, .. } => {
+            Optimizer::Sgd { lr, wd, .. }
+            | Optimizer::Nag { lr, wd, .. }
+            | Optimizer::Adam { lr, wd, .. } => {
                 *lr *= lr_m;
                 *wd *= wd_m;
             }

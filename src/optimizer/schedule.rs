@@ -376,10 +376,7 @@ impl Multiplied {
     /// Sets the learning rate by `schedule` at every update (MXNet's `lr_scheduler`),
     /// starting from the optimizer's learning rate.
     pub fn lr_scheduler(mut self, schedule: LrScheduler) -> Multiplied {
-        let lr = match self.opt {
-            Optimizer::Sgd { lr, .. } | Optimizer::Adam { lr, .. } => lr,
-        };
-        self.schedule = Some(schedule.starting_at(lr));
+        self.schedule = Some(schedule.starting_at(self.opt.learning_rate()));
         self
     }
 
