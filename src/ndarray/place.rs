@@ -43,7 +43,7 @@ impl NDArray {
     /// The array on `device` (MXNet's `ctx=` and `as_in_context`): copied to a GPU's memory,
     /// or back to the host; between CPUs, the same memory under the other name. A GPU that
     /// this process does not have (any GPU without the `cuda` feature) is
-    /// [`KvError::Device`].
+    /// [`crate::KvError::Device`].
     pub fn on(mut self, device: Device) -> Result<NDArray> {
         crate::gpu::check(device)?;
         self.buf = match (device, &*self.buf) {
