@@ -145,7 +145,7 @@ impl Optimizer {
         self
     }
 
-    /// Sets Adam's first-moment decay (no effect on SGD).
+    /// Sets Adam's first-moment decay (no effect on SGD or NAG).
     pub fn beta1(mut self, value: f64) -> Optimizer {
         if let Optimizer::Adam { beta1, .. } = &mut self {
             *beta1 = value;
@@ -153,7 +153,7 @@ impl Optimizer {
         self
     }
 
-    /// Sets Adam's second-moment decay (no effect on SGD).
+    /// Sets Adam's second-moment decay (no effect on SGD or NAG).
     pub fn beta2(mut self, value: f64) -> Optimizer {
         if let Optimizer::Adam { beta2, .. } = &mut self {
             *beta2 = value;
@@ -161,7 +161,7 @@ impl Optimizer {
         self
     }
 
-    /// Sets Adam's epsilon (no effect on SGD).
+    /// Sets Adam's epsilon (no effect on SGD or NAG).
     pub fn epsilon(mut self, value: f64) -> Optimizer {
         if let Optimizer::Adam { epsilon, .. } = &mut self {
             *epsilon = value;
@@ -342,7 +342,10 @@ fn update_typed<T: Element>(
             clip_gradient,
         } => {
             if momentum <= 0.0 {
-                // MXNet's NAG without momentum is its `sgd_update`.
+                // MXNet's NAG without momentum runs `sgd_update`: here the store's SGD step (the
+                // same rule; MXNet's kernel orders it `(1 - lr * wd) * w - lr * g`, as the
+                // store's SGD does not, so the last bit may differ). With a negative momentum
+                // MXNet also keeps `-step` as a state it never reads; none is kept here.
                 let sgd = Optimizer::sgd(lr)
                     .wd(wd)
                     .rescale_grad(rescale_grad)
@@ -489,7 +492,9 @@ impl OptimizerUpdater {
             None => None,
         };
         #[cfg(feature = "cuda")]
-        let on_gpu = crate::gpu::optim::applies(grad, weight);
+        // NAG has no GPU kernel: its update runs on the host, through the arrays' mirrors.
+        let on_gpu =
+            !matches!(self.opt, Optimizer::Nag { .. }) && crate::gpu::optim::applies(grad, weight);
         #[cfg(not(feature = "cuda"))]
         let on_gpu = false;
         // The state lives where the update runs.

@@ -193,8 +193,7 @@ pub(crate) fn step(
         }
         Optimizer::Nag { .. } => {
             return Err(KvError::Unsupported(format!(
-                "gpu({ordinal}): nag has no GPU update (sgd and adam do); keep the weights of \
-                 a store that runs it on the host"
+                "gpu({ordinal}): nag has no GPU update (its update runs on the host)"
             )))
         }
     }

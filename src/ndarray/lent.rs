@@ -10,6 +10,15 @@ use super::{checked_bytes, NDArray};
 use crate::storage::{External, Storage};
 use crate::{DType, Device, KvError, Result};
 
+// `lent_ptr` checks alignment by a mask: every dtype's size is a power of two.
+const _: () = {
+    let mut i = 0;
+    while i < DType::ALL.len() {
+        assert!(DType::ALL[i].size().is_power_of_two());
+        i += 1;
+    }
+};
+
 /// `ptr` as the start of `bytes` bytes of `dtype`: aligned for it, and non-null unless empty.
 fn lent_ptr(ptr: *mut u8, bytes: usize, dtype: DType) -> Result<NonNull<u8>> {
     match NonNull::new(ptr) {
