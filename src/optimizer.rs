@@ -10,7 +10,8 @@
 use rustc_hash::FxHashMap;
 
 use crate::dtype::with_dtype;
-use crate::{DType, Device, Element, Key, KvError, NDArray, Result};
+use crate::{DType, Device, Key, KvError, NDArray, Result};
+use rules::{adam_lr, update_typed};
 
 /// An optimizer and its hyper-parameters.
 #[derive(Clone, Debug, PartialEq)]
@@ -285,110 +286,6 @@ fn place(m: &mut NDArray, n: usize, device: Device) -> Result<()> {
     Ok(())
 }
 
-fn prep(g: f64, rescale: f64, clip: f64) -> f64 {
-    let g = g * rescale;
-    if clip > 0.0 {
-        g.clamp(-clip, clip)
-    } else {
-        g
-    }
-}
-
-/// Adam's bias-corrected learning rate at step `t` (from 1), with MXNet's arithmetic:
-/// `lr * (sqrt(1 - beta2^t) / (1 - beta1^t))`, the powers by `pow` as Python's `**`.
-fn adam_lr(lr: f64, beta1: f64, beta2: f64, t: u64) -> f64 {
-    let t = t as f64;
-    lr * ((1.0 - beta2.powf(t)).sqrt() / (1.0 - beta1.powf(t)))
-}
-
-/// One step on the host: `m` and `v` hold the weight's size of moments where `opt` uses them.
-fn update_typed<T: Element>(
-    opt: &Optimizer,
-    lr_t: f64,
-    grad: &[T],
-    weight: &mut [T],
-    m: &mut [f64],
-    v: &mut [f64],
-) {
-    match *opt {
-        Optimizer::Sgd {
-            lr,
-            momentum,
-            wd,
-            rescale_grad,
-            clip_gradient,
-        } => {
-            // As MXNet's `SGD.update`: momentum is used only when it is positive.
-            if momentum <= 0.0 {
-                for (w, g) in weight.iter_mut().zip(grad) {
-                    let wf = w.to_f64();
-                    let g = prep(g.to_f64(), rescale_grad, clip_gradient);
-                    *w = T::from_f64(wf - lr * (g + wd * wf));
-                }
-            } else {
-                for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
-                    let wf = w.to_f64();
-                    let g = prep(g.to_f64(), rescale_grad, clip_gradient);
-                    *m = momentum * *m - lr * (g + wd * wf);
-                    *w = T::from_f64(wf + *m);
-                }
-            }
-        }
-        Optimizer::Nag {
-            lr,
-            momentum,
-            wd,
-            rescale_grad,
-            clip_gradient,
-        } => {
-            if momentum <= 0.0 {
-                // MXNet's NAG without momentum runs `sgd_update`: here the store's SGD step (the
-                // same rule; MXNet's kernel orders it `(1 - lr * wd) * w - lr * g`, as the
-                // store's SGD does not, so the last bit may differ). With a negative momentum
-                // MXNet also keeps `-step` as a state it never reads; none is kept here.
-                let sgd = Optimizer::sgd(lr)
-                    .wd(wd)
-                    .rescale_grad(rescale_grad)
-                    .clip_gradient(clip_gradient);
-                return update_typed(&sgd, lr_t, grad, weight, m, v);
-            }
-            // MXNet's `nag_mom_update`, in its order: the momentum decays, the weight moves by
-            // it and by (1 + momentum) times the step, then the step joins the momentum.
-            for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
-                let wf = w.to_f64();
-                let g = prep(g.to_f64(), rescale_grad, clip_gradient);
-                *m *= momentum;
-                let step = lr * (g + wd * wf);
-                *w = T::from_f64(wf - *m + (momentum + 1.0) * (*m - step));
-                *m -= step;
-            }
-        }
-        Optimizer::Adam {
-            beta1,
-            beta2,
-            epsilon,
-            wd,
-            rescale_grad,
-            clip_gradient,
-            ..
-        } => {
-            for (((w, g), m), v) in weight
-                .iter_mut()
-                .zip(grad)
-                .zip(m.iter_mut())
-                .zip(v.iter_mut())
-            {
-                let wf = w.to_f64();
-                // MXNet's adam_update: weight decay joins the gradient before the clip.
-                let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
-                *m = beta1 * *m + (1.0 - beta1) * g;
-                *v = beta2 * *v + (1.0 - beta2) * g * g;
-                *w = T::from_f64(wf - lr_t * *m / (v.sqrt() + epsilon));
-            }
-        }
-    }
-}
-
 impl OptimizerUpdater {
     /// An updater running `opt` (with its per-key multipliers, if any), with fresh state.
     pub fn new(opt: impl Into<Multiplied>) -> Self {
@@ -509,16 +406,12 @@ impl OptimizerUpdater {
         // wd_mult).
         let (lr_m, wd_m) = self.mults.of(key);
         let scaled;
-        let opt = match lr {
-            None if (lr_m, wd_m) == (1.0, 1.0) => &self.opt,
-            None => {
-                scaled = self.opt.scaled(lr_m, wd_m);
-                &scaled
-            }
-            Some(lr) => {
-                scaled = self.opt.clone().lr(lr).scaled(lr_m, wd_m);
-                &scaled
-            }
+        let opt = if lr.is_none() && (lr_m, wd_m) == (1.0, 1.0) {
+            &self.opt
+        } else {
+            let lr = lr.unwrap_or_else(|| self.opt.learning_rate());
+            scaled = self.opt.tuned(lr * lr_m, wd_m);
+            &scaled
         };
         match *opt {
             Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. }
@@ -598,6 +491,7 @@ impl<'a> Reader<'a> {
 }
 
 mod mults;
+mod rules;
 mod schedule;
 mod states;
 pub(crate) use mults::encode_mults;

@@ -65,17 +65,13 @@ impl Optimizer {
         Multiplied::from(self).wd_mult(key, m)
     }
 
-    /// This optimizer with its learning rate and weight decay multiplied.
-    pub(crate) fn scaled(&self, lr_m: f64, wd_m: f64) -> Optimizer {
-        let mut o = self.clone();
-        match &mut o {
-            Optimizer::Sgd { lr, wd, .. }
-            | Optimizer::Nag { lr, wd, .. }
-            | Optimizer::Adam { lr, wd, .. } => {
-                *lr *= lr_m;
-                *wd *= wd_m;
-            }
-        }
+    /// This optimizer with learning rate `lr` and its weight decay multiplied by `wd_m` (a
+    /// key's rate, scheduled and multiplied, and its multiplier).
+    pub(crate) fn tuned(&self, lr: f64, wd_m: f64) -> Optimizer {
+        let mut o = self.clone().lr(lr);
+        let (Optimizer::Sgd { wd, .. } | Optimizer::Nag { wd, .. } | Optimizer::Adam { wd, .. }) =
+            &mut o;
+        *wd *= wd_m;
         o
     }
 }

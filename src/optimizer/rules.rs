@@ -1,0 +1,102 @@
+//! The update rules on the host, element by element in f64 and rounded once into the
+//! weight's dtype: MXNet's `sgd_update`, `sgd_mom_update`, `nag_mom_update` and `adam_update`.
+
+use super::Optimizer;
+use crate::Element;
+
+fn prep(g: f64, rescale: f64, clip: f64) -> f64 {
+    let g = g * rescale;
+    if clip > 0.0 {
+        g.clamp(-clip, clip)
+    } else {
+        g
+    }
+}
+
+/// Adam's bias-corrected learning rate at step `t` (from 1), with MXNet's arithmetic:
+/// `lr * (sqrt(1 - beta2^t) / (1 - beta1^t))`, the powers by `pow` as Python's `**`.
+pub(super) fn adam_lr(lr: f64, beta1: f64, beta2: f64, t: u64) -> f64 {
+    let t = t as f64;
+    lr * ((1.0 - beta2.powf(t)).sqrt() / (1.0 - beta1.powf(t)))
+}
+
+/// One step on the host: `m` and `v` hold the weight's size of moments where `opt` uses them.
+pub(super) fn update_typed<T: Element>(
+    opt: &Optimizer,
+    lr_t: f64,
+    grad: &[T],
+    weight: &mut [T],
+    m: &mut [f64],
+    v: &mut [f64],
+) {
+    match *opt {
+        Optimizer::Sgd {
+            lr,
+            momentum,
+            wd,
+            rescale_grad,
+            clip_gradient,
+        }
+        | Optimizer::Nag {
+            lr,
+            momentum,
+            wd,
+            rescale_grad,
+            clip_gradient,
+        } => {
+            // As MXNet's `SGD.update` and `NAG.update`: momentum is used only when it is
+            // positive. (MXNet's NAG without momentum runs `sgd_update`, whose kernel orders
+            // the step `(1 - lr * wd) * w - lr * g`, so the last bit may differ; with a
+            // negative momentum it also keeps `-step` as a state it never reads.)
+            let nesterov = matches!(opt, Optimizer::Nag { .. });
+            if momentum <= 0.0 {
+                for (w, g) in weight.iter_mut().zip(grad) {
+                    let wf = w.to_f64();
+                    let g = prep(g.to_f64(), rescale_grad, clip_gradient);
+                    *w = T::from_f64(wf - lr * (g + wd * wf));
+                }
+            } else if nesterov {
+                // MXNet's `nag_mom_update`, in its order: the momentum decays, the weight
+                // moves by it and by (1 + momentum) times the step, then the step joins it.
+                for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
+                    let wf = w.to_f64();
+                    let g = prep(g.to_f64(), rescale_grad, clip_gradient);
+                    *m *= momentum;
+                    let step = lr * (g + wd * wf);
+                    *w = T::from_f64(wf - *m + (momentum + 1.0) * (*m - step));
+                    *m -= step;
+                }
+            } else {
+                for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
+                    let wf = w.to_f64();
+                    let g = prep(g.to_f64(), rescale_grad, clip_gradient);
+                    *m = momentum * *m - lr * (g + wd * wf);
+                    *w = T::from_f64(wf + *m);
+                }
+            }
+        }
+        Optimizer::Adam {
+            beta1,
+            beta2,
+            epsilon,
+            wd,
+            rescale_grad,
+            clip_gradient,
+            ..
+        } => {
+            for (((w, g), m), v) in weight
+                .iter_mut()
+                .zip(grad)
+                .zip(m.iter_mut())
+                .zip(v.iter_mut())
+            {
+                let wf = w.to_f64();
+                // MXNet's adam_update: weight decay joins the gradient before the clip.
+                let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *v = beta2 * *v + (1.0 - beta2) * g * g;
+                *w = T::from_f64(wf - lr_t * *m / (v.sqrt() + epsilon));
+            }
+        }
+    }
+}
