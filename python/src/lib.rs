@@ -4,6 +4,7 @@
 mod args;
 mod arrays;
 mod claim;
+mod fast;
 mod optimizer;
 mod shell;
 mod store;
@@ -127,6 +128,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     claim::check_gil(m.py())?;
     m.add_function(wrap_pyfunction!(create, m)?)?;
     m.add_class::<store::KVStore>()?;
+    fast::install(&m.py().get_type::<store::KVStore>())?;
     m.add_class::<arrays::Memory>()?;
     let py = m.py();
     m.add("KVStoreError", py.get_type::<KVStoreError>())?;

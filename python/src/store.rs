@@ -124,7 +124,7 @@ impl KVStore {
     /// fails, is raised by the next call that waits for it (the key's next push, a pull of the
     /// key, or any other call); a pull of the key sees it.
     #[pyo3(signature = (key, value, priority = 0))]
-    fn push(
+    pub(crate) fn push(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
@@ -164,7 +164,7 @@ impl KVStore {
     /// Pulls the stored values into `out` (an array, or a list: one per device, or one per
     /// key), writing the arrays in place.
     #[pyo3(signature = (key, out = None, priority = 0, ignore_sparse = true))]
-    fn pull(
+    pub(crate) fn pull(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,

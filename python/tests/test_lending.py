@@ -94,3 +94,71 @@ def test_an_updater_that_calls_its_own_store_gets_an_error_not_a_hang():
     out = np.zeros(2)
     kv.pull(0, out=out)
     assert (out == 1).all()
+
+
+def test_every_form_of_push_and_pull_is_the_same_call():
+    # push(key, value) and pull(key, out=o) / pull(key, o) have their own entry; every other
+    # form goes through the general one. Both must be the same method to the caller.
+    import inspect
+
+    kv = kvstore.create()
+    kv.init([0, 1], [np.zeros(3, dtype=np.float32), np.zeros(2)])
+    o = np.zeros(3, dtype=np.float32)
+    calls = [
+        (lambda v: kv.push(0, v), lambda: kv.pull(0, out=o)),
+        (lambda v: kv.push(0, v, 1), lambda: kv.pull(0, o)),
+        (lambda v: kv.push(key=0, value=v), lambda: kv.pull(key=0, out=o)),
+        (lambda v: kv.push(0, value=v, priority=2), lambda: kv.pull(0, o, 3, True)),
+        (lambda v: kv.push(0, [v, v]), lambda: kv.pull(0, out=[o], priority=-1)),
+        (lambda v: kv.push([0], [v]), lambda: kv.pull([0], out=[o], ignore_sparse=False)),
+    ]
+    for i, (push, pull) in enumerate(calls):
+        v = np.full(3, i + 1, dtype=np.float32)
+        push(v)
+        o[:] = -1
+        pull()
+        want = 2 * (i + 1) if i == 4 else i + 1
+        assert o.tolist() == [want] * 3, i
+    w = np.zeros(2)
+    kv.push(1, np.array([1.5, 2.5]))
+    kv.pull(1, out=w)
+    assert w.tolist() == [1.5, 2.5]
+    w[:] = 0
+    name = "".join(["o", "ut"])  # a keyword name that is not the interned one
+    kv.pull(1, **{name: w})
+    assert w.tolist() == [1.5, 2.5]
+
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'value'"):
+        kv.push(0)
+    with pytest.raises(TypeError, match="takes from 2 to 3 positional arguments but 4"):
+        kv.push(0, o, 1, 2)
+    with pytest.raises(TypeError, match="multiple values for argument 'out'"):
+        kv.pull(0, o, out=o)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'outs'"):
+        kv.pull(0, outs=o)
+    with pytest.raises(ValueError, match="out="):
+        kv.pull(0)
+    with pytest.raises(KeyError):
+        kv.push(7, o)
+    with pytest.raises(KeyError):
+        kv.pull(7, out=o)
+    with pytest.raises(ValueError, match="shape|dtype"):
+        kv.push(0, np.zeros(3))
+    with pytest.raises(ValueError, match="shape|dtype"):
+        kv.pull(0, out=np.zeros(4, dtype=np.float32))
+    with pytest.raises(TypeError):
+        kv.pull(0, out=object())
+    with pytest.raises(TypeError):
+        kvstore.KVStore.push(object(), 0, o)
+    with pytest.raises(ValueError, match="read-only"):
+        ro = np.zeros(3, dtype=np.float32)
+        ro.flags.writeable = False
+        kv.pull(0, out=ro)
+    assert o.tolist() == [6.0] * 3  # no failed call wrote it
+
+    assert str(inspect.signature(kvstore.KVStore.push)) == "(self, /, key, value, priority=0)"
+    assert str(inspect.signature(kvstore.KVStore.pull)) == (
+        "(self, /, key, out=None, priority=0, ignore_sparse=True)"
+    )
+    assert "Pushes values" in kvstore.KVStore.push.__doc__
+    assert "Pulls the stored values" in kvstore.KVStore.pull.__doc__
