@@ -135,7 +135,9 @@ fn puts_land_in_granted_ranges(kind: Kind) {
 fn puts_that_fill_their_grant_arrive_whole(kind: Kind) {
     let (mut a, to_b, mut b, to_a) = pair(kind);
     #[allow(unused_mut)]
-    let mut sizes = vec![1usize, 8, 200, 4096, 8192, 8193, 70_000];
+    // Over shared memory, 40,000 bytes go through the peer's memory file, 70,000 by
+    // `process_vm_writev`, the smaller ones through landing pages.
+    let mut sizes = vec![1usize, 8, 200, 4096, 8192, 8193, 40_000, 70_000];
     #[cfg(feature = "rdma")]
     if matches!(kind, Kind::Rdma) {
         // Beyond rxe's largest message (8 MiB): split, the last piece carrying the immediate.
@@ -278,8 +280,12 @@ fn many_peers_one_loop_and_no_missed_wakeup(kind: Kind) {
 
 fn a_lost_peer_is_reported_and_fails_what_it_had(kind: Kind) {
     let (a, to_b, mut b, to_a) = pair(kind);
-    let target = heap(&mut b, &[0u8; 4096]);
-    let g = grant_to(&mut b, to_a, &target, 0..4096);
+    // A small grant (bounced over shared memory) and a larger one (written by the kernel).
+    let targets = [heap(&mut b, &[0u8; 4096]), heap(&mut b, &[0u8; 40_000])];
+    let grants: Vec<RemoteRegion> = targets
+        .iter()
+        .map(|t| grant_to(&mut b, to_a, t, 0..t.len()))
+        .collect();
     let _ = to_b;
     drop(a);
     let start = Instant::now();
@@ -288,37 +294,46 @@ fn a_lost_peer_is_reported_and_fails_what_it_had(kind: Kind) {
         assert!(start.elapsed() < Duration::from_secs(5), "{:?}", b.log);
     }
     b.take();
-    // The grant's fence completes exactly once: done where closing the link fenced it (TCP),
+    // Each grant's fence completes exactly once: done where closing the link fenced it (TCP),
     // failed where the peer's process (this one) still lives (shared memory).
-    b.b.revoke(to_a, &g, Token(5)).unwrap();
-    b.pump();
-    let got = b.take();
-    assert_eq!(got.len(), 1, "{got:?}");
-    assert!(matches!(got[0], Ev::Done(5) | Ev::Failed(5)), "{got:?}");
+    for (i, g) in grants.iter().enumerate() {
+        let t = 5 + i as u64;
+        b.b.revoke(to_a, g, Token(t)).unwrap();
+        b.pump();
+        let got = b.take();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            matches!(got[0], Ev::Done(x) | Ev::Failed(x) if x == t),
+            "{got:?}"
+        );
+    }
     // SAFETY: no data.
     assert!(unsafe { b.b.send(to_a, b"anyone?", None) }.is_err());
 }
 
 fn a_revoked_grant_is_never_written(kind: Kind) {
-    let (mut a, to_b, mut b, to_a) = pair(kind);
-    let target = heap(&mut b, &[0u8; 4096]);
-    let g = grant_to(&mut b, to_a, &target, 0..4096);
-    b.b.revoke(to_a, &g, Token(1)).unwrap();
-    drive(&mut a, &mut b, |_, b| b.log.contains(&Ev::Done(1)));
-    let src = heap(&mut a, &[0xaa; 4096]);
-    // SAFETY: `src` is not written.
-    let r = unsafe { a.b.put(to_b, &src, 0..4096, &g, 0, 3, Token(2)) };
-    // Refused by the writer (shared memory knows of the revoke), or posted and dropped by the
-    // receiver (TCP): either way the memory is untouched.
-    if r.is_ok() {
-        drive(&mut a, &mut b, |a, _| a.log.contains(&Ev::Done(2)));
-        for _ in 0..20 {
-            a.pump();
-            b.pump();
+    // Small (bounced over shared memory) and larger (written by the kernel).
+    for n in [4096usize, 40_000] {
+        let (mut a, to_b, mut b, to_a) = pair(kind);
+        let target = heap(&mut b, &vec![0u8; n]);
+        let g = grant_to(&mut b, to_a, &target, 0..n);
+        b.b.revoke(to_a, &g, Token(1)).unwrap();
+        drive(&mut a, &mut b, |_, b| b.log.contains(&Ev::Done(1)));
+        let src = heap(&mut a, &vec![0xaa; n]);
+        // SAFETY: `src` is not written.
+        let r = unsafe { a.b.put(to_b, &src, 0..n, &g, 0, 3, Token(2)) };
+        // Refused by the writer (shared memory knows of the revoke), or posted and dropped by
+        // the receiver (TCP): either way the memory is untouched.
+        if r.is_ok() {
+            drive(&mut a, &mut b, |a, _| a.log.contains(&Ev::Done(2)));
+            for _ in 0..20 {
+                a.pump();
+                b.pump();
+            }
         }
+        assert!(read(&target).iter().all(|&x| x == 0), "{n} bytes");
+        assert!(!b.log.iter().any(|e| matches!(e, Ev::Put(..))), "{n} bytes");
     }
-    assert!(read(&target).iter().all(|&x| x == 0));
-    assert!(!b.log.iter().any(|e| matches!(e, Ev::Put(..))));
 }
 
 fn garbage_closes_only_its_own_link(kind: Kind) {

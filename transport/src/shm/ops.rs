@@ -214,7 +214,10 @@ impl Backend for ShmBackend {
         let id = self.next_grant;
         let len = range.len();
         let cma_addr = r.mem.ptr() as u64 + range.start as u64;
-        let cma = cma && r.mem.peer_may_write();
+        let may_cma = cma && r.mem.peer_may_write();
+        // A small range is cheaper to bounce: the peer's copy into landing pages and one here
+        // cost less than the system call of a cross-memory write.
+        let cma = may_cma && len >= CMA_FROM;
         // Only landing pages are written by the peer itself; send-pool pages (mapped read-only
         // by peers) and private memory are written by the kernel on its behalf, or through
         // landing pages copied into place here.
@@ -228,7 +231,7 @@ impl Backend for ShmBackend {
                     };
                     (KIND_SEG, off as u64, Some(b))
                 }
-                Err(_) if cma => (KIND_CMA, cma_addr, None),
+                Err(_) if may_cma => (KIND_CMA, cma_addr, None),
                 Err(e) => return Err(e),
             },
         };
