@@ -52,6 +52,8 @@ struct State {
     last_key: Option<(Py<PyAny>, Key)>,
     /// A distributed store's pushes in flight (`pushes`).
     pushes: Pushes,
+    /// Each key's result array for a one-array pushpull in place (`one_pushpull`).
+    results: rustc_hash::FxHashMap<Key, NDArray>,
 }
 
 /// A key-value store with MXNet's KVStore API (create one with `kvstore.create`).
@@ -229,6 +231,12 @@ impl KVStore {
         out: Option<&Bound<'_, PyAny>>,
         priority: i32,
     ) -> PyResult<()> {
+        if !is_list(key) && !is_list(value) && out.is_none_or(|o| !is_list(o)) {
+            // One key, one array, one output or none: in place when none.
+            if let Some(r) = self.one_pushpull(py, key, value, out.unwrap_or(value), priority) {
+                return r;
+            }
+        }
         let k = keys(key)?;
         let in_place = out.is_none();
         let vals = per_key(&k, value, in_place, "value")?;

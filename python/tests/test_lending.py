@@ -162,3 +162,51 @@ def test_every_form_of_push_and_pull_is_the_same_call():
     )
     assert "Pushes values" in kvstore.KVStore.push.__doc__
     assert "Pulls the stored values" in kvstore.KVStore.pull.__doc__
+
+
+def test_pushpull_lands_the_updated_value_in_place_and_in_outputs():
+    # One key and one array have their own route (through the reused shells, the result of
+    # a call in place landing in an array of the store's first); the updater makes the result
+    # differ from what was pushed, so a result that never landed would show.
+    kv = kvstore.create()
+    kv.init(0, np.zeros(6, dtype=np.float32))
+    kv._set_updater(lambda key, input, stored: stored.__iadd__(input * 2))
+    a = np.ones(6, dtype=np.float32)
+    kv.pushpull(0, a)
+    assert a.tolist() == [2.0] * 6
+    o = np.zeros(6, dtype=np.float32)
+    kv.pushpull(0, a, out=o)
+    assert o.tolist() == [6.0] * 6 and a.tolist() == [2.0] * 6
+    kv.pushpull(0, a, a)
+    assert a.tolist() == [10.0] * 6
+    # Overlapping views: the value read, then the result written over part of it.
+    b = np.arange(12, dtype=np.float32)
+    kv.pushpull(0, b[0:6], out=b[3:9])
+    assert b.tolist() == [0, 1, 2] + [10 + 2 * i for i in range(6)] + [9, 10, 11]
+
+    def stored():
+        s = np.zeros(6, dtype=np.float32)
+        kv.pull(0, out=s)
+        return s.tolist()
+
+    before = stored()
+    ro = np.ones(6, dtype=np.float32)
+    ro.flags.writeable = False
+    for bad, err in [
+        (lambda: kv.pushpull(0, a, out=np.zeros(5, dtype=np.float32)), ValueError),
+        (lambda: kv.pushpull(0, a, out=np.zeros(6)), ValueError),
+        (lambda: kv.pushpull(0, a, out=ro), ValueError),
+        (lambda: kv.pushpull(0, ro), ValueError),
+        (lambda: kv.pushpull(9, a), KeyError),
+        (lambda: kv.pushpull(0, np.ones(5, dtype=np.float32)), ValueError),
+    ]:
+        with pytest.raises(err):
+            bad()
+    assert stored() == before, "a refused pushpull changed the stored value"
+    assert a.tolist() == [10.0] * 6
+
+    # Larger than a result array is kept for: the general route, the same result.
+    big = np.ones(300_000, dtype=np.float32)
+    kv.init(1, np.zeros_like(big))
+    kv.pushpull(1, big)
+    assert (big == 2).all()

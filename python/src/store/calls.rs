@@ -8,7 +8,7 @@ use kvstore::{Key, Keys, NDArray, Outputs};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use super::{KVStore, Pushes, State, FORKS, SIGNAL};
+use super::{KVStore, Pushes, State, ASYNC_BYTES, FORKS, SIGNAL};
 use crate::args::{plan_outputs, KeyArg};
 use crate::arrays::Lent;
 use crate::claim::{Claim, Claimable};
@@ -111,6 +111,7 @@ impl KVStore {
                 shells: [None, None],
                 last_key: None,
                 pushes: Default::default(),
+                results: Default::default(),
             }),
             name: name.to_string(),
             pid: std::process::id(),
@@ -243,18 +244,76 @@ impl KVStore {
             shells,
             last_key,
             pushes,
+            ..
         } = &mut *g;
         let kv = kv.as_mut()?;
-        if !matches!(last_key, Some((o, _)) if o.as_ptr() == key.as_ptr()) {
-            match crate::args::key(key) {
-                Ok(k) => *last_key = Some((key.clone().unbind(), k)),
-                Err(e) => return Some(Err(e)),
-            }
-        }
-        let key = &last_key.as_ref()?.1;
+        let key = match read_key(last_key, key)? {
+            Ok(k) => k,
+            Err(e) => return Some(Err(e)),
+        };
         let mut lent = lend_into(&mut shells[usize::from(writable)], obj, writable)?;
         let a = lent.array()?;
         let r = with_gil(py, self.gil(a.nbytes()), || f(kv, pushes, key, a));
+        Some(r.map_err(to_py))
+    }
+
+    /// The common pushpull: one key, one numpy array, and one numpy output or none (in
+    /// place), lent through the shells as `one_array` lends. Where the output shares memory
+    /// with the value (in place), the result lands in an array of the key's own first and is
+    /// copied into the output once the call is over: a call never writes what it reads. `None`
+    /// where it does not apply, as `one_array`; also for a shared output over `ASYNC_BYTES`
+    /// (whose result array would stay as large), which the general path makes.
+    pub(super) fn one_pushpull(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        priority: i32,
+    ) -> Option<PyResult<()>> {
+        if FORKS.load(Ordering::Relaxed) != self.forks {
+            return None;
+        }
+        let mut g = self.inner.try_claim(py)?;
+        let State {
+            kv,
+            shells: [s0, s1],
+            last_key,
+            pushes,
+            results,
+        } = &mut *g;
+        let kv = kv.as_mut()?;
+        let key = match read_key(last_key, key)? {
+            Ok(k) => k,
+            Err(e) => return Some(Err(e)),
+        };
+        let mut lv = lend_into(s0, value, false)?;
+        let mut lo = lend_into(s1, out, true)?;
+        let (v, o) = (lv.array()?, lo.array()?);
+        let (vb, ob) = (v.as_bytes().as_ptr_range(), o.as_bytes().as_ptr_range());
+        let shared = vb.start < ob.end && ob.start < vb.end;
+        if shared && o.nbytes() > ASYNC_BYTES {
+            return None;
+        }
+        let bytes = v.nbytes() + o.nbytes();
+        let r = with_gil(py, self.gil(bytes), || {
+            let call = kv.with_priority(priority);
+            let done = match shared {
+                false => call.pushpull(key, &*v, &mut *o),
+                true => {
+                    let t = results
+                        .entry(key.clone())
+                        .or_insert_with(|| NDArray::zeros_dtype(o.shape(), o.dtype()));
+                    if t.shape() != o.shape() || t.dtype() != o.dtype() {
+                        *t = NDArray::zeros_dtype(o.shape(), o.dtype());
+                    }
+                    call.pushpull(key, &*v, &mut *t)
+                        .and_then(|()| o.copy_from(t))
+                }
+            };
+            // The key's push in flight is over once this call is (the servers answer it first).
+            pushes.settle(kv, key).and(done)
+        });
         Some(r.map_err(to_py))
     }
 
@@ -285,6 +344,21 @@ impl KVStore {
                 .pull(Keys::Many(k.keys), Outputs::Nested(o))
         })
     }
+}
+
+/// The key `key` names, read once for a loop over the same key object (`last_key` holds the
+/// last one: keys are immutable); `None` where none is held after all.
+fn read_key<'k>(
+    last_key: &'k mut Option<(Py<PyAny>, Key)>,
+    key: &Bound<'_, PyAny>,
+) -> Option<PyResult<&'k Key>> {
+    if !matches!(last_key, Some((o, _)) if o.as_ptr() == key.as_ptr()) {
+        match crate::args::key(key) {
+            Ok(k) => *last_key = Some((key.clone().unbind(), k)),
+            Err(e) => return Some(Err(e)),
+        }
+    }
+    last_key.as_ref().map(|(_, k)| Ok(k))
 }
 
 /// One load per 64-byte line of `b`, kept from being optimised away.
