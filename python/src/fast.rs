@@ -1,10 +1,11 @@
-//! The common calls' own entry points: `push(key, value)` and `pull(key, out=o)` (or
-//! `pull(key, o)`), with no other argument, read straight from the interpreter's argument
+//! The common calls' own entry points: `push(key, value)`, `pull(key, out=o)` (or
+//! `pull(key, o)`) and `pushpull(key, value)` (in place), `pushpull(key, value, out=o)` (or
+//! `pushpull(key, value, o)`), with no other argument, read straight from the interpreter's argument
 //! vector instead of through PyO3's general argument parser, which costs as much as the rest of
 //! the layer at 4 KiB (its keyword names compared as strings on every call). Any other form of
 //! the call goes to the method PyO3 made, unchanged: its parsing, its errors, its defaults.
 //!
-//! Both run the same `KVStore::push` and `KVStore::pull` as PyO3's methods; only the reading
+//! They run the same `KVStore::push`, `pull` and `pushpull` as PyO3's methods; only the reading
 //! of the arguments differs. They enter through PyO3's own trampoline (the interpreter held,
 //! panics caught, errors raised), as every PyO3 method does.
 
@@ -20,21 +21,26 @@ use pyo3::Borrowed;
 use crate::store::KVStore;
 
 /// The methods PyO3 made, which the uncommon forms of each call go to.
-static GENERAL: OnceLock<[Py<PyAny>; 2]> = OnceLock::new();
+static GENERAL: OnceLock<[Py<PyAny>; 3]> = OnceLock::new();
 const PUSH: usize = 0;
 const PULL: usize = 1;
+const PUSHPULL: usize = 2;
 
 /// The interned keyword `out`: a caller's `out=` is this very object (names in code are
 /// interned), so it is recognised by address.
 static OUT: OnceLock<Py<PyString>> = OnceLock::new();
 
-/// Puts the entry points on the class, in place of PyO3's `push` and `pull`, which stay
+/// Puts the entry points on the class, in place of PyO3's `push`, `pull` and `pushpull`, which stay
 /// behind them for the other forms of the calls. Their docstrings and signatures are PyO3's.
 pub(crate) fn install(cls: &Bound<'_, PyType>) -> PyResult<()> {
     let py = cls.py();
-    let general = [cls.getattr("push")?.unbind(), cls.getattr("pull")?.unbind()];
+    let general = [
+        cls.getattr("push")?.unbind(),
+        cls.getattr("pull")?.unbind(),
+        cls.getattr("pushpull")?.unbind(),
+    ];
     OUT.get_or_init(|| PyString::intern(py, "out").unbind());
-    let entries: [(&str, ffi::PyCFunctionFastWithKeywords); 2] = [
+    let entries: [(&str, ffi::PyCFunctionFastWithKeywords); 3] = [
         (
             "push",
             get_trampoline_function!(fastcall_cfunction_with_keywords, push),
@@ -42,6 +48,10 @@ pub(crate) fn install(cls: &Bound<'_, PyType>) -> PyResult<()> {
         (
             "pull",
             get_trampoline_function!(fastcall_cfunction_with_keywords, pull),
+        ),
+        (
+            "pushpull",
+            get_trampoline_function!(fastcall_cfunction_with_keywords, pushpull),
         ),
     ];
     for ((name, f), g) in entries.into_iter().zip(&general) {
@@ -144,6 +154,44 @@ unsafe fn pull(
     };
     let store = slf.cast::<KVStore>()?;
     store.get().pull(py, &key, Some(&out), 0, true)?;
+    Ok(py.None().into_ptr())
+}
+
+/// `pushpull(key, value)` (in place), `pushpull(key, value, out=o)` and
+/// `pushpull(key, value, o)`; any other form goes to PyO3's method.
+///
+/// # Safety
+/// As [`push`].
+unsafe fn pushpull(
+    py: Python<'_>,
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> PyResult<*mut ffi::PyObject> {
+    let with_out = match (nargs, kwnames.is_null()) {
+        (2, true) => false,
+        (3, true) => true,
+        // SAFETY: a non-null `kwnames` is the call's tuple of keyword names.
+        (2, false) if unsafe { only_out(py, kwnames) } => true,
+        _ => {
+            // SAFETY: as in `push`.
+            return unsafe { general(py, PUSHPULL, slf, args, nargs, kwnames) };
+        }
+    };
+    // SAFETY: the interpreter holds these references for the call; `args` has the key and
+    // the value, then, `with_out`, the output (positional, or the value of the one keyword).
+    let (slf, key, value) = unsafe {
+        (
+            borrowed(py, slf),
+            borrowed(py, *args),
+            borrowed(py, *args.add(1)),
+        )
+    };
+    // SAFETY: as above.
+    let out = with_out.then(|| unsafe { borrowed(py, *args.add(2)) });
+    let store = slf.cast::<KVStore>()?;
+    store.get().pushpull(py, &key, &value, out.as_deref(), 0)?;
     Ok(py.None().into_ptr())
 }
 

@@ -223,7 +223,7 @@ impl KVStore {
 
     /// Pushes, then pulls the result into `out`; with no `out`, into the values themselves.
     #[pyo3(signature = (key, value, out = None, priority = 0))]
-    fn pushpull(
+    pub(crate) fn pushpull(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,

@@ -156,6 +156,35 @@ def test_every_form_of_push_and_pull_is_the_same_call():
         kv.pull(0, out=ro)
     assert o.tolist() == [6.0] * 3  # no failed call wrote it
 
+    # pushpull: (key, value), (key, value, o) and (key, value, out=o) have the own entry.
+    forms = [
+        lambda v: kv.pushpull(0, v),
+        lambda v: kv.pushpull(0, v, o),
+        lambda v: kv.pushpull(0, v, out=o),
+        lambda v: kv.pushpull(0, v, out=o, priority=1),
+        lambda v: kv.pushpull(key=0, value=v),
+        lambda v: kv.pushpull(0, v, o, 2),
+        lambda v: kv.pushpull(0, value=v, out=None),
+    ]
+    for i, pp in enumerate(forms):
+        v = np.full(3, 10 + i, dtype=np.float32)
+        o[:] = -1
+        pp(v)
+        in_place = o.tolist() == [-1.0] * 3
+        assert (v if in_place else o).tolist() == [10.0 + i] * 3, i
+        assert in_place == (i in (0, 4, 6)), i
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'value'"):
+        kv.pushpull(0)
+    with pytest.raises(TypeError, match="multiple values for argument 'out'"):
+        kv.pushpull(0, o, o, out=o)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'outs'"):
+        kv.pushpull(0, o, outs=o)
+    with pytest.raises(KeyError):
+        kv.pushpull(7, o, out=o)
+
+    assert str(inspect.signature(kvstore.KVStore.pushpull)) == (
+        "(self, /, key, value, out=None, priority=0)"
+    )
     assert str(inspect.signature(kvstore.KVStore.push)) == "(self, /, key, value, priority=0)"
     assert str(inspect.signature(kvstore.KVStore.pull)) == (
         "(self, /, key, out=None, priority=0, ignore_sparse=True)"
