@@ -1,11 +1,12 @@
 //! Built-in optimizers that run where the updater runs (in the store, or on the servers).
 //!
 //! They follow MXNet's update rules (`sgd_update`, `sgd_mom_update`, `nag_mom_update`,
-//! `adam_update` with the bias-corrected learning rate of its Python `Adam`), element-wise, so
+//! `adam_update` with the bias-corrected learning rate of its Python `Adam`, its Python
+//! `AdaGrad`'s dense update, `rmsprop_update`), element-wise, so
 //! they apply unchanged to the slice of a big tensor that one server holds. Where the weight
 //! and the gradient are on a GPU (feature `cuda`), SGD's and Adam's updates run there, with the
-//! state in that GPU's memory, and give the host's results bit for bit (NAG has no GPU update:
-//! an error there).
+//! state in that GPU's memory, and give the host's results bit for bit (NAG, AdaGrad and
+//! RMSProp have no GPU kernel: on GPU arrays they run on the host, through the arrays' mirrors).
 
 use rustc_hash::FxHashMap;
 
@@ -59,6 +60,38 @@ pub enum Optimizer {
         /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
         clip_gradient: f64,
     },
+    /// AdaGrad (MXNet's `AdaGrad`, its dense update): the squared gradients summed into a
+    /// history, each step divided by the root of it.
+    AdaGrad {
+        /// Learning rate.
+        lr: f64,
+        /// Added to the history under the root (MXNet's `eps`, its `float_stable_eps`).
+        epsilon: f64,
+        /// Weight decay (added to the divided step, as MXNet's AdaGrad does).
+        wd: f64,
+        /// Factor applied to the gradient first.
+        rescale_grad: f64,
+        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
+    },
+    /// RMSProp, Tieleman and Hinton's (MXNet's `RMSProp` with `centered=False`, its
+    /// `rmsprop_update`). Graves's centered version is not provided.
+    RmsProp {
+        /// Learning rate.
+        lr: f64,
+        /// Decay of the moving average of squared gradients.
+        gamma1: f64,
+        /// Added to the average under the root.
+        epsilon: f64,
+        /// Weight decay (joins the gradient before the clip).
+        wd: f64,
+        /// Factor applied to the gradient first.
+        rescale_grad: f64,
+        /// Clip the gradient (weight decay included) to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
+        /// Clip the updated weight to `[-c, c]`; 0 or less for no clipping.
+        clip_weights: f64,
+    },
 }
 
 impl Optimizer {
@@ -98,17 +131,44 @@ impl Optimizer {
         }
     }
 
+    /// AdaGrad with MXNet's default epsilon (1e-7).
+    pub fn adagrad(lr: f64) -> Optimizer {
+        Optimizer::AdaGrad {
+            lr,
+            epsilon: 1e-7,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: 0.0,
+        }
+    }
+
+    /// RMSProp (not centered) with MXNet's defaults: `gamma1` 0.9, epsilon 1e-8, no weight
+    /// clipping.
+    pub fn rmsprop(lr: f64) -> Optimizer {
+        Optimizer::RmsProp {
+            lr,
+            gamma1: 0.9,
+            epsilon: 1e-8,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: 0.0,
+            clip_weights: 0.0,
+        }
+    }
+
     /// Sets the learning rate.
     pub fn lr(mut self, value: f64) -> Optimizer {
         match &mut self {
-            Optimizer::Sgd { lr, .. } | Optimizer::Nag { lr, .. } | Optimizer::Adam { lr, .. } => {
-                *lr = value
-            }
+            Optimizer::Sgd { lr, .. }
+            | Optimizer::Nag { lr, .. }
+            | Optimizer::Adam { lr, .. }
+            | Optimizer::AdaGrad { lr, .. }
+            | Optimizer::RmsProp { lr, .. } => *lr = value,
         }
         self
     }
 
-    /// Sets SGD's or NAG's momentum (no effect on Adam).
+    /// Sets SGD's or NAG's momentum (no effect on the others).
     pub fn momentum(mut self, value: f64) -> Optimizer {
         if let Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. } = &mut self {
             *momentum = value;
@@ -119,9 +179,11 @@ impl Optimizer {
     /// Sets the weight decay.
     pub fn wd(mut self, value: f64) -> Optimizer {
         match &mut self {
-            Optimizer::Sgd { wd, .. } | Optimizer::Nag { wd, .. } | Optimizer::Adam { wd, .. } => {
-                *wd = value
-            }
+            Optimizer::Sgd { wd, .. }
+            | Optimizer::Nag { wd, .. }
+            | Optimizer::Adam { wd, .. }
+            | Optimizer::AdaGrad { wd, .. }
+            | Optimizer::RmsProp { wd, .. } => *wd = value,
         }
         self
     }
@@ -131,7 +193,9 @@ impl Optimizer {
         match &mut self {
             Optimizer::Sgd { rescale_grad, .. }
             | Optimizer::Nag { rescale_grad, .. }
-            | Optimizer::Adam { rescale_grad, .. } => *rescale_grad = value,
+            | Optimizer::Adam { rescale_grad, .. }
+            | Optimizer::AdaGrad { rescale_grad, .. }
+            | Optimizer::RmsProp { rescale_grad, .. } => *rescale_grad = value,
         }
         self
     }
@@ -141,12 +205,14 @@ impl Optimizer {
         match &mut self {
             Optimizer::Sgd { clip_gradient, .. }
             | Optimizer::Nag { clip_gradient, .. }
-            | Optimizer::Adam { clip_gradient, .. } => *clip_gradient = value,
+            | Optimizer::Adam { clip_gradient, .. }
+            | Optimizer::AdaGrad { clip_gradient, .. }
+            | Optimizer::RmsProp { clip_gradient, .. } => *clip_gradient = value,
         }
         self
     }
 
-    /// Sets Adam's first-moment decay (no effect on SGD or NAG).
+    /// Sets Adam's first-moment decay (no effect on the others).
     pub fn beta1(mut self, value: f64) -> Optimizer {
         if let Optimizer::Adam { beta1, .. } = &mut self {
             *beta1 = value;
@@ -154,7 +220,7 @@ impl Optimizer {
         self
     }
 
-    /// Sets Adam's second-moment decay (no effect on SGD or NAG).
+    /// Sets Adam's second-moment decay (no effect on the others).
     pub fn beta2(mut self, value: f64) -> Optimizer {
         if let Optimizer::Adam { beta2, .. } = &mut self {
             *beta2 = value;
@@ -162,83 +228,32 @@ impl Optimizer {
         self
     }
 
-    /// Sets Adam's epsilon (no effect on SGD or NAG).
+    /// Sets Adam's, AdaGrad's or RMSProp's epsilon (no effect on SGD or NAG).
     pub fn epsilon(mut self, value: f64) -> Optimizer {
-        if let Optimizer::Adam { epsilon, .. } = &mut self {
+        if let Optimizer::Adam { epsilon, .. }
+        | Optimizer::AdaGrad { epsilon, .. }
+        | Optimizer::RmsProp { epsilon, .. } = &mut self
+        {
             *epsilon = value;
         }
         self
     }
 
-    /// Encodes the optimizer as 8 f64 words (kind first), for the wire.
-    pub(crate) fn encode(&self) -> [f64; 8] {
-        match *self {
-            Optimizer::Sgd {
-                lr,
-                momentum,
-                wd,
-                rescale_grad,
-                clip_gradient,
-            } => [1.0, lr, momentum, wd, rescale_grad, clip_gradient, 0.0, 0.0],
-            Optimizer::Nag {
-                lr,
-                momentum,
-                wd,
-                rescale_grad,
-                clip_gradient,
-            } => [3.0, lr, momentum, wd, rescale_grad, clip_gradient, 0.0, 0.0],
-            Optimizer::Adam {
-                lr,
-                beta1,
-                beta2,
-                epsilon,
-                wd,
-                rescale_grad,
-                clip_gradient,
-            } => [
-                2.0,
-                lr,
-                beta1,
-                beta2,
-                epsilon,
-                wd,
-                rescale_grad,
-                clip_gradient,
-            ],
+    /// Sets RMSProp's decay of the average of squared gradients (no effect on the others).
+    pub fn gamma1(mut self, value: f64) -> Optimizer {
+        if let Optimizer::RmsProp { gamma1, .. } = &mut self {
+            *gamma1 = value;
         }
+        self
     }
 
-    /// Decodes [`Optimizer::encode`]'s words.
-    pub(crate) fn decode(w: &[f64]) -> Result<Optimizer> {
-        if w.len() != 8 || w.iter().any(|v| !v.is_finite()) {
-            return Err(KvError::Protocol("malformed optimizer parameters".into()));
+    /// Clips RMSProp's updated weights to `[-value, value]` (0 or less: no clipping; no
+    /// effect on the others).
+    pub fn clip_weights(mut self, value: f64) -> Optimizer {
+        if let Optimizer::RmsProp { clip_weights, .. } = &mut self {
+            *clip_weights = value;
         }
-        match w[0] as i64 {
-            1 => Ok(Optimizer::Sgd {
-                lr: w[1],
-                momentum: w[2],
-                wd: w[3],
-                rescale_grad: w[4],
-                clip_gradient: w[5],
-            }),
-            2 => Ok(Optimizer::Adam {
-                lr: w[1],
-                beta1: w[2],
-                beta2: w[3],
-                epsilon: w[4],
-                wd: w[5],
-                rescale_grad: w[6],
-                clip_gradient: w[7],
-            }),
-            3 => Ok(Optimizer::Nag {
-                lr: w[1],
-                momentum: w[2],
-                wd: w[3],
-                rescale_grad: w[4],
-                clip_gradient: w[5],
-            }),
-            k => Err(KvError::Protocol(format!("unknown optimizer kind {k}"))),
-        }
+        self
     }
 }
 
@@ -389,9 +404,10 @@ impl OptimizerUpdater {
             None => None,
         };
         #[cfg(feature = "cuda")]
-        // NAG has no GPU kernel: its update runs on the host, through the arrays' mirrors.
-        let on_gpu =
-            !matches!(self.opt, Optimizer::Nag { .. }) && crate::gpu::optim::applies(grad, weight);
+        // Only SGD and Adam have GPU kernels: the others run on the host, through the arrays'
+        // mirrors.
+        let on_gpu = matches!(self.opt, Optimizer::Sgd { .. } | Optimizer::Adam { .. })
+            && crate::gpu::optim::applies(grad, weight);
         #[cfg(not(feature = "cuda"))]
         let on_gpu = false;
         // The state lives where the update runs.
@@ -424,6 +440,7 @@ impl OptimizerUpdater {
                 place(&mut st.v, n, device)?;
                 lr_t = adam_lr(lr, beta1, beta2, st.t);
             }
+            Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } => place(&mut st.m, n, device)?,
         }
         #[cfg(feature = "cuda")]
         if on_gpu {
@@ -451,9 +468,11 @@ impl Optimizer {
     /// The learning rate.
     pub fn learning_rate(&self) -> f64 {
         match *self {
-            Optimizer::Sgd { lr, .. } | Optimizer::Nag { lr, .. } | Optimizer::Adam { lr, .. } => {
-                lr
-            }
+            Optimizer::Sgd { lr, .. }
+            | Optimizer::Nag { lr, .. }
+            | Optimizer::Adam { lr, .. }
+            | Optimizer::AdaGrad { lr, .. }
+            | Optimizer::RmsProp { lr, .. } => lr,
         }
     }
 
@@ -463,6 +482,8 @@ impl Optimizer {
             Optimizer::Sgd { .. } => "sgd",
             Optimizer::Nag { .. } => "nag",
             Optimizer::Adam { .. } => "adam",
+            Optimizer::AdaGrad { .. } => "adagrad",
+            Optimizer::RmsProp { .. } => "rmsprop",
         }
     }
 }
@@ -494,6 +515,7 @@ mod mults;
 mod rules;
 mod schedule;
 mod states;
+mod wire;
 pub(crate) use mults::encode_mults;
 pub use mults::Multiplied;
 use mults::Mults;

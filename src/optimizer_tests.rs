@@ -296,3 +296,104 @@ fn nag_steps_as_mxnets_nag_mom_update() {
     let mut back = OptimizerUpdater::new(Optimizer::nag(0.3));
     assert!(!back.load_states(&saved).unwrap());
 }
+
+#[test]
+fn adagrad_steps_as_mxnets_adagrad() {
+    // MXNet 1.9's AdaGrad.update (python/mxnet/optimizer/optimizer.py, dense), restated for
+    // float64 weights: the history grows by the square of the rescaled, clipped gradient, and
+    // the weight moves by lr times (gradient / sqrt(history + eps) + wd * weight).
+    let (lr, eps, wd, rescale, clip) = (0.1, 1e-7, 0.01, 0.5, 0.8);
+    let opt = Optimizer::adagrad(lr)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip);
+    assert_eq!(
+        opt,
+        Optimizer::adagrad(lr)
+            .epsilon(eps)
+            .wd(wd)
+            .rescale_grad(rescale)
+            .clip_gradient(clip)
+    );
+    let mut u = OptimizerUpdater::new(opt);
+    let mut w = NDArray::from_vec(&[3], vec![1.0f64, -2.0, 0.5]).unwrap();
+    let (mut want_w, mut hist) = ([1.0f64, -2.0, 0.5], [0.0f64; 3]);
+    for step in 0..4 {
+        let grads = [3.0 - step as f64, -0.4 * step as f64, 1.0];
+        let g = NDArray::from_vec(&[3], grads.to_vec()).unwrap();
+        u.update(&Key::Int(0), &g, &mut w).unwrap();
+        for i in 0..3 {
+            let cg = (rescale * grads[i]).clamp(-clip, clip);
+            hist[i] += cg * cg;
+            let div = cg / (hist[i] + eps).sqrt();
+            want_w[i] += (div + want_w[i] * wd) * -lr;
+        }
+        assert_eq!(w.to_vec::<f64>().unwrap(), want_w, "step {step}");
+    }
+    // The first step of a plain AdaGrad moves each weight by about lr against its gradient.
+    let mut plain = OptimizerUpdater::new(Optimizer::adagrad(0.5));
+    let mut a = NDArray::from_vec(&[2], vec![1.0f32, 1.0]).unwrap();
+    let g = NDArray::from_vec(&[2], vec![4.0f32, -0.25]).unwrap();
+    plain.update(&Key::Int(1), &g, &mut a).unwrap();
+    let got = a.to_vec::<f32>().unwrap();
+    assert!(
+        (got[0] - 0.5).abs() < 1e-6 && (got[1] - 1.5).abs() < 1e-5,
+        "{got:?}"
+    );
+    // Its state is saved, and only an AdaGrad takes it.
+    let saved = u.save_states();
+    assert!(OptimizerUpdater::new(Optimizer::rmsprop(0.1))
+        .load_states(&saved)
+        .is_err());
+    let mut back = OptimizerUpdater::new(Optimizer::adagrad(0.3));
+    assert!(!back.load_states(&saved).unwrap());
+    let g = NDArray::from_vec(&[3], vec![1.0f64, 1.0, 1.0]).unwrap();
+    let mut w2 = w.clone();
+    u.update(&Key::Int(0), &g, &mut w).unwrap();
+    back.retune(
+        Optimizer::adagrad(lr)
+            .wd(wd)
+            .rescale_grad(rescale)
+            .clip_gradient(clip),
+    )
+    .unwrap();
+    back.update(&Key::Int(0), &g, &mut w2).unwrap();
+    assert_eq!(w.to_vec::<f64>().unwrap(), w2.to_vec::<f64>().unwrap());
+}
+
+#[test]
+fn rmsprop_steps_as_mxnets_rmsprop_update() {
+    // MXNet's rmsprop_update (src/operator/optimizer_op-inl.h, RMSPropUpdateKernel),
+    // restated for float64 weights: weight decay joins the rescaled gradient before the clip,
+    // the average decays by gamma1, and the new weight is clipped to clip_weights.
+    let (lr, g1, eps, wd, rescale, clip, cw) = (0.05, 0.8, 1e-8, 0.02, 0.5, 0.9, 1.05);
+    let opt = Optimizer::rmsprop(lr)
+        .gamma1(g1)
+        .epsilon(eps)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip)
+        .clip_weights(cw);
+    let mut u = OptimizerUpdater::new(opt.clone());
+    let mut w = NDArray::from_vec(&[3], vec![1.0f64, -2.0, 0.5]).unwrap();
+    let (mut want_w, mut n) = ([1.0f64, -2.0, 0.5], [0.0f64; 3]);
+    for step in 0..4 {
+        let grads = [3.0 - step as f64, -0.4 * step as f64, 1.0];
+        let g = NDArray::from_vec(&[3], grads.to_vec()).unwrap();
+        u.update(&Key::Int(0), &g, &mut w).unwrap();
+        for i in 0..3 {
+            let cg = (rescale * grads[i] + wd * want_w[i]).clamp(-clip, clip);
+            n[i] = (1.0 - g1) * (cg * cg) + g1 * n[i];
+            want_w[i] = (want_w[i] - lr * (cg / (n[i] + eps).sqrt())).clamp(-cw, cw);
+        }
+        assert_eq!(w.to_vec::<f64>().unwrap(), want_w, "step {step}");
+        if step == 0 {
+            // -2.0 was clipped to the weights' bound.
+            assert_eq!(want_w[1], -cw);
+        }
+    }
+    assert_eq!(Optimizer::decode(&opt.encode()).unwrap(), opt);
+    assert_eq!(opt.name(), "rmsprop");
+    let ag = Optimizer::adagrad(0.3).epsilon(1e-6).clip_gradient(2.0);
+    assert_eq!(Optimizer::decode(&ag.encode()).unwrap(), ag);
+}

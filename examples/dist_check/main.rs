@@ -311,6 +311,33 @@ fn optimizers(kv: &mut KVStore) {
         &pulled(kv, 16, &[600], DType::F32),
         &pulled(&mut reference, 16, &[600], DType::F32).to_f64_vec(),
     );
+    // AdaGrad and RMSProp (some weights clipped) on sliced keys, against the same reference.
+    let others = [
+        ("adagrad", Optimizer::adagrad(0.05).wd(0.01), 18),
+        (
+            "rmsprop",
+            Optimizer::rmsprop(0.01).wd(0.01).clip_weights(250.0),
+            20,
+        ),
+    ];
+    for (name, opt, key) in others {
+        let mut reference = create("local").unwrap();
+        ok(name, kv.set_optimizer(opt.clone()));
+        ok("ref optimizer", reference.set_optimizer(opt));
+        ok("init", kv.init(key, &bigw));
+        ok("ref init", reference.init(key, &bigw));
+        for step in 0..3 {
+            let g = |r: usize| NDArray::full(&[600], (r + step) as f64 - 1.0);
+            ok(name, kv.push(key, &g(kv.rank())));
+            let all: Vec<NDArray> = (0..w).map(g).collect();
+            ok("ref push", reference.push(key, &all));
+        }
+        expect_vals(
+            name,
+            &pulled(kv, key, &[600], DType::F32),
+            &pulled(&mut reference, key, &[600], DType::F32).to_f64_vec(),
+        );
+    }
     // Adam with a learning-rate scheduler (a warm-up to update 3, then halved after updates 2
     // and 3) and
     // counts from 1 (its bias correction too): every server runs it on the keys and slices

@@ -1,7 +1,8 @@
 """The optimizers a store runs as its updater (on the servers of a distributed store), with
 MXNet 1.9's constructors: ``kv.set_optimizer(kvstore.optimizer.SGD(momentum=0.9,
 learning_rate=0.1, wd=1e-4))``. Their update rules are MXNet's ``sgd_update``,
-``sgd_mom_update``, ``nag_mom_update`` and ``adam_update``.
+``sgd_mom_update``, ``nag_mom_update``, ``adam_update``, its ``AdaGrad``'s dense update and
+``rmsprop_update``.
 
 As in MXNet, a local store runs the optimizer object it was given: a change to its parameters
 afterwards (``set_learning_rate``, or ``opt.wd = ...``) applies from the next update on, and
@@ -33,12 +34,13 @@ from typing import Any, Dict, Optional, Tuple
 
 from . import lr_scheduler as _schedulers
 
-__all__ = ["Optimizer", "SGD", "NAG", "Adam", "create"]
+__all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "create"]
 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
-            "epsilon", "lr_mult", "wd_mult", "idx2name", "lr_scheduler")
+            "epsilon", "float_stable_eps", "gamma1", "centered", "clip_weights", "lr_mult",
+            "wd_mult", "idx2name", "lr_scheduler")
 _UNSET = object()
 # The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
 _WATCHED = ("lr_mult", "wd_mult", "idx2name")
@@ -321,6 +323,58 @@ class Adam(Optimizer):
                 "epsilon": self.epsilon}
 
 
+class AdaGrad(Optimizer):
+    """AdaGrad (MXNet's ``AdaGrad(eps=1e-7, **kwargs)``, its dense update): the squared
+    gradients summed into a history; ``weight += (grad / sqrt(history + eps) + wd * weight) *
+    -lr``. Its update runs on the host. A ``clip_gradient`` of 0 or less clips nothing, as in
+    MXNet's other optimizers (MXNet's AdaGrad would clip every gradient to 0)."""
+
+    name = "adagrad"
+
+    def __init__(self, eps: float = 1e-7, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.float_stable_eps = float(eps)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "epsilon": self.float_stable_eps}
+
+
+class RMSProp(Optimizer):
+    """RMSProp, Tieleman and Hinton's (MXNet's ``RMSProp(learning_rate=0.001, gamma1=0.9,
+    gamma2=0.9, epsilon=1e-8, centered=False, clip_weights=None, **kwargs)``, its
+    ``rmsprop_update``). Graves's centered version (``centered=True``) is not provided: a
+    ``ValueError``. ``gamma2`` is used by that version only. Its update runs on the host."""
+
+    name = "rmsprop"
+    _default_lr = 0.001
+
+    def __init__(self, learning_rate: float = 0.001, gamma1: float = 0.9, gamma2: float = 0.9,
+                 epsilon: float = 1e-8, centered: bool = False,
+                 clip_weights: Optional[float] = None, **kwargs: Any) -> None:
+        _check_centered(centered)
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.gamma1 = float(gamma1)
+        self.gamma2 = float(gamma2)
+        self.epsilon = float(epsilon)
+        self.centered = False
+        self.clip_weights = None if clip_weights is None else float(clip_weights)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "centered":
+            _check_centered(value)
+        super().__setattr__(name, value)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "gamma1": self.gamma1, "epsilon": self.epsilon,
+                "clip_weights": self.clip_weights}
+
+
+def _check_centered(centered: Any) -> None:
+    if centered:
+        raise ValueError("centered RMSProp (Graves's, MXNet's rmspropalex_update) is not "
+                         "supported; RMSProp(centered=False) is")
+
+
 def _check_scheduler(s: Any) -> None:
     if s is not None and not _schedulers._runnable(s):
         raise TypeError("lr_scheduler is one of kvstore.lr_scheduler's schedulers "
@@ -337,7 +391,7 @@ def _mults(d: Dict[Any, float]) -> Dict[Any, float]:
 
 def create(name: str, **kwargs: Any) -> Optimizer:
     """An optimizer by MXNet's name: ``create('sgd', learning_rate=0.1)``."""
-    kinds = {"sgd": SGD, "nag": NAG, "adam": Adam}
+    kinds = {"sgd": SGD, "nag": NAG, "adam": Adam, "adagrad": AdaGrad, "rmsprop": RMSProp}
     if name.lower() not in kinds:
         raise ValueError(f"unknown optimizer {name!r}; kvstore runs {sorted(kinds)}")
     return kinds[name.lower()](**kwargs)

@@ -153,7 +153,9 @@ unsafe fn pull(
         )
     };
     let store = slf.cast::<KVStore>()?;
-    store.get().pull(py, &key, Some(&out), 0, true)?;
+    // An `out` of None is PyO3's `None`, as its method reads it.
+    let out = (!out.is_none()).then_some(out);
+    store.get().pull(py, &key, out.as_deref(), 0, true)?;
     Ok(py.None().into_ptr())
 }
 
@@ -190,6 +192,8 @@ unsafe fn pushpull(
     };
     // SAFETY: as above.
     let out = with_out.then(|| unsafe { borrowed(py, *args.add(2)) });
+    // An `out` of None is in place, as PyO3's method reads it.
+    let out = out.filter(|o| !o.is_none());
     let store = slf.cast::<KVStore>()?;
     store.get().pushpull(py, &key, &value, out.as_deref(), 0)?;
     Ok(py.None().into_ptr())

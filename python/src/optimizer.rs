@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
     if !obj.hasattr("_kvstore_spec")? {
         return Err(PyTypeError::new_err(
-            "set_optimizer takes a kvstore.optimizer object (SGD, NAG, Adam)",
+            "set_optimizer takes a kvstore.optimizer object (SGD, NAG, Adam, AdaGrad, RMSProp)",
         ));
     }
     let spec = obj.call_method0("_kvstore_spec")?;
@@ -28,9 +28,15 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
             .beta1(get("beta1", 0.9)?)
             .beta2(get("beta2", 0.999)?)
             .epsilon(get("epsilon", 1e-8)?),
+        "adagrad" => Optimizer::adagrad(get("learning_rate", 0.01)?).epsilon(get("epsilon", 1e-7)?),
+        "rmsprop" => Optimizer::rmsprop(get("learning_rate", 0.001)?)
+            .gamma1(get("gamma1", 0.9)?)
+            .epsilon(get("epsilon", 1e-8)?)
+            .clip_weights(get("clip_weights", 0.0)?),
         other => {
             return Err(PyValueError::new_err(format!(
-                "optimizer {other:?} does not run in the store; it runs sgd, nag and adam"
+                "optimizer {other:?} does not run in the store; it runs sgd, nag, adam, \
+                 adagrad and rmsprop"
             )))
         }
     };

@@ -47,12 +47,14 @@ pub(crate) fn take_signal() -> Option<PyErr> {
 struct State {
     kv: Option<kvstore::KVStore>,
     shells: [Option<Shell>; 2],
-    /// The last one-array call's key object (held, so that its address names it: keys are
-    /// immutable) and the key it is: a loop over the same keys reads each once.
-    last_key: Option<(Py<PyAny>, Key)>,
+    /// The last one-array call's key and, where it is an `int` or a `str`, its object (held,
+    /// so that its address names it: those are immutable): a loop over the same keys reads
+    /// each once.
+    last_key: Option<(Option<Py<PyAny>>, Key)>,
     /// A distributed store's pushes in flight (`pushes`).
     pushes: Pushes,
-    /// Each key's result array for a one-array pushpull in place (`one_pushpull`).
+    /// Each key's result array for a one-array pushpull in place (`one_pushpull`), kept
+    /// for the store's life as `pushes` keeps its staging arrays (at most 1 MiB each).
     results: rustc_hash::FxHashMap<Key, NDArray>,
 }
 

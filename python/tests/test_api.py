@@ -277,7 +277,7 @@ def test_optimizers_match_mxnet_rules():
     with pytest.raises(TypeError, match="unexpected"):
         opt.Adam(betta1=0.5)
     with pytest.raises(ValueError):
-        opt.create("rmsprop")
+        opt.create("adadelta")
     assert opt.SGD().learning_rate == 0.01 and opt.Adam().lr == 0.001
 
 
@@ -301,6 +301,57 @@ def test_nag_is_mxnet_s_nag_mom_update():
         want, m = want - m + (mom + 1) * (m - lr * (cg + wd * want)), m - lr * (cg + wd * want)
         kv.pull(0, out=out)
         np.testing.assert_array_equal(out, want)
+
+
+def test_adagrad_and_rmsprop_are_mxnet_s():
+    # MXNet 1.9's AdaGrad.update (dense) and RMSPropUpdateKernel restated in numpy, float64.
+    lr, wd, rescale, clip = 0.1, 0.01, 0.5, 0.8
+    grads = [np.array([3.0 - s, -0.4 * s, 1.0]) for s in range(4)]
+    w0 = np.array([1.0, -2.0, 0.5])
+
+    kv = kvstore.create()
+    kv.init(0, w0)
+    o = opt.create("adagrad", eps=1e-6, learning_rate=lr, wd=wd, rescale_grad=rescale,
+                   clip_gradient=clip)
+    assert isinstance(o, opt.AdaGrad) and o.float_stable_eps == 1e-6
+    kv.set_optimizer(o)
+    want, hist, out = w0.copy(), np.zeros(3), np.zeros(3)
+    for step, g in enumerate(grads):
+        if step == 2:
+            o.float_stable_eps = 0.5  # a local store runs the object: from the next update on
+        kv.push(0, g)
+        cg = np.clip(rescale * g, -clip, clip)
+        hist += cg * cg
+        want = want + (cg / np.sqrt(hist + o.float_stable_eps) + want * wd) * -lr
+        kv.pull(0, out=out)
+        np.testing.assert_array_equal(out, want)
+
+    g1, eps, cw = 0.8, 1e-8, 1.05
+    kv = kvstore.create()
+    kv.init(0, w0)
+    o = opt.RMSProp(learning_rate=lr, gamma1=g1, epsilon=eps, wd=wd, rescale_grad=rescale,
+                    clip_gradient=clip, clip_weights=cw)
+    kv.set_optimizer(o)
+    want, n = w0.copy(), np.zeros(3)
+    for g in grads:
+        kv.push(0, g)
+        cg = np.clip(rescale * g + wd * want, -clip, clip)
+        n = (1 - g1) * (cg * cg) + g1 * n
+        want = np.clip(want - lr * (cg / np.sqrt(n + eps)), -cw, cw)
+        kv.pull(0, out=out)
+        np.testing.assert_array_equal(out, want)
+    assert opt.create("rmsprop").learning_rate == 0.001
+    with pytest.raises(ValueError, match="centered"):
+        opt.RMSProp(centered=True)
+    with pytest.raises(ValueError, match="centered"):
+        o.centered = True
+    assert o.centered is False
+    kv.push(0, grads[0])  # still the same optimizer, running
+    cg = np.clip(rescale * grads[0] + wd * want, -clip, clip)
+    n = (1 - g1) * (cg * cg) + g1 * n
+    want = np.clip(want - lr * (cg / np.sqrt(n + eps)), -cw, cw)
+    kv.pull(0, out=out)
+    np.testing.assert_array_equal(out, want)
 
 
 def test_optimizers_take_mxnet_s_constructors_and_refuse_what_they_cannot_honour():

@@ -84,9 +84,10 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
         a = np.zeros(shape)
         kv.pull(3, out=a)
         assert (a == 6).all(), a          # 2 + (1 + 1) * 2
+        kv.push(3, np.ones(shape))        # returns before the servers answer
         b = np.ones(shape)
-        kv.pushpull(3, b)                 # in place
-        assert (b == 10).all(), b         # 6 + (1 + 1) * 2
+        kv.pushpull(3, b)                 # in place, after that push's round
+        assert (b == 14).all(), b         # 6 + (1 + 1) * 2 + (1 + 1) * 2
         g = np.full(big, kv.rank + 1, dtype=np.float32)
         out = np.zeros(big, dtype=np.float32)
         kv.pushpull(4, g, out=out)
@@ -99,8 +100,8 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
         assert np.allclose(out, 6 - 0.2 * 3), out
         m = kv.metrics()
         assert m["calls"] > 0 and len(m["servers"]) == 2, m
-        # Pushes of slices: key 3 twice; key 4 (two slices) in a pushpull and a push.
-        assert sum(s["pushes"] for s in m["servers"]) == 6, m
+        # Pushes of slices: key 3 three times; key 4 (two slices) in a pushpull and a push.
+        assert sum(s["pushes"] for s in m["servers"]) == 7, m
         assert "key 4: server 0 [0, 300000), server 1 [300000, 600000)" in kv.placement_map()
         if kv.rank == 0:
             states = os.path.join(DIR, "states")
@@ -112,7 +113,7 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
     assert code == 0, out
     for w in range(2):
         assert f"worker {w} of 2 done" in out, out
-    assert out.count("update on key: 3") == 2, out
+    assert out.count("update on key: 3") == 3, out
     # Key 4 is sliced: each server ran the updater on its slice.
     assert out.count("update on key: 4") == 2, out
     assert out.count("server ends with SystemExit(0)") == 2, out

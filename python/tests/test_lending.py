@@ -157,6 +157,8 @@ def test_every_form_of_push_and_pull_is_the_same_call():
     assert o.tolist() == [6.0] * 3  # no failed call wrote it
 
     # pushpull: (key, value), (key, value, o) and (key, value, out=o) have the own entry.
+    # The updater doubles what is pushed, so a result that never landed would show.
+    kv._set_updater(lambda key, input, stored: stored.__setitem__(slice(None), input * 2))
     forms = [
         lambda v: kv.pushpull(0, v),
         lambda v: kv.pushpull(0, v, o),
@@ -165,14 +167,20 @@ def test_every_form_of_push_and_pull_is_the_same_call():
         lambda v: kv.pushpull(key=0, value=v),
         lambda v: kv.pushpull(0, v, o, 2),
         lambda v: kv.pushpull(0, value=v, out=None),
+        lambda v: kv.pushpull(0, v, None),
+        lambda v: kv.pushpull(0, v, out=None),
     ]
     for i, pp in enumerate(forms):
         v = np.full(3, 10 + i, dtype=np.float32)
         o[:] = -1
         pp(v)
-        in_place = o.tolist() == [-1.0] * 3
-        assert (v if in_place else o).tolist() == [10.0 + i] * 3, i
-        assert in_place == (i in (0, 4, 6)), i
+        in_place = i in (0, 4, 6, 7, 8)
+        assert (v if in_place else o).tolist() == [2 * (10.0 + i)] * 3, i
+        assert (o if in_place else v).tolist() == ([-1.0] if in_place else [10.0 + i]) * 3, i
+    with pytest.raises(ValueError, match="out="):
+        kv.pull(0, None)
+    with pytest.raises(ValueError, match="out="):
+        kv.pull(0, out=None)
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'value'"):
         kv.pushpull(0)
     with pytest.raises(TypeError, match="multiple values for argument 'out'"):
@@ -239,3 +247,18 @@ def test_pushpull_lands_the_updated_value_in_place_and_in_outputs():
     kv.init(1, np.zeros_like(big))
     kv.pushpull(1, big)
     assert (big == 2).all()
+
+
+def test_a_key_that_can_change_in_place_is_read_at_every_call():
+    # A 0-d numpy integer array is a key (it converts to an int), and it can be changed in
+    # place: the store must not take it for the key it named before.
+    kv = kvstore.create()
+    kv.init([0, 1], [np.zeros(2), np.zeros(2)])
+    key = np.array(0)
+    kv.push(key, np.ones(2))
+    key[...] = 1
+    kv.push(key, np.full(2, 5.0))
+    a, b = np.zeros(2), np.zeros(2)
+    kv.pull(0, out=a)
+    kv.pull(1, out=b)
+    assert a.tolist() == [1.0, 1.0] and b.tolist() == [5.0, 5.0]

@@ -191,9 +191,10 @@ pub(crate) fn step(
             // f64 each (their sizes checked above), all on this device.
             unsafe { launch.launch(cfg) }.map_err(fail)?;
         }
-        Optimizer::Nag { .. } => {
+        Optimizer::Nag { .. } | Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } => {
             return Err(KvError::Unsupported(format!(
-                "gpu({ordinal}): nag has no GPU update (its update runs on the host)"
+                "gpu({ordinal}): {} has no GPU update (its update runs on the host)",
+                opt.name()
             )))
         }
     }

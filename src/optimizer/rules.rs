@@ -1,5 +1,6 @@
 //! The update rules on the host, element by element in f64 and rounded once into the
-//! weight's dtype: MXNet's `sgd_update`, `sgd_mom_update`, `nag_mom_update` and `adam_update`.
+//! weight's dtype: MXNet's `sgd_update`, `sgd_mom_update`, `nag_mom_update`, `adam_update`,
+//! its Python `AdaGrad`'s dense update and `rmsprop_update`.
 
 use super::Optimizer;
 use crate::Element;
@@ -96,6 +97,45 @@ pub(super) fn update_typed<T: Element>(
                 *m = beta1 * *m + (1.0 - beta1) * g;
                 *v = beta2 * *v + (1.0 - beta2) * g * g;
                 *w = T::from_f64(wf - lr_t * *m / (v.sqrt() + epsilon));
+            }
+        }
+        Optimizer::AdaGrad {
+            lr,
+            epsilon,
+            wd,
+            rescale_grad,
+            clip_gradient,
+        } => {
+            // MXNet's AdaGrad.update (dense): the history grows by the square of the
+            // rescaled, clipped gradient; weight decay joins the divided step.
+            for ((w, g), h) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64(), rescale_grad, clip_gradient);
+                *h += g * g;
+                let div = g / (*h + epsilon).sqrt();
+                *w = T::from_f64(wf + (div + wf * wd) * -lr);
+            }
+        }
+        Optimizer::RmsProp {
+            lr,
+            gamma1,
+            epsilon,
+            wd,
+            rescale_grad,
+            clip_gradient,
+            clip_weights,
+        } => {
+            // MXNet's rmsprop_update: weight decay joins the gradient before the clip.
+            for ((w, g), n) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
+                *n = (1.0 - gamma1) * (g * g) + gamma1 * *n;
+                let nw = wf - lr * (g / (*n + epsilon).sqrt());
+                *w = T::from_f64(if clip_weights > 0.0 {
+                    nw.clamp(-clip_weights, clip_weights)
+                } else {
+                    nw
+                });
             }
         }
     }

@@ -3,9 +3,11 @@
 use super::{Inner, KVStore};
 
 impl KVStore {
-    /// Whether the servers on this host write pull answers straight into this process's memory
-    /// (`process_vm_writev`, where the host allows it): then a pull into any output is one
-    /// copy. False for local stores and over TCP.
+    /// Whether the servers on this host write pull answers of 32 KiB and more straight into
+    /// this process's memory (cross-memory writes, where the host allows it): then such a pull
+    /// into any output is one copy (smaller answers land in shared pages and are copied here;
+    /// values of 32 KiB and more that a server keeps in its pool are read from there). False
+    /// for local stores and over TCP.
     pub fn cross_memory(&self) -> bool {
         match &self.inner {
             Inner::Local(_) => false,

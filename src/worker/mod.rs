@@ -357,8 +357,8 @@ impl DistWorker {
         out
     }
 
-    /// Whether every shared-memory server writes pull answers straight into this process's
-    /// memory (cross-memory writes), so a pull into any output is one copy.
+    /// Whether every shared-memory server writes pull answers of 32 KiB and more straight into
+    /// this process's memory (cross-memory writes), so such a pull into any output is one copy.
     pub(crate) fn cross_memory(&self) -> bool {
         let Some(shm) = &self.net.net.shm else {
             return false;

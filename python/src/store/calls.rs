@@ -287,6 +287,11 @@ impl KVStore {
             Ok(k) => k,
             Err(e) => return Some(Err(e)),
         };
+        // The key's push in flight first: a second push of a key in one round is refused in
+        // `dist_sync`, and its error comes first.
+        if let Err(e) = pushes.settle(kv, key) {
+            return Some(Err(to_py(e)));
+        }
         let mut lv = lend_into(s0, value, false)?;
         let mut lo = lend_into(s1, out, true)?;
         let (v, o) = (lv.array()?, lo.array()?);
@@ -311,8 +316,7 @@ impl KVStore {
                         .and_then(|()| o.copy_from(t))
                 }
             };
-            // The key's push in flight is over once this call is (the servers answer it first).
-            pushes.settle(kv, key).and(done)
+            done
         });
         Some(r.map_err(to_py))
     }
@@ -346,15 +350,19 @@ impl KVStore {
     }
 }
 
-/// The key `key` names, read once for a loop over the same key object (`last_key` holds the
-/// last one: keys are immutable); `None` where none is held after all.
+/// The key `key` names, read once for a loop over the same key object where that is an `int`
+/// or a `str` (immutable: `last_key` holds the last one); any other key object (a numpy
+/// integer, which may be a 0-d array changed in place) is read at every call. `None` where
+/// none is held after all.
 fn read_key<'k>(
-    last_key: &'k mut Option<(Py<PyAny>, Key)>,
+    last_key: &'k mut Option<(Option<Py<PyAny>>, Key)>,
     key: &Bound<'_, PyAny>,
 ) -> Option<PyResult<&'k Key>> {
-    if !matches!(last_key, Some((o, _)) if o.as_ptr() == key.as_ptr()) {
+    if !matches!(last_key, Some((Some(o), _)) if o.as_ptr() == key.as_ptr()) {
+        let immutable = key.is_exact_instance_of::<pyo3::types::PyInt>()
+            || key.is_exact_instance_of::<pyo3::types::PyString>();
         match crate::args::key(key) {
-            Ok(k) => *last_key = Some((key.clone().unbind(), k)),
+            Ok(k) => *last_key = Some((immutable.then(|| key.clone().unbind()), k)),
             Err(e) => return Some(Err(e)),
         }
     }

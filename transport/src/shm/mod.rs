@@ -376,8 +376,8 @@ impl ShmBackend {
         !self.peers.is_empty()
     }
 
-    /// Whether `peer` writes puts straight into this process's private memory (cross-memory
-    /// writes), with no bounce copy here.
+    /// Whether `peer` writes puts of `CMA_FROM` bytes and more straight into this process's
+    /// private memory (cross-memory writes), with no bounce copy here.
     pub fn peer_writes_me(&self, peer: PeerId) -> bool {
         self.peers.get(&peer.0).is_some_and(|p| p.peer_writes_me)
     }

@@ -1,0 +1,118 @@
+//! An optimizer's parameters on the wire and in saved states: 8 f64 words, its kind first.
+
+use super::Optimizer;
+use crate::{KvError, Result};
+
+impl Optimizer {
+    /// Encodes the optimizer as 8 f64 words (kind first), for the wire.
+    pub(crate) fn encode(&self) -> [f64; 8] {
+        match *self {
+            Optimizer::Sgd {
+                lr,
+                momentum,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            } => [1.0, lr, momentum, wd, rescale_grad, clip_gradient, 0.0, 0.0],
+            Optimizer::Nag {
+                lr,
+                momentum,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            } => [3.0, lr, momentum, wd, rescale_grad, clip_gradient, 0.0, 0.0],
+            Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            } => [
+                2.0,
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            ],
+            Optimizer::AdaGrad {
+                lr,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            } => [4.0, lr, epsilon, wd, rescale_grad, clip_gradient, 0.0, 0.0],
+            Optimizer::RmsProp {
+                lr,
+                gamma1,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                clip_weights,
+            } => [
+                5.0,
+                lr,
+                gamma1,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                clip_weights,
+            ],
+        }
+    }
+
+    /// Decodes [`Optimizer::encode`]'s words.
+    pub(crate) fn decode(w: &[f64]) -> Result<Optimizer> {
+        if w.len() != 8 || w.iter().any(|v| !v.is_finite()) {
+            return Err(KvError::Protocol("malformed optimizer parameters".into()));
+        }
+        match w[0] as i64 {
+            1 => Ok(Optimizer::Sgd {
+                lr: w[1],
+                momentum: w[2],
+                wd: w[3],
+                rescale_grad: w[4],
+                clip_gradient: w[5],
+            }),
+            2 => Ok(Optimizer::Adam {
+                lr: w[1],
+                beta1: w[2],
+                beta2: w[3],
+                epsilon: w[4],
+                wd: w[5],
+                rescale_grad: w[6],
+                clip_gradient: w[7],
+            }),
+            3 => Ok(Optimizer::Nag {
+                lr: w[1],
+                momentum: w[2],
+                wd: w[3],
+                rescale_grad: w[4],
+                clip_gradient: w[5],
+            }),
+            4 => Ok(Optimizer::AdaGrad {
+                lr: w[1],
+                epsilon: w[2],
+                wd: w[3],
+                rescale_grad: w[4],
+                clip_gradient: w[5],
+            }),
+            5 => Ok(Optimizer::RmsProp {
+                lr: w[1],
+                gamma1: w[2],
+                epsilon: w[3],
+                wd: w[4],
+                rescale_grad: w[5],
+                clip_gradient: w[6],
+                clip_weights: w[7],
+            }),
+            k => Err(KvError::Protocol(format!("unknown optimizer kind {k}"))),
+        }
+    }
+}
