@@ -287,11 +287,6 @@ impl KVStore {
             Ok(k) => k,
             Err(e) => return Some(Err(e)),
         };
-        // The key's push in flight first: a second push of a key in one round is refused in
-        // `dist_sync`, and its error comes first.
-        if let Err(e) = pushes.settle(kv, key) {
-            return Some(Err(to_py(e)));
-        }
         let mut lv = lend_into(s0, value, false)?;
         let mut lo = lend_into(s1, out, true)?;
         let (v, o) = (lv.array()?, lo.array()?);
@@ -302,8 +297,11 @@ impl KVStore {
         }
         let bytes = v.nbytes() + o.nbytes();
         let r = with_gil(py, self.gil(bytes), || {
+            // The key's push in flight first (a second push of a key in one round is refused
+            // in `dist_sync`); its error, if it failed.
+            pushes.settle(kv, key)?;
             let call = kv.with_priority(priority);
-            let done = match shared {
+            match shared {
                 false => call.pushpull(key, &*v, &mut *o),
                 true => {
                     let t = results
@@ -315,8 +313,7 @@ impl KVStore {
                     call.pushpull(key, &*v, &mut *t)
                         .and_then(|()| o.copy_from(t))
                 }
-            };
-            done
+            }
         });
         Some(r.map_err(to_py))
     }
