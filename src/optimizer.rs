@@ -14,8 +14,9 @@ use crate::dtype::with_dtype;
 use crate::{DType, Device, Key, KvError, NDArray, Result};
 use rules::{adam_lr, update_typed};
 
-/// An optimizer and its hyper-parameters.
+/// An optimizer and its hyper-parameters. More may come: a `match` on it needs a `_` arm.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum Optimizer {
     /// Stochastic gradient descent, with optional momentum and weight decay.
     Sgd {
@@ -71,7 +72,8 @@ pub enum Optimizer {
         wd: f64,
         /// Factor applied to the gradient first.
         rescale_grad: f64,
-        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
+        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping, as for the
+        /// other optimizers (MXNet's AdaGrad clips at any value it is given, 0 included).
         clip_gradient: f64,
     },
     /// RMSProp, Tieleman and Hinton's (MXNet's `RMSProp` with `centered=False`, its

@@ -397,3 +397,65 @@ fn rmsprop_steps_as_mxnets_rmsprop_update() {
     let ag = Optimizer::adagrad(0.3).epsilon(1e-6).clip_gradient(2.0);
     assert_eq!(Optimizer::decode(&ag.encode()).unwrap(), ag);
 }
+
+#[test]
+fn rmsprop_clips_only_where_asked_and_its_state_continues_exactly() {
+    let grads = |s: usize| NDArray::from_vec(&[3], vec![40.0f64 - s as f64, -30.0, 0.25]);
+    let run = |o: Optimizer| {
+        let mut u = OptimizerUpdater::new(o);
+        let mut w = NDArray::from_vec(&[3], vec![1.0f64, -2.0, 0.5]).unwrap();
+        for s in 0..3 {
+            u.update(&Key::Int(0), &grads(s).unwrap(), &mut w).unwrap();
+        }
+        (u, w.to_vec::<f64>().unwrap())
+    };
+    // A clip of 0 or less is none (MXNet passes neither when it is 0, and its kernel clips
+    // only at 0 or more).
+    let plain = run(Optimizer::rmsprop(0.5)).1;
+    assert_eq!(
+        run(Optimizer::rmsprop(0.5)
+            .clip_gradient(0.0)
+            .clip_weights(-1.0))
+        .1,
+        plain
+    );
+    assert_ne!(run(Optimizer::rmsprop(0.5).clip_gradient(0.5)).1, plain);
+    let clipped = run(Optimizer::rmsprop(0.5).clip_weights(0.75)).1;
+    assert!(clipped.iter().all(|x| x.abs() <= 0.75) && clipped != plain);
+    // Saved and loaded, the state goes on as it would have.
+    let (mut u, _) = run(Optimizer::rmsprop(0.5).gamma1(0.7));
+    let mut back = OptimizerUpdater::new(Optimizer::rmsprop(0.5).gamma1(0.7));
+    assert!(!back.load_states(&u.save_states()).unwrap());
+    let mut a = NDArray::from_vec(&[3], vec![0.1f64, 0.2, 0.3]).unwrap();
+    let mut b = a.clone();
+    u.update(&Key::Int(0), &grads(5).unwrap(), &mut a).unwrap();
+    back.update(&Key::Int(0), &grads(5).unwrap(), &mut b)
+        .unwrap();
+    assert_eq!(a.to_vec::<f64>().unwrap(), b.to_vec::<f64>().unwrap());
+}
+
+#[test]
+fn adagrad_and_rmsprop_take_a_keys_multipliers() {
+    for (base, doubled) in [
+        (
+            Optimizer::adagrad(0.1).wd(0.2),
+            Optimizer::adagrad(0.2).wd(0.0),
+        ),
+        (
+            Optimizer::rmsprop(0.1).wd(0.2),
+            Optimizer::rmsprop(0.2).wd(0.0),
+        ),
+    ] {
+        // Key 7's rate doubled and its weight decay gone, as another optimizer's for all keys.
+        let mut m = OptimizerUpdater::new(base.lr_mult(7, 2.0).wd_mult(7, 0.0));
+        let mut d = OptimizerUpdater::new(doubled);
+        let (mut a, mut b) = (NDArray::ones(&[4]), NDArray::ones(&[4]));
+        for _ in 0..3 {
+            let g = NDArray::full(&[4], 0.5);
+            m.update(&Key::Int(7), &g, &mut a).unwrap();
+            d.update(&Key::Int(7), &g, &mut b).unwrap();
+        }
+        assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert_ne!(a.to_vec::<f32>().unwrap(), vec![1.0; 4]);
+    }
+}

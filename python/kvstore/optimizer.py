@@ -336,7 +336,7 @@ class AdaGrad(Optimizer):
         self.float_stable_eps = float(eps)
 
     def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "epsilon": self.float_stable_eps}
+        return {**super()._params(), "eps": self.float_stable_eps}
 
 
 class RMSProp(Optimizer):

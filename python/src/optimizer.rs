@@ -28,7 +28,7 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
             .beta1(get("beta1", 0.9)?)
             .beta2(get("beta2", 0.999)?)
             .epsilon(get("epsilon", 1e-8)?),
-        "adagrad" => Optimizer::adagrad(get("learning_rate", 0.01)?).epsilon(get("epsilon", 1e-7)?),
+        "adagrad" => Optimizer::adagrad(get("learning_rate", 0.01)?).epsilon(get("eps", 1e-7)?),
         "rmsprop" => Optimizer::rmsprop(get("learning_rate", 0.001)?)
             .gamma1(get("gamma1", 0.9)?)
             .epsilon(get("epsilon", 1e-8)?)

@@ -319,7 +319,8 @@ impl KVStore {
         self.pull(py, key, Some(out), priority, true)
     }
 
-    /// Runs a built-in optimizer (`kvstore.optimizer.SGD`, `NAG`, `Adam`) as the updater; in a
+    /// Runs a built-in optimizer (`kvstore.optimizer.SGD`, `NAG`, `Adam`, `AdaGrad`,
+    /// `RMSProp`) as the updater; in a
     /// distributed store it runs on the servers.
     /// A local store runs the object itself: a change to its parameters afterwards
     /// (`set_learning_rate`, say) applies from the next update on, with the state kept.
