@@ -1,9 +1,10 @@
 //! The common calls' own entry points: `push(key, value)`, `pull(key, out=o)` (or
 //! `pull(key, o)`) and `pushpull(key, value)` (in place), `pushpull(key, value, out=o)` (or
-//! `pushpull(key, value, o)`), with no other argument, read straight from the interpreter's argument
-//! vector instead of through PyO3's general argument parser, which costs as much as the rest of
-//! the layer at 4 KiB (its keyword names compared as strings on every call). Any other form of
-//! the call goes to the method PyO3 made, unchanged: its parsing, its errors, its defaults.
+//! `pushpull(key, value, o)`), with no other argument, read straight from the interpreter's
+//! argument vector instead of through PyO3's general argument parser, which costs as much as
+//! the rest of the layer at 4 KiB (its keyword names compared as strings on every call). Any
+//! other form of the call goes to the method PyO3 made, unchanged: its parsing, its errors, its
+//! defaults.
 //!
 //! They run the same `KVStore::push`, `pull` and `pushpull` as PyO3's methods; only the reading
 //! of the arguments differs. They enter through PyO3's own trampoline (the interpreter held,
