@@ -160,13 +160,7 @@ impl Optimizer {
 
     /// Sets the learning rate.
     pub fn lr(mut self, value: f64) -> Optimizer {
-        match &mut self {
-            Optimizer::Sgd { lr, .. }
-            | Optimizer::Nag { lr, .. }
-            | Optimizer::Adam { lr, .. }
-            | Optimizer::AdaGrad { lr, .. }
-            | Optimizer::RmsProp { lr, .. } => *lr = value,
-        }
+        *self.common().lr = value;
         self
     }
 
@@ -180,37 +174,19 @@ impl Optimizer {
 
     /// Sets the weight decay.
     pub fn wd(mut self, value: f64) -> Optimizer {
-        match &mut self {
-            Optimizer::Sgd { wd, .. }
-            | Optimizer::Nag { wd, .. }
-            | Optimizer::Adam { wd, .. }
-            | Optimizer::AdaGrad { wd, .. }
-            | Optimizer::RmsProp { wd, .. } => *wd = value,
-        }
+        *self.common().wd = value;
         self
     }
 
     /// Sets the factor applied to gradients first (e.g. 1/batch size).
     pub fn rescale_grad(mut self, value: f64) -> Optimizer {
-        match &mut self {
-            Optimizer::Sgd { rescale_grad, .. }
-            | Optimizer::Nag { rescale_grad, .. }
-            | Optimizer::Adam { rescale_grad, .. }
-            | Optimizer::AdaGrad { rescale_grad, .. }
-            | Optimizer::RmsProp { rescale_grad, .. } => *rescale_grad = value,
-        }
+        *self.common().rescale_grad = value;
         self
     }
 
     /// Clips rescaled gradients to `[-value, value]` (0 or less: no clipping).
     pub fn clip_gradient(mut self, value: f64) -> Optimizer {
-        match &mut self {
-            Optimizer::Sgd { clip_gradient, .. }
-            | Optimizer::Nag { clip_gradient, .. }
-            | Optimizer::Adam { clip_gradient, .. }
-            | Optimizer::AdaGrad { clip_gradient, .. }
-            | Optimizer::RmsProp { clip_gradient, .. } => *clip_gradient = value,
-        }
+        *self.common().clip_gradient = value;
         self
     }
 
@@ -469,12 +445,52 @@ impl Optimizer {
 
     /// The learning rate.
     pub fn learning_rate(&self) -> f64 {
-        match *self {
-            Optimizer::Sgd { lr, .. }
-            | Optimizer::Nag { lr, .. }
-            | Optimizer::Adam { lr, .. }
-            | Optimizer::AdaGrad { lr, .. }
-            | Optimizer::RmsProp { lr, .. } => lr,
+        *self.clone().common().lr
+    }
+
+    /// The parameters every optimizer has, whatever its kind.
+    pub(crate) fn common(&mut self) -> Common<'_> {
+        match self {
+            Optimizer::Sgd {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Nag {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Adam {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::AdaGrad {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::RmsProp {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            } => Common {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            },
         }
     }
 
@@ -488,6 +504,14 @@ impl Optimizer {
             Optimizer::RmsProp { .. } => "rmsprop",
         }
     }
+}
+
+/// The parameters every optimizer has ([`Optimizer::common`]).
+pub(crate) struct Common<'a> {
+    pub(crate) lr: &'a mut f64,
+    pub(crate) wd: &'a mut f64,
+    pub(crate) rescale_grad: &'a mut f64,
+    pub(crate) clip_gradient: &'a mut f64,
 }
 
 /// Reads little-endian fields off the front of a byte slice.

@@ -106,20 +106,14 @@ unsafe fn push(
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> PyResult<*mut ffi::PyObject> {
-    if nargs != 2 || !kwnames.is_null() {
+    // SAFETY: the interpreter's arguments, as they came.
+    let Some(None) = (unsafe { plain(py, args, nargs, kwnames, 2) }) else {
         // SAFETY: the interpreter's arguments, passed on as they came.
         return unsafe { general(py, PUSH, slf, args, nargs, kwnames) };
-    }
-    // SAFETY: the interpreter holds these references for the call; `args` has two.
-    let (slf, key, value) = unsafe {
-        (
-            borrowed(py, slf),
-            borrowed(py, *args),
-            borrowed(py, *args.add(1)),
-        )
     };
-    let store = slf.cast::<KVStore>()?;
-    store.get().push(py, &key, &value, 0)?;
+    // SAFETY: the interpreter holds these for the call; `plain` found two arguments.
+    let (store, key, value) = unsafe { (borrowed(py, slf), arg(py, args, 0), arg(py, args, 1)) };
+    store.cast::<KVStore>()?.get().push(py, &key, &value, 0)?;
     Ok(py.None().into_ptr())
 }
 
@@ -134,28 +128,16 @@ unsafe fn pull(
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> PyResult<*mut ffi::PyObject> {
-    let common = match (nargs, kwnames.is_null()) {
-        (2, true) => true,
-        // SAFETY: a non-null `kwnames` is the call's tuple of keyword names.
-        (1, false) => unsafe { only_out(py, kwnames) },
-        _ => false,
-    };
-    if !common {
+    // SAFETY: the interpreter's arguments, as they came.
+    let Some(Some(out)) = (unsafe { plain(py, args, nargs, kwnames, 1) }) else {
         // SAFETY: as in `push`.
         return unsafe { general(py, PULL, slf, args, nargs, kwnames) };
-    }
-    // SAFETY: the interpreter holds these references for the call; `args` has the key, then
-    // the array (positional, or the value of the one keyword).
-    let (slf, key, out) = unsafe {
-        (
-            borrowed(py, slf),
-            borrowed(py, *args),
-            borrowed(py, *args.add(1)),
-        )
     };
-    let store = slf.cast::<KVStore>()?;
+    // SAFETY: the interpreter holds these for the call; `plain` found the key first.
+    let (store, key) = unsafe { (borrowed(py, slf), arg(py, args, 0)) };
     // An `out` of None is PyO3's `None`, as its method reads it.
     let out = (!out.is_none()).then_some(out);
+    let store = store.cast::<KVStore>()?;
     store.get().pull(py, &key, out.as_deref(), 0, true)?;
     Ok(py.None().into_ptr())
 }
@@ -172,32 +154,54 @@ unsafe fn pushpull(
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> PyResult<*mut ffi::PyObject> {
-    let with_out = match (nargs, kwnames.is_null()) {
-        (2, true) => false,
-        (3, true) => true,
-        // SAFETY: a non-null `kwnames` is the call's tuple of keyword names.
-        (2, false) if unsafe { only_out(py, kwnames) } => true,
-        _ => {
-            // SAFETY: as in `push`.
-            return unsafe { general(py, PUSHPULL, slf, args, nargs, kwnames) };
-        }
+    // SAFETY: the interpreter's arguments, as they came.
+    let Some(out) = (unsafe { plain(py, args, nargs, kwnames, 2) }) else {
+        // SAFETY: as in `push`.
+        return unsafe { general(py, PUSHPULL, slf, args, nargs, kwnames) };
     };
-    // SAFETY: the interpreter holds these references for the call; `args` has the key and
-    // the value, then, `with_out`, the output (positional, or the value of the one keyword).
-    let (slf, key, value) = unsafe {
-        (
-            borrowed(py, slf),
-            borrowed(py, *args),
-            borrowed(py, *args.add(1)),
-        )
-    };
-    // SAFETY: as above.
-    let out = with_out.then(|| unsafe { borrowed(py, *args.add(2)) });
+    // SAFETY: the interpreter holds these for the call; `plain` found the key and the value.
+    let (store, key, value) = unsafe { (borrowed(py, slf), arg(py, args, 0), arg(py, args, 1)) };
     // An `out` of None is in place, as PyO3's method reads it.
     let out = out.filter(|o| !o.is_none());
-    let store = slf.cast::<KVStore>()?;
+    let store = store.cast::<KVStore>()?;
     store.get().pushpull(py, &key, &value, out.as_deref(), 0)?;
     Ok(py.None().into_ptr())
+}
+
+/// The common form of a call: `lead` positional arguments, then the output or nothing (by
+/// position, or as `out=` alone). `None` for any other form; else the output, if one came.
+///
+/// # Safety
+/// As [`push`]: the interpreter's arguments.
+unsafe fn plain<'a, 'py>(
+    py: Python<'py>,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+    lead: ffi::Py_ssize_t,
+) -> Option<Option<Borrowed<'a, 'py, PyAny>>> {
+    let with_out = match kwnames.is_null() {
+        true if nargs == lead => false,
+        true if nargs == lead + 1 => true,
+        // SAFETY: a non-null `kwnames` is the call's tuple of keyword names.
+        false if nargs == lead && unsafe { only_out(py, kwnames) } => true,
+        _ => return None,
+    };
+    // SAFETY: the output follows the `lead` arguments (positional, or the one keyword's value).
+    Some(with_out.then(|| unsafe { arg(py, args, lead as usize) }))
+}
+
+/// The call's argument `i`, which the interpreter holds for the call.
+///
+/// # Safety
+/// `args` has more than `i` arguments.
+unsafe fn arg<'a, 'py>(
+    py: Python<'py>,
+    args: *const *mut ffi::PyObject,
+    i: usize,
+) -> Borrowed<'a, 'py, PyAny> {
+    // SAFETY: the caller's promise.
+    unsafe { borrowed(py, *args.add(i)) }
 }
 
 /// Whether the call's keyword names are exactly `out`, the interned name.

@@ -69,12 +69,7 @@ impl Optimizer {
     /// key's rate, scheduled and multiplied, and its multiplier).
     pub(crate) fn tuned(&self, lr: f64, wd_m: f64) -> Optimizer {
         let mut o = self.clone().lr(lr);
-        let (Optimizer::Sgd { wd, .. }
-        | Optimizer::Nag { wd, .. }
-        | Optimizer::Adam { wd, .. }
-        | Optimizer::AdaGrad { wd, .. }
-        | Optimizer::RmsProp { wd, .. }) = &mut o;
-        *wd *= wd_m;
+        *o.common().wd *= wd_m;
         o
     }
 }

@@ -13,14 +13,30 @@ impl Optimizer {
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [1.0, lr, momentum, wd, rescale_grad, clip_gradient, 0.0, 0.0],
-            Optimizer::Nag {
+            }
+            | Optimizer::Nag {
                 lr,
                 momentum,
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [3.0, lr, momentum, wd, rescale_grad, clip_gradient, 0.0, 0.0],
+            } => {
+                let kind = if matches!(self, Optimizer::Nag { .. }) {
+                    3.0
+                } else {
+                    1.0
+                };
+                [
+                    kind,
+                    lr,
+                    momentum,
+                    wd,
+                    rescale_grad,
+                    clip_gradient,
+                    0.0,
+                    0.0,
+                ]
+            }
             Optimizer::Adam {
                 lr,
                 beta1,

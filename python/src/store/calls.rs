@@ -8,6 +8,7 @@ use kvstore::{Key, Keys, NDArray, Outputs};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
+use super::pushes::array_like;
 use super::{KVStore, Pushes, State, ASYNC_BYTES, FORKS, SIGNAL};
 use crate::args::{plan_outputs, KeyArg};
 use crate::arrays::Lent;
@@ -235,26 +236,14 @@ impl KVStore {
         f: impl FnOnce(&mut kvstore::KVStore, &mut Pushes, &Key, &mut NDArray) -> kvstore::Result<()>
             + Send,
     ) -> Option<PyResult<()>> {
-        if FORKS.load(Ordering::Relaxed) != self.forks {
-            return None;
-        }
-        let mut g = self.inner.try_claim(py)?;
-        let State {
-            kv,
-            shells,
-            last_key,
-            pushes,
-            ..
-        } = &mut *g;
-        let kv = kv.as_mut()?;
-        let key = match read_key(last_key, key)? {
-            Ok(k) => k,
-            Err(e) => return Some(Err(e)),
-        };
-        let mut lent = lend_into(&mut shells[usize::from(writable)], obj, writable)?;
-        let a = lent.array()?;
-        let r = with_gil(py, self.gil(a.nbytes()), || f(kv, pushes, key, a));
-        Some(r.map_err(to_py))
+        self.one_key(py, key, |one| {
+            let mut lent = lend_into(&mut one.shells[usize::from(writable)], obj, writable)?;
+            let a = lent.array()?;
+            let r = with_gil(py, self.gil(a.nbytes()), || {
+                f(one.kv, one.pushes, one.key, a)
+            });
+            Some(r.map_err(to_py))
+        })
     }
 
     /// The common pushpull: one key, one numpy array, and one numpy output or none (in
@@ -271,13 +260,55 @@ impl KVStore {
         out: &Bound<'_, PyAny>,
         priority: i32,
     ) -> Option<PyResult<()>> {
+        self.one_key(py, key, |one| {
+            let [s0, s1] = one.shells;
+            let mut lv = lend_into(s0, value, false)?;
+            let mut lo = lend_into(s1, out, true)?;
+            let (v, o) = (lv.array()?, lo.array()?);
+            let (vb, ob) = (v.as_bytes().as_ptr_range(), o.as_bytes().as_ptr_range());
+            let shared = vb.start < ob.end && ob.start < vb.end;
+            if shared && o.nbytes() > ASYNC_BYTES {
+                return None;
+            }
+            let One {
+                kv,
+                pushes,
+                results,
+                key,
+                ..
+            } = one;
+            let r = with_gil(py, self.gil(v.nbytes() + o.nbytes()), || {
+                // The key's push in flight first (a second push of a key in one round is
+                // refused in `dist_sync`); its error, if it failed.
+                pushes.settle(kv, key)?;
+                let call = kv.with_priority(priority);
+                if !shared {
+                    return call.pushpull(key, &*v, &mut *o);
+                }
+                let t = array_like(results, key, o);
+                call.pushpull(key, &*v, &mut *t)
+                    .and_then(|()| o.copy_from(t))
+            });
+            Some(r.map_err(to_py))
+        })
+    }
+
+    /// Runs `f` on the store, claimed, and the key `key` names, for the one-array calls;
+    /// `None` where the store cannot be had at once (another thread holds it, a forked child,
+    /// a closed store), and the general path makes the call.
+    fn one_key(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        f: impl FnOnce(One<'_>) -> Option<PyResult<()>>,
+    ) -> Option<PyResult<()>> {
         if FORKS.load(Ordering::Relaxed) != self.forks {
             return None;
         }
         let mut g = self.inner.try_claim(py)?;
         let State {
             kv,
-            shells: [s0, s1],
+            shells,
             last_key,
             pushes,
             results,
@@ -287,35 +318,13 @@ impl KVStore {
             Ok(k) => k,
             Err(e) => return Some(Err(e)),
         };
-        let mut lv = lend_into(s0, value, false)?;
-        let mut lo = lend_into(s1, out, true)?;
-        let (v, o) = (lv.array()?, lo.array()?);
-        let (vb, ob) = (v.as_bytes().as_ptr_range(), o.as_bytes().as_ptr_range());
-        let shared = vb.start < ob.end && ob.start < vb.end;
-        if shared && o.nbytes() > ASYNC_BYTES {
-            return None;
-        }
-        let bytes = v.nbytes() + o.nbytes();
-        let r = with_gil(py, self.gil(bytes), || {
-            // The key's push in flight first (a second push of a key in one round is refused
-            // in `dist_sync`); its error, if it failed.
-            pushes.settle(kv, key)?;
-            let call = kv.with_priority(priority);
-            match shared {
-                false => call.pushpull(key, &*v, &mut *o),
-                true => {
-                    let t = results
-                        .entry(key.clone())
-                        .or_insert_with(|| NDArray::zeros_dtype(o.shape(), o.dtype()));
-                    if t.shape() != o.shape() || t.dtype() != o.dtype() {
-                        *t = NDArray::zeros_dtype(o.shape(), o.dtype());
-                    }
-                    call.pushpull(key, &*v, &mut *t)
-                        .and_then(|()| o.copy_from(t))
-                }
-            }
-        });
-        Some(r.map_err(to_py))
+        f(One {
+            kv,
+            shells,
+            pushes,
+            results,
+            key,
+        })
     }
 
     /// Pulls into lent outputs, key by key where keys share an output (the last key's value is
@@ -345,6 +354,15 @@ impl KVStore {
                 .pull(Keys::Many(k.keys), Outputs::Nested(o))
         })
     }
+}
+
+/// The claimed store's parts a one-array call uses, and its key.
+struct One<'a> {
+    kv: &'a mut kvstore::KVStore,
+    shells: &'a mut [Option<crate::shell::Shell>; 2],
+    pushes: &'a mut Pushes,
+    results: &'a mut rustc_hash::FxHashMap<Key, NDArray>,
+    key: &'a Key,
 }
 
 /// The key `key` names, read once for a loop over the same key object where that is an `int`

@@ -55,17 +55,27 @@ impl Pushes {
         priority: i32,
     ) -> kvstore::Result<()> {
         self.settle(kv, key)?;
-        let s = self
-            .staging
-            .entry(key.clone())
-            .or_insert_with(|| NDArray::zeros_dtype(value.shape(), value.dtype()));
-        if s.shape() != value.shape() || s.dtype() != value.dtype() {
-            *s = NDArray::zeros_dtype(value.shape(), value.dtype());
-        }
+        let s = array_like(&mut self.staging, key, value);
         // The previous push of the key is over, so no call holds this array: no copy on write.
         s.as_bytes_mut().copy_from_slice(value.as_bytes());
         let p = kv.with_priority(priority).push_async(key.clone(), &*s)?;
         self.inflight.insert(key.clone(), p);
         Ok(())
     }
+}
+
+/// `key`'s array in `arrays`, of `like`'s shape and dtype: the one kept since an earlier call,
+/// or a new one (zeroed) in its place.
+pub(crate) fn array_like<'m>(
+    arrays: &'m mut FxHashMap<Key, NDArray>,
+    key: &Key,
+    like: &NDArray,
+) -> &'m mut NDArray {
+    let a = arrays
+        .entry(key.clone())
+        .or_insert_with(|| NDArray::zeros_dtype(like.shape(), like.dtype()));
+    if a.shape() != like.shape() || a.dtype() != like.dtype() {
+        *a = NDArray::zeros_dtype(like.shape(), like.dtype());
+    }
+    a
 }
