@@ -1,18 +1,19 @@
 //! Built-in optimizers that run where the updater runs (in the store, or on the servers).
 //!
-//! They follow MXNet's update rules (`sgd_update`, `sgd_mom_update`, `nag_mom_update`,
+//! They follow MXNet 1.9's update rules (`sgd_update`, `sgd_mom_update`, `nag_mom_update`,
 //! `adam_update` with the bias-corrected learning rate of its Python `Adam`, its Python
-//! `AdaGrad`'s dense update, `rmsprop_update`), element-wise, so
-//! they apply unchanged to the slice of a big tensor that one server holds. Where the weight
-//! and the gradient are on a GPU (feature `cuda`), SGD's and Adam's updates run there, with the
-//! state in that GPU's memory, and give the host's results bit for bit (NAG, AdaGrad and
-//! RMSProp have no GPU kernel: on GPU arrays they run on the host, through the arrays' mirrors).
+//! `AdaGrad`'s dense update, `rmsprop_update`, its Python `AdaDelta` and `Adamax`,
+//! `signum_update` and `signsgd_update`, `ftrl_update`), element-wise, so they apply unchanged
+//! to the slice of a big tensor that one server holds. Where the weight and the gradient are
+//! on a GPU (feature `cuda`), SGD's and Adam's updates run there, with the state in that GPU's
+//! memory, and give the host's results bit for bit (the others have no GPU kernel: on GPU
+//! arrays they run on the host, through the arrays' mirrors).
 
 use rustc_hash::FxHashMap;
 
 use crate::dtype::with_dtype;
 use crate::{DType, Device, Key, KvError, NDArray, Result};
-use rules::{adam_lr, update_typed};
+use rules::{adam_lr, adamax_lr, update_typed};
 
 /// An optimizer and its hyper-parameters. More may come: a `match` on it needs a `_` arm.
 #[derive(Clone, Debug, PartialEq)]
@@ -94,145 +95,72 @@ pub enum Optimizer {
         /// Clip the updated weight to `[-c, c]`; 0 or less for no clipping.
         clip_weights: f64,
     },
-}
-
-impl Optimizer {
-    /// Plain SGD with learning rate `lr`.
-    pub fn sgd(lr: f64) -> Optimizer {
-        Optimizer::Sgd {
-            lr,
-            momentum: 0.0,
-            wd: 0.0,
-            rescale_grad: 1.0,
-            clip_gradient: 0.0,
-        }
-    }
-
-    /// Nesterov accelerated gradient with learning rate `lr` (momentum 0 until set: plain
-    /// SGD, as MXNet's `NAG`).
-    pub fn nag(lr: f64) -> Optimizer {
-        Optimizer::Nag {
-            lr,
-            momentum: 0.0,
-            wd: 0.0,
-            rescale_grad: 1.0,
-            clip_gradient: 0.0,
-        }
-    }
-
-    /// Adam with MXNet's default betas and epsilon.
-    pub fn adam(lr: f64) -> Optimizer {
-        Optimizer::Adam {
-            lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            epsilon: 1e-8,
-            wd: 0.0,
-            rescale_grad: 1.0,
-            clip_gradient: 0.0,
-        }
-    }
-
-    /// AdaGrad with MXNet's default epsilon (1e-7).
-    pub fn adagrad(lr: f64) -> Optimizer {
-        Optimizer::AdaGrad {
-            lr,
-            epsilon: 1e-7,
-            wd: 0.0,
-            rescale_grad: 1.0,
-            clip_gradient: 0.0,
-        }
-    }
-
-    /// RMSProp (not centered) with MXNet's defaults: `gamma1` 0.9, epsilon 1e-8, no weight
-    /// clipping.
-    pub fn rmsprop(lr: f64) -> Optimizer {
-        Optimizer::RmsProp {
-            lr,
-            gamma1: 0.9,
-            epsilon: 1e-8,
-            wd: 0.0,
-            rescale_grad: 1.0,
-            clip_gradient: 0.0,
-            clip_weights: 0.0,
-        }
-    }
-
-    /// Sets the learning rate.
-    pub fn lr(mut self, value: f64) -> Optimizer {
-        *self.common().lr = value;
-        self
-    }
-
-    /// Sets SGD's or NAG's momentum (no effect on the others).
-    pub fn momentum(mut self, value: f64) -> Optimizer {
-        if let Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. } = &mut self {
-            *momentum = value;
-        }
-        self
-    }
-
-    /// Sets the weight decay.
-    pub fn wd(mut self, value: f64) -> Optimizer {
-        *self.common().wd = value;
-        self
-    }
-
-    /// Sets the factor applied to gradients first (e.g. 1/batch size).
-    pub fn rescale_grad(mut self, value: f64) -> Optimizer {
-        *self.common().rescale_grad = value;
-        self
-    }
-
-    /// Clips rescaled gradients to `[-value, value]` (0 or less: no clipping).
-    pub fn clip_gradient(mut self, value: f64) -> Optimizer {
-        *self.common().clip_gradient = value;
-        self
-    }
-
-    /// Sets Adam's first-moment decay (no effect on the others).
-    pub fn beta1(mut self, value: f64) -> Optimizer {
-        if let Optimizer::Adam { beta1, .. } = &mut self {
-            *beta1 = value;
-        }
-        self
-    }
-
-    /// Sets Adam's second-moment decay (no effect on the others).
-    pub fn beta2(mut self, value: f64) -> Optimizer {
-        if let Optimizer::Adam { beta2, .. } = &mut self {
-            *beta2 = value;
-        }
-        self
-    }
-
-    /// Sets Adam's, AdaGrad's or RMSProp's epsilon (no effect on SGD or NAG).
-    pub fn epsilon(mut self, value: f64) -> Optimizer {
-        if let Optimizer::Adam { epsilon, .. }
-        | Optimizer::AdaGrad { epsilon, .. }
-        | Optimizer::RmsProp { epsilon, .. } = &mut self
-        {
-            *epsilon = value;
-        }
-        self
-    }
-
-    /// Sets RMSProp's decay of the average of squared gradients (no effect on the others).
-    pub fn gamma1(mut self, value: f64) -> Optimizer {
-        if let Optimizer::RmsProp { gamma1, .. } = &mut self {
-            *gamma1 = value;
-        }
-        self
-    }
-
-    /// Clips RMSProp's updated weights to `[-value, value]` (0 or less: no clipping; no
-    /// effect on the others).
-    pub fn clip_weights(mut self, value: f64) -> Optimizer {
-        if let Optimizer::RmsProp { clip_weights, .. } = &mut self {
-            *clip_weights = value;
-        }
-        self
-    }
+    /// AdaDelta, Zeiler's (MXNet's `AdaDelta`): each step scaled by the ratio of the roots
+    /// of two moving averages, of squared steps and of squared gradients. Its rule has no
+    /// learning rate.
+    AdaDelta {
+        /// Learning rate: kept, as MXNet's optimizer keeps it, but not used by the rule.
+        lr: f64,
+        /// Decay of both moving averages.
+        rho: f64,
+        /// Added to both averages under the roots.
+        epsilon: f64,
+        /// Weight decay (added to the step, as MXNet's AdaDelta does).
+        wd: f64,
+        /// Factor applied to the gradient first.
+        rescale_grad: f64,
+        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
+    },
+    /// Adamax (MXNet's `Adamax`): Adam with the infinity norm in place of the second moment,
+    /// and the first moment's bias correction.
+    Adamax {
+        /// Learning rate.
+        lr: f64,
+        /// Decay of the first moment.
+        beta1: f64,
+        /// Decay of the infinity norm.
+        beta2: f64,
+        /// Weight decay (joins the gradient before the clip).
+        wd: f64,
+        /// Factor applied to the gradient first.
+        rescale_grad: f64,
+        /// Clip the gradient (weight decay included) to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
+    },
+    /// Signum, Bernstein et al.'s (MXNet's `Signum`, its `signum_update`): the weight moves by
+    /// the learning rate against the sign of a momentum; without momentum, signSGD
+    /// (`signsgd_update`: the sign of the gradient itself).
+    Signum {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum (0 for signSGD).
+        momentum: f64,
+        /// Weight decay (in the momentum; in signSGD, the weight's decay).
+        wd: f64,
+        /// Factor applied to the gradient first (not in signSGD, whose sign it cannot change).
+        rescale_grad: f64,
+        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
+        /// Decoupled weight decay (Loshchilov and Hutter's), outside the momentum.
+        wd_lh: f64,
+    },
+    /// FTRL-proximal, McMahan et al.'s (MXNet's `Ftrl`, its `ftrl_update`): L1 and L2
+    /// regularised, with per-coordinate rates.
+    Ftrl {
+        /// Learning rate.
+        lr: f64,
+        /// L1 regularisation.
+        lamda1: f64,
+        /// Per-coordinate learning rate's offset.
+        beta: f64,
+        /// Weight decay (L2 regularisation).
+        wd: f64,
+        /// Factor applied to the gradient first.
+        rescale_grad: f64,
+        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
+    },
 }
 
 /// Per-key state of an optimizer: the moments (f64, where the weight is updated: in host
@@ -418,7 +346,20 @@ impl OptimizerUpdater {
                 place(&mut st.v, n, device)?;
                 lr_t = adam_lr(lr, beta1, beta2, st.t);
             }
-            Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } => place(&mut st.m, n, device)?,
+            Optimizer::Adamax { lr, beta1, .. } => {
+                place(&mut st.m, n, device)?;
+                place(&mut st.v, n, device)?;
+                lr_t = adamax_lr(lr, beta1, st.t);
+            }
+            // MXNet's Signum keeps a momentum where it is not 0 (signSGD keeps none).
+            Optimizer::Signum { momentum: 0.0, .. } => {}
+            Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } | Optimizer::Signum { .. } => {
+                place(&mut st.m, n, device)?
+            }
+            Optimizer::AdaDelta { .. } | Optimizer::Ftrl { .. } => {
+                place(&mut st.m, n, device)?;
+                place(&mut st.v, n, device)?;
+            }
         }
         #[cfg(feature = "cuda")]
         if on_gpu {
@@ -485,6 +426,34 @@ impl Optimizer {
                 rescale_grad,
                 clip_gradient,
                 ..
+            }
+            | Optimizer::AdaDelta {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Adamax {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Signum {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Ftrl {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
             } => Common {
                 lr,
                 wd,
@@ -502,6 +471,10 @@ impl Optimizer {
             Optimizer::Adam { .. } => "adam",
             Optimizer::AdaGrad { .. } => "adagrad",
             Optimizer::RmsProp { .. } => "rmsprop",
+            Optimizer::AdaDelta { .. } => "adadelta",
+            Optimizer::Adamax { .. } => "adamax",
+            Optimizer::Signum { .. } => "signum",
+            Optimizer::Ftrl { .. } => "ftrl",
         }
     }
 }
@@ -537,6 +510,7 @@ impl<'a> Reader<'a> {
     }
 }
 
+mod build;
 mod mults;
 mod rules;
 mod schedule;

@@ -98,7 +98,7 @@ fn encoding_round_trips_and_rejects_garbage() {
     ] {
         assert_eq!(Optimizer::decode(&o.encode()).unwrap(), o);
     }
-    assert!(Optimizer::decode(&[9.0; 8]).is_err());
+    assert!(Optimizer::decode(&[99.0; 8]).is_err());
     assert!(Optimizer::decode(&[1.0; 3]).is_err());
     assert!(Optimizer::decode(&[1.0, f64::NAN, 0., 0., 0., 0., 0., 0.]).is_err());
 }

@@ -191,7 +191,7 @@ pub(crate) fn step(
             // f64 each (their sizes checked above), all on this device.
             unsafe { launch.launch(cfg) }.map_err(fail)?;
         }
-        Optimizer::Nag { .. } | Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } => {
+        _ => {
             return Err(KvError::Unsupported(format!(
                 "gpu({ordinal}): {} has no GPU update (its update runs on the host)",
                 opt.name()

@@ -1,6 +1,7 @@
 //! The update rules on the host, element by element in f64 and rounded once into the
 //! weight's dtype: MXNet's `sgd_update`, `sgd_mom_update`, `nag_mom_update`, `adam_update`,
-//! its Python `AdaGrad`'s dense update and `rmsprop_update`.
+//! its Python `AdaGrad`'s dense update, `rmsprop_update`, its Python `AdaDelta` and `Adamax`,
+//! `signum_update`, `signsgd_update` and `ftrl_update` (MXNet 1.9).
 
 use super::Optimizer;
 use crate::Element;
@@ -19,6 +20,17 @@ fn prep(g: f64, rescale: f64, clip: f64) -> f64 {
 pub(super) fn adam_lr(lr: f64, beta1: f64, beta2: f64, t: u64) -> f64 {
     let t = t as f64;
     lr * ((1.0 - beta2.powf(t)).sqrt() / (1.0 - beta1.powf(t)))
+}
+
+/// Adamax's bias-corrected learning rate at step `t` (from 1), as MXNet's Python `Adamax`:
+/// `lr / (1 - beta1^t)`.
+pub(super) fn adamax_lr(lr: f64, beta1: f64, t: u64) -> f64 {
+    lr / (1.0 - beta1.powf(t as f64))
+}
+
+/// The sign, as MXNet's kernels take it: 1, -1, or 0 (for 0 and NaN).
+fn sign(x: f64) -> f64 {
+    f64::from(u8::from(x > 0.0)) - f64::from(u8::from(x < 0.0))
 }
 
 /// One step on the host: `m` and `v` hold the weight's size of moments where `opt` uses them.
@@ -138,5 +150,101 @@ pub(super) fn update_typed<T: Element>(
                 });
             }
         }
+        Optimizer::AdaDelta {
+            rho,
+            epsilon,
+            wd,
+            rescale_grad,
+            clip_gradient,
+            ..
+        } => {
+            // MXNet's AdaDelta.update, in its order (its code, not its docstring: weight decay
+            // is added to the step, not to the gradient).
+            for ((w, g), (acc_g, acc_d)) in weight
+                .iter_mut()
+                .zip(grad)
+                .zip(m.iter_mut().zip(v.iter_mut()))
+            {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64(), rescale_grad, clip_gradient);
+                *acc_g = *acc_g * rho + (1.0 - rho) * g * g;
+                let delta = (*acc_d + epsilon).sqrt() / (*acc_g + epsilon).sqrt() * g;
+                *acc_d = *acc_d * rho + (1.0 - rho) * delta * delta;
+                *w = T::from_f64(wf - (delta + wd * wf));
+            }
+        }
+        Optimizer::Adamax {
+            beta1,
+            beta2,
+            wd,
+            rescale_grad,
+            clip_gradient,
+            ..
+        } => {
+            // MXNet's Adamax.update: weight decay joins the gradient before the clip.
+            for ((w, g), (m, u)) in weight
+                .iter_mut()
+                .zip(grad)
+                .zip(m.iter_mut().zip(v.iter_mut()))
+            {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
+                *m = *m * beta1 + (1.0 - beta1) * g;
+                *u = (beta2 * *u).max(g.abs());
+                *w = T::from_f64(wf - lr_t * *m / *u);
+            }
+        }
+        Optimizer::Signum {
+            lr,
+            momentum,
+            wd,
+            rescale_grad,
+            clip_gradient,
+            wd_lh,
+        } => {
+            if momentum == 0.0 {
+                // signsgd_update: neither the rescale nor the clip (nor wd_lh) applies.
+                for (w, g) in weight.iter_mut().zip(grad) {
+                    let wf = w.to_f64();
+                    *w = T::from_f64((1.0 - lr * wd) * wf - lr * sign(g.to_f64()));
+                }
+            } else {
+                // signum_update; MXNet's Signum passes a negative momentum on as none (the
+                // kernel's default, 0), keeping the state it made.
+                let mom = momentum.max(0.0);
+                for ((w, g), s) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
+                    let wf = w.to_f64();
+                    let g = prep(g.to_f64(), rescale_grad, clip_gradient);
+                    *s = mom * *s - (1.0 - mom) * wd * wf - (1.0 - mom) * g;
+                    *w = T::from_f64((1.0 - lr * wd_lh) * wf + lr * sign(*s));
+                }
+            }
+        }
+        Optimizer::Ftrl {
+            lr,
+            lamda1,
+            beta,
+            wd,
+            rescale_grad,
+            clip_gradient,
+        } => {
+            // FtrlUpdateKernel, in its order: `z` is `m`, `n` is `v`.
+            for ((w, g), (z, n)) in weight
+                .iter_mut()
+                .zip(grad)
+                .zip(m.iter_mut().zip(v.iter_mut()))
+            {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64(), rescale_grad, clip_gradient);
+                *z += g - ((*n + g * g).sqrt() - n.sqrt()) * wf / lr;
+                *n += g * g;
+                let kept = if z.abs() > lamda1 { 1.0 } else { 0.0 };
+                *w = T::from_f64((sign(*z) * lamda1 - *z) / ((beta + n.sqrt()) / lr + wd) * kept);
+            }
+        }
     }
 }
+
+#[cfg(test)]
+#[path = "rules_tests.rs"]
+mod tests;

@@ -1,0 +1,224 @@
+//! AdaDelta, Adamax, Signum and FTRL against MXNet 1.9's rules, restated for float64 weights
+//! in the order MXNet computes them, so that the values agree exactly.
+
+use crate::{Key, NDArray, Optimizer, OptimizerUpdater};
+
+const W0: [f64; 4] = [1.0, -2.0, 0.5, 0.0];
+
+/// Step `step`'s gradient: of both signs, some clipped, one zero at the first step.
+fn grads(step: usize) -> [f64; 4] {
+    let s = step as f64;
+    [3.0 - s, -0.4 * s, 1.0, 0.25 - 0.5 * s]
+}
+
+/// Runs `steps` updates of `opt` on [`W0`] and checks each against `want`, which takes the
+/// step's gradient and the expected weights so far (updated in place).
+fn check(opt: Optimizer, steps: usize, mut want: impl FnMut(usize, &[f64; 4], &mut [f64; 4])) {
+    let mut u = OptimizerUpdater::new(opt.clone());
+    let mut w = NDArray::from_vec(&[4], W0.to_vec()).unwrap();
+    let mut expect = W0;
+    for step in 0..steps {
+        let g = grads(step);
+        u.update(
+            &Key::Int(0),
+            &NDArray::from_vec(&[4], g.to_vec()).unwrap(),
+            &mut w,
+        )
+        .unwrap();
+        want(step, &g, &mut expect);
+        assert_eq!(
+            w.to_vec::<f64>().unwrap(),
+            expect,
+            "{} step {step}",
+            opt.name()
+        );
+    }
+    // The parameters cross the wire unchanged, and the state saved goes on exactly in
+    // another updater of the same kind.
+    assert_eq!(Optimizer::decode(&opt.encode()).unwrap(), opt);
+    let mut back = OptimizerUpdater::new(opt.clone().lr(123.0));
+    assert!(back.load_states(&u.save_states_and_optimizer()).unwrap());
+    let g = NDArray::from_vec(&[4], vec![0.5f64, -0.5, 2.0, -3.0]).unwrap();
+    let mut w2 = w.clone();
+    u.update(&Key::Int(0), &g, &mut w).unwrap();
+    back.update(&Key::Int(0), &g, &mut w2).unwrap();
+    assert_eq!(w.to_vec::<f64>().unwrap(), w2.to_vec::<f64>().unwrap());
+    let other = if opt.name() == "ftrl" {
+        Optimizer::adamax(0.1)
+    } else {
+        Optimizer::ftrl(0.1)
+    };
+    assert!(OptimizerUpdater::new(other)
+        .load_states(&u.save_states())
+        .is_err());
+}
+
+fn sign(x: f64) -> f64 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        0.0
+    }
+}
+
+#[test]
+fn adadelta_steps_as_mxnets_adadelta() {
+    // AdaDelta.update: the gradient rescaled and clipped (no weight decay in it); both
+    // averages decay by rho; the weight moves by the step plus wd times itself.
+    let (rho, eps, wd, rescale, clip) = (0.8, 1e-4, 0.01, 0.5, 0.9);
+    let opt = Optimizer::adadelta()
+        .rho(rho)
+        .epsilon(eps)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip);
+    let (mut acc_g, mut acc_d) = ([0.0f64; 4], [0.0f64; 4]);
+    check(opt, 4, |_, g, w| {
+        for i in 0..4 {
+            let cg = (g[i] * rescale).clamp(-clip, clip);
+            acc_g[i] = acc_g[i] * rho + (1.0 - rho) * cg * cg;
+            let delta = (acc_d[i] + eps).sqrt() / (acc_g[i] + eps).sqrt() * cg;
+            acc_d[i] = acc_d[i] * rho + (1.0 - rho) * delta * delta;
+            w[i] -= delta + wd * w[i];
+        }
+    });
+    assert_eq!(
+        Optimizer::adadelta(),
+        Optimizer::AdaDelta {
+            lr: 0.01,
+            rho: 0.9,
+            epsilon: 1e-5,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: 0.0
+        }
+    );
+}
+
+#[test]
+fn adamax_steps_as_mxnets_adamax() {
+    // Adamax.update: weight decay joins the rescaled gradient before the clip; the infinity
+    // norm is the larger of its decayed self and the gradient's size; the rate is divided
+    // by 1 - beta1^t.
+    let (lr, b1, b2, wd, rescale, clip) = (0.1, 0.8, 0.9, 0.02, 0.5, 1.2);
+    let opt = Optimizer::adamax(lr)
+        .beta1(b1)
+        .beta2(b2)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip);
+    let (mut m, mut u) = ([0.0f64; 4], [0.0f64; 4]);
+    check(opt, 4, |step, g, w| {
+        let lr_t = lr / (1.0 - b1.powf((step + 1) as f64));
+        for i in 0..4 {
+            let cg = (g[i] * rescale + wd * w[i]).clamp(-clip, clip);
+            m[i] = m[i] * b1 + (1.0 - b1) * cg;
+            u[i] = (b2 * u[i]).max(cg.abs());
+            w[i] -= lr_t * m[i] / u[i];
+        }
+    });
+}
+
+#[test]
+fn signum_steps_as_mxnets_signum_update_and_signsgd_update() {
+    // signum_update: the momentum takes the rescaled, clipped gradient and the weight decay,
+    // negated; the weight decays by lr * wd_lh and moves by lr along the momentum's sign.
+    let (lr, mom, wd, rescale, clip, wd_lh) = (0.1, 0.7, 0.05, 0.5, 1.0, 0.2);
+    let opt = Optimizer::signum(lr)
+        .momentum(mom)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip)
+        .wd_lh(wd_lh);
+    let mut s = [0.0f64; 4];
+    check(opt, 4, |_, g, w| {
+        for i in 0..4 {
+            let cg = (rescale * g[i]).clamp(-clip, clip);
+            s[i] = mom * s[i] - (1.0 - mom) * wd * w[i] - (1.0 - mom) * cg;
+            w[i] = (1.0 - lr * wd_lh) * w[i] + lr * sign(s[i]);
+        }
+    });
+    // Without momentum, signsgd_update: the gradient's own sign (a zero gradient moves
+    // nothing but the decay), and wd as the weight's decay.
+    let opt = Optimizer::signum(lr)
+        .momentum(0.0)
+        .wd(wd)
+        .rescale_grad(-3.0)
+        .clip_gradient(0.1)
+        .wd_lh(wd_lh);
+    check(opt, 3, |_, g, w| {
+        for i in 0..4 {
+            w[i] = (1.0 - lr * wd) * w[i] - lr * sign(g[i]);
+        }
+    });
+    // A negative momentum is none in the kernel, whose state is still kept: each step's
+    // sign is the negated gradient's (and weight decay's).
+    let opt = Optimizer::signum(lr).momentum(-0.9).wd(wd).wd_lh(wd_lh);
+    check(opt, 3, |_, g, w| {
+        for i in 0..4 {
+            let s = -wd * w[i] - g[i];
+            w[i] = (1.0 - lr * wd_lh) * w[i] + lr * sign(s);
+        }
+    });
+}
+
+#[test]
+fn ftrl_steps_as_mxnets_ftrl_update() {
+    // FtrlUpdateKernel: z and n accumulate; a weight is 0 while |z| is at most lamda1.
+    let (lr, l1, beta, wd, rescale, clip) = (0.2, 0.3, 1.5, 0.01, 0.5, 1.2);
+    let opt = Optimizer::ftrl(lr)
+        .lamda1(l1)
+        .beta(beta)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip);
+    let (mut z, mut n) = ([0.0f64; 4], [0.0f64; 4]);
+    let mut zeroed = 0;
+    check(opt, 4, |_, g, w| {
+        for i in 0..4 {
+            let cg = (g[i] * rescale).clamp(-clip, clip);
+            z[i] += cg - ((n[i] + cg * cg).sqrt() - n[i].sqrt()) * w[i] / lr;
+            n[i] += cg * cg;
+            w[i] = if z[i].abs() > l1 {
+                (sign(z[i]) * l1 - z[i]) / ((beta + n[i].sqrt()) / lr + wd)
+            } else {
+                zeroed += 1;
+                0.0
+            };
+        }
+    });
+    // The L1 term zeroed some weights: the test covers both branches.
+    assert!(zeroed > 0 && zeroed < 16, "{zeroed}");
+}
+
+#[test]
+fn the_new_optimizers_take_a_keys_multipliers_and_refuse_a_fractional_kind() {
+    for base in [
+        Optimizer::adadelta(),
+        Optimizer::adamax(0.1),
+        Optimizer::signum(0.1),
+        Optimizer::ftrl(0.1),
+    ] {
+        // A key's lr_mult of 2 and wd_mult of 0 are the optimizer with lr * 2 and no decay.
+        let base = base.wd(0.1);
+        let lr = base.learning_rate();
+        let mut m = OptimizerUpdater::new(base.clone().lr_mult(7, 2.0).wd_mult(7, 0.0));
+        let mut plain = OptimizerUpdater::new(base.lr(lr * 2.0).wd(0.0));
+        let g = NDArray::from_vec(&[2], vec![0.5f64, -1.5]).unwrap();
+        let (mut a, mut b) = (
+            NDArray::from_vec(&[2], vec![1.0f64, 2.0]).unwrap(),
+            NDArray::from_vec(&[2], vec![1.0f64, 2.0]).unwrap(),
+        );
+        for _ in 0..2 {
+            m.update(&Key::Int(7), &g, &mut a).unwrap();
+            plain.update(&Key::Int(7), &g, &mut b).unwrap();
+        }
+        assert_eq!(a.to_vec::<f64>().unwrap(), b.to_vec::<f64>().unwrap());
+    }
+    let mut words = Optimizer::ftrl(0.1).encode();
+    words[0] = 8.5;
+    assert!(Optimizer::decode(&words).is_err());
+    assert_eq!(Optimizer::ftrl(1.0).name(), "ftrl");
+}
