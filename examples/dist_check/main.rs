@@ -311,7 +311,8 @@ fn optimizers(kv: &mut KVStore) {
         &pulled(kv, 16, &[600], DType::F32),
         &pulled(&mut reference, 16, &[600], DType::F32).to_f64_vec(),
     );
-    // AdaGrad and RMSProp (some weights clipped) on sliced keys, against the same reference.
+    // AdaGrad, RMSProp (some weights clipped), AdaDelta, Adamax, Signum and FTRL on sliced
+    // keys, against the same reference.
     let others = [
         ("adagrad", Optimizer::adagrad(0.05).wd(0.01), 18),
         (
@@ -319,6 +320,10 @@ fn optimizers(kv: &mut KVStore) {
             Optimizer::rmsprop(0.01).wd(0.01).clip_weights(250.0),
             20,
         ),
+        ("adadelta", Optimizer::adadelta().rho(0.8).wd(0.001), 22),
+        ("adamax", Optimizer::adamax(0.05).wd(0.001), 24),
+        ("signum", Optimizer::signum(0.05).wd_lh(0.01), 26),
+        ("ftrl", Optimizer::ftrl(0.5).lamda1(0.5).wd(0.01), 28),
     ];
     for (name, opt, key) in others {
         let mut reference = create("local").unwrap();
@@ -327,7 +332,9 @@ fn optimizers(kv: &mut KVStore) {
         ok("init", kv.init(key, &bigw));
         ok("ref init", reference.init(key, &bigw));
         for step in 0..3 {
-            let g = |r: usize| NDArray::full(&[600], (r + step) as f64 - 1.0);
+            // Sums exact in any order, and never zero (at any number of workers; Adamax would
+            // divide by it).
+            let g = |r: usize| NDArray::full(&[600], (r + step) as f64 - 0.75);
             ok(name, kv.push(key, &g(kv.rank())));
             let all: Vec<NDArray> = (0..w).map(g).collect();
             ok("ref push", reference.push(key, &all));

@@ -1,8 +1,9 @@
 """The optimizers a store runs as its updater (on the servers of a distributed store), with
 MXNet 1.9's constructors: ``kv.set_optimizer(kvstore.optimizer.SGD(momentum=0.9,
 learning_rate=0.1, wd=1e-4))``. Their update rules are MXNet's ``sgd_update``,
-``sgd_mom_update``, ``nag_mom_update``, ``adam_update``, its ``AdaGrad``'s dense update and
-``rmsprop_update``.
+``sgd_mom_update``, ``nag_mom_update``, ``adam_update``, its ``AdaGrad``'s dense update,
+``rmsprop_update``, its ``AdaDelta``'s and ``Adamax``'s updates, ``signum_update`` and
+``signsgd_update``, and ``ftrl_update``.
 
 As in MXNet, a local store runs the optimizer object it was given: a change to its parameters
 afterwards (``set_learning_rate``, or ``opt.wd = ...``) applies from the next update on, and
@@ -34,13 +35,14 @@ from typing import Any, Dict, Optional, Tuple
 
 from . import lr_scheduler as _schedulers
 
-__all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "create"]
+__all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "AdaDelta", "Adamax",
+           "Signum", "Ftrl", "create"]
 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
-            "epsilon", "float_stable_eps", "gamma1", "centered", "clip_weights", "lr_mult",
-            "wd_mult", "idx2name", "lr_scheduler")
+            "epsilon", "float_stable_eps", "gamma1", "centered", "clip_weights", "rho", "wd_lh",
+            "lamda1", "beta", "lr_mult", "wd_mult", "idx2name", "lr_scheduler")
 _UNSET = object()
 # The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
 _WATCHED = ("lr_mult", "wd_mult", "idx2name")
@@ -369,6 +371,77 @@ class RMSProp(Optimizer):
                 "clip_weights": self.clip_weights}
 
 
+class AdaDelta(Optimizer):
+    """AdaDelta, Zeiler's (MXNet's ``AdaDelta(rho=0.90, epsilon=1e-5, **kwargs)``, its
+    update): ``acc_g = rho * acc_g + (1 - rho) * g * g``; ``delta = sqrt(acc_delta + epsilon)
+    / sqrt(acc_g + epsilon) * g``; ``acc_delta = rho * acc_delta + (1 - rho) * delta * delta``;
+    ``weight -= delta + wd * weight``, ``g`` being the rescaled, clipped gradient. Its rule has
+    no learning rate. Its update runs on the host."""
+
+    name = "adadelta"
+
+    def __init__(self, rho: float = 0.90, epsilon: float = 1e-5, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.rho = float(rho)
+        self.epsilon = float(epsilon)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "rho": self.rho, "epsilon": self.epsilon}
+
+
+class Adamax(Optimizer):
+    """Adamax, Adam with the infinity norm (MXNet's ``Adamax(learning_rate=0.002, beta1=0.9,
+    beta2=0.999, **kwargs)``, its update): ``u = max(beta2 * u, |g|)``, ``weight -= lr / (1 -
+    beta1**t) * m / u``. Its update runs on the host."""
+
+    name = "adamax"
+    _default_lr = 0.002
+
+    def __init__(self, learning_rate: float = 0.002, beta1: float = 0.9, beta2: float = 0.999,
+                 **kwargs: Any) -> None:
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2}
+
+
+class Signum(Optimizer):
+    """Signum, the sign of a momentum (MXNet's ``Signum(learning_rate=0.01, momentum=0.9,
+    wd_lh=0.0, **kwargs)``, its ``signum_update``; with ``momentum=0``, ``signsgd_update``,
+    the sign of the gradient itself). Its update runs on the host."""
+
+    name = "signum"
+
+    def __init__(self, learning_rate: float = 0.01, momentum: float = 0.9, wd_lh: float = 0.0,
+                 **kwargs: Any) -> None:
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.momentum = float(momentum)
+        self.wd_lh = float(wd_lh)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "momentum": self.momentum, "wd_lh": self.wd_lh}
+
+
+class Ftrl(Optimizer):
+    """FTRL-proximal (MXNet's ``Ftrl(lamda1=0.01, learning_rate=0.1, beta=1, **kwargs)``, its
+    ``ftrl_update``). As in MXNet, ``learning_rate`` sets ``lr`` after the common parameters:
+    a scheduler's ``base_lr`` is not replaced by it. Its update runs on the host."""
+
+    name = "ftrl"
+
+    def __init__(self, lamda1: float = 0.01, learning_rate: float = 0.1, beta: float = 1,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lamda1 = float(lamda1)
+        self.beta = float(beta)
+        self.lr = float(learning_rate)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "lamda1": self.lamda1, "beta": self.beta}
+
+
 def _check_centered(centered: Any) -> None:
     if centered:
         raise ValueError("centered RMSProp (Graves's, MXNet's rmspropalex_update) is not "
@@ -391,7 +464,8 @@ def _mults(d: Dict[Any, float]) -> Dict[Any, float]:
 
 def create(name: str, **kwargs: Any) -> Optimizer:
     """An optimizer by MXNet's name: ``create('sgd', learning_rate=0.1)``."""
-    kinds = {"sgd": SGD, "nag": NAG, "adam": Adam, "adagrad": AdaGrad, "rmsprop": RMSProp}
+    kinds = {"sgd": SGD, "nag": NAG, "adam": Adam, "adagrad": AdaGrad, "rmsprop": RMSProp,
+             "adadelta": AdaDelta, "adamax": Adamax, "signum": Signum, "ftrl": Ftrl}
     if name.lower() not in kinds:
         raise ValueError(f"unknown optimizer {name!r}; kvstore runs {sorted(kinds)}")
     return kinds[name.lower()](**kwargs)

@@ -10,7 +10,8 @@ use pyo3::types::PyDict;
 pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
     if !obj.hasattr("_kvstore_spec")? {
         return Err(PyTypeError::new_err(
-            "set_optimizer takes a kvstore.optimizer object (SGD, NAG, Adam, AdaGrad, RMSProp)",
+            "set_optimizer takes a kvstore.optimizer object (SGD, NAG, Adam, AdaGrad, RMSProp, \
+             AdaDelta, Adamax, Signum, Ftrl)",
         ));
     }
     let spec = obj.call_method0("_kvstore_spec")?;
@@ -33,10 +34,23 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
             .gamma1(get("gamma1", 0.9)?)
             .epsilon(get("epsilon", 1e-8)?)
             .clip_weights(get("clip_weights", 0.0)?),
+        "adadelta" => Optimizer::adadelta()
+            .lr(get("learning_rate", 0.01)?)
+            .rho(get("rho", 0.9)?)
+            .epsilon(get("epsilon", 1e-5)?),
+        "adamax" => Optimizer::adamax(get("learning_rate", 0.002)?)
+            .beta1(get("beta1", 0.9)?)
+            .beta2(get("beta2", 0.999)?),
+        "signum" => Optimizer::signum(get("learning_rate", 0.01)?)
+            .momentum(get("momentum", 0.9)?)
+            .wd_lh(get("wd_lh", 0.0)?),
+        "ftrl" => Optimizer::ftrl(get("learning_rate", 0.1)?)
+            .lamda1(get("lamda1", 0.01)?)
+            .beta(get("beta", 1.0)?),
         other => {
             return Err(PyValueError::new_err(format!(
                 "optimizer {other:?} does not run in the store; it runs sgd, nag, adam, \
-                 adagrad and rmsprop"
+                 adagrad, rmsprop, adadelta, adamax, signum and ftrl"
             )))
         }
     };

@@ -277,7 +277,7 @@ def test_optimizers_match_mxnet_rules():
     with pytest.raises(TypeError, match="unexpected"):
         opt.Adam(betta1=0.5)
     with pytest.raises(ValueError):
-        opt.create("adadelta")
+        opt.create("lamb")
     assert opt.SGD().learning_rate == 0.01 and opt.Adam().lr == 0.001
 
 

@@ -1,0 +1,137 @@
+"""AdaDelta, Adamax, Signum and Ftrl: MXNet 1.9's constructors, and their updates restated in
+numpy (float64, in MXNet's order, so that the values agree exactly) against what a store
+running them gives; the same on float32 weights within float32's rounding."""
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import optimizer as opt
+
+W0 = np.array([1.0, -2.0, 0.5, 0.0])
+GRADS = [np.array([3.0 - s, -0.4 * s, 1.0, 0.25 - 0.5 * s]) for s in range(4)]
+LR, WD, RESCALE, CLIP = 0.1, 0.02, 0.5, 0.9
+
+
+def _adadelta(rho, eps):
+    acc_g, acc_d = np.zeros(4), np.zeros(4)
+
+    def step(t, w, g):
+        g = np.clip(g * RESCALE, -CLIP, CLIP)
+        acc_g[:] = acc_g * rho + (1 - rho) * g * g
+        delta = np.sqrt(acc_d + eps) / np.sqrt(acc_g + eps) * g
+        acc_d[:] = acc_d * rho + (1 - rho) * delta * delta
+        return w - (delta + WD * w)
+    return step
+
+
+def _adamax(b1, b2):
+    m, u = np.zeros(4), np.zeros(4)
+
+    def step(t, w, g):
+        lr = LR / (1.0 - b1 ** t)
+        g = np.clip(g * RESCALE + WD * w, -CLIP, CLIP)
+        m[:] = m * b1 + (1 - b1) * g
+        u[:] = np.maximum(b2 * u, np.abs(g))
+        return w - lr * m / u
+    return step
+
+
+def _signum(mom, wd_lh):
+    s = np.zeros(4)
+
+    def step(t, w, g):
+        if mom == 0:
+            return (1 - LR * WD) * w - LR * np.sign(g)
+        g = np.clip(RESCALE * g, -CLIP, CLIP)
+        s[:] = mom * s - (1 - mom) * WD * w - (1 - mom) * g
+        return (1 - LR * wd_lh) * w + LR * np.sign(s)
+    return step
+
+
+class _ftrl:
+    def __init__(self, l1, beta):
+        self.l1, self.beta = l1, beta
+        self.z, self.n = np.zeros(4), np.zeros(4)
+
+    def __call__(self, t, w, g):
+        z, n, l1 = self.z, self.n, self.l1
+        g = np.clip(g * RESCALE, -CLIP, CLIP)
+        z[:] = z + (g - (np.sqrt(n + g * g) - np.sqrt(n)) * w / LR)
+        n[:] = n + g * g
+        return np.where(np.abs(z) > l1,
+                        (np.sign(z) * l1 - z) / ((self.beta + np.sqrt(n)) / LR + WD), 0.0)
+
+
+CASES = [
+    ("adadelta", dict(rho=0.8, epsilon=1e-4), lambda: _adadelta(0.8, 1e-4)),
+    ("adamax", dict(learning_rate=LR, beta1=0.8, beta2=0.9), lambda: _adamax(0.8, 0.9)),
+    ("signum", dict(learning_rate=LR, momentum=0.7, wd_lh=0.2), lambda: _signum(0.7, 0.2)),
+    ("signum", dict(learning_rate=LR, momentum=0.0), lambda: _signum(0.0, 0.0)),
+    ("ftrl", dict(learning_rate=LR, lamda1=0.3, beta=1.5), lambda: _ftrl(0.3, 1.5)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,rule", CASES)
+def test_updates_are_mxnet_s(name, kwargs, rule):
+    o = opt.create(name, wd=WD, rescale_grad=RESCALE, clip_gradient=CLIP, **kwargs)
+    assert o.name == name
+    kv = kvstore.create()
+    kv.init(0, W0)
+    kv.init(1, W0.astype(np.float32))
+    kv.set_optimizer(o)
+    step64, step32 = rule(), rule()
+    want64, want32 = W0.copy(), W0.copy()
+    out64, out32 = np.zeros(4), np.zeros(4, dtype=np.float32)
+    for t, g in enumerate(GRADS, 1):
+        kv.push([0, 1], [g, g.astype(np.float32)])
+        want64, want32 = step64(t, want64, g), step32(t, want32, g.astype(np.float32))
+        kv.pull([0, 1], out=[out64, out32])
+        np.testing.assert_array_equal(out64, want64)
+        np.testing.assert_allclose(out32, want32, rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(out64, W0)
+
+
+def test_ftrl_zeroes_small_weights_and_a_change_applies_from_the_next_update():
+    kv = kvstore.create()
+    kv.init(0, W0)
+    o = opt.Ftrl(lamda1=0.3, learning_rate=LR, beta=1.5, wd=WD, rescale_grad=RESCALE,
+                 clip_gradient=CLIP)
+    kv.set_optimizer(o)
+    step, want, out = _ftrl(0.3, 1.5), W0.copy(), np.zeros(4)
+    kv.push(0, GRADS[0])
+    want = step(1, want, GRADS[0])
+    kv.pull(0, out=out)
+    np.testing.assert_array_equal(out, want)
+    assert (out == 0).any() and (out != 0).any()
+    # A local store runs the object: lamda1 changed applies from the next update on, the
+    # state kept.
+    o.lamda1 = 0.01
+    step.l1 = 0.01
+    kv.push(0, GRADS[1])
+    want = step(2, want, GRADS[1])
+    kv.pull(0, out=out)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_constructors_are_mxnet_s():
+    a = opt.AdaDelta()
+    assert (a.rho, a.epsilon, a.lr) == (0.9, 1e-5, 0.01)
+    m = opt.Adamax()
+    assert (m.lr, m.beta1, m.beta2) == (0.002, 0.9, 0.999)
+    s = opt.Signum()
+    assert (s.lr, s.momentum, s.wd_lh) == (0.01, 0.9, 0.0)
+    f = opt.Ftrl()
+    assert (f.lamda1, f.lr, f.beta) == (0.01, 0.1, 1.0)
+    assert opt.Ftrl(0.5, 0.2, 2).lamda1 == 0.5 and opt.Ftrl(0.5, 0.2, 2).beta == 2.0
+    # As MXNet's Ftrl: learning_rate does not replace a scheduler's base_lr.
+    sched = kvstore.lr_scheduler.FactorScheduler(step=10, factor=0.5, base_lr=0.3)
+    with_sched = opt.Ftrl(learning_rate=0.2, lr_scheduler=sched)
+    assert sched.base_lr == 0.3 and with_sched.learning_rate == 0.3
+    for o in (a, m, s, f):
+        assert isinstance(opt.create(o.name), type(o))
+        assert repr(o).startswith(type(o).__name__ + "(")
+    with pytest.raises(TypeError):
+        opt.Signum(momentumm=0.5)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        opt.create("nadam")
