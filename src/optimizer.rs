@@ -78,13 +78,34 @@ pub enum Optimizer {
         clip_gradient: f64,
     },
     /// RMSProp, Tieleman and Hinton's (MXNet's `RMSProp` with `centered=False`, its
-    /// `rmsprop_update`). Graves's centered version is not provided.
+    /// `rmsprop_update`); Graves's centered version is [`Optimizer::RmsPropCentered`].
     RmsProp {
         /// Learning rate.
         lr: f64,
         /// Decay of the moving average of squared gradients.
         gamma1: f64,
         /// Added to the average under the root.
+        epsilon: f64,
+        /// Weight decay (joins the gradient before the clip).
+        wd: f64,
+        /// Factor applied to the gradient first.
+        rescale_grad: f64,
+        /// Clip the gradient (weight decay included) to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
+        /// Clip the updated weight to `[-c, c]`; 0 or less for no clipping.
+        clip_weights: f64,
+    },
+    /// RMSProp, Graves's centered version (MXNet's `RMSProp` with `centered=True`, its
+    /// `rmspropalex_update`): the squared gradients' average less the square of the
+    /// gradients' average under the root, and a momentum of the steps.
+    RmsPropCentered {
+        /// Learning rate.
+        lr: f64,
+        /// Decay of the moving averages of gradients and of squared gradients.
+        gamma1: f64,
+        /// Momentum of the steps.
+        gamma2: f64,
+        /// Added under the root.
         epsilon: f64,
         /// Weight decay (joins the gradient before the clip).
         wd: f64,
@@ -163,11 +184,13 @@ pub enum Optimizer {
     },
 }
 
-/// Per-key state of an optimizer: the moments (f64, where the weight is updated: in host
-/// memory, or on the weight's GPU) and the step count.
+/// Per-key state of an optimizer: up to three arrays of moments (f64, where the weight is
+/// updated: in host memory, or on the weight's GPU; empty where the optimizer keeps fewer) and
+/// the step count.
 struct KeyState {
     m: NDArray,
     v: NDArray,
+    d: NDArray,
     t: u64,
 }
 
@@ -176,6 +199,7 @@ impl Default for KeyState {
         KeyState {
             m: NDArray::placeholder(DType::F64),
             v: NDArray::placeholder(DType::F64),
+            d: NDArray::placeholder(DType::F64),
             t: 0,
         }
     }
@@ -265,8 +289,8 @@ impl OptimizerUpdater {
         if !opt.same_kind(&self.opt) {
             return Err(KvError::Incompatible(format!(
                 "the store runs {}, whose state {} cannot take on: set_optimizer starts afresh",
-                self.opt.name(),
-                opt.name()
+                self.opt.label(),
+                opt.label()
             )));
         }
         self.opt = opt;
@@ -360,6 +384,11 @@ impl OptimizerUpdater {
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
             }
+            Optimizer::RmsPropCentered { .. } => {
+                place(&mut st.m, n, device)?;
+                place(&mut st.v, n, device)?;
+                place(&mut st.d, n, device)?;
+            }
         }
         #[cfg(feature = "cuda")]
         if on_gpu {
@@ -373,6 +402,7 @@ impl OptimizerUpdater {
             weight.as_mut_slice::<T>()?,
             st.m.as_mut_slice::<f64>()?,
             st.v.as_mut_slice::<f64>()?,
+            st.d.as_mut_slice::<f64>()?,
         ));
         Ok(())
     }
@@ -427,6 +457,13 @@ impl Optimizer {
                 clip_gradient,
                 ..
             }
+            | Optimizer::RmsPropCentered {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
             | Optimizer::AdaDelta {
                 lr,
                 wd,
@@ -463,14 +500,23 @@ impl Optimizer {
         }
     }
 
-    /// MXNet's name of the optimizer.
+    /// The optimizer's name, and whether it is centered where it is RMSProp (saved states
+    /// of one do not load into the other).
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Optimizer::RmsPropCentered { .. } => "centered rmsprop",
+            _ => self.name(),
+        }
+    }
+
+    /// MXNet's name of the optimizer (`rmsprop` for both of RMSProp's versions).
     pub fn name(&self) -> &'static str {
         match self {
             Optimizer::Sgd { .. } => "sgd",
             Optimizer::Nag { .. } => "nag",
             Optimizer::Adam { .. } => "adam",
             Optimizer::AdaGrad { .. } => "adagrad",
-            Optimizer::RmsProp { .. } => "rmsprop",
+            Optimizer::RmsProp { .. } | Optimizer::RmsPropCentered { .. } => "rmsprop",
             Optimizer::AdaDelta { .. } => "adadelta",
             Optimizer::Adamax { .. } => "adamax",
             Optimizer::Signum { .. } => "signum",

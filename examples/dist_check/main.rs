@@ -311,8 +311,9 @@ fn optimizers(kv: &mut KVStore) {
         &pulled(kv, 16, &[600], DType::F32),
         &pulled(&mut reference, 16, &[600], DType::F32).to_f64_vec(),
     );
-    // AdaGrad, RMSProp (some weights clipped), AdaDelta, Adamax, Signum and FTRL on sliced
-    // keys, against the same reference.
+    // AdaGrad, RMSProp (some weights clipped), AdaDelta, Adamax, Signum, FTRL and centered
+    // RMSProp (nine words on the wire, three states) on sliced keys, against the same
+    // reference.
     let others = [
         ("adagrad", Optimizer::adagrad(0.05).wd(0.01), 18),
         (
@@ -324,6 +325,11 @@ fn optimizers(kv: &mut KVStore) {
         ("adamax", Optimizer::adamax(0.05).wd(0.001), 24),
         ("signum", Optimizer::signum(0.05).wd_lh(0.01), 26),
         ("ftrl", Optimizer::ftrl(0.5).lamda1(0.5).wd(0.01), 28),
+        (
+            "centered rmsprop",
+            Optimizer::rmsprop(0.01).centered(true).gamma2(0.8),
+            30,
+        ),
     ];
     for (name, opt, key) in others {
         let mut reference = create("local").unwrap();

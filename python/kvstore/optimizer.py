@@ -2,7 +2,7 @@
 MXNet 1.9's constructors: ``kv.set_optimizer(kvstore.optimizer.SGD(momentum=0.9,
 learning_rate=0.1, wd=1e-4))``. Their update rules are MXNet's ``sgd_update``,
 ``sgd_mom_update``, ``nag_mom_update``, ``adam_update``, its ``AdaGrad``'s dense update,
-``rmsprop_update``, its ``AdaDelta``'s and ``Adamax``'s updates, ``signum_update`` and
+``rmsprop_update`` and ``rmspropalex_update``, its ``AdaDelta``'s and ``Adamax``'s updates, ``signum_update`` and
 ``signsgd_update``, and ``ftrl_update``.
 
 As in MXNet, a local store runs the optimizer object it was given: a change to its parameters
@@ -41,7 +41,7 @@ __all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "AdaDelta", 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
-            "epsilon", "float_stable_eps", "gamma1", "centered", "clip_weights", "rho", "wd_lh",
+            "epsilon", "float_stable_eps", "gamma1", "gamma2", "centered", "clip_weights", "rho", "wd_lh",
             "lamda1", "beta", "lr_mult", "wd_mult", "idx2name", "lr_scheduler")
 _UNSET = object()
 # The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
@@ -342,10 +342,12 @@ class AdaGrad(Optimizer):
 
 
 class RMSProp(Optimizer):
-    """RMSProp, Tieleman and Hinton's (MXNet's ``RMSProp(learning_rate=0.001, gamma1=0.9,
-    gamma2=0.9, epsilon=1e-8, centered=False, clip_weights=None, **kwargs)``, its
-    ``rmsprop_update``). Graves's centered version (``centered=True``) is not provided: a
-    ``ValueError``. ``gamma2`` is used by that version only. Its update runs on the host."""
+    """RMSProp (MXNet's ``RMSProp(learning_rate=0.001, gamma1=0.9, gamma2=0.9, epsilon=1e-8,
+    centered=False, clip_weights=None, **kwargs)``): Tieleman and Hinton's
+    (``rmsprop_update``), or with ``centered=True`` Graves's (``rmspropalex_update``), which
+    alone uses ``gamma2``. A store running one version cannot take on the other's state:
+    ``centered`` changed on an optimizer a store runs is refused (``set_optimizer`` starts
+    afresh). Its update runs on the host."""
 
     name = "rmsprop"
     _default_lr = 0.001
@@ -353,21 +355,16 @@ class RMSProp(Optimizer):
     def __init__(self, learning_rate: float = 0.001, gamma1: float = 0.9, gamma2: float = 0.9,
                  epsilon: float = 1e-8, centered: bool = False,
                  clip_weights: Optional[float] = None, **kwargs: Any) -> None:
-        _check_centered(centered)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.gamma1 = float(gamma1)
         self.gamma2 = float(gamma2)
         self.epsilon = float(epsilon)
-        self.centered = False
+        self.centered = centered
         self.clip_weights = None if clip_weights is None else float(clip_weights)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "centered":
-            _check_centered(value)
-        super().__setattr__(name, value)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "gamma1": self.gamma1, "epsilon": self.epsilon,
+    def _params(self) -> Dict[str, Any]:
+        return {**super()._params(), "gamma1": self.gamma1, "gamma2": self.gamma2,
+                "epsilon": self.epsilon, "centered": bool(self.centered),
                 "clip_weights": self.clip_weights}
 
 
@@ -440,12 +437,6 @@ class Ftrl(Optimizer):
 
     def _params(self) -> Dict[str, Optional[float]]:
         return {**super()._params(), "lamda1": self.lamda1, "beta": self.beta}
-
-
-def _check_centered(centered: Any) -> None:
-    if centered:
-        raise ValueError("centered RMSProp (Graves's, MXNet's rmspropalex_update) is not "
-                         "supported; RMSProp(centered=False) is")
 
 
 def _check_scheduler(s: Any) -> None:

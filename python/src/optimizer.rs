@@ -33,7 +33,12 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
         "rmsprop" => Optimizer::rmsprop(get("learning_rate", 0.001)?)
             .gamma1(get("gamma1", 0.9)?)
             .epsilon(get("epsilon", 1e-8)?)
-            .clip_weights(get("clip_weights", 0.0)?),
+            .clip_weights(get("clip_weights", 0.0)?)
+            .centered(match p.get_item("centered")? {
+                Some(c) => c.extract()?,
+                None => false,
+            })
+            .gamma2(get("gamma2", 0.9)?),
         "adadelta" => Optimizer::adadelta()
             .lr(get("learning_rate", 0.01)?)
             .rho(get("rho", 0.9)?)

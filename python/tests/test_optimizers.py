@@ -1,4 +1,4 @@
-"""AdaDelta, Adamax, Signum and Ftrl: MXNet 1.9's constructors, and their updates restated in
+"""AdaDelta, Adamax, Signum, Ftrl and centered RMSProp: MXNet 1.9's constructors, and their updates restated in
 numpy (float64, in MXNet's order, so that the values agree exactly) against what a store
 running them gives; the same on float32 weights within float32's rounding."""
 
@@ -63,12 +63,28 @@ class _ftrl:
                         (np.sign(z) * l1 - z) / ((self.beta + np.sqrt(n)) / LR + WD), 0.0)
 
 
+class _centered:
+    def __init__(self, g1, g2, eps, cw):
+        self.g1, self.g2, self.eps, self.cw = g1, g2, eps, cw
+        self.n, self.g, self.delta = np.zeros(4), np.zeros(4), np.zeros(4)
+
+    def __call__(self, t, w, g):
+        g1, n, ga, delta = self.g1, self.n, self.g, self.delta
+        g = np.clip(RESCALE * g + WD * w, -CLIP, CLIP)
+        n[:] = (1 - g1) * g * g + g1 * n
+        ga[:] = (1 - g1) * g + g1 * ga
+        delta[:] = self.g2 * delta - LR * g / np.sqrt(n - ga * ga + self.eps)
+        return np.clip(w + delta, -self.cw, self.cw)
+
+
 CASES = [
     ("adadelta", dict(rho=0.8, epsilon=1e-4), lambda: _adadelta(0.8, 1e-4)),
     ("adamax", dict(learning_rate=LR, beta1=0.8, beta2=0.9), lambda: _adamax(0.8, 0.9)),
     ("signum", dict(learning_rate=LR, momentum=0.7, wd_lh=0.2), lambda: _signum(0.7, 0.2)),
     ("signum", dict(learning_rate=LR, momentum=0.0), lambda: _signum(0.0, 0.0)),
     ("ftrl", dict(learning_rate=LR, lamda1=0.3, beta=1.5), lambda: _ftrl(0.3, 1.5)),
+    ("rmsprop", dict(learning_rate=LR, gamma1=0.8, gamma2=0.7, epsilon=1e-6, centered=True,
+                     clip_weights=1.0), lambda: _centered(0.8, 0.7, 1e-6, 1.0)),
 ]
 
 
@@ -131,7 +147,32 @@ def test_constructors_are_mxnet_s():
     for o in (a, m, s, f):
         assert isinstance(opt.create(o.name), type(o))
         assert repr(o).startswith(type(o).__name__ + "(")
+    r = opt.RMSProp(centered=True)
+    assert (r.centered, r.gamma1, r.gamma2, r.epsilon) == (True, 0.9, 0.9, 1e-8)
+    assert "centered=True" in repr(r)
     with pytest.raises(TypeError):
         opt.Signum(momentumm=0.5)
     with pytest.raises(ValueError, match="unknown optimizer"):
         opt.create("nadam")
+
+
+def test_a_store_running_centered_rmsprop_refuses_the_plain_one_s_state():
+    # A local store running the centered version refuses a change to the plain one (the
+    # object is left as the store runs it); set_optimizer with the plain one starts afresh.
+    kv = kvstore.create()
+    kv.init(0, W0)
+    o = opt.RMSProp(learning_rate=LR, centered=True)
+    kv.set_optimizer(o)
+    kv.push(0, GRADS[0])
+    with pytest.raises(ValueError, match="centered rmsprop"):
+        o.centered = False
+    assert o.centered is True
+    plain = opt.RMSProp(learning_rate=LR)
+    kv.set_optimizer(plain)
+    out, before = np.zeros(4), np.zeros(4)
+    kv.pull(0, out=before)
+    kv.push(0, GRADS[1])
+    kv.pull(0, out=out)
+    g = GRADS[1]  # no weight decay, rescale or clip
+    n = (1 - 0.9) * (g * g)  # a fresh state
+    np.testing.assert_array_equal(out, before - LR * (g / np.sqrt(n + 1e-8)))

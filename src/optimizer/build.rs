@@ -172,6 +172,7 @@ impl Optimizer {
         if let Optimizer::Adam { epsilon, .. }
         | Optimizer::AdaGrad { epsilon, .. }
         | Optimizer::RmsProp { epsilon, .. }
+        | Optimizer::RmsPropCentered { epsilon, .. }
         | Optimizer::AdaDelta { epsilon, .. } = &mut self
         {
             *epsilon = value;
@@ -179,9 +180,11 @@ impl Optimizer {
         self
     }
 
-    /// Sets RMSProp's decay of the average of squared gradients (no effect on the others).
+    /// Sets RMSProp's decay of its averages (no effect on the others).
     pub fn gamma1(mut self, value: f64) -> Optimizer {
-        if let Optimizer::RmsProp { gamma1, .. } = &mut self {
+        if let Optimizer::RmsProp { gamma1, .. } | Optimizer::RmsPropCentered { gamma1, .. } =
+            &mut self
+        {
             *gamma1 = value;
         }
         self
@@ -190,7 +193,9 @@ impl Optimizer {
     /// Clips RMSProp's updated weights to `[-value, value]` (0 or less: no clipping; no
     /// effect on the others).
     pub fn clip_weights(mut self, value: f64) -> Optimizer {
-        if let Optimizer::RmsProp { clip_weights, .. } = &mut self {
+        if let Optimizer::RmsProp { clip_weights, .. }
+        | Optimizer::RmsPropCentered { clip_weights, .. } = &mut self
+        {
             *clip_weights = value;
         }
         self
@@ -224,6 +229,60 @@ impl Optimizer {
     pub fn beta(mut self, value: f64) -> Optimizer {
         if let Optimizer::Ftrl { beta, .. } = &mut self {
             *beta = value;
+        }
+        self
+    }
+
+    /// Makes RMSProp Graves's centered version ([`Optimizer::RmsPropCentered`], its momentum
+    /// `gamma2` 0.9, MXNet's default, until set) or, with `false`, Tieleman and Hinton's; its
+    /// other parameters kept (no effect on the others).
+    pub fn centered(self, value: bool) -> Optimizer {
+        match self {
+            Optimizer::RmsProp {
+                lr,
+                gamma1,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                clip_weights,
+            } if value => Optimizer::RmsPropCentered {
+                lr,
+                gamma1,
+                gamma2: 0.9,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                clip_weights,
+            },
+            Optimizer::RmsPropCentered {
+                lr,
+                gamma1,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                clip_weights,
+                ..
+            } if !value => Optimizer::RmsProp {
+                lr,
+                gamma1,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                clip_weights,
+            },
+            other => other,
+        }
+    }
+
+    /// Sets centered RMSProp's momentum of the steps (no effect on the others, RMSProp not
+    /// centered included).
+    pub fn gamma2(mut self, value: f64) -> Optimizer {
+        if let Optimizer::RmsPropCentered { gamma2, .. } = &mut self {
+            *gamma2 = value;
         }
         self
     }

@@ -75,7 +75,7 @@ impl Optimizer {
 }
 
 impl Multiplied {
-    /// The head of what a worker sends: the parameters' 8 words, then the length of the
+    /// The head of what a worker sends: the parameters' words (kind first), then the length of the
     /// scheduler's bytes and those bytes (the multipliers follow, numbered by the worker).
     pub(crate) fn encode_head(&self) -> Vec<u8> {
         let mut out: Vec<u8> = self
@@ -93,16 +93,12 @@ impl Multiplied {
 }
 
 impl Optimizer {
-    /// What a worker sends: the parameters' 8 words, the length of the schedule's bytes and
+    /// What a worker sends: the parameters' words (kind first), the length of the schedule's bytes and
     /// those bytes ([`super::schedule::write_extras`]), then [`encode_mults`]'s entries.
     pub(crate) fn decode_with_mults(bytes: &[u8]) -> Result<Multiplied> {
         let malformed = || KvError::Protocol("malformed optimizer parameters".into());
-        let (head, rest) = bytes.split_at_checked(64).ok_or_else(malformed)?;
-        let words: Vec<f64> = head
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0xff; 8])))
-            .collect();
-        let mut r = Reader(rest);
+        let mut r = Reader(bytes);
+        let words = super::wire::read_words(&mut r).ok_or_else(malformed)?;
         let extras = r.len().and_then(|n| r.take(n)).ok_or_else(malformed)?;
         let mut er = Reader(extras);
         let (schedule, begin_num_update) = super::schedule::read_extras(&mut er)

@@ -1,6 +1,6 @@
 //! The update rules on the host, element by element in f64 and rounded once into the
 //! weight's dtype: MXNet's `sgd_update`, `sgd_mom_update`, `nag_mom_update`, `adam_update`,
-//! its Python `AdaGrad`'s dense update, `rmsprop_update`, its Python `AdaDelta` and `Adamax`,
+//! its Python `AdaGrad`'s dense update, `rmsprop_update`, `rmspropalex_update`, its Python `AdaDelta` and `Adamax`,
 //! `signum_update`, `signsgd_update` and `ftrl_update` (MXNet 1.9).
 
 use super::Optimizer;
@@ -33,7 +33,8 @@ fn sign(x: f64) -> f64 {
     f64::from(u8::from(x > 0.0)) - f64::from(u8::from(x < 0.0))
 }
 
-/// One step on the host: `m` and `v` hold the weight's size of moments where `opt` uses them.
+/// One step on the host: `m`, `v` and `d` hold the weight's size of moments where `opt` uses
+/// them.
 pub(super) fn update_typed<T: Element>(
     opt: &Optimizer,
     lr_t: f64,
@@ -41,6 +42,7 @@ pub(super) fn update_typed<T: Element>(
     weight: &mut [T],
     m: &mut [f64],
     v: &mut [f64],
+    d: &mut [f64],
 ) {
     match *opt {
         Optimizer::Sgd {
@@ -143,6 +145,36 @@ pub(super) fn update_typed<T: Element>(
                 let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
                 *n = (1.0 - gamma1) * (g * g) + gamma1 * *n;
                 let nw = wf - lr * (g / (*n + epsilon).sqrt());
+                *w = T::from_f64(if clip_weights > 0.0 {
+                    nw.clamp(-clip_weights, clip_weights)
+                } else {
+                    nw
+                });
+            }
+        }
+        Optimizer::RmsPropCentered {
+            lr,
+            gamma1,
+            gamma2,
+            epsilon,
+            wd,
+            rescale_grad,
+            clip_gradient,
+            clip_weights,
+        } => {
+            // RMSPropAlexUpdateKernel, in its order: `n` is `m`, the gradients' average `v`,
+            // the steps' momentum `d`.
+            for ((w, g), (n, (ga, delta))) in weight
+                .iter_mut()
+                .zip(grad)
+                .zip(m.iter_mut().zip(v.iter_mut().zip(d.iter_mut())))
+            {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
+                *n = (1.0 - gamma1) * g * g + gamma1 * *n;
+                *ga = (1.0 - gamma1) * g + gamma1 * *ga;
+                *delta = gamma2 * *delta - lr * g / (*n - *ga * *ga + epsilon).sqrt();
+                let nw = wf + *delta;
                 *w = T::from_f64(if clip_weights > 0.0 {
                     nw.clamp(-clip_weights, clip_weights)
                 } else {

@@ -222,3 +222,69 @@ fn the_new_optimizers_take_a_keys_multipliers_and_refuse_a_fractional_kind() {
     assert!(Optimizer::decode(&words).is_err());
     assert_eq!(Optimizer::ftrl(1.0).name(), "ftrl");
 }
+
+#[test]
+fn centered_rmsprop_steps_as_mxnets_rmspropalex_update() {
+    // RMSPropAlexUpdateKernel: weight decay joins the rescaled gradient before the clip; the
+    // averages of squared gradients and of gradients decay by gamma1, the steps' momentum by
+    // gamma2; the new weight is clipped to clip_weights.
+    let (lr, g1, g2, eps, wd, rescale, clip, cw) = (0.05, 0.8, 0.7, 1e-6, 0.02, 0.5, 0.9, 1.0);
+    let opt = Optimizer::rmsprop(lr)
+        .gamma1(g1)
+        .epsilon(eps)
+        .centered(true)
+        .gamma2(g2)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip)
+        .clip_weights(cw);
+    assert_eq!(opt.encode().len(), 9);
+    let (mut n, mut ga, mut delta) = ([0.0f64; 4], [0.0f64; 4], [0.0f64; 4]);
+    let mut clipped = false;
+    check(opt.clone(), 4, |_, g, w| {
+        for i in 0..4 {
+            let cg = (g[i] * rescale + wd * w[i]).clamp(-clip, clip);
+            n[i] = (1.0 - g1) * cg * cg + g1 * n[i];
+            ga[i] = (1.0 - g1) * cg + g1 * ga[i];
+            delta[i] = g2 * delta[i] - lr * cg / (n[i] - ga[i] * ga[i] + eps).sqrt();
+            let nw = w[i] + delta[i];
+            clipped |= nw.abs() > cw;
+            w[i] = nw.clamp(-cw, cw);
+        }
+    });
+    assert!(clipped, "the test covers the weights' clip");
+    // Both versions are "rmsprop" by name, but the state of one does not go to the other.
+    assert_eq!(opt.name(), "rmsprop");
+    let plain = opt.clone().centered(false);
+    assert_eq!(
+        plain,
+        Optimizer::rmsprop(lr)
+            .gamma1(g1)
+            .epsilon(eps)
+            .wd(wd)
+            .rescale_grad(rescale)
+            .clip_gradient(clip)
+            .clip_weights(cw)
+    );
+    assert_eq!(plain.clone().gamma2(0.1), plain);
+    let mut u = OptimizerUpdater::new(opt);
+    let mut w = NDArray::from_vec(&[4], W0.to_vec()).unwrap();
+    u.update(
+        &Key::Int(0),
+        &NDArray::from_vec(&[4], grads(1).to_vec()).unwrap(),
+        &mut w,
+    )
+    .unwrap();
+    let err = OptimizerUpdater::new(plain.clone())
+        .load_states(&u.save_states())
+        .unwrap_err();
+    assert!(err.to_string().contains("centered rmsprop"), "{err}");
+    assert!(u.retune(plain).is_err());
+    // Nine words for kind 10, eight for the others: any other count is malformed.
+    let mut words = Optimizer::rmsprop(0.1).centered(true).encode();
+    words.pop();
+    assert!(Optimizer::decode(&words).is_err());
+    let mut words = Optimizer::rmsprop(0.1).encode();
+    words.push(0.0);
+    assert!(Optimizer::decode(&words).is_err());
+}

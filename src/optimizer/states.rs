@@ -3,19 +3,22 @@
 
 use rustc_hash::FxHashMap;
 
+use super::wire::read_words;
 use super::{mults, schedule, write_extras, KeyState, Mults, Optimizer, OptimizerUpdater, Reader};
 use crate::{DType, Key, KvError, NDArray, Result};
 
-/// The first bytes of saved optimizer states (version 3: the optimizer's per-key multipliers,
-/// then its scheduler and the count it began from, follow its parameters; files of version 2,
-/// without the scheduler, and 1, without the multipliers either, still load).
-const STATES_MAGIC: &[u8; 8] = b"KVOPTST3";
+/// The first bytes of saved optimizer states (version 4: three arrays of moments per key,
+/// where 3 had two; 3: the optimizer's per-key multipliers, then its scheduler and the count
+/// it began from, follow its parameters; files of versions 3, 2, without the scheduler, and
+/// 1, without the multipliers either, still load).
+const STATES_MAGIC: &[u8; 8] = b"KVOPTST4";
 /// The first bytes of saved states that carry the optimizer too (MXNet's `dump_optimizer`):
 /// loading them replaces the optimizer, its multipliers and its scheduler with the saved ones.
-const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD3";
+const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD4";
 /// Earlier versions' magics (states, dumped).
 const MAGICS_1: [&[u8; 8]; 2] = [b"KVOPTST1", b"KVOPTSD1"];
 const MAGICS_2: [&[u8; 8]; 2] = [b"KVOPTST2", b"KVOPTSD2"];
+const MAGICS_3: [&[u8; 8]; 2] = [b"KVOPTST3", b"KVOPTSD3"];
 
 /// Marks saved states (`OptimizerUpdater::save_states`) as carrying their optimizer; `false`
 /// where `bytes` are not such states.
@@ -31,7 +34,7 @@ pub(crate) fn mark_dumped(bytes: &mut [u8]) -> bool {
 
 /// Whether saved states carry their optimizer ([`mark_dumped`]).
 pub(crate) fn is_dumped(bytes: &[u8]) -> bool {
-    [DUMPED_MAGIC, MAGICS_2[1], MAGICS_1[1]]
+    [DUMPED_MAGIC, MAGICS_3[1], MAGICS_2[1], MAGICS_1[1]]
         .iter()
         .any(|m| bytes.starts_with(*m))
 }
@@ -53,7 +56,7 @@ impl OptimizerUpdater {
             let st = &self.state[k];
             mults::write_key(&mut out, k);
             out.extend_from_slice(&st.t.to_le_bytes());
-            for v in [&st.m, &st.v] {
+            for v in [&st.m, &st.v, &st.d] {
                 out.extend_from_slice(&(v.size() as u64).to_le_bytes());
                 // On a GPU, the moments are read through their host mirror.
                 for x in v.as_slice::<f64>().unwrap_or_default() {
@@ -82,18 +85,17 @@ impl OptimizerUpdater {
         let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
         let mut r = Reader(bytes);
         let (dumped, version) = match r.take(8).ok_or_else(|| bad("empty"))? {
-            m if m == STATES_MAGIC => (false, 3),
-            m if m == DUMPED_MAGIC => (true, 3),
+            m if m == STATES_MAGIC => (false, 4),
+            m if m == DUMPED_MAGIC => (true, 4),
+            m if m == MAGICS_3[0] => (false, 3),
+            m if m == MAGICS_3[1] => (true, 3),
             m if m == MAGICS_2[0] => (false, 2),
             m if m == MAGICS_2[1] => (true, 2),
             m if m == MAGICS_1[0] => (false, 1),
             m if m == MAGICS_1[1] => (true, 1),
             _ => return Err(bad("not a file of saved optimizer states")),
         };
-        let mut words = [0.0; 8];
-        for w in &mut words {
-            *w = r.f64().ok_or_else(|| bad("truncated"))?;
-        }
+        let words = read_words(&mut r).ok_or_else(|| bad("truncated, or an unknown optimizer"))?;
         let saved = Optimizer::decode(&words).map_err(|_| bad("unknown optimizer"))?;
         let saved_mults = match version {
             1 => Mults::default(),
@@ -107,8 +109,8 @@ impl OptimizerUpdater {
         if !dumped && !saved.same_kind(&self.opt) {
             return Err(bad(&format!(
                 "saved by {}, loaded into {}",
-                saved.name(),
-                self.opt.name()
+                saved.label(),
+                self.opt.label()
             )));
         }
         let n = r.u64().ok_or_else(|| bad("truncated"))?;
@@ -119,8 +121,10 @@ impl OptimizerUpdater {
             let mut vecs = [
                 NDArray::placeholder(DType::F64),
                 NDArray::placeholder(DType::F64),
+                NDArray::placeholder(DType::F64),
             ];
-            for v in &mut vecs {
+            let kept = if version >= 4 { 3 } else { 2 };
+            for v in &mut vecs[..kept] {
                 let len = r.len().ok_or_else(|| bad("truncated"))?;
                 let bytes = len
                     .checked_mul(8)
@@ -133,8 +137,8 @@ impl OptimizerUpdater {
                 });
                 *v = NDArray::from_vec(&[len], xs.collect::<Vec<f64>>())?;
             }
-            let [m, v] = vecs;
-            state.insert(key, KeyState { m, v, t });
+            let [m, v, d] = vecs;
+            state.insert(key, KeyState { m, v, d, t });
         }
         if !r.0.is_empty() {
             return Err(bad("bytes after the last key"));

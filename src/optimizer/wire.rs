@@ -1,12 +1,34 @@
-//! An optimizer's parameters on the wire and in saved states: 8 f64 words, its kind first.
+//! An optimizer's parameters on the wire and in saved states: f64 words, its kind first, 8 of
+//! them for every kind but centered RMSProp's, which takes 9.
 
-use super::Optimizer;
+use super::{Optimizer, Reader};
 use crate::{KvError, Result};
 
+/// How many words an optimizer of kind `kind` (its first word) takes; `None` for a kind that
+/// is not one.
+fn words_of(kind: f64) -> Option<usize> {
+    match kind {
+        1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 7.0 | 8.0 | 9.0 => Some(8),
+        10.0 => Some(9),
+        _ => None,
+    }
+}
+
+/// Reads an optimizer's words off the front of `r`: `None` where the kind is unknown or the
+/// words are cut short.
+pub(super) fn read_words(r: &mut Reader<'_>) -> Option<Vec<f64>> {
+    let kind = r.f64()?;
+    let mut words = vec![kind];
+    for _ in 1..words_of(kind)? {
+        words.push(r.f64()?);
+    }
+    Some(words)
+}
+
 impl Optimizer {
-    /// Encodes the optimizer as 8 f64 words (kind first), for the wire.
-    pub(crate) fn encode(&self) -> [f64; 8] {
-        match *self {
+    /// Encodes the optimizer as f64 words (kind first), for the wire.
+    pub(crate) fn encode(&self) -> Vec<f64> {
+        let words: &[f64] = &match *self {
             Optimizer::Sgd {
                 lr,
                 momentum,
@@ -121,13 +143,42 @@ impl Optimizer {
                 rescale_grad,
                 clip_gradient,
             } => [9.0, lr, lamda1, beta, wd, rescale_grad, clip_gradient, 0.0],
-        }
+            Optimizer::RmsPropCentered {
+                lr,
+                gamma1,
+                gamma2,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                clip_weights,
+            } => {
+                return vec![
+                    10.0,
+                    lr,
+                    gamma1,
+                    gamma2,
+                    epsilon,
+                    wd,
+                    rescale_grad,
+                    clip_gradient,
+                    clip_weights,
+                ]
+            }
+        };
+        words.to_vec()
     }
 
     /// Decodes [`Optimizer::encode`]'s words.
     pub(crate) fn decode(w: &[f64]) -> Result<Optimizer> {
-        if w.len() != 8 || w.iter().any(|v| !v.is_finite()) || w[0].fract() != 0.0 {
-            return Err(KvError::Protocol("malformed optimizer parameters".into()));
+        if w.first().and_then(|k| words_of(*k)) != Some(w.len()) || w.iter().any(|v| !v.is_finite())
+        {
+            return Err(KvError::Protocol(match w.first() {
+                Some(k) if k.is_finite() && words_of(*k).is_none() => {
+                    format!("unknown optimizer kind {k}")
+                }
+                _ => "malformed optimizer parameters".into(),
+            }));
         }
         match w[0] as i64 {
             1 => Ok(Optimizer::Sgd {
@@ -200,6 +251,16 @@ impl Optimizer {
                 wd: w[4],
                 rescale_grad: w[5],
                 clip_gradient: w[6],
+            }),
+            10 => Ok(Optimizer::RmsPropCentered {
+                lr: w[1],
+                gamma1: w[2],
+                gamma2: w[3],
+                epsilon: w[4],
+                wd: w[5],
+                rescale_grad: w[6],
+                clip_gradient: w[7],
+                clip_weights: w[8],
             }),
             k => Err(KvError::Protocol(format!("unknown optimizer kind {k}"))),
         }

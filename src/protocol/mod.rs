@@ -58,7 +58,7 @@ pub enum Op {
     PushPull = 12,
     /// Server to worker: the answer to a request (same request id); error text if status != 0.
     Reply = 13,
-    /// Worker to server: run this built-in optimizer (payload: 8 f64, then its multipliers);
+    /// Worker to server: run this built-in optimizer (payload: its f64 words, kind first, then its multipliers);
     /// with `key` 1, add these multipliers (payload: them alone) to the optimizer it runs.
     SetOptimizer = 14,
     /// Worker to server: run the registered updater of this name (payload: the name).
