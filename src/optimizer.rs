@@ -3,7 +3,7 @@
 //! They follow MXNet 1.9's update rules (`sgd_update`, `sgd_mom_update`, `nag_mom_update`,
 //! `adam_update` with the bias-corrected learning rate of its Python `Adam`, its Python
 //! `AdaGrad`'s dense update, `rmsprop_update`, its Python `AdaDelta` and `Adamax`,
-//! `signum_update` and `signsgd_update`, `ftrl_update`), element-wise, so they apply unchanged
+//! `signum_update` and `signsgd_update`, `ftrl_update`, `ftml_update`), element-wise, so they apply unchanged
 //! to the slice of a big tensor that one server holds. Where the weight and the gradient are
 //! on a GPU (feature `cuda`), SGD's and Adam's updates run there, with the state in that GPU's
 //! memory, and give the host's results bit for bit (the others have no GPU kernel: on GPU
@@ -115,6 +115,23 @@ pub enum Optimizer {
         clip_gradient: f64,
         /// Clip the updated weight to `[-c, c]`; 0 or less for no clipping.
         clip_weights: f64,
+    },
+    /// FTML, Zheng and Kwok's Follow the Moving Leader (MXNet's `FTML`, its `ftml_update`).
+    Ftml {
+        /// Learning rate.
+        lr: f64,
+        /// Decay of the moving leader (MXNet's default 0.6).
+        beta1: f64,
+        /// Decay of the average of squared gradients.
+        beta2: f64,
+        /// Added to the root.
+        epsilon: f64,
+        /// Weight decay (joins the gradient before the clip).
+        wd: f64,
+        /// Factor applied to the gradient first.
+        rescale_grad: f64,
+        /// Clip the gradient (weight decay included) to `[-c, c]`; 0 or less for no clipping.
+        clip_gradient: f64,
     },
     /// AdaDelta, Zeiler's (MXNet's `AdaDelta`): each step scaled by the ratio of the roots
     /// of two moving averages, of squared steps and of squared gradients. Its rule has no
@@ -384,7 +401,7 @@ impl OptimizerUpdater {
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
             }
-            Optimizer::RmsPropCentered { .. } => {
+            Optimizer::RmsPropCentered { .. } | Optimizer::Ftml { .. } => {
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
                 place(&mut st.d, n, device)?;
@@ -398,11 +415,14 @@ impl OptimizerUpdater {
         with_dtype!(dtype, T => update_typed::<T>(
             opt,
             lr_t,
+            st.t,
             grad.as_slice::<T>()?,
             weight.as_mut_slice::<T>()?,
-            st.m.as_mut_slice::<f64>()?,
-            st.v.as_mut_slice::<f64>()?,
-            st.d.as_mut_slice::<f64>()?,
+            [
+                st.m.as_mut_slice::<f64>()?,
+                st.v.as_mut_slice::<f64>()?,
+                st.d.as_mut_slice::<f64>()?,
+            ],
         ));
         Ok(())
     }
@@ -471,6 +491,13 @@ impl Optimizer {
                 clip_gradient,
                 ..
             }
+            | Optimizer::Ftml {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
             | Optimizer::Adamax {
                 lr,
                 wd,
@@ -521,6 +548,7 @@ impl Optimizer {
             Optimizer::Adamax { .. } => "adamax",
             Optimizer::Signum { .. } => "signum",
             Optimizer::Ftrl { .. } => "ftrl",
+            Optimizer::Ftml { .. } => "ftml",
         }
     }
 }

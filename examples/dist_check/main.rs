@@ -311,9 +311,9 @@ fn optimizers(kv: &mut KVStore) {
         &pulled(kv, 16, &[600], DType::F32),
         &pulled(&mut reference, 16, &[600], DType::F32).to_f64_vec(),
     );
-    // AdaGrad, RMSProp (some weights clipped), AdaDelta, Adamax, Signum, FTRL and centered
-    // RMSProp (nine words on the wire, three states) on sliced keys, against the same
-    // reference.
+    // AdaGrad, RMSProp (some weights clipped), AdaDelta, Adamax, Signum, FTRL, centered
+    // RMSProp (nine words on the wire, three states) and FTML (three states) on sliced keys,
+    // against the same reference.
     let others = [
         ("adagrad", Optimizer::adagrad(0.05).wd(0.01), 18),
         (
@@ -330,6 +330,7 @@ fn optimizers(kv: &mut KVStore) {
             Optimizer::rmsprop(0.01).centered(true).gamma2(0.8),
             30,
         ),
+        ("ftml", Optimizer::ftml(0.05).wd(0.01), 32),
     ];
     for (name, opt, key) in others {
         let mut reference = create("local").unwrap();

@@ -3,7 +3,7 @@ MXNet 1.9's constructors: ``kv.set_optimizer(kvstore.optimizer.SGD(momentum=0.9,
 learning_rate=0.1, wd=1e-4))``. Their update rules are MXNet's ``sgd_update``,
 ``sgd_mom_update``, ``nag_mom_update``, ``adam_update``, its ``AdaGrad``'s dense update,
 ``rmsprop_update`` and ``rmspropalex_update``, its ``AdaDelta``'s and ``Adamax``'s updates, ``signum_update`` and
-``signsgd_update``, and ``ftrl_update``.
+``signsgd_update``, ``ftrl_update`` and ``ftml_update``.
 
 As in MXNet, a local store runs the optimizer object it was given: a change to its parameters
 afterwards (``set_learning_rate``, or ``opt.wd = ...``) applies from the next update on, and
@@ -36,7 +36,7 @@ from typing import Any, Dict, Optional, Tuple
 from . import lr_scheduler as _schedulers
 
 __all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "AdaDelta", "Adamax",
-           "Signum", "Ftrl", "create"]
+           "Signum", "Ftrl", "FTML", "create"]
 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
@@ -404,6 +404,24 @@ class Adamax(Optimizer):
         return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2}
 
 
+class FTML(Optimizer):
+    """FTML, Follow the Moving Leader (MXNet's ``FTML(beta1=0.6, beta2=0.999, epsilon=1e-8,
+    **kwargs)``, its ``ftml_update``). Its update runs on the host."""
+
+    name = "ftml"
+
+    def __init__(self, beta1: float = 0.6, beta2: float = 0.999, epsilon: float = 1e-8,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+        self.epsilon = float(epsilon)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2,
+                "epsilon": self.epsilon}
+
+
 class Signum(Optimizer):
     """Signum, the sign of a momentum (MXNet's ``Signum(learning_rate=0.01, momentum=0.9,
     wd_lh=0.0, **kwargs)``, its ``signum_update``; with ``momentum=0``, ``signsgd_update``,
@@ -456,7 +474,8 @@ def _mults(d: Dict[Any, float]) -> Dict[Any, float]:
 def create(name: str, **kwargs: Any) -> Optimizer:
     """An optimizer by MXNet's name: ``create('sgd', learning_rate=0.1)``."""
     kinds = {"sgd": SGD, "nag": NAG, "adam": Adam, "adagrad": AdaGrad, "rmsprop": RMSProp,
-             "adadelta": AdaDelta, "adamax": Adamax, "signum": Signum, "ftrl": Ftrl}
+             "adadelta": AdaDelta, "adamax": Adamax, "signum": Signum, "ftrl": Ftrl,
+             "ftml": FTML}
     if name.lower() not in kinds:
         raise ValueError(f"unknown optimizer {name!r}; kvstore runs {sorted(kinds)}")
     return kinds[name.lower()](**kwargs)

@@ -11,7 +11,7 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
     if !obj.hasattr("_kvstore_spec")? {
         return Err(PyTypeError::new_err(
             "set_optimizer takes a kvstore.optimizer object (SGD, NAG, Adam, AdaGrad, RMSProp, \
-             AdaDelta, Adamax, Signum, Ftrl)",
+             AdaDelta, Adamax, Signum, Ftrl, FTML)",
         ));
     }
     let spec = obj.call_method0("_kvstore_spec")?;
@@ -49,13 +49,17 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
         "signum" => Optimizer::signum(get("learning_rate", 0.01)?)
             .momentum(get("momentum", 0.9)?)
             .wd_lh(get("wd_lh", 0.0)?),
+        "ftml" => Optimizer::ftml(get("learning_rate", 0.01)?)
+            .beta1(get("beta1", 0.6)?)
+            .beta2(get("beta2", 0.999)?)
+            .epsilon(get("epsilon", 1e-8)?),
         "ftrl" => Optimizer::ftrl(get("learning_rate", 0.1)?)
             .lamda1(get("lamda1", 0.01)?)
             .beta(get("beta", 1.0)?),
         other => {
             return Err(PyValueError::new_err(format!(
                 "optimizer {other:?} does not run in the store; it runs sgd, nag, adam, \
-                 adagrad, rmsprop, adadelta, adamax, signum and ftrl"
+                 adagrad, rmsprop, adadelta, adamax, signum, ftrl and ftml"
             )))
         }
     };

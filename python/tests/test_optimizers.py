@@ -1,4 +1,4 @@
-"""AdaDelta, Adamax, Signum, Ftrl and centered RMSProp: MXNet 1.9's constructors, and their updates restated in
+"""AdaDelta, Adamax, Signum, Ftrl, centered RMSProp and FTML: MXNet 1.9's constructors, and their updates restated in
 numpy (float64, in MXNet's order, so that the values agree exactly) against what a store
 running them gives; the same on float32 weights within float32's rounding."""
 
@@ -63,6 +63,21 @@ class _ftrl:
                         (np.sign(z) * l1 - z) / ((self.beta + np.sqrt(n)) / LR + WD), 0.0)
 
 
+class _ftml:
+    def __init__(self, b1, b2, eps):
+        self.b1, self.b2, self.eps = b1, b2, eps
+        self.d, self.v, self.z = np.zeros(4), np.zeros(4), np.zeros(4)
+
+    def __call__(self, t, w, g):
+        b1, b2, d, v, z = self.b1, self.b2, self.d, self.v, self.z
+        g = np.clip(RESCALE * g + WD * w, -CLIP, CLIP)
+        v[:] = b2 * v + (1 - b2) * (g * g)
+        d_t = (1 - b1 ** t) / LR * (np.sqrt(v / (1 - b2 ** t)) + self.eps)
+        z[:] = b1 * z + (1 - b1) * g - (d_t - b1 * d) * w
+        d[:] = d_t
+        return -z / d_t
+
+
 class _centered:
     def __init__(self, g1, g2, eps, cw):
         self.g1, self.g2, self.eps, self.cw = g1, g2, eps, cw
@@ -83,6 +98,8 @@ CASES = [
     ("signum", dict(learning_rate=LR, momentum=0.7, wd_lh=0.2), lambda: _signum(0.7, 0.2)),
     ("signum", dict(learning_rate=LR, momentum=0.0), lambda: _signum(0.0, 0.0)),
     ("ftrl", dict(learning_rate=LR, lamda1=0.3, beta=1.5), lambda: _ftrl(0.3, 1.5)),
+    ("ftml", dict(learning_rate=LR, beta1=0.6, beta2=0.9, epsilon=1e-6),
+     lambda: _ftml(0.6, 0.9, 1e-6)),
     ("rmsprop", dict(learning_rate=LR, gamma1=0.8, gamma2=0.7, epsilon=1e-6, centered=True,
                      clip_weights=1.0), lambda: _centered(0.8, 0.7, 1e-6, 1.0)),
 ]
@@ -139,12 +156,14 @@ def test_constructors_are_mxnet_s():
     assert (s.lr, s.momentum, s.wd_lh) == (0.01, 0.9, 0.0)
     f = opt.Ftrl()
     assert (f.lamda1, f.lr, f.beta) == (0.01, 0.1, 1.0)
+    t = opt.FTML()
+    assert (t.lr, t.beta1, t.beta2, t.epsilon) == (0.01, 0.6, 0.999, 1e-8)
     assert opt.Ftrl(0.5, 0.2, 2).lamda1 == 0.5 and opt.Ftrl(0.5, 0.2, 2).beta == 2.0
     # As MXNet's Ftrl: learning_rate does not replace a scheduler's base_lr.
     sched = kvstore.lr_scheduler.FactorScheduler(step=10, factor=0.5, base_lr=0.3)
     with_sched = opt.Ftrl(learning_rate=0.2, lr_scheduler=sched)
     assert sched.base_lr == 0.3 and with_sched.learning_rate == 0.3
-    for o in (a, m, s, f):
+    for o in (a, m, s, f, t):
         assert isinstance(opt.create(o.name), type(o))
         assert repr(o).startswith(type(o).__name__ + "(")
     r = opt.RMSProp(centered=True)

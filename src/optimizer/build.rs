@@ -115,6 +115,19 @@ impl Optimizer {
         }
     }
 
+    /// FTML with MXNet's defaults: `beta1` 0.6, `beta2` 0.999, epsilon 1e-8.
+    pub fn ftml(lr: f64) -> Optimizer {
+        Optimizer::Ftml {
+            lr,
+            beta1: 0.6,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: 0.0,
+        }
+    }
+
     /// Sets the learning rate.
     pub fn lr(mut self, value: f64) -> Optimizer {
         *self.common().lr = value;
@@ -150,30 +163,38 @@ impl Optimizer {
         self
     }
 
-    /// Sets Adam's or Adamax's first-moment decay (no effect on the others).
+    /// Sets Adam's or Adamax's first-moment decay, or FTML's `beta1` (no effect on the others).
     pub fn beta1(mut self, value: f64) -> Optimizer {
-        if let Optimizer::Adam { beta1, .. } | Optimizer::Adamax { beta1, .. } = &mut self {
+        if let Optimizer::Adam { beta1, .. }
+        | Optimizer::Adamax { beta1, .. }
+        | Optimizer::Ftml { beta1, .. } = &mut self
+        {
             *beta1 = value;
         }
         self
     }
 
-    /// Sets Adam's second-moment decay, or Adamax's infinity norm's (no effect on the
-    /// others).
+    /// Sets Adam's or FTML's second-moment decay, or Adamax's infinity norm's (no effect on
+    /// the others).
     pub fn beta2(mut self, value: f64) -> Optimizer {
-        if let Optimizer::Adam { beta2, .. } | Optimizer::Adamax { beta2, .. } = &mut self {
+        if let Optimizer::Adam { beta2, .. }
+        | Optimizer::Adamax { beta2, .. }
+        | Optimizer::Ftml { beta2, .. } = &mut self
+        {
             *beta2 = value;
         }
         self
     }
 
-    /// Sets Adam's, AdaGrad's, RMSProp's or AdaDelta's epsilon (no effect on the others).
+    /// Sets Adam's, AdaGrad's, RMSProp's, AdaDelta's or FTML's epsilon (no effect on the
+    /// others).
     pub fn epsilon(mut self, value: f64) -> Optimizer {
         if let Optimizer::Adam { epsilon, .. }
         | Optimizer::AdaGrad { epsilon, .. }
         | Optimizer::RmsProp { epsilon, .. }
         | Optimizer::RmsPropCentered { epsilon, .. }
-        | Optimizer::AdaDelta { epsilon, .. } = &mut self
+        | Optimizer::AdaDelta { epsilon, .. }
+        | Optimizer::Ftml { epsilon, .. } = &mut self
         {
             *epsilon = value;
         }

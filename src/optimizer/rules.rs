@@ -1,7 +1,7 @@
 //! The update rules on the host, element by element in f64 and rounded once into the
 //! weight's dtype: MXNet's `sgd_update`, `sgd_mom_update`, `nag_mom_update`, `adam_update`,
 //! its Python `AdaGrad`'s dense update, `rmsprop_update`, `rmspropalex_update`, its Python `AdaDelta` and `Adamax`,
-//! `signum_update`, `signsgd_update` and `ftrl_update` (MXNet 1.9).
+//! `signum_update`, `signsgd_update`, `ftrl_update` and `ftml_update` (MXNet 1.9).
 
 use super::Optimizer;
 use crate::Element;
@@ -33,17 +33,17 @@ fn sign(x: f64) -> f64 {
     f64::from(u8::from(x > 0.0)) - f64::from(u8::from(x < 0.0))
 }
 
-/// One step on the host: `m`, `v` and `d` hold the weight's size of moments where `opt` uses
-/// them.
+/// One step on the host, the key's `t`-th: each of `moments` (`m`, `v`, `d`) holds the weight's
+/// size of moments where `opt` uses it.
 pub(super) fn update_typed<T: Element>(
     opt: &Optimizer,
     lr_t: f64,
+    t: u64,
     grad: &[T],
     weight: &mut [T],
-    m: &mut [f64],
-    v: &mut [f64],
-    d: &mut [f64],
+    moments: [&mut [f64]; 3],
 ) {
+    let [m, v, d] = moments;
     match *opt {
         Optimizer::Sgd {
             lr,
@@ -180,6 +180,32 @@ pub(super) fn update_typed<T: Element>(
                 } else {
                     nw
                 });
+            }
+        }
+        Optimizer::Ftml {
+            lr,
+            beta1,
+            beta2,
+            epsilon,
+            wd,
+            rescale_grad,
+            clip_gradient,
+        } => {
+            // FTMLKernel, in its order: the last step's `d` is `m`, `v` is `v`, `z` is `d`.
+            let t = t as f64;
+            let (c1, c2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
+            for ((w, g), (d_prev, (v, z))) in weight
+                .iter_mut()
+                .zip(grad)
+                .zip(m.iter_mut().zip(v.iter_mut().zip(d.iter_mut())))
+            {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
+                *v = beta2 * *v + (1.0 - beta2) * (g * g);
+                let d_t = c1 / lr * ((*v / c2).sqrt() + epsilon);
+                *z = beta1 * *z + (1.0 - beta1) * g - (d_t - beta1 * *d_prev) * wf;
+                *d_prev = d_t;
+                *w = T::from_f64(-*z / d_t);
             }
         }
         Optimizer::AdaDelta {

@@ -1,4 +1,4 @@
-//! AdaDelta, Adamax, Signum and FTRL against MXNet 1.9's rules, restated for float64 weights
+//! AdaDelta, Adamax, Signum, FTRL, centered RMSProp and FTML against MXNet 1.9's rules, restated for float64 weights
 //! in the order MXNet computes them, so that the values agree exactly.
 
 use crate::{Key, NDArray, Optimizer, OptimizerUpdater};
@@ -200,6 +200,8 @@ fn the_new_optimizers_take_a_keys_multipliers_and_refuse_a_fractional_kind() {
         Optimizer::adamax(0.1),
         Optimizer::signum(0.1),
         Optimizer::ftrl(0.1),
+        Optimizer::ftml(0.1),
+        Optimizer::rmsprop(0.1).centered(true),
     ] {
         // A key's lr_mult of 2 and wd_mult of 0 are the optimizer with lr * 2 and no decay.
         let base = base.wd(0.1);
@@ -287,4 +289,42 @@ fn centered_rmsprop_steps_as_mxnets_rmspropalex_update() {
     let mut words = Optimizer::rmsprop(0.1).encode();
     words.push(0.0);
     assert!(Optimizer::decode(&words).is_err());
+}
+
+#[test]
+fn ftml_steps_as_mxnets_ftml_update() {
+    // FTMLKernel: weight decay joins the rescaled gradient before the clip; d_t from the
+    // bias-corrected root of v; z follows the moving leader; the weight is -z / d_t.
+    let (lr, b1, b2, eps, wd, rescale, clip) = (0.05, 0.6, 0.9, 1e-6, 0.02, 0.5, 0.9);
+    let opt = Optimizer::ftml(lr)
+        .beta1(b1)
+        .beta2(b2)
+        .epsilon(eps)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .clip_gradient(clip);
+    let (mut d, mut v, mut z) = ([0.0f64; 4], [0.0f64; 4], [0.0f64; 4]);
+    check(opt, 4, |step, g, w| {
+        let t = (step + 1) as f64;
+        for i in 0..4 {
+            let cg = (rescale * g[i] + wd * w[i]).clamp(-clip, clip);
+            v[i] = b2 * v[i] + (1.0 - b2) * (cg * cg);
+            let d_t = (1.0 - b1.powf(t)) / lr * ((v[i] / (1.0 - b2.powf(t))).sqrt() + eps);
+            z[i] = b1 * z[i] + (1.0 - b1) * cg - (d_t - b1 * d[i]) * w[i];
+            d[i] = d_t;
+            w[i] = -z[i] / d_t;
+        }
+    });
+    assert_eq!(
+        Optimizer::ftml(0.01),
+        Optimizer::Ftml {
+            lr: 0.01,
+            beta1: 0.6,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: 0.0
+        }
+    );
 }

@@ -8,7 +8,7 @@ use crate::{KvError, Result};
 /// is not one.
 fn words_of(kind: f64) -> Option<usize> {
     match kind {
-        1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 7.0 | 8.0 | 9.0 => Some(8),
+        1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 7.0 | 8.0 | 9.0 | 11.0 => Some(8),
         10.0 => Some(9),
         _ => None,
     }
@@ -143,6 +143,24 @@ impl Optimizer {
                 rescale_grad,
                 clip_gradient,
             } => [9.0, lr, lamda1, beta, wd, rescale_grad, clip_gradient, 0.0],
+            Optimizer::Ftml {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            } => [
+                11.0,
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            ],
             Optimizer::RmsPropCentered {
                 lr,
                 gamma1,
@@ -261,6 +279,15 @@ impl Optimizer {
                 rescale_grad: w[6],
                 clip_gradient: w[7],
                 clip_weights: w[8],
+            }),
+            11 => Ok(Optimizer::Ftml {
+                lr: w[1],
+                beta1: w[2],
+                beta2: w[3],
+                epsilon: w[4],
+                wd: w[5],
+                rescale_grad: w[6],
+                clip_gradient: w[7],
             }),
             k => Err(KvError::Protocol(format!("unknown optimizer kind {k}"))),
         }
