@@ -439,94 +439,6 @@ impl Optimizer {
         *self.clone().common().lr
     }
 
-    /// The parameters every optimizer has, whatever its kind.
-    pub(crate) fn common(&mut self) -> Common<'_> {
-        match self {
-            Optimizer::Sgd {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::Nag {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::Adam {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::AdaGrad {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::RmsProp {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::RmsPropCentered {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::AdaDelta {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::Ftml {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::Adamax {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::Signum {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            }
-            | Optimizer::Ftrl {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                ..
-            } => Common {
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-            },
-        }
-    }
-
     /// The optimizer's name, and whether it is centered where it is RMSProp (saved states
     /// of one do not load into the other).
     pub(crate) fn label(&self) -> &'static str {
@@ -551,14 +463,6 @@ impl Optimizer {
             Optimizer::Ftml { .. } => "ftml",
         }
     }
-}
-
-/// The parameters every optimizer has ([`Optimizer::common`]).
-pub(crate) struct Common<'a> {
-    pub(crate) lr: &'a mut f64,
-    pub(crate) wd: &'a mut f64,
-    pub(crate) rescale_grad: &'a mut f64,
-    pub(crate) clip_gradient: &'a mut f64,
 }
 
 /// Reads little-endian fields off the front of a byte slice.

@@ -1,5 +1,5 @@
-//! The optimizers' constructors, with MXNet's defaults, and the builders that set their
-//! parameters.
+//! The optimizers' constructors, with MXNet's defaults, the builders that set their
+//! parameters, and the parameters every optimizer has.
 
 use super::Optimizer;
 
@@ -307,4 +307,100 @@ impl Optimizer {
         }
         self
     }
+
+    /// The parameters every optimizer has, whatever its kind.
+    pub(crate) fn common(&mut self) -> Common<'_> {
+        match self {
+            Optimizer::Sgd {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Nag {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Adam {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::AdaGrad {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::RmsProp {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::RmsPropCentered {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::AdaDelta {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Ftml {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Adamax {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Signum {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Ftrl {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            } => Common {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            },
+        }
+    }
+}
+
+/// The parameters every optimizer has ([`Optimizer::common`]).
+pub(crate) struct Common<'a> {
+    pub(crate) lr: &'a mut f64,
+    pub(crate) wd: &'a mut f64,
+    pub(crate) rescale_grad: &'a mut f64,
+    pub(crate) clip_gradient: &'a mut f64,
 }
