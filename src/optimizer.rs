@@ -172,11 +172,12 @@ pub enum Optimizer {
     Signum {
         /// Learning rate.
         lr: f64,
-        /// Momentum (0 for signSGD).
+        /// Momentum (0 for signSGD: a key whose first update has momentum 0 keeps no momentum
+        /// state, and runs signSGD from then on, as in MXNet).
         momentum: f64,
         /// Weight decay (in the momentum; in signSGD, the weight's decay).
         wd: f64,
-        /// Factor applied to the gradient first (not in signSGD, whose sign it cannot change).
+        /// Factor applied to the gradient first (not in signSGD, whose kernel ignores it).
         rescale_grad: f64,
         /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
         clip_gradient: f64,
@@ -334,6 +335,29 @@ impl OptimizerUpdater {
                 reason: format!("optimizers need a float dtype, not {}", weight.dtype()),
             });
         }
+        // Signum's momentum state, as MXNet's: made at a key's first update where the momentum
+        // is not 0; a key without it runs signsgd_update, which takes neither a momentum nor
+        // wd_lh (MXNet's refuses them).
+        let mut signum_state = false;
+        if let Optimizer::Signum {
+            momentum, wd_lh, ..
+        } = self.opt
+        {
+            signum_state = match self.state.get(key) {
+                Some(st) => st.m.size() == weight.size(),
+                None => momentum != 0.0,
+            };
+            if !signum_state && (momentum > 0.0 || wd_lh != 0.0) {
+                return Err(KvError::Updater {
+                    key: key.clone(),
+                    reason: format!(
+                        "this key's Signum has no momentum state (its momentum was 0 at its \
+                         first update): it runs signSGD, which takes no momentum ({momentum}) \
+                         or wd_lh ({wd_lh}), as MXNet's signsgd_update"
+                    ),
+                });
+            }
+        }
         let begin = self.begin_num_update;
         let st = self.state.entry(key.clone()).or_insert_with(|| KeyState {
             t: begin,
@@ -392,8 +416,7 @@ impl OptimizerUpdater {
                 place(&mut st.v, n, device)?;
                 lr_t = adamax_lr(lr, beta1, st.t);
             }
-            // MXNet's Signum keeps a momentum where it is not 0 (signSGD keeps none).
-            Optimizer::Signum { momentum: 0.0, .. } => {}
+            Optimizer::Signum { .. } if !signum_state => {}
             Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } | Optimizer::Signum { .. } => {
                 place(&mut st.m, n, device)?
             }

@@ -220,18 +220,18 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     let mut kept = OptimizerUpdater::new(Optimizer::adam(0.02));
     assert!(!kept.load_states(&u.save_states()).unwrap());
     assert_eq!(kept.mults, Mults::default());
-    // Files of version 1 (no multipliers) and 2 (no scheduler) load. A version 3 file:
+    // Files of version 1 (no multipliers) and 2 (no scheduler) load. A version 4 file:
     // magic, parameters (64), no multipliers (8), no scheduler and count 0 (9), no keys.
-    let v3 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
-    assert_eq!(v3.len(), 8 + 64 + 8 + 9 + 8);
+    let v4 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
+    assert_eq!(v4.len(), 8 + 64 + 8 + 9 + 8);
     let mut v1 = b"KVOPTSD1".to_vec();
-    v1.extend_from_slice(&v3[8..72]);
-    v1.extend_from_slice(&v3[89..]);
+    v1.extend_from_slice(&v4[8..72]);
+    v1.extend_from_slice(&v4[89..]);
     assert!(kept.load_states(&v1).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
     let mut v2 = b"KVOPTSD2".to_vec();
-    v2.extend_from_slice(&v3[8..80]);
-    v2.extend_from_slice(&v3[89..]);
+    v2.extend_from_slice(&v4[8..80]);
+    v2.extend_from_slice(&v4[89..]);
     assert!(kept.load_states(&v2).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
     // A version 2 file with a key's state, without the optimizer: the state and its count.

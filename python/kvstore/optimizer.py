@@ -373,7 +373,9 @@ class AdaDelta(Optimizer):
     update): ``acc_g = rho * acc_g + (1 - rho) * g * g``; ``delta = sqrt(acc_delta + epsilon)
     / sqrt(acc_g + epsilon) * g``; ``acc_delta = rho * acc_delta + (1 - rho) * delta * delta``;
     ``weight -= delta + wd * weight``, ``g`` being the rescaled, clipped gradient. Its rule has
-    no learning rate. Its update runs on the host."""
+    no learning rate. A ``clip_gradient`` of 0 or less clips nothing, as in MXNet's other
+    optimizers (MXNet's AdaDelta would clip every gradient to 0). Its update runs on the
+    host."""
 
     name = "adadelta"
 
@@ -389,7 +391,9 @@ class AdaDelta(Optimizer):
 class Adamax(Optimizer):
     """Adamax, Adam with the infinity norm (MXNet's ``Adamax(learning_rate=0.002, beta1=0.9,
     beta2=0.999, **kwargs)``, its update): ``u = max(beta2 * u, |g|)``, ``weight -= lr / (1 -
-    beta1**t) * m / u``. Its update runs on the host."""
+    beta1**t) * m / u`` (a weight whose every gradient so far was 0 becomes NaN, as in MXNet).
+    A ``clip_gradient`` of 0 or less clips nothing (MXNet's Adamax would clip every gradient
+    to 0). Its update runs on the host."""
 
     name = "adamax"
     _default_lr = 0.002
@@ -425,7 +429,12 @@ class FTML(Optimizer):
 class Signum(Optimizer):
     """Signum, the sign of a momentum (MXNet's ``Signum(learning_rate=0.01, momentum=0.9,
     wd_lh=0.0, **kwargs)``, its ``signum_update``; with ``momentum=0``, ``signsgd_update``,
-    the sign of the gradient itself). Its update runs on the host."""
+    the sign of the gradient itself, without the rescale, the clip or ``wd_lh``). As in MXNet,
+    a key keeps a momentum state where the momentum was not 0 at its first update, and runs
+    ``signum_update`` from then on (a momentum of 0 or less is none in the kernel); a key
+    without runs ``signsgd_update``, which refuses a momentum or ``wd_lh`` (an error at
+    ``set_optimizer``, or at such a key's update after a change). Its update runs on the
+    host."""
 
     name = "signum"
 

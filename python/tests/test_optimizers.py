@@ -1,6 +1,7 @@
-"""AdaDelta, Adamax, Signum, Ftrl, centered RMSProp and FTML: MXNet 1.9's constructors, and their updates restated in
-numpy (float64, in MXNet's order, so that the values agree exactly) against what a store
-running them gives; the same on float32 weights within float32's rounding."""
+"""AdaDelta, Adamax, Signum, Ftrl, centered RMSProp and FTML: MXNet 1.9's constructors, and
+their updates restated in numpy (float64, in MXNet's order, so that the values agree exactly) against what a store
+running them gives; float32 weights (updated in float64, rounded once a step) against the
+same float64 rule fed float32 gradients, within float32's rounding."""
 
 import numpy as np
 import pytest
@@ -195,3 +196,43 @@ def test_a_store_running_centered_rmsprop_refuses_the_plain_one_s_state():
     g = GRADS[1]  # no weight decay, rescale or clip
     n = (1 - 0.9) * (g * g)  # a fresh state
     np.testing.assert_array_equal(out, before - LR * (g / np.sqrt(n + 1e-8)))
+
+
+def test_signsgd_ignores_rescale_and_clip_and_refuses_wd_lh_as_mxnet_s():
+    kv = kvstore.create()
+    kv.init(0, W0)
+    o = opt.Signum(learning_rate=LR, momentum=0.0, wd=WD, rescale_grad=-3.0, clip_gradient=0.1)
+    kv.set_optimizer(o)
+    want, out = W0.copy(), np.zeros(4)
+    for g in GRADS:
+        kv.push(0, g)
+        want = (1 - LR * WD) * want - LR * np.sign(g)
+        kv.pull(0, out=out)
+        np.testing.assert_array_equal(out, want)
+    # signsgd_update takes no wd_lh: refused, and the object stays what the store runs.
+    with pytest.raises(kvstore.KVStoreError, match="wd_lh"):
+        o.wd_lh = 0.1
+    assert o.wd_lh == 0.0
+    with pytest.raises(kvstore.KVStoreError, match="wd_lh"):
+        kvstore.create().set_optimizer(opt.Signum(momentum=0, wd_lh=0.1))
+
+
+def test_signum_without_a_clip_takes_mxnet_s_other_order(tmp_path):
+    # (1 - momentum) * rescale * g, not (1 - momentum) * (rescale * g): the weights see only
+    # the momentum's sign, so the state saved shows it (the one key's momentum is its four
+    # f64 before the two empty arrays' lengths, last in the file).
+    mom, rescale = 0.7, 0.7
+    kv = kvstore.create()
+    kv.init(0, W0)
+    kv.set_optimizer(opt.Signum(learning_rate=LR, momentum=mom, wd=WD, rescale_grad=rescale))
+    want, s, out = W0.copy(), np.zeros(4), np.zeros(4)
+    for g in GRADS:
+        kv.push(0, g)
+        s = mom * s - (1 - mom) * WD * want - (1 - mom) * rescale * g
+        want = want + LR * np.sign(s)
+        kv.pull(0, out=out)
+        np.testing.assert_array_equal(out, want)
+    kv.save_optimizer_states(str(tmp_path / "states"))
+    data = (tmp_path / "states").read_bytes()
+    assert data[-16:] == bytes(16)
+    np.testing.assert_array_equal(np.frombuffer(data[-48:-16], "<f8"), s)

@@ -98,7 +98,7 @@ impl Optimizer {
     pub(crate) fn decode_with_mults(bytes: &[u8]) -> Result<Multiplied> {
         let malformed = || KvError::Protocol("malformed optimizer parameters".into());
         let mut r = Reader(bytes);
-        let words = super::wire::read_words(&mut r).ok_or_else(malformed)?;
+        let words = super::wire::read_words(&mut r)?;
         let extras = r.len().and_then(|n| r.take(n)).ok_or_else(malformed)?;
         let mut er = Reader(extras);
         let (schedule, begin_num_update) = super::schedule::read_extras(&mut er)
@@ -153,6 +153,19 @@ impl Multiplied {
             if !(l.is_finite() && w.is_finite()) {
                 return Err(KvError::Unsupported(format!(
                     "key {k}: multipliers must be finite, not lr_mult {l}, wd_mult {w}"
+                )));
+            }
+        }
+        if let Optimizer::Signum {
+            momentum: 0.0,
+            wd_lh,
+            ..
+        } = self.opt
+        {
+            if wd_lh != 0.0 {
+                return Err(KvError::Unsupported(format!(
+                    "Signum without momentum is signSGD, which takes no wd_lh ({wd_lh}), as \
+                     MXNet's signsgd_update"
                 )));
             }
         }

@@ -260,20 +260,29 @@ pub(super) fn update_typed<T: Element>(
             clip_gradient,
             wd_lh,
         } => {
-            if momentum == 0.0 {
-                // signsgd_update: neither the rescale nor the clip (nor wd_lh) applies.
+            // As MXNet's Signum: a key with a momentum state (made at its first update where
+            // the momentum was not 0) runs signum_update, one without runs signsgd_update
+            // (`OptimizerUpdater::update` refused a momentum or wd_lh that it cannot take).
+            if m.len() != weight.len() {
+                // signsgd_update: neither the rescale nor the clip applies.
                 for (w, g) in weight.iter_mut().zip(grad) {
                     let wf = w.to_f64();
                     *w = T::from_f64((1.0 - lr * wd) * wf - lr * sign(g.to_f64()));
                 }
             } else {
-                // signum_update; MXNet's Signum passes a negative momentum on as none (the
-                // kernel's default, 0), keeping the state it made.
+                // signum_update; MXNet's Signum passes a momentum of 0 or less on as none
+                // (the kernel's default, 0).
                 let mom = momentum.max(0.0);
                 for ((w, g), s) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
                     let wf = w.to_f64();
-                    let g = prep(g.to_f64(), rescale_grad, clip_gradient);
-                    *s = mom * *s - (1.0 - mom) * wd * wf - (1.0 - mom) * g;
+                    let g = g.to_f64();
+                    // The kernel's two orders, with the clip and without.
+                    let step = if clip_gradient > 0.0 {
+                        (1.0 - mom) * (rescale_grad * g).clamp(-clip_gradient, clip_gradient)
+                    } else {
+                        (1.0 - mom) * rescale_grad * g
+                    };
+                    *s = mom * *s - (1.0 - mom) * wd * wf - step;
                     *w = T::from_f64((1.0 - lr * wd_lh) * wf + lr * sign(*s));
                 }
             }

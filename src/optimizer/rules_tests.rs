@@ -140,14 +140,42 @@ fn signum_steps_as_mxnets_signum_update_and_signsgd_update() {
             w[i] = (1.0 - lr * wd_lh) * w[i] + lr * sign(s[i]);
         }
     });
+    // Without the clip, the kernel's other order, (1 - momentum) * rescale * g, which the
+    // state shows exactly (the weights see only its sign).
+    let (mom, rescale) = (0.7, 0.7);
+    let opt = Optimizer::signum(lr)
+        .momentum(mom)
+        .wd(wd)
+        .rescale_grad(rescale);
+    let mut u = OptimizerUpdater::new(opt);
+    let mut w = NDArray::from_vec(&[4], W0.to_vec()).unwrap();
+    let (mut want, mut s) = (W0, [0.0f64; 4]);
+    for step in 0..4 {
+        let g = grads(step);
+        u.update(
+            &Key::Int(0),
+            &NDArray::from_vec(&[4], g.to_vec()).unwrap(),
+            &mut w,
+        )
+        .unwrap();
+        for i in 0..4 {
+            s[i] = mom * s[i] - (1.0 - mom) * wd * want[i] - (1.0 - mom) * rescale * g[i];
+            want[i] += lr * sign(s[i]);
+        }
+        assert_eq!(w.to_vec::<f64>().unwrap(), want, "step {step}");
+        assert_eq!(
+            u.state[&Key::Int(0)].m.to_vec::<f64>().unwrap(),
+            s,
+            "step {step}"
+        );
+    }
     // Without momentum, signsgd_update: the gradient's own sign (a zero gradient moves
     // nothing but the decay), and wd as the weight's decay.
     let opt = Optimizer::signum(lr)
         .momentum(0.0)
         .wd(wd)
         .rescale_grad(-3.0)
-        .clip_gradient(0.1)
-        .wd_lh(wd_lh);
+        .clip_gradient(0.1);
     check(opt, 3, |_, g, w| {
         for i in 0..4 {
             w[i] = (1.0 - lr * wd) * w[i] - lr * sign(g[i]);
@@ -162,6 +190,49 @@ fn signum_steps_as_mxnets_signum_update_and_signsgd_update() {
             w[i] = (1.0 - lr * wd_lh) * w[i] + lr * sign(s);
         }
     });
+}
+
+#[test]
+fn a_signum_keys_momentum_state_is_made_at_its_first_update_as_in_mxnet() {
+    let g = || NDArray::from_vec(&[2], vec![1.0f64, -2.0]).unwrap();
+    let w0 = || NDArray::from_vec(&[2], vec![0.5f64, 0.5]).unwrap();
+    // Key 0 starts without momentum (signSGD, no state); the momentum set later gives key 1
+    // a state, and key 0, which signSGD runs, refuses it (as MXNet's signsgd_update refuses
+    // a momentum), its count unchanged.
+    let mut u = OptimizerUpdater::new(Optimizer::signum(0.1).momentum(0.0));
+    let (mut a, mut b) = (w0(), w0());
+    u.update(&Key::Int(0), &g(), &mut a).unwrap();
+    assert_eq!(a.to_vec::<f64>().unwrap(), [0.4, 0.6]);
+    u.retune(Optimizer::signum(0.1).momentum(0.5)).unwrap();
+    u.update(&Key::Int(1), &g(), &mut b).unwrap();
+    assert_eq!(
+        u.state[&Key::Int(1)].m.to_vec::<f64>().unwrap(),
+        [-0.5, 1.0]
+    );
+    let err = u.update(&Key::Int(0), &g(), &mut a).unwrap_err();
+    assert!(err.to_string().contains("no momentum state"), "{err}");
+    assert_eq!(
+        (u.state[&Key::Int(0)].t, a.to_vec::<f64>().unwrap()),
+        (1, vec![0.4, 0.6])
+    );
+    // A key that has a state keeps signum_update with the momentum set to 0: weight decay
+    // inside the sign, wd_lh's decay outside it.
+    let mut u = OptimizerUpdater::new(Optimizer::signum(0.1).momentum(0.5).wd(4.0));
+    let mut c = w0();
+    u.update(&Key::Int(0), &g(), &mut c).unwrap();
+    u.retune(Optimizer::signum(0.1).momentum(0.0).wd(4.0).wd_lh(1.0))
+        .unwrap();
+    u.update(&Key::Int(0), &g(), &mut c).unwrap();
+    // Step 1: s = -0.5 * (4 * 0.5 + g) = [-1.5, 0]; w = [0.4, 0.5]. Step 2 (momentum 0):
+    // s = -(4 * w + g) = [-2.6, 0]; w = 0.9 * w + 0.1 * sign(s) = [0.26, 0.45].
+    let got = c.to_vec::<f64>().unwrap();
+    assert_eq!(got, [0.9 * 0.4 - 0.1, 0.9 * 0.5]);
+    // MXNet's Signum without momentum refuses wd_lh at its first update; kvstore at once.
+    let mut kv = crate::create("local").unwrap();
+    let err = kv
+        .set_optimizer(Optimizer::signum(0.1).momentum(0.0).wd_lh(0.1))
+        .unwrap_err();
+    assert!(err.to_string().contains("wd_lh"), "{err}");
 }
 
 #[test]

@@ -95,7 +95,7 @@ impl OptimizerUpdater {
             m if m == MAGICS_1[1] => (true, 1),
             _ => return Err(bad("not a file of saved optimizer states")),
         };
-        let words = read_words(&mut r).ok_or_else(|| bad("truncated, or an unknown optimizer"))?;
+        let words = read_words(&mut r).map_err(|_| bad("truncated, or an unknown optimizer"))?;
         let saved = Optimizer::decode(&words).map_err(|_| bad("unknown optimizer"))?;
         let saved_mults = match version {
             1 => Mults::default(),

@@ -14,15 +14,18 @@ fn words_of(kind: f64) -> Option<usize> {
     }
 }
 
-/// Reads an optimizer's words off the front of `r`: `None` where the kind is unknown or the
+/// Reads an optimizer's words off the front of `r`: an error where the kind is unknown or the
 /// words are cut short.
-pub(super) fn read_words(r: &mut Reader<'_>) -> Option<Vec<f64>> {
-    let kind = r.f64()?;
+pub(super) fn read_words(r: &mut Reader<'_>) -> Result<Vec<f64>> {
+    let truncated = || KvError::Protocol("truncated optimizer parameters".into());
+    let kind = r.f64().ok_or_else(truncated)?;
+    let n = words_of(kind)
+        .ok_or_else(|| KvError::Protocol(format!("unknown optimizer kind {kind}")))?;
     let mut words = vec![kind];
-    for _ in 1..words_of(kind)? {
-        words.push(r.f64()?);
+    for _ in 1..n {
+        words.push(r.f64().ok_or_else(truncated)?);
     }
-    Some(words)
+    Ok(words)
 }
 
 impl Optimizer {

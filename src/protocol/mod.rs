@@ -9,8 +9,9 @@
 //! A data frame's payload is `range length` elements of `dtype`, raw, or with [`flags::PACKED`]
 //! (a push of float32 values, 2-bit compressed: [`crate::Compression`]) their packed form, its
 //! threshold's bits in `aux` (0 otherwise); a control frame's payload is short text
-//! (addresses, names, error messages), or an optimizer: eight f64 of its parameters, then 24
-//! bytes per key of its multipliers (the key's number, `lr_mult`, `wd_mult`).
+//! (addresses, names, error messages), or an optimizer: its parameters' f64 words (kind first;
+//! 8, or 9 for centered RMSProp), its scheduler, then 24 bytes per key of its multipliers (the
+//! key's number, `lr_mult`, `wd_mult`).
 //!
 //! Receive slots ([`flags::SLOT`]): a server's reply to a push may grant the worker a slot (the
 //! grant follows the header) that its next push of the same key slice is put into, once; that

@@ -26,7 +26,7 @@ impl DistWorker {
         // (`KVStore::set_optimizer` checked the multipliers.)
         Optimizer::decode(&opt.opt.encode())?;
         let mut payload = opt.encode_head();
-        let mults = self.numbered_mults(opt, |_| true)?;
+        let mults = self.numbered_mults(opt, payload.len(), |_| true)?;
         if payload.len() + mults.len() > MAX_OPTIMIZER_BYTES {
             return Err(KvError::Unsupported(format!(
                 "the optimizer takes {} bytes with its scheduler and multipliers: at most {} \
@@ -47,7 +47,8 @@ impl DistWorker {
         let Some(opt) = self.optimizer.take() else {
             return Ok(());
         };
-        let result = self.numbered_mults(&opt, |k| new.contains(&k));
+        let head = opt.encode_head().len();
+        let result = self.numbered_mults(&opt, head, |k| new.contains(&k));
         let result = match result {
             Ok(entries) if entries.is_empty() => Ok(()),
             Ok(entries) => {
@@ -62,8 +63,14 @@ impl DistWorker {
     }
 
     /// `opt`'s multipliers of the initialised keys that `pick` picks, each by its number, for
-    /// the wire (none before the store's first init, when the keys' kind is not known).
-    fn numbered_mults(&self, opt: &Multiplied, pick: impl Fn(&Key) -> bool) -> Result<Vec<u8>> {
+    /// the wire (none before the store's first init, when the keys' kind is not known): at
+    /// most what fits in a message beside the optimizer's `head` bytes.
+    fn numbered_mults(
+        &self,
+        opt: &Multiplied,
+        head: usize,
+        pick: impl Fn(&Key) -> bool,
+    ) -> Result<Vec<u8>> {
         let numbered: Vec<(u64, (f64, f64))> = opt
             .mults
             .entries()
@@ -71,11 +78,11 @@ impl DistWorker {
             .filter_map(|(k, m)| self.keys.get(k).map(|info| (info.id, m)))
             .collect();
         let bytes = encode_mults(numbered);
-        if bytes.len() + 64 > MAX_OPTIMIZER_BYTES {
+        if bytes.len() + head > MAX_OPTIMIZER_BYTES {
             return Err(KvError::Unsupported(format!(
-                "multipliers for {} keys: at most {} travel to the servers",
+                "multipliers for {} keys: at most {} travel to the servers with this optimizer",
                 bytes.len() / 24,
-                (MAX_OPTIMIZER_BYTES - 64) / 24
+                MAX_OPTIMIZER_BYTES.saturating_sub(head) / 24
             )));
         }
         Ok(bytes)
