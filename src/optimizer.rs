@@ -203,12 +203,14 @@ pub enum Optimizer {
 }
 
 /// Per-key state of an optimizer: up to three arrays of moments (f64, where the weight is
-/// updated: in host memory, or on the weight's GPU; empty where the optimizer keeps fewer) and
-/// the step count.
+/// updated: in host memory, or on the weight's GPU; empty where the optimizer keeps fewer), the
+/// weight's float32 master copy where it has one (`multi_precision`, in host memory), and the
+/// step count.
 struct KeyState {
     m: NDArray,
     v: NDArray,
     d: NDArray,
+    master: NDArray,
     t: u64,
 }
 
@@ -218,6 +220,7 @@ impl Default for KeyState {
             m: NDArray::placeholder(DType::F64),
             v: NDArray::placeholder(DType::F64),
             d: NDArray::placeholder(DType::F64),
+            master: NDArray::placeholder(DType::F32),
             t: 0,
         }
     }
@@ -233,6 +236,9 @@ pub struct OptimizerUpdater {
     given: Option<LrScheduler>,
     /// Where every key's update count starts (MXNet's `begin_num_update`).
     begin_num_update: u64,
+    /// Whether a float16 or bfloat16 key first updated from now on keeps a float32 master copy
+    /// (MXNet's `multi_precision`).
+    multi_precision: bool,
     /// The most updates any key has had (MXNet's `num_update`): what the scheduler is given.
     num_update: u64,
     state: FxHashMap<Key, KeyState>,
@@ -257,6 +263,7 @@ impl OptimizerUpdater {
             mults,
             schedule,
             begin_num_update,
+            multi_precision,
         } = opt.into();
         OptimizerUpdater {
             opt,
@@ -264,6 +271,7 @@ impl OptimizerUpdater {
             given: schedule.clone(),
             schedule,
             begin_num_update,
+            multi_precision,
             num_update: begin_num_update,
             state: FxHashMap::default(),
         }
@@ -296,13 +304,15 @@ impl OptimizerUpdater {
     ///
     /// The scheduler it was last given, given again, goes on where it stands; another
     /// scheduler (or the same rule in another state) starts from its own state. The update
-    /// counts are kept.
+    /// counts are kept. A change of `multi_precision` applies to the keys first updated after
+    /// it (a key's master copy is made at its first update, or not, as MXNet's state).
     pub fn retune(&mut self, opt: impl Into<Multiplied>) -> Result<()> {
         let Multiplied {
             opt,
             mults,
             schedule,
             begin_num_update: _,
+            multi_precision,
         } = opt.into();
         if !opt.same_kind(&self.opt) {
             return Err(KvError::Incompatible(format!(
@@ -313,6 +323,7 @@ impl OptimizerUpdater {
         }
         self.opt = opt;
         self.mults = mults;
+        self.multi_precision = multi_precision;
         if schedule != self.given {
             self.schedule = schedule.clone();
             self.given = schedule;
@@ -358,6 +369,7 @@ impl OptimizerUpdater {
                 });
             }
         }
+        let fresh = !self.state.contains_key(key);
         let begin = self.begin_num_update;
         let st = self.state.entry(key.clone()).or_insert_with(|| KeyState {
             t: begin,
@@ -374,10 +386,19 @@ impl OptimizerUpdater {
             Some(s) => Some(s.lr(self.num_update)),
             None => None,
         };
+        // A master copy, as MXNet's create_state_multi_precision makes one: at the key's first
+        // update, where the optimizer has multi_precision and the weight is a half type.
+        let n = weight.size();
+        let half = master::applies(weight.dtype());
+        if fresh && half && self.multi_precision {
+            st.master = master::copy_of(weight)?;
+        }
+        let mp = half && st.master.size() == n && n > 0;
         #[cfg(feature = "cuda")]
-        // Only SGD and Adam have GPU kernels: the others run on the host, through the arrays'
-        // mirrors.
-        let on_gpu = matches!(self.opt, Optimizer::Sgd { .. } | Optimizer::Adam { .. })
+        // Only SGD and Adam have GPU kernels: the others, and every update on a master copy,
+        // run on the host, through the arrays' mirrors.
+        let on_gpu = !mp
+            && matches!(self.opt, Optimizer::Sgd { .. } | Optimizer::Adam { .. })
             && crate::gpu::optim::applies(grad, weight);
         #[cfg(not(feature = "cuda"))]
         let on_gpu = false;
@@ -387,7 +408,6 @@ impl OptimizerUpdater {
         } else {
             Device::default()
         };
-        let n = weight.size();
         let mut lr_t = 0.0;
         // The key's multipliers scale its learning rate and weight decay (MXNet's lr_mult,
         // wd_mult).
@@ -434,6 +454,14 @@ impl OptimizerUpdater {
         if on_gpu {
             return crate::gpu::optim::step(opt, lr_t, grad, weight, &mut st.m, &mut st.v);
         }
+        let moments = [
+            st.m.as_mut_slice::<f64>()?,
+            st.v.as_mut_slice::<f64>()?,
+            st.d.as_mut_slice::<f64>()?,
+        ];
+        if mp {
+            return master::step(opt, lr_t, st.t, grad, weight, &mut st.master, moments);
+        }
         let dtype = weight.dtype();
         with_dtype!(dtype, T => update_typed::<T>(
             opt,
@@ -441,11 +469,7 @@ impl OptimizerUpdater {
             st.t,
             grad.as_slice::<T>()?,
             weight.as_mut_slice::<T>()?,
-            [
-                st.m.as_mut_slice::<f64>()?,
-                st.v.as_mut_slice::<f64>()?,
-                st.d.as_mut_slice::<f64>()?,
-            ],
+            moments,
         ));
         Ok(())
     }
@@ -512,6 +536,7 @@ impl<'a> Reader<'a> {
 }
 
 mod build;
+mod master;
 mod mults;
 mod rules;
 mod schedule;

@@ -196,9 +196,9 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     assert_eq!(got.mults_of(&Key::Int(7)), (0.5, 1.0));
     assert_eq!(got.mults_of(&Key::Int(99)), (1.0, 0.0));
     assert!(Optimizer::decode_with_mults(&wire[..wire.len() - 1]).is_err());
-    // The multipliers follow the head: 64 bytes of parameters, the scheduler's length, and
-    // its 9 bytes (no scheduler, count from 0).
-    let at = 64 + 8 + 9;
+    // The multipliers follow the head: 64 bytes of parameters, the extras' length, and their
+    // 10 bytes (no scheduler, count from 0, no multi_precision).
+    let at = 64 + 8 + 10;
     let mut twice = wire.clone();
     twice.extend_from_slice(&wire[at..at + 24]);
     assert!(Optimizer::decode_with_mults(&twice).is_err());
@@ -221,17 +221,18 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     assert!(!kept.load_states(&u.save_states()).unwrap());
     assert_eq!(kept.mults, Mults::default());
     // Files of version 1 (no multipliers) and 2 (no scheduler) load. A version 4 file:
-    // magic, parameters (64), no multipliers (8), no scheduler and count 0 (9), no keys.
+    // magic, parameters (64), no multipliers (8), no scheduler and count 0 (9), no
+    // multi_precision (1), no keys.
     let v4 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
-    assert_eq!(v4.len(), 8 + 64 + 8 + 9 + 8);
+    assert_eq!(v4.len(), 8 + 64 + 8 + 9 + 1 + 8);
     let mut v1 = b"KVOPTSD1".to_vec();
     v1.extend_from_slice(&v4[8..72]);
-    v1.extend_from_slice(&v4[89..]);
+    v1.extend_from_slice(&v4[90..]);
     assert!(kept.load_states(&v1).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
     let mut v2 = b"KVOPTSD2".to_vec();
     v2.extend_from_slice(&v4[8..80]);
-    v2.extend_from_slice(&v4[89..]);
+    v2.extend_from_slice(&v4[90..]);
     assert!(kept.load_states(&v2).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
     // A version 2 file with a key's state, without the optimizer: the state and its count.
@@ -242,18 +243,19 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
             .unwrap();
     }
     let v4 = two.save_states();
-    // Version 4 keeps a third array per key (Adam's is empty, its length 0 last); 2 and 3 do
-    // not.
-    assert_eq!(v4[v4.len() - 8..], [0; 8]);
+    // Version 4 keeps a third array and a master copy per key (Adam's are empty, their
+    // lengths 0 last), and multi_precision before the keys; 2 and 3 do not.
+    assert_eq!(v4[v4.len() - 16..], [0; 16]);
     let mut v2 = b"KVOPTST2".to_vec();
     v2.extend_from_slice(&v4[8..80]);
-    v2.extend_from_slice(&v4[89..v4.len() - 8]);
+    v2.extend_from_slice(&v4[90..v4.len() - 16]);
     let mut loaded = OptimizerUpdater::new(Optimizer::adam(0.5));
     assert!(!loaded.load_states(&v2).unwrap());
     assert_eq!(loaded.num_update(), 2);
     assert_eq!(loaded.save_states()[89..], v4[89..]);
     let mut v3 = b"KVOPTST3".to_vec();
-    v3.extend_from_slice(&v4[8..v4.len() - 8]);
+    v3.extend_from_slice(&v4[8..89]);
+    v3.extend_from_slice(&v4[90..v4.len() - 16]);
     let mut loaded = OptimizerUpdater::new(Optimizer::adam(0.5));
     assert!(!loaded.load_states(&v3).unwrap());
     assert_eq!(loaded.save_states()[89..], v4[89..]);

@@ -28,7 +28,8 @@ differences from MXNet, each documented in README.md:
 * An updater gets a str key as ``str`` (MXNet gives ``bytes``) and a read-only ``input``.
 * The optimizers compute in float64 and round once into the weight's dtype (MXNet computes in
   the weight's dtype); what they cannot honour (multipliers read from a ``sym`` or a
-  ``param_dict``, ``multi_precision``) is a ValueError. Their per-parameter multipliers
+  ``param_dict``) is a ValueError; ``multi_precision`` keeps MXNet's float32 master copy of
+  float16 weights (and of bfloat16 ones). Their per-parameter multipliers
   (``set_lr_mult``, ``set_wd_mult``, ``param_idx2name``'s defaults), ``begin_num_update`` and
   learning-rate schedulers (``kvstore.lr_scheduler``: MXNet's four, run by the store where
   the optimizer runs; a scheduler of your own is a TypeError) are MXNet's.

@@ -21,10 +21,13 @@ MXNet's) runs where the optimizer runs, given ``num_update`` (the most updates a
 had, counted from ``begin_num_update``) at every update, as in MXNet; so does Adam's bias
 correction, from ``begin_num_update`` too.
 
+``multi_precision=True`` is MXNet's: a float16 (here also bfloat16) key keeps a float32 master
+copy of its weight, made at the key's first update; the update runs on the copy, and the
+weight is the copy rounded (the copy is saved with the optimizer's states).
+
 What MXNet's constructors take but kvstore cannot honour is refused with a ``ValueError``
-rather than ignored: multipliers from a symbol or a parameter dict (``sym``, ``param_dict``)
-and ``multi_precision``; a scheduler of your own (one that overrides ``__call__``) is a
-``TypeError``.
+rather than ignored: multipliers from a symbol or a parameter dict (``sym``, ``param_dict``);
+a scheduler of your own (one that overrides ``__call__``) is a ``TypeError``.
 """
 
 import math
@@ -42,7 +45,8 @@ __all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "AdaDelta", 
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
             "epsilon", "float_stable_eps", "gamma1", "gamma2", "centered", "clip_weights", "rho", "wd_lh",
-            "lamda1", "beta", "lr_mult", "wd_mult", "idx2name", "lr_scheduler")
+            "lamda1", "beta", "multi_precision", "lr_mult", "wd_mult", "idx2name",
+            "lr_scheduler")
 _UNSET = object()
 # The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
 _WATCHED = ("lr_mult", "wd_mult", "idx2name")
@@ -107,10 +111,6 @@ class Optimizer:
             raise TypeError("begin_num_update is an int")
         if not 0 <= begin_num_update <= 2**53:
             raise ValueError("begin_num_update must be from 0 to 2**53")
-        if multi_precision:
-            raise ValueError("multi_precision is not supported (float16 weights are updated "
-                             "without a float32 master copy); for float32 weights it changes "
-                             "nothing, so leave it False")
         if param_idx2name is not None and not isinstance(param_idx2name, dict):
             raise TypeError("param_idx2name should be a dict of param indexes to names")
         self.idx2name = dict(param_idx2name or {})
@@ -132,7 +132,7 @@ class Optimizer:
         self.lr_scheduler = lr_scheduler
         self.begin_num_update = begin_num_update
         self._num_update = begin_num_update
-        self.multi_precision = False
+        self.multi_precision = bool(multi_precision)
 
     @property
     def num_update(self) -> int:
@@ -263,6 +263,7 @@ class Optimizer:
     def _kvstore_spec(self) -> Tuple[str, Dict[str, Any], Dict[Any, Tuple[float, float]]]:
         params: Dict[str, Any] = dict(self._params())
         params["begin_num_update"] = self.begin_num_update
+        params["multi_precision"] = bool(self.multi_precision)
         if self.lr_scheduler is not None:
             # The rate to start from is the scheduler's (which a learning_rate given at
             # construction replaced).

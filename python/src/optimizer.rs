@@ -71,6 +71,9 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
     if let Some(b) = p.get_item("begin_num_update")? {
         opt = opt.begin_num_update(b.extract()?);
     }
+    if let Some(b) = p.get_item("multi_precision")? {
+        opt = opt.multi_precision(b.extract()?);
+    }
     if let Some(s) = p.get_item("lr_scheduler")? {
         opt = opt.lr_scheduler(scheduler(&s.cast_into::<PyDict>()?)?);
     }

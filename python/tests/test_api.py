@@ -364,8 +364,7 @@ def test_optimizers_take_mxnet_s_constructors_and_refuse_what_they_cannot_honour
         opt.SGD(use_fused_step=True)  # not an argument of MXNet 1.9's optimizers
     with pytest.raises(AttributeError):
         s.learning_rate = 0.5  # read-only, as MXNet's property
-    for bad in [{"begin_num_update": -1}, {"multi_precision": True}, {"param_dict": {0: 1}},
-                {"sym": object()}]:
+    for bad in [{"begin_num_update": -1}, {"param_dict": {0: 1}}, {"sym": object()}]:
         with pytest.raises(ValueError):
             opt.SGD(**bad)
 

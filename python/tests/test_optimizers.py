@@ -220,7 +220,7 @@ def test_signsgd_ignores_rescale_and_clip_and_refuses_wd_lh_as_mxnet_s():
 def test_signum_without_a_clip_takes_mxnet_s_other_order(tmp_path):
     # (1 - momentum) * rescale * g, not (1 - momentum) * (rescale * g): the weights see only
     # the momentum's sign, so the state saved shows it (the one key's momentum is its four
-    # f64 before the two empty arrays' lengths, last in the file).
+    # f64 before the lengths of its three empty arrays, last in the file).
     mom, rescale = 0.7, 0.7
     kv = kvstore.create()
     kv.init(0, W0)
@@ -234,5 +234,45 @@ def test_signum_without_a_clip_takes_mxnet_s_other_order(tmp_path):
         np.testing.assert_array_equal(out, want)
     kv.save_optimizer_states(str(tmp_path / "states"))
     data = (tmp_path / "states").read_bytes()
-    assert data[-16:] == bytes(16)
-    np.testing.assert_array_equal(np.frombuffer(data[-48:-16], "<f8"), s)
+    assert data[-24:] == bytes(24)
+    np.testing.assert_array_equal(np.frombuffer(data[-56:-24], "<f8"), s)
+
+
+def test_multi_precision_keeps_a_float32_master_copy_of_float16_weights(tmp_path):
+    # At 1.0 a float16 is spaced 2**-10 apart: SGD's steps of 1e-4 are lost to rounding
+    # without a master copy, and add up in it with one (MXNet's update_multi_precision).
+    lr, mom = 0.01, 0.5
+    g = np.array([0.01, -0.01], dtype=np.float16)
+    plain, mp = kvstore.create(), kvstore.create()
+    for kv, o in ((plain, opt.SGD(learning_rate=lr, momentum=mom)),
+                  (mp, opt.SGD(learning_rate=lr, momentum=mom, multi_precision=True))):
+        kv.init(0, np.ones(2, dtype=np.float16))
+        kv.set_optimizer(o)
+    master, m = np.ones(2, dtype=np.float32), np.zeros(2)
+    out = np.zeros(2, dtype=np.float16)
+    for _ in range(20):
+        plain.push(0, g)
+        mp.push(0, g)
+        m = mom * m - lr * g.astype(np.float64)
+        master = (master.astype(np.float64) + m).astype(np.float32)
+        mp.pull(0, out=out)
+        np.testing.assert_array_equal(out, master.astype(np.float16))
+    plain.pull(0, out=out)
+    np.testing.assert_array_equal(out, np.ones(2, dtype=np.float16))
+    # The copy is saved with the state: a store that loads it (with the optimizer, which
+    # replaces its own) goes on exactly.
+    mp.save_optimizer_states(str(tmp_path / "mp"), dump_optimizer=True)
+    weight = np.zeros(2, dtype=np.float16)
+    mp.pull(0, out=weight)
+    again = kvstore.create()
+    again.init(0, weight)
+    again.set_optimizer(opt.SGD())
+    again.load_optimizer_states(str(tmp_path / "mp"))
+    a, b = np.zeros(2, dtype=np.float16), np.zeros(2, dtype=np.float16)
+    for _ in range(5):
+        mp.push(0, g)
+        again.push(0, g)
+    mp.pull(0, out=a)
+    again.pull(0, out=b)
+    np.testing.assert_array_equal(a, b)
+    assert opt.SGD(multi_precision=True).multi_precision is True

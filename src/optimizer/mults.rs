@@ -34,6 +34,7 @@ pub struct Multiplied {
     pub(crate) mults: Mults,
     pub(crate) schedule: Option<super::LrScheduler>,
     pub(crate) begin_num_update: u64,
+    pub(crate) multi_precision: bool,
 }
 
 /// Each named key's `(lr_mult, wd_mult)`.
@@ -50,6 +51,7 @@ impl From<Optimizer> for Multiplied {
             mults: Mults::default(),
             schedule: None,
             begin_num_update: 0,
+            multi_precision: false,
         }
     }
 }
@@ -65,6 +67,13 @@ impl Optimizer {
         Multiplied::from(self).wd_mult(key, m)
     }
 
+    /// This optimizer with MXNet's `multi_precision` on or off: with it, a float16 (or
+    /// bfloat16) key keeps a float32 master copy of its weight, made at its first update; the
+    /// update runs on the copy and the weight is the copy rounded.
+    pub fn multi_precision(self, on: bool) -> Multiplied {
+        Multiplied::from(self).multi_precision(on)
+    }
+
     /// This optimizer with learning rate `lr` and its weight decay multiplied by `wd_m` (a
     /// key's rate, scheduled and multiplied, and its multiplier).
     pub(crate) fn tuned(&self, lr: f64, wd_m: f64) -> Optimizer {
@@ -75,8 +84,9 @@ impl Optimizer {
 }
 
 impl Multiplied {
-    /// The head of what a worker sends: the parameters' words (kind first), then the length of the
-    /// scheduler's bytes and those bytes (the multipliers follow, numbered by the worker).
+    /// The head of what a worker sends: the parameters' words (kind first), then the length of
+    /// the scheduler's bytes and those bytes, `multi_precision` their last (the multipliers
+    /// follow, numbered by the worker).
     pub(crate) fn encode_head(&self) -> Vec<u8> {
         let mut out: Vec<u8> = self
             .opt
@@ -86,6 +96,7 @@ impl Multiplied {
             .collect();
         let mut extras = Vec::new();
         super::write_extras(&mut extras, self.schedule.as_ref(), self.begin_num_update);
+        extras.push(u8::from(self.multi_precision));
         out.extend_from_slice(&(extras.len() as u64).to_le_bytes());
         out.extend(extras);
         out
@@ -102,13 +113,19 @@ impl Optimizer {
         let extras = r.len().and_then(|n| r.take(n)).ok_or_else(malformed)?;
         let mut er = Reader(extras);
         let (schedule, begin_num_update) = super::schedule::read_extras(&mut er)
-            .filter(|_| er.0.is_empty())
             .ok_or_else(|| KvError::Protocol("malformed learning-rate scheduler".into()))?;
+        // (A head from before multi_precision ends without it: off.)
+        let multi_precision = match er.0 {
+            [] | [0] => false,
+            [1] => true,
+            _ => return Err(malformed()),
+        };
         Ok(Multiplied {
             opt: Optimizer::decode(&words)?,
             mults: Mults::decode(r.0)?,
             schedule,
             begin_num_update,
+            multi_precision,
         })
     }
 }
@@ -125,6 +142,12 @@ impl super::OptimizerUpdater {
 }
 
 impl Multiplied {
+    /// MXNet's `multi_precision` ([`Optimizer::multi_precision`]).
+    pub fn multi_precision(mut self, on: bool) -> Multiplied {
+        self.multi_precision = on;
+        self
+    }
+
     /// Multiplies `key`'s learning rate by `m` (replacing an earlier factor for it).
     pub fn lr_mult(mut self, key: impl Into<Key>, m: f64) -> Multiplied {
         self.mults.0.entry(key.into()).or_insert((1.0, 1.0)).0 = m;

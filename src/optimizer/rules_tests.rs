@@ -402,8 +402,8 @@ fn ftml_steps_as_mxnets_ftml_update() {
 
 #[test]
 fn the_fuzzers_seeds_are_a_centered_rmsprop_body_and_ftmls_saved_states() {
-    // tests/fuzz/corpus/protocol/set-optimizer-centered: nine words, no scheduler, key 3's
-    // multipliers (2, 1).
+    // tests/fuzz/corpus/protocol/set-optimizer-centered: nine words, no scheduler,
+    // multi_precision, key 3's multipliers (2, 1).
     let seed = include_bytes!("../../tests/fuzz/corpus/protocol/set-optimizer-centered");
     let m = Optimizer::decode_with_mults(seed).unwrap();
     assert_eq!(
@@ -412,13 +412,17 @@ fn the_fuzzers_seeds_are_a_centered_rmsprop_body_and_ftmls_saved_states() {
             .centered(true)
             .gamma2(0.8)
             .lr_mult(3, 2.0)
+            .multi_precision(true)
     );
     // tests/fuzz/corpus/protocol/optimizer-states: version 4 with the optimizer (which the
-    // protocol target's Adam then takes), FTML's three arrays after one update of key 0.
+    // protocol target's Adam then takes), multi_precision, FTML's three arrays and the master
+    // copy after one update of key 0, a float16 weight.
     let seed = include_bytes!("../../tests/fuzz/corpus/protocol/optimizer-states");
     let mut u = OptimizerUpdater::new(Optimizer::adam(0.5));
     assert!(u.load_states(seed).unwrap());
     assert_eq!(u.optimizer(), &Optimizer::ftml(0.1));
     assert_eq!(u.num_update(), 1);
+    assert!(u.multi_precision);
+    assert_eq!(u.state[&Key::Int(0)].master.size(), 2);
     assert_eq!(u.save_states_and_optimizer(), seed);
 }

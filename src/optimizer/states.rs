@@ -7,8 +7,9 @@ use super::wire::read_words;
 use super::{mults, schedule, write_extras, KeyState, Mults, Optimizer, OptimizerUpdater, Reader};
 use crate::{DType, Key, KvError, NDArray, Result};
 
-/// The first bytes of saved optimizer states (version 4: three arrays of moments per key,
-/// where 3 had two; 3: the optimizer's per-key multipliers, then its scheduler and the count
+/// The first bytes of saved optimizer states (version 4: `multi_precision` after the
+/// scheduler, and three arrays of moments and a master copy per key, where 3 had two arrays;
+/// 3: the optimizer's per-key multipliers, then its scheduler and the count
 /// it began from, follow its parameters; files of versions 3, 2, without the scheduler, and
 /// 1, without the multipliers either, still load).
 const STATES_MAGIC: &[u8; 8] = b"KVOPTST4";
@@ -49,6 +50,7 @@ impl OptimizerUpdater {
         }
         self.mults.save(&mut out);
         write_extras(&mut out, self.schedule.as_ref(), self.begin_num_update);
+        out.push(u8::from(self.multi_precision));
         let mut keys: Vec<&Key> = self.state.keys().collect();
         keys.sort();
         out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
@@ -62,6 +64,11 @@ impl OptimizerUpdater {
                 for x in v.as_slice::<f64>().unwrap_or_default() {
                     out.extend_from_slice(&x.to_le_bytes());
                 }
+            }
+            // The master copy's float32 values, each a float64 exactly.
+            out.extend_from_slice(&(st.master.size() as u64).to_le_bytes());
+            for x in st.master.as_slice::<f32>().unwrap_or_default() {
+                out.extend_from_slice(&f64::from(*x).to_le_bytes());
             }
         }
         out
@@ -106,6 +113,14 @@ impl OptimizerUpdater {
             _ => schedule::read_extras(&mut r)
                 .ok_or_else(|| bad("a truncated or malformed learning-rate scheduler"))?,
         };
+        let saved_mp = match version {
+            1..=3 => false,
+            _ => match r.take(1).ok_or_else(|| bad("truncated"))? {
+                [0] => false,
+                [1] => true,
+                _ => return Err(bad("a malformed multi_precision")),
+            },
+        };
         if !dumped && !saved.same_kind(&self.opt) {
             return Err(bad(&format!(
                 "saved by {}, loaded into {}",
@@ -122,9 +137,11 @@ impl OptimizerUpdater {
                 NDArray::placeholder(DType::F64),
                 NDArray::placeholder(DType::F64),
                 NDArray::placeholder(DType::F64),
+                NDArray::placeholder(DType::F32),
             ];
-            let kept = if version >= 4 { 3 } else { 2 };
-            for v in &mut vecs[..kept] {
+            // Versions 1 to 3: two arrays of moments; 4: three, and the master copy.
+            let kept = if version >= 4 { 4 } else { 2 };
+            for (i, v) in vecs[..kept].iter_mut().enumerate() {
                 let len = r.len().ok_or_else(|| bad("truncated"))?;
                 let bytes = len
                     .checked_mul(8)
@@ -135,10 +152,14 @@ impl OptimizerUpdater {
                     w.copy_from_slice(b);
                     f64::from_le_bytes(w)
                 });
-                *v = NDArray::from_vec(&[len], xs.collect::<Vec<f64>>())?;
+                *v = if i == 3 {
+                    NDArray::from_vec(&[len], xs.map(|x| x as f32).collect::<Vec<f32>>())?
+                } else {
+                    NDArray::from_vec(&[len], xs.collect::<Vec<f64>>())?
+                };
             }
-            let [m, v, d] = vecs;
-            state.insert(key, KeyState { m, v, d, t });
+            let [m, v, d, master] = vecs;
+            state.insert(key, KeyState { m, v, d, master, t });
         }
         if !r.0.is_empty() {
             return Err(bad("bytes after the last key"));
@@ -149,6 +170,7 @@ impl OptimizerUpdater {
             self.given = saved_schedule.clone();
             self.schedule = saved_schedule;
             self.begin_num_update = saved_begin;
+            self.multi_precision = saved_mp;
         }
         // The most updates a key has had, as the counts saved say.
         self.num_update = state

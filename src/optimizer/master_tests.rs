@@ -1,0 +1,126 @@
+//! `multi_precision`: float16 and bfloat16 weights updated through a float32 master copy, as
+//! MXNet's `update_multi_precision`, restated step by step.
+
+use half::{bf16, f16};
+
+use crate::{Key, NDArray, Optimizer, OptimizerUpdater};
+
+fn h(xs: &[f32]) -> NDArray {
+    NDArray::from_vec(&[xs.len()], xs.iter().map(|&x| f16::from_f32(x)).collect()).unwrap()
+}
+
+fn values(a: &NDArray) -> Vec<f32> {
+    a.as_slice::<f16>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_f32())
+        .collect()
+}
+
+#[test]
+fn small_steps_accumulate_in_the_master_copy_and_are_lost_without_it() {
+    // At 1.0 a float16 is spaced 2^-10 apart: a step of about 1e-4 rounds back to 1.0 every
+    // time, unless the steps add up in float32.
+    let (lr, g) = (0.01, h(&[0.01, -0.01]));
+    let gv = f64::from(f16::from_f32(0.01).to_f32());
+    let mut plain = OptimizerUpdater::new(Optimizer::sgd(lr));
+    let mut mp = OptimizerUpdater::new(Optimizer::sgd(lr).multi_precision(true));
+    let (mut a, mut b) = (h(&[1.0, 1.0]), h(&[1.0, 1.0]));
+    let mut master = [1.0f32, 1.0];
+    for step in 0..20 {
+        plain.update(&Key::Int(0), &g, &mut a).unwrap();
+        mp.update(&Key::Int(0), &g, &mut b).unwrap();
+        master[0] = (f64::from(master[0]) - lr * gv) as f32;
+        master[1] = (f64::from(master[1]) + lr * gv) as f32;
+        let want: Vec<f32> = master.iter().map(|&m| f16::from_f32(m).to_f32()).collect();
+        assert_eq!(values(&b), want, "step {step}");
+        assert_eq!(
+            mp.state[&Key::Int(0)].master.to_vec::<f32>().unwrap(),
+            master
+        );
+    }
+    assert_eq!(values(&a), [1.0, 1.0]);
+    assert!(values(&b)[0] < 1.0 && values(&b)[1] > 1.0);
+    // No state for SGD without momentum beyond the master copy; none at all without it.
+    assert_eq!(plain.state[&Key::Int(0)].master.size(), 0);
+}
+
+#[test]
+fn momentum_and_weight_decay_run_on_the_master_copy_and_bfloat16_takes_one_too() {
+    let (lr, mom, wd) = (0.05, 0.9, 0.1);
+    let opt = Optimizer::sgd(lr)
+        .momentum(mom)
+        .wd(wd)
+        .multi_precision(true);
+    let mut u = OptimizerUpdater::new(opt);
+    let mut w = NDArray::from_vec(&[2], vec![bf16::from_f32(0.3), bf16::from_f32(-1.7)]).unwrap();
+    let mut master = [bf16::from_f32(0.3).to_f32(), bf16::from_f32(-1.7).to_f32()];
+    let mut m = [0.0f64; 2];
+    for step in 0..5 {
+        let gs = [0.25f32 - 0.1 * step as f32, 0.5];
+        let g = NDArray::from_vec(&[2], gs.iter().map(|&x| bf16::from_f32(x)).collect()).unwrap();
+        u.update(&Key::Int(1), &g, &mut w).unwrap();
+        for i in 0..2 {
+            let gi = f64::from(bf16::from_f32(gs[i]).to_f32());
+            let wf = f64::from(master[i]);
+            m[i] = mom * m[i] - lr * (gi + wd * wf);
+            master[i] = (wf + m[i]) as f32;
+        }
+        let got: Vec<f32> = w
+            .as_slice::<bf16>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        let want: Vec<f32> = master.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+        assert_eq!(got, want, "step {step}");
+    }
+    // A float32 weight keeps no copy: the flag concerns half types only.
+    let mut f = NDArray::from_vec(&[1], vec![1.0f32]).unwrap();
+    u.update(
+        &Key::Int(2),
+        &NDArray::from_vec(&[1], vec![1.0f32]).unwrap(),
+        &mut f,
+    )
+    .unwrap();
+    assert_eq!(u.state[&Key::Int(2)].master.size(), 0);
+}
+
+#[test]
+fn the_master_copy_is_made_at_a_keys_first_update_and_saved_with_the_state() {
+    let g = h(&[0.01, 0.02, -0.03]);
+    // Key 0 is first updated without multi_precision: it keeps no copy after it is turned on;
+    // key 1, first updated after, makes one from its weight.
+    let mut u = OptimizerUpdater::new(Optimizer::adam(0.001));
+    let (mut a, mut b) = (h(&[1.0, 2.0, 3.0]), h(&[1.0, 2.0, 3.0]));
+    u.update(&Key::Int(0), &g, &mut a).unwrap();
+    u.retune(Optimizer::adam(0.001).multi_precision(true))
+        .unwrap();
+    u.update(&Key::Int(0), &g, &mut a).unwrap();
+    u.update(&Key::Int(1), &g, &mut b).unwrap();
+    assert_eq!(u.state[&Key::Int(0)].master.size(), 0);
+    assert_eq!(u.state[&Key::Int(1)].master.size(), 3);
+    // Saved and loaded (with the optimizer, multi_precision included), the copy goes on
+    // exactly: the next updates agree with the updater that saved them, bit for bit.
+    let saved = u.save_states_and_optimizer();
+    let mut back = OptimizerUpdater::new(Optimizer::sgd(1.0));
+    assert!(back.load_states(&saved).unwrap());
+    assert!(back.multi_precision);
+    let mut b2 = b.clone();
+    for _ in 0..3 {
+        u.update(&Key::Int(1), &g, &mut b).unwrap();
+        back.update(&Key::Int(1), &g, &mut b2).unwrap();
+        assert_eq!(values(&b), values(&b2));
+    }
+    assert_eq!(
+        u.state[&Key::Int(1)].master.to_vec::<f32>().unwrap(),
+        back.state[&Key::Int(1)].master.to_vec::<f32>().unwrap()
+    );
+    // The flag travels with the optimizer.
+    let m = Optimizer::adam(0.1).multi_precision(true);
+    let wire = m.encode_head();
+    assert_eq!(Optimizer::decode_with_mults(&wire).unwrap(), m);
+    let mut bad = wire.clone();
+    *bad.last_mut().unwrap() = 2;
+    assert!(Optimizer::decode_with_mults(&bad).is_err());
+}
