@@ -40,7 +40,19 @@ pub fn protocol(data: &[u8]) {
         }
         let _ = u.learning_rate();
     }
-    let _ = crate::OptimizerUpdater::new(crate::Optimizer::adam(0.1)).load_states(data);
+    // Saved states, then updates of float32 and float16 weights from them (a master copy or
+    // moments of any size the bytes claim).
+    let mut u = crate::OptimizerUpdater::new(crate::Optimizer::adam(0.1));
+    if u.load_states(data).is_ok() {
+        let mut w = crate::NDArray::zeros(&[2]);
+        let mut h = crate::NDArray::zeros_dtype(&[2], crate::DType::F16);
+        let g = crate::NDArray::ones(&[2]);
+        let gh = crate::NDArray::full_dtype(&[2], 1.0, crate::DType::F16);
+        for key in [0, 1, 2] {
+            let _ = u.update(&crate::Key::Int(key), &g, &mut w);
+            let _ = u.update(&crate::Key::Int(key), &gh, &mut h);
+        }
+    }
     // What a node's hello says of it, after its nonce (the scheduler reads it).
     let _ = crate::scheduler::node_lines(data);
     let text = String::from_utf8_lossy(data);

@@ -354,8 +354,10 @@ impl OptimizerUpdater {
             momentum, wd_lh, ..
         } = self.opt
         {
+            // (A state of another size than the weight, loaded from elsewhere, is one: it
+            // starts afresh, as every optimizer's does.)
             signum_state = match self.state.get(key) {
-                Some(st) => st.m.size() == weight.size(),
+                Some(st) => st.m.size() != 0 || weight.size() == 0,
                 None => momentum != 0.0,
             };
             if !signum_state && (momentum > 0.0 || wd_lh != 0.0) {
@@ -369,7 +371,19 @@ impl OptimizerUpdater {
                 });
             }
         }
-        let fresh = !self.state.contains_key(key);
+        // A master copy, as MXNet's create_state_multi_precision makes one: at the key's first
+        // update, where the optimizer has multi_precision and the weight is a half type. One
+        // of another size than the weight (loaded from elsewhere) is made afresh, as moments
+        // are. Made before the count moves, so that a failure changes nothing.
+        let n = weight.size();
+        let half = master::applies(weight.dtype());
+        let copy = match self.state.get(key) {
+            None if half && self.multi_precision => Some(master::copy_of(weight)?),
+            Some(st) if half && st.master.size() != 0 && st.master.size() != n => {
+                Some(master::copy_of(weight)?)
+            }
+            _ => None,
+        };
         let begin = self.begin_num_update;
         let st = self.state.entry(key.clone()).or_insert_with(|| KeyState {
             t: begin,
@@ -386,12 +400,8 @@ impl OptimizerUpdater {
             Some(s) => Some(s.lr(self.num_update)),
             None => None,
         };
-        // A master copy, as MXNet's create_state_multi_precision makes one: at the key's first
-        // update, where the optimizer has multi_precision and the weight is a half type.
-        let n = weight.size();
-        let half = master::applies(weight.dtype());
-        if fresh && half && self.multi_precision {
-            st.master = master::copy_of(weight)?;
+        if let Some(c) = copy {
+            st.master = c;
         }
         let mp = half && st.master.size() == n && n > 0;
         #[cfg(feature = "cuda")]

@@ -413,7 +413,7 @@ impl KVStore {
     /// with its per-key multipliers if it has some ([`crate::Multiplied`]).
     pub fn set_optimizer(&mut self, opt: impl Into<crate::Multiplied>) -> Result<()> {
         let opt = opt.into();
-        opt.check()?;
+        opt.check_new()?;
         match &mut self.inner {
             Inner::Local(s) => {
                 s.set_optimizer(opt);

@@ -26,8 +26,9 @@ differences from MXNet, each documented in README.md:
 * Errors are typed: ``pull`` without ``out`` is a ValueError (an AssertionError in MXNet), a
   bool key is a TypeError.
 * An updater gets a str key as ``str`` (MXNet gives ``bytes``) and a read-only ``input``.
-* The optimizers compute in float64 and round once into the weight's dtype (MXNet computes in
-  the weight's dtype); what they cannot honour (multipliers read from a ``sym`` or a
+* The optimizers compute in float64 and round once into the weight's dtype, or into a
+  ``multi_precision`` master copy and from it into the weight (MXNet computes in the weight's
+  dtype, or the copy's); what they cannot honour (multipliers read from a ``sym`` or a
   ``param_dict``) is a ValueError; ``multi_precision`` keeps MXNet's float32 master copy of
   float16 weights (and of bfloat16 ones). Their per-parameter multipliers
   (``set_lr_mult``, ``set_wd_mult``, ``param_idx2name``'s defaults), ``begin_num_update`` and

@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional, Tuple
 from . import lr_scheduler as _schedulers
 
 __all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "AdaDelta", "Adamax",
-           "Signum", "Ftrl", "FTML", "create"]
+           "Signum", "Ftrl", "FTML", "create", "Updater", "get_updater"]
 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
@@ -465,6 +465,56 @@ class Ftrl(Optimizer):
 
     def _params(self) -> Dict[str, Optional[float]]:
         return {**super()._params(), "lamda1": self.lamda1, "beta": self.beta}
+
+
+class Updater:
+    """MXNet's ``Updater`` (``get_updater(optimizer)``): the optimizer run in this process on
+    numpy arrays, ``updater(index, grad, weight)`` updating ``weight`` in place, with a state
+    per index; so ``kv._set_updater(get_updater(opt))`` runs it as the store's updater, on the
+    servers of a distributed store too (it travels there by value, with fresh state, as the
+    optimizer MXNet's servers run). It is the engine of ``set_optimizer``, by the same Rust
+    code. As a store, it runs the optimizer object it was given: a change to its parameters
+    applies from the next update on.
+
+    ``get_states(dump_optimizer=False)`` and ``set_states(states)`` take kvstore's
+    saved-states format (MXNet's is a pickle); states that carry the optimizer replace this
+    updater's, and it no longer runs the object it was given."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError("get_updater takes a kvstore.optimizer object, not "
+                            f"{type(optimizer).__name__}")
+        from ._native import OptimizerRunner
+        self.optimizer = optimizer
+        self._runner = OptimizerRunner(optimizer)
+        optimizer._attached_to(self)
+
+    def __call__(self, index: Any, grad: Any, weight: Any) -> None:
+        self._runner.update(index, grad, weight)
+
+    def get_states(self, dump_optimizer: bool = False) -> bytes:
+        """The state of every index (and the optimizer, with ``dump_optimizer``), as bytes."""
+        return self._runner.save_states(bool(dump_optimizer))
+
+    def set_states(self, states: bytes) -> None:
+        """Replaces the state with what ``get_states`` gave."""
+        if self._runner.load_states(bytes(states)):
+            self.optimizer._stores.discard(self)
+
+    def _retune_optimizer(self, optimizer: Optimizer) -> None:
+        self._runner.retune(optimizer)
+
+    def _optimizer_num_update(self, optimizer: Optimizer) -> int:
+        return self._runner.num_update()
+
+    def __reduce__(self) -> Any:
+        # By value, without the state: a distributed store's servers start their own.
+        return (Updater, (self.optimizer,))
+
+
+def get_updater(optimizer: Optimizer) -> Updater:
+    """MXNet's ``get_updater``: an ``Updater`` running ``optimizer``."""
+    return Updater(optimizer)
 
 
 def _check_scheduler(s: Any) -> None:

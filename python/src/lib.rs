@@ -6,6 +6,7 @@ mod arrays;
 mod claim;
 mod fast;
 mod optimizer;
+mod runner;
 mod shell;
 mod store;
 mod updater;
@@ -130,6 +131,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::KVStore>()?;
     fast::install(&m.py().get_type::<store::KVStore>())?;
     m.add_class::<arrays::Memory>()?;
+    m.add_class::<runner::OptimizerRunner>()?;
     let py = m.py();
     m.add("KVStoreError", py.get_type::<KVStoreError>())?;
     m.add("PeerLost", py.get_type::<PeerLost>())?;

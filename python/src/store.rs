@@ -75,6 +75,9 @@ pub(crate) struct KVStore {
     /// The `kvstore.optimizer` object a local store runs (`set_optimizer`): a change to its
     /// parameters is applied to the store's (`_retune_optimizer`), as in MXNet.
     optimizer: std::sync::Mutex<Option<Py<PyAny>>>,
+    /// A local store's Python updater (`_set_updater`), whose `get_states` and `set_states`
+    /// save and load its state where it has them, as in MXNet.
+    updater: std::sync::Mutex<Option<Py<PyAny>>>,
 }
 
 #[pymethods]
@@ -329,6 +332,7 @@ impl KVStore {
         let opt = crate::optimizer::of(optimizer)?;
         me.control(slf.py(), 0, move |kv| kv.set_optimizer(opt))?;
         if !me.dist {
+            *me.python_updater() = None;
             *me.runs() = Some(optimizer.clone().unbind());
             optimizer.call_method1("_attached_to", (slf,))?;
         }
@@ -400,6 +404,7 @@ impl KVStore {
             })
         })?;
         *self.runs() = None;
+        *self.python_updater() = Some(updater.clone().unbind());
         Ok(())
     }
 
@@ -414,7 +419,8 @@ impl KVStore {
     }
 
     /// Saves the built-in optimizer's state to a file (in a distributed store, the servers';
-    /// call it on one worker); with `dump_optimizer`, the optimizer too.
+    /// call it on one worker), or a local store's updater's (its `get_states`, as MXNet's);
+    /// with `dump_optimizer`, the optimizer too.
     #[pyo3(signature = (fname, dump_optimizer = false))]
     fn save_optimizer_states(
         &self,
@@ -422,6 +428,12 @@ impl KVStore {
         fname: std::path::PathBuf,
         dump_optimizer: bool,
     ) -> PyResult<()> {
+        let updater = self.python_updater().as_ref().map(|u| u.clone_ref(py));
+        if let Some(u) = updater {
+            if crate::runner::save_through(u.bind(py), &fname, dump_optimizer)? {
+                return Ok(());
+            }
+        }
         self.control(py, 0, move |kv| match dump_optimizer {
             true => kv.save_optimizer_and_states(&fname),
             false => kv.save_optimizer_states(&fname),
@@ -432,6 +444,12 @@ impl KVStore {
     /// saved with `dump_optimizer` replaces the optimizer too, and the store no longer runs
     /// the object `set_optimizer` was given (as in MXNet).
     fn load_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf) -> PyResult<()> {
+        let updater = self.python_updater().as_ref().map(|u| u.clone_ref(py));
+        if let Some(u) = updater {
+            if crate::runner::load_through(u.bind(py), &fname)? {
+                return Ok(());
+            }
+        }
         if self.control(py, 0, move |kv| kv.load_optimizer_states(&fname))? {
             *self.runs() = None;
         }

@@ -372,3 +372,34 @@ def test_the_servers_run_the_learning_rate_scheduler(tmp_path):
     assert code == 0, out
     for w in range(2):
         assert f"worker {w} done" in out, out
+
+
+def test_get_updater_set_on_a_worker_runs_on_the_servers(tmp_path):
+    # MXNet's kv._set_updater(get_updater(opt)): the Updater travels to the servers by value
+    # and runs there on each server's slices, its state kept per key; the weights are those of
+    # a local store running the same optimizer on the same summed gradients.
+    code, out = run_job(tmp_path, """
+        from kvstore import optimizer as opt
+        make = lambda: opt.Adam(learning_rate=0.01, wd=0.001)
+        big = (300, 1000)      # sliced over both servers (bound 100000)
+        w0 = np.linspace(-1, 1, 300000, dtype=np.float32).reshape(big)
+        kv.init([0, 1], [np.ones(5, dtype=np.float32), w0])
+        kv._set_updater(opt.get_updater(make()))
+        ref = kvstore.create()
+        ref.init([0, 1], [np.ones(5, dtype=np.float32), w0])
+        ref.set_optimizer(make())
+        outs = [np.zeros(5, dtype=np.float32), np.zeros(big, dtype=np.float32)]
+        want = [np.zeros(5, dtype=np.float32), np.zeros(big, dtype=np.float32)]
+        for step in range(3):
+            g = lambda r, shape: np.full(shape, r + step - 0.75, dtype=np.float32)
+            kv.push([0, 1], [g(kv.rank, 5), g(kv.rank, big)])
+            ref.push([0, 1], [[g(r, 5) for r in range(2)], [g(r, big) for r in range(2)]])
+        kv.pull([0, 1], out=outs)
+        ref.pull([0, 1], out=want)
+        for o, w in zip(outs, want):
+            assert np.array_equal(o, w), (o, w)
+        assert not np.array_equal(outs[1], w0)
+        print(f"worker {kv.rank} matches", flush=True)
+        """, env={"KVSTORE_BIGARRAY_BOUND": "100000"})
+    assert code == 0, out
+    assert out.count("matches") == 2, out

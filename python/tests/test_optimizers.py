@@ -209,10 +209,17 @@ def test_signsgd_ignores_rescale_and_clip_and_refuses_wd_lh_as_mxnet_s():
         want = (1 - LR * WD) * want - LR * np.sign(g)
         kv.pull(0, out=out)
         np.testing.assert_array_equal(out, want)
-    # signsgd_update takes no wd_lh: refused, and the object stays what the store runs.
+    # signsgd_update takes no wd_lh: a key without a momentum state refuses it at its next
+    # update (as MXNet's), its weight unchanged; an optimizer run afresh refuses it at once.
+    o.wd_lh = 0.1
     with pytest.raises(kvstore.KVStoreError, match="wd_lh"):
-        o.wd_lh = 0.1
-    assert o.wd_lh == 0.0
+        kv.push(0, GRADS[0])
+    kv.pull(0, out=out)
+    np.testing.assert_array_equal(out, want)
+    o.wd_lh = 0.0
+    kv.push(0, GRADS[0])
+    kv.pull(0, out=out)
+    np.testing.assert_array_equal(out, (1 - LR * WD) * want - LR * np.sign(GRADS[0]))
     with pytest.raises(kvstore.KVStoreError, match="wd_lh"):
         kvstore.create().set_optimizer(opt.Signum(momentum=0, wd_lh=0.1))
 
@@ -276,3 +283,106 @@ def test_multi_precision_keeps_a_float32_master_copy_of_float16_weights(tmp_path
     again.pull(0, out=b)
     np.testing.assert_array_equal(a, b)
     assert opt.SGD(multi_precision=True).multi_precision is True
+
+
+def test_get_updater_runs_the_optimizer_on_numpy_arrays_as_a_store_does():
+    o = opt.SGD(learning_rate=0.1, momentum=0.9, wd=0.01)
+    kv = kvstore.create()
+    kv.init([0, 1], [W0, W0[:2]])
+    kv.set_optimizer(o)
+    up = opt.get_updater(o)
+    assert isinstance(up, opt.Updater)
+    w = {0: W0.copy(), 1: W0[:2].copy()}
+    out = {0: np.zeros(4), 1: np.zeros(2)}
+    for step, g in enumerate(GRADS):
+        if step == 2:
+            o.lr = 0.05  # both run the object: from the next update on
+        for k in (0, 1):
+            gk = g if k == 0 else g[:2]
+            kv.push(k, gk)
+            up(k, gk, w[k])
+            kv.pull(k, out=out[k])
+            np.testing.assert_array_equal(w[k], out[k])
+    assert o.num_update == 4
+    # The store's updater: the same values.
+    kv2 = kvstore.create()
+    kv2.init(0, W0)
+    kv2._set_updater(opt.get_updater(opt.SGD(learning_rate=0.1, momentum=0.9, wd=0.01)))
+    again = W0.copy()
+    up2 = opt.get_updater(opt.SGD(learning_rate=0.1, momentum=0.9, wd=0.01))
+    for g in GRADS:
+        kv2.push(0, g)
+        up2(0, g, again)
+    kv2.pull(0, out=out[0])
+    np.testing.assert_array_equal(out[0], again)
+    # Its state, saved and set, goes on exactly; with the optimizer, it replaces the object.
+    states = up.get_states()
+    fresh = opt.get_updater(opt.SGD(learning_rate=0.05, momentum=0.9, wd=0.01))
+    fresh.set_states(states)
+    a, b = w[0].copy(), w[0].copy()
+    up(0, GRADS[0], a)
+    fresh(0, GRADS[0], b)
+    np.testing.assert_array_equal(a, b)
+    adam = opt.Adam()
+    other = opt.get_updater(adam)
+    with pytest.raises(kvstore.KVStoreError, match="sgd"):
+        other.set_states(states)
+    other.set_states(up.get_states(dump_optimizer=True))
+    assert other not in list(adam._stores)  # it runs the saved SGD, not the object
+    c = a.copy()
+    other(0, GRADS[1], c)
+    up(0, GRADS[1], a)
+    np.testing.assert_array_equal(a, c)
+
+
+def test_an_updater_refuses_bad_arrays_and_travels_by_value():
+    import pickle
+    up = opt.get_updater(opt.SGD(learning_rate=0.5))
+    w = np.ones(3)
+    with pytest.raises(ValueError):
+        up(0, np.ones(2), w)  # another shape
+    with pytest.raises(ValueError):
+        up(0, np.ones(3, dtype=np.float32), w)  # another dtype
+    with pytest.raises(ValueError):
+        up(0, w, w)  # the same memory
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, TypeError, BufferError)):
+        up(0, np.ones(3), ro)
+    with pytest.raises(TypeError):
+        opt.get_updater(lambda *a: None)
+    np.testing.assert_array_equal(w, np.ones(3))
+    up(0, np.ones(3), w)
+    copy = pickle.loads(pickle.dumps(up))
+    w2 = np.ones(3)
+    copy(0, np.ones(3), w2)  # a fresh state: the first step again
+    np.testing.assert_array_equal(w2, w)
+    np.testing.assert_array_equal(w, np.full(3, 0.5))
+
+
+def test_a_local_store_saves_its_updater_s_states_as_mxnet_s(tmp_path):
+    # MXNet's save_optimizer_states and load_optimizer_states call the updater's get_states
+    # and set_states: with kv._set_updater(get_updater(opt)), the store saves its state.
+    kv = kvstore.create()
+    kv.init(0, W0)
+    kv._set_updater(opt.get_updater(opt.SGD(learning_rate=0.1, momentum=0.9)))
+    kv.push(0, GRADS[0])
+    path = str(tmp_path / "states")
+    kv.save_optimizer_states(path)
+    kv2 = kvstore.create()
+    w = np.zeros(4)
+    kv.pull(0, out=w)
+    kv2.init(0, w)
+    kv2._set_updater(opt.get_updater(opt.SGD(learning_rate=0.1, momentum=0.9)))
+    kv2.load_optimizer_states(path)
+    a, b = np.zeros(4), np.zeros(4)
+    for kvx, out in ((kv, a), (kv2, b)):
+        kvx.push(0, GRADS[1])
+        kvx.pull(0, out=out)
+    np.testing.assert_array_equal(a, b)
+    # An updater without get_states: the built-in optimizer's state, which there is none of.
+    kv3 = kvstore.create()
+    kv3.init(0, W0)
+    kv3._set_updater(lambda k, i, s: None)
+    with pytest.raises(kvstore.KVStoreError):
+        kv3.save_optimizer_states(path)

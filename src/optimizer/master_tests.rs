@@ -124,3 +124,54 @@ fn the_master_copy_is_made_at_a_keys_first_update_and_saved_with_the_state() {
     *bad.last_mut().unwrap() = 2;
     assert!(Optimizer::decode_with_mults(&bad).is_err());
 }
+
+#[test]
+fn nag_with_a_master_copy_takes_mxnets_mp_nag_mom_update_order() {
+    // MP_NAGMomKernel: the momentum's weight decay is of the weight just updated (the kernel
+    // without a copy takes the weight before), then the copy is rounded into the weight.
+    let (lr, mom, wd, rescale) = (0.1, 0.9, 0.5, 0.5);
+    let opt = Optimizer::nag(lr)
+        .momentum(mom)
+        .wd(wd)
+        .rescale_grad(rescale)
+        .multi_precision(true);
+    let mut u = OptimizerUpdater::new(opt);
+    let mut w = h(&[1.0, -2.0]);
+    let (mut master, mut m) = ([1.0f32, -2.0], [0.0f64; 2]);
+    for step in 0..4 {
+        let gs = [0.5f32 - step as f32, 0.25];
+        let g = h(&gs);
+        u.update(&Key::Int(0), &g, &mut w).unwrap();
+        for i in 0..2 {
+            let gi = f64::from(f16::from_f32(gs[i]).to_f32()) * rescale;
+            let wf = f64::from(master[i]);
+            m[i] *= mom;
+            let nw = (wf - m[i] + (mom + 1.0) * (m[i] - lr * (gi + wd * wf))) as f32;
+            m[i] -= lr * (gi + wd * f64::from(nw));
+            master[i] = nw;
+        }
+        assert_eq!(
+            u.state[&Key::Int(0)].m.to_vec::<f64>().unwrap(),
+            m,
+            "step {step}"
+        );
+        let want: Vec<f32> = master.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+        assert_eq!(values(&w), want, "step {step}");
+    }
+}
+
+#[test]
+fn a_master_copy_of_another_size_is_made_afresh_from_the_weight() {
+    // (Loaded from states saved for another shape of the key, say.)
+    let mut u = OptimizerUpdater::new(Optimizer::sgd(0.5).multi_precision(true));
+    let mut w = h(&[1.0, 2.0]);
+    u.update(&Key::Int(0), &h(&[0.0, 0.0]), &mut w).unwrap();
+    u.state.get_mut(&Key::Int(0)).unwrap().master =
+        NDArray::from_vec(&[3], vec![9.0f32; 3]).unwrap();
+    u.update(&Key::Int(0), &h(&[1.0, 1.0]), &mut w).unwrap();
+    assert_eq!(values(&w), [0.5, 1.5]);
+    assert_eq!(
+        u.state[&Key::Int(0)].master.to_vec::<f32>().unwrap(),
+        [0.5, 1.5]
+    );
+}

@@ -170,15 +170,11 @@ impl Multiplied {
         self.mults.of(key)
     }
 
-    /// An error naming a factor that is not a finite number, or what the scheduler refuses.
-    pub(crate) fn check(&self) -> Result<()> {
-        for (k, (l, w)) in &self.mults.0 {
-            if !(l.is_finite() && w.is_finite()) {
-                return Err(KvError::Unsupported(format!(
-                    "key {k}: multipliers must be finite, not lr_mult {l}, wd_mult {w}"
-                )));
-            }
-        }
+    /// What `set_optimizer` refuses in an optimizer run afresh: what [`Multiplied::check`]
+    /// refuses, and signSGD (Signum without momentum, which every key then runs) given `wd_lh`.
+    /// (A running one may be changed so: its keys with a momentum state go on with it.)
+    pub fn check_new(&self) -> Result<()> {
+        self.check()?;
         if let Optimizer::Signum {
             momentum: 0.0,
             wd_lh,
@@ -189,6 +185,19 @@ impl Multiplied {
                 return Err(KvError::Unsupported(format!(
                     "Signum without momentum is signSGD, which takes no wd_lh ({wd_lh}), as \
                      MXNet's signsgd_update"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// What `update_optimizer` refuses: a factor that is not a finite number, or a scheduler
+    /// or `begin_num_update` out of range.
+    pub fn check(&self) -> Result<()> {
+        for (k, (l, w)) in &self.mults.0 {
+            if !(l.is_finite() && w.is_finite()) {
+                return Err(KvError::Unsupported(format!(
+                    "key {k}: multipliers must be finite, not lr_mult {l}, wd_mult {w}"
                 )));
             }
         }

@@ -1,7 +1,8 @@
 //! The update rules on the host, element by element in f64 and rounded once into the
 //! weight's dtype: MXNet's `sgd_update`, `sgd_mom_update`, `nag_mom_update`, `adam_update`,
-//! its Python `AdaGrad`'s dense update, `rmsprop_update`, `rmspropalex_update`, its Python `AdaDelta` and `Adamax`,
-//! `signum_update`, `signsgd_update`, `ftrl_update` and `ftml_update` (MXNet 1.9).
+//! its Python `AdaGrad`'s dense update, `rmsprop_update`, `rmspropalex_update`, its Python
+//! `AdaDelta` and `Adamax`, `signum_update`, `signsgd_update`, `ftrl_update` and
+//! `ftml_update` (MXNet 1.9).
 
 use super::Optimizer;
 use crate::Element;

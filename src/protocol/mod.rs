@@ -10,8 +10,9 @@
 //! (a push of float32 values, 2-bit compressed: [`crate::Compression`]) their packed form, its
 //! threshold's bits in `aux` (0 otherwise); a control frame's payload is short text
 //! (addresses, names, error messages), or an optimizer: its parameters' f64 words (kind first;
-//! 8, or 9 for centered RMSProp), its scheduler, then 24 bytes per key of its multipliers (the
-//! key's number, `lr_mult`, `wd_mult`).
+//! 8, or 9 for centered RMSProp), the length of its extras and they (its scheduler,
+//! `begin_num_update`, `multi_precision`), then 24 bytes per key of its multipliers (the key's
+//! number, `lr_mult`, `wd_mult`).
 //!
 //! Receive slots ([`flags::SLOT`]): a server's reply to a push may grant the worker a slot (the
 //! grant follows the header) that its next push of the same key slice is put into, once; that

@@ -119,6 +119,7 @@ impl KVStore {
             forks: FORKS.load(Ordering::Relaxed),
             dist,
             optimizer: std::sync::Mutex::new(None),
+            updater: std::sync::Mutex::new(None),
         }
     }
 
@@ -195,6 +196,11 @@ impl KVStore {
     /// The `kvstore.optimizer` object this local store runs, if any (see `optimizer`).
     pub(super) fn runs(&self) -> std::sync::MutexGuard<'_, Option<Py<PyAny>>> {
         self.optimizer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A local store's Python updater, if any (see `updater`).
+    pub(super) fn python_updater(&self) -> std::sync::MutexGuard<'_, Option<Py<PyAny>>> {
+        self.updater.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Where this store lives: what names it to its updater's calls.
