@@ -268,7 +268,9 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
 fn nag_steps_as_mxnets_nag_mom_update() {
     // MXNet's nag_mom_update (src/operator/optimizer_op-inl.h, NAGMomKernel), restated in its
     // order for float64 weights: the momentum decays, the weight moves by it and by
-    // (1 + momentum) times the step, then the step joins the momentum.
+    // (1 + momentum) times the step, then the step joins the momentum, with the weight decay
+    // of the new weight (MXNet's NAG runs the kernel with out=weight: it reads the weight
+    // back after writing it).
     let (lr, mom, wd, rescale, clip) = (0.1, 0.9, 0.01, 0.5, 0.8);
     let opt = Optimizer::nag(lr)
         .momentum(mom)
@@ -286,7 +288,7 @@ fn nag_steps_as_mxnets_nag_mom_update() {
             let (w0, cg) = (want_w[i], (rescale * grads[i]).clamp(-clip, clip));
             want_m[i] *= mom;
             want_w[i] = w0 - want_m[i] + (mom + 1.0) * (want_m[i] - lr * (cg + wd * w0));
-            want_m[i] -= lr * (cg + wd * w0);
+            want_m[i] -= lr * (cg + wd * want_w[i]);
         }
         assert_eq!(w.to_vec::<f64>().unwrap(), want_w, "step {step}");
     }

@@ -469,28 +469,35 @@ class Ftrl(Optimizer):
 
 class Updater:
     """MXNet's ``Updater`` (``get_updater(optimizer)``): the optimizer run in this process on
-    numpy arrays, ``updater(index, grad, weight)`` updating ``weight`` in place, with a state
-    per index; so ``kv._set_updater(get_updater(opt))`` runs it as the store's updater, on the
-    servers of a distributed store too (it travels there by value, with fresh state, as the
-    optimizer MXNet's servers run). It is the engine of ``set_optimizer``, by the same Rust
-    code. As a store, it runs the optimizer object it was given: a change to its parameters
-    applies from the next update on.
+    numpy arrays, ``updater(index, grad, weight)`` updating ``weight`` in place (or lists of
+    them, as MXNet's), with a state per index. It is the engine of ``set_optimizer``, by the
+    same Rust code. As a store, it runs the optimizer object it was given: a change to its
+    parameters applies from the next update on.
+
+    ``kv._set_updater(get_updater(opt))`` runs it as the store's updater; in a distributed
+    store, on the servers (where MXNet ignores a worker's updater): it travels there by value,
+    its state fresh (the state of an updater that loaded states with their optimizer travels
+    with it). A pickled or copied updater is such a value.
 
     ``get_states(dump_optimizer=False)`` and ``set_states(states)`` take kvstore's
     saved-states format (MXNet's is a pickle); states that carry the optimizer replace this
-    updater's, and it no longer runs the object it was given."""
+    updater's, and it no longer runs the object it was given: ``optimizer`` is then None."""
 
     def __init__(self, optimizer: Optimizer) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError("get_updater takes a kvstore.optimizer object, not "
                             f"{type(optimizer).__name__}")
         from ._native import OptimizerRunner
-        self.optimizer = optimizer
+        self.optimizer: Optional[Optimizer] = optimizer
         self._runner = OptimizerRunner(optimizer)
         optimizer._attached_to(self)
 
     def __call__(self, index: Any, grad: Any, weight: Any) -> None:
-        self._runner.update(index, grad, weight)
+        if not isinstance(index, (list, tuple)):
+            index, grad, weight = [index], [grad], [weight]
+        for i, g, w in zip(index, grad, weight):
+            # MXNet's updaters may be given a str key as bytes.
+            self._runner.update(i.decode() if isinstance(i, bytes) else i, g, w)
 
     def get_states(self, dump_optimizer: bool = False) -> bytes:
         """The state of every index (and the optimizer, with ``dump_optimizer``), as bytes."""
@@ -498,8 +505,9 @@ class Updater:
 
     def set_states(self, states: bytes) -> None:
         """Replaces the state with what ``get_states`` gave."""
-        if self._runner.load_states(bytes(states)):
+        if self._runner.load_states(bytes(states)) and self.optimizer is not None:
             self.optimizer._stores.discard(self)
+            self.optimizer = None
 
     def _retune_optimizer(self, optimizer: Optimizer) -> None:
         self._runner.retune(optimizer)
@@ -508,8 +516,19 @@ class Updater:
         return self._runner.num_update()
 
     def __reduce__(self) -> Any:
-        # By value, without the state: a distributed store's servers start their own.
+        # By value: the optimizer object, the state fresh (a distributed store's servers start
+        # their own); or, once it runs loaded states with their optimizer, those.
+        if self.optimizer is None:
+            return (_updater_of_states, (self.get_states(dump_optimizer=True),))
         return (Updater, (self.optimizer,))
+
+
+def _updater_of_states(states: bytes) -> Updater:
+    from ._native import OptimizerRunner
+    u = Updater.__new__(Updater)
+    u.optimizer = None
+    u._runner = OptimizerRunner.from_states(states)
+    return u
 
 
 def get_updater(optimizer: Optimizer) -> Updater:

@@ -4,13 +4,22 @@
 
 use std::sync::Mutex;
 
-use kvstore::OptimizerUpdater;
+use kvstore::{KvError, OptimizerUpdater};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::arrays::lend;
 use crate::to_py;
+
+/// A runner's error as its Python exception. Its own refusals (`KvError::Updater`) are not a
+/// Python updater's exception: the one kept for a store's call is left where it is.
+fn err(e: KvError) -> PyErr {
+    match e {
+        KvError::Updater { .. } => crate::KVStoreError::new_err(e.to_string()),
+        e => to_py(e),
+    }
+}
 
 /// A built-in optimizer and its per-key state, updating numpy arrays in place.
 #[pyclass(module = "kvstore._native", frozen)]
@@ -20,8 +29,7 @@ pub(crate) struct OptimizerRunner {
 
 impl OptimizerRunner {
     fn with<T>(&self, f: impl FnOnce(&mut OptimizerUpdater) -> T) -> PyResult<T> {
-        // A thread that panicked while holding it cannot have left a half-made step: the
-        // updater changes nothing before its checks pass.
+        // A thread that panicked while holding it may have left a step half made: refused.
         let mut g = self
             .inner
             .lock()
@@ -36,9 +44,23 @@ impl OptimizerRunner {
     #[new]
     fn new(optimizer: &Bound<'_, PyAny>) -> PyResult<Self> {
         let opt = crate::optimizer::of(optimizer)?;
-        opt.check_new().map_err(to_py)?;
+        opt.check_new().map_err(err)?;
         Ok(OptimizerRunner {
             inner: Mutex::new(OptimizerUpdater::new(opt)),
+        })
+    }
+
+    /// A runner of saved states that carry their optimizer (`save_states(True)`).
+    #[staticmethod]
+    fn from_states(states: &[u8]) -> PyResult<Self> {
+        let mut u = OptimizerUpdater::new(kvstore::Optimizer::sgd(0.0));
+        if !u.load_states(states).map_err(err)? {
+            return Err(PyValueError::new_err(
+                "the states do not carry their optimizer (save them with dump_optimizer)",
+            ));
+        }
+        Ok(OptimizerRunner {
+            inner: Mutex::new(u),
         })
     }
 
@@ -59,15 +81,15 @@ impl OptimizerRunner {
             ));
         }
         self.with(|u| u.update(&key, &g.array, &mut w.array))?
-            .map_err(to_py)
+            .map_err(err)
     }
 
     /// Runs `optimizer` from the next update on, the state kept (an error, nothing changed,
     /// where it is another kind).
     fn retune(&self, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
         let opt = crate::optimizer::of(optimizer)?;
-        opt.check().map_err(to_py)?;
-        self.with(|u| u.retune(opt))?.map_err(to_py)
+        opt.check().map_err(err)?;
+        self.with(|u| u.retune(opt))?.map_err(err)
     }
 
     /// The most updates any key has had (MXNet's `num_update`).
@@ -87,7 +109,7 @@ impl OptimizerRunner {
     /// Replaces the state with saved bytes; `True` where they carried the optimizer, which
     /// then replaced this one.
     fn load_states(&self, states: &[u8]) -> PyResult<bool> {
-        self.with(|u| u.load_states(states))?.map_err(to_py)
+        self.with(|u| u.load_states(states))?.map_err(err)
     }
 }
 

@@ -428,8 +428,8 @@ impl KVStore {
         fname: std::path::PathBuf,
         dump_optimizer: bool,
     ) -> PyResult<()> {
-        let updater = self.python_updater().as_ref().map(|u| u.clone_ref(py));
-        if let Some(u) = updater {
+        if let Some(u) = self.python_updater().as_ref().map(|u| u.clone_ref(py)) {
+            self.control(py, 0, |_| Ok(()))?; // a closed or inherited store refuses it
             if crate::runner::save_through(u.bind(py), &fname, dump_optimizer)? {
                 return Ok(());
             }
@@ -444,8 +444,8 @@ impl KVStore {
     /// saved with `dump_optimizer` replaces the optimizer too, and the store no longer runs
     /// the object `set_optimizer` was given (as in MXNet).
     fn load_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf) -> PyResult<()> {
-        let updater = self.python_updater().as_ref().map(|u| u.clone_ref(py));
-        if let Some(u) = updater {
+        if let Some(u) = self.python_updater().as_ref().map(|u| u.clone_ref(py)) {
+            self.control(py, 0, |_| Ok(()))?; // a closed or inherited store refuses it
             if crate::runner::load_through(u.bind(py), &fname)? {
                 return Ok(());
             }

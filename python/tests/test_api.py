@@ -282,7 +282,9 @@ def test_optimizers_match_mxnet_rules():
 
 
 def test_nag_is_mxnet_s_nag_mom_update():
-    # MXNet's NAGMomKernel restated in numpy, float64, in its order.
+    # MXNet's NAGMomKernel restated in numpy, float64, in its order: run in place (out=weight),
+    # it reads the weight back after writing it, so the momentum's weight decay is the new
+    # weight's.
     lr, mom, wd, rescale, clip = 0.1, 0.9, 0.01, 0.5, 0.8
     kv = kvstore.create()
     w0 = np.array([1.0, -2.0, 0.5])
@@ -298,7 +300,8 @@ def test_nag_is_mxnet_s_nag_mom_update():
         kv.push(0, g)
         cg = np.clip(rescale * g, -clip, clip)
         m = mom * m
-        want, m = want - m + (mom + 1) * (m - lr * (cg + wd * want)), m - lr * (cg + wd * want)
+        want = want - m + (mom + 1) * (m - lr * (cg + wd * want))
+        m = m - lr * (cg + wd * want)
         kv.pull(0, out=out)
         np.testing.assert_array_equal(out, want)
 

@@ -304,6 +304,12 @@ def test_get_updater_runs_the_optimizer_on_numpy_arrays_as_a_store_does():
             kv.pull(k, out=out[k])
             np.testing.assert_array_equal(w[k], out[k])
     assert o.num_update == 4
+    # An optimizer only an updater runs counts its updates.
+    alone = opt.SGD()
+    counted = opt.get_updater(alone)
+    counted(0, GRADS[0], W0.copy())
+    counted([0, b"k"], [GRADS[1], GRADS[1]], [W0.copy(), W0.copy()])  # MXNet's list form
+    assert alone.num_update == 2
     # The store's updater: the same values.
     kv2 = kvstore.create()
     kv2.init(0, W0)
@@ -328,7 +334,7 @@ def test_get_updater_runs_the_optimizer_on_numpy_arrays_as_a_store_does():
     with pytest.raises(kvstore.KVStoreError, match="sgd"):
         other.set_states(states)
     other.set_states(up.get_states(dump_optimizer=True))
-    assert other not in list(adam._stores)  # it runs the saved SGD, not the object
+    assert other not in list(adam._stores) and other.optimizer is None  # it runs the SGD saved
     c = a.copy()
     other(0, GRADS[1], c)
     up(0, GRADS[1], a)
@@ -337,7 +343,7 @@ def test_get_updater_runs_the_optimizer_on_numpy_arrays_as_a_store_does():
 
 def test_an_updater_refuses_bad_arrays_and_travels_by_value():
     import pickle
-    up = opt.get_updater(opt.SGD(learning_rate=0.5))
+    up = opt.get_updater(opt.SGD(learning_rate=0.5, momentum=0.5))
     w = np.ones(3)
     with pytest.raises(ValueError):
         up(0, np.ones(2), w)  # another shape
@@ -353,11 +359,21 @@ def test_an_updater_refuses_bad_arrays_and_travels_by_value():
         opt.get_updater(lambda *a: None)
     np.testing.assert_array_equal(w, np.ones(3))
     up(0, np.ones(3), w)
+    np.testing.assert_array_equal(w, np.full(3, 0.5))
     copy = pickle.loads(pickle.dumps(up))
     w2 = np.ones(3)
-    copy(0, np.ones(3), w2)  # a fresh state: the first step again
-    np.testing.assert_array_equal(w2, w)
-    np.testing.assert_array_equal(w, np.full(3, 0.5))
+    copy(0, np.ones(3), w2)  # a fresh state: the first step again, without momentum
+    np.testing.assert_array_equal(w2, np.full(3, 0.5))
+    up(0, np.ones(3), w)  # the original's second step has the momentum
+    np.testing.assert_array_equal(w, np.full(3, 0.5 - 0.25 - 0.5))
+    # One that runs loaded states with their optimizer travels with them.
+    loaded = opt.get_updater(opt.Adam())
+    loaded.set_states(up.get_states(dump_optimizer=True))
+    moved = pickle.loads(pickle.dumps(loaded))
+    a, b = w.copy(), w.copy()
+    up(0, np.ones(3), a)
+    moved(0, np.ones(3), b)
+    np.testing.assert_array_equal(a, b)
 
 
 def test_a_local_store_saves_its_updater_s_states_as_mxnet_s(tmp_path):

@@ -38,34 +38,9 @@ pub(super) fn step(
     let dtype = weight.dtype();
     let g = with_dtype!(dtype, T => widen(grad.as_slice::<T>()?));
     let master = master.as_mut_slice::<f32>()?;
-    match *opt {
-        Optimizer::Nag {
-            lr,
-            momentum,
-            wd,
-            rescale_grad,
-            clip_gradient,
-        } if momentum > 0.0 => {
-            // MXNet's mp_nag_mom_update (MP_NAGMomKernel), whose momentum takes the weight
-            // decay of the weight it has just updated (its kernel without a master copy takes
-            // the weight before).
-            let [m, ..] = moments;
-            for ((w, g), m) in master.iter_mut().zip(&g).zip(m.iter_mut()) {
-                let g = f64::from(*g) * rescale_grad;
-                let g = if clip_gradient > 0.0 {
-                    g.clamp(-clip_gradient, clip_gradient)
-                } else {
-                    g
-                };
-                let wf = f64::from(*w);
-                *m *= momentum;
-                let nw = (wf - *m + (momentum + 1.0) * (*m - lr * (g + wd * wf))) as f32;
-                *m -= lr * (g + wd * f64::from(nw));
-                *w = nw;
-            }
-        }
-        _ => update_typed::<f32>(opt, lr_t, t, &g, master, moments),
-    }
+    // (MXNet's mp_sgd_update, mp_sgd_mom_update and mp_nag_mom_update are its rules on the
+    // float32 copy, in their order.)
+    update_typed::<f32>(opt, lr_t, t, &g, master, moments);
     with_dtype!(dtype, T => {
         for (w, m) in weight.as_mut_slice::<T>()?.iter_mut().zip(master.iter()) {
             // One rounding: a float32 is a float64 exactly.

@@ -127,8 +127,9 @@ fn the_master_copy_is_made_at_a_keys_first_update_and_saved_with_the_state() {
 
 #[test]
 fn nag_with_a_master_copy_takes_mxnets_mp_nag_mom_update_order() {
-    // MP_NAGMomKernel: the momentum's weight decay is of the weight just updated (the kernel
-    // without a copy takes the weight before), then the copy is rounded into the weight.
+    // MP_NAGMomKernel: the momentum's weight decay is of the copy just updated (as the kernel
+    // without a copy, run in place, reads the weight back), then the copy is rounded into the
+    // weight.
     let (lr, mom, wd, rescale) = (0.1, 0.9, 0.5, 0.5);
     let opt = Optimizer::nag(lr)
         .momentum(mom)

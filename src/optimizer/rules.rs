@@ -73,14 +73,17 @@ pub(super) fn update_typed<T: Element>(
                 }
             } else if nesterov {
                 // MXNet's `nag_mom_update`, in its order: the momentum decays, the weight
-                // moves by it and by (1 + momentum) times the step, then the step joins it.
+                // moves by it and by (1 + momentum) times the step, then the step joins the
+                // momentum with the weight decay of the weight just written (MXNet's NAG runs
+                // the kernel in place, `out=weight`, and it reads the weight back after
+                // writing it; so does its `mp_nag_mom_update`, on the master copy).
                 for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
                     let wf = w.to_f64();
                     let g = prep(g.to_f64(), rescale_grad, clip_gradient);
                     *m *= momentum;
-                    let step = lr * (g + wd * wf);
-                    *w = T::from_f64(wf - *m + (momentum + 1.0) * (*m - step));
-                    *m -= step;
+                    let nw = T::from_f64(wf - *m + (momentum + 1.0) * (*m - lr * (g + wd * wf)));
+                    *w = nw;
+                    *m -= lr * (g + wd * nw.to_f64());
                 }
             } else {
                 for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
