@@ -2,9 +2,10 @@
 //!
 //! They follow MXNet 1.9's update rules (`sgd_update`, `sgd_mom_update`, `nag_mom_update`,
 //! `adam_update` with the bias-corrected learning rate of its Python `Adam`, its Python
-//! `AdaGrad`'s dense update, `rmsprop_update`, its Python `AdaDelta` and `Adamax`,
-//! `signum_update` and `signsgd_update`, `ftrl_update`, `ftml_update`), element-wise, so they apply unchanged
-//! to the slice of a big tensor that one server holds. Where the weight and the gradient are
+//! `AdaGrad`'s dense update, `rmsprop_update` and `rmspropalex_update`, its Python `AdaDelta`
+//! and `Adamax`, `signum_update` and `signsgd_update`, `ftrl_update`, `ftml_update`, its
+//! Python `Nadam`), element-wise, so they apply unchanged to the slice of a big tensor that
+//! one server holds. Where the weight and the gradient are
 //! on a GPU (feature `cuda`), SGD's and Adam's updates run there, with the state in that GPU's
 //! memory, and give the host's results bit for bit (the others have no GPU kernel: on GPU
 //! arrays they run on the host, through the arrays' mirrors).
@@ -13,194 +14,7 @@ use rustc_hash::FxHashMap;
 
 use crate::dtype::with_dtype;
 use crate::{DType, Device, Key, KvError, NDArray, Result};
-use rules::{adam_lr, adamax_lr, update_typed};
-
-/// An optimizer and its hyper-parameters. More may come: a `match` on it needs a `_` arm.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub enum Optimizer {
-    /// Stochastic gradient descent, with optional momentum and weight decay.
-    Sgd {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum (0 for plain SGD).
-        momentum: f64,
-        /// Weight decay.
-        wd: f64,
-        /// Factor applied to the gradient first (e.g. 1/batch size).
-        rescale_grad: f64,
-        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-    },
-    /// Nesterov accelerated gradient (MXNet's `NAG`): plain SGD without momentum.
-    Nag {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum (0 for plain SGD).
-        momentum: f64,
-        /// Weight decay.
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-    },
-    /// Adam.
-    Adam {
-        /// Learning rate.
-        lr: f64,
-        /// Decay of the first moment.
-        beta1: f64,
-        /// Decay of the second moment.
-        beta2: f64,
-        /// Added to the denominator.
-        epsilon: f64,
-        /// Weight decay.
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-    },
-    /// AdaGrad (MXNet's `AdaGrad`, its dense update): the squared gradients summed into a
-    /// history, each step divided by the root of it.
-    AdaGrad {
-        /// Learning rate.
-        lr: f64,
-        /// Added to the history under the root (MXNet's `eps`, its `float_stable_eps`).
-        epsilon: f64,
-        /// Weight decay (added to the divided step, as MXNet's AdaGrad does).
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping, as for the
-        /// other optimizers (MXNet's AdaGrad clips at any value it is given, 0 included).
-        clip_gradient: f64,
-    },
-    /// RMSProp, Tieleman and Hinton's (MXNet's `RMSProp` with `centered=False`, its
-    /// `rmsprop_update`); Graves's centered version is [`Optimizer::RmsPropCentered`].
-    RmsProp {
-        /// Learning rate.
-        lr: f64,
-        /// Decay of the moving average of squared gradients.
-        gamma1: f64,
-        /// Added to the average under the root.
-        epsilon: f64,
-        /// Weight decay (joins the gradient before the clip).
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the gradient (weight decay included) to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-        /// Clip the updated weight to `[-c, c]`; 0 or less for no clipping.
-        clip_weights: f64,
-    },
-    /// RMSProp, Graves's centered version (MXNet's `RMSProp` with `centered=True`, its
-    /// `rmspropalex_update`): the squared gradients' average less the square of the
-    /// gradients' average under the root, and a momentum of the steps.
-    RmsPropCentered {
-        /// Learning rate.
-        lr: f64,
-        /// Decay of the moving averages of gradients and of squared gradients.
-        gamma1: f64,
-        /// Momentum of the steps.
-        gamma2: f64,
-        /// Added under the root.
-        epsilon: f64,
-        /// Weight decay (joins the gradient before the clip).
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the gradient (weight decay included) to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-        /// Clip the updated weight to `[-c, c]`; 0 or less for no clipping.
-        clip_weights: f64,
-    },
-    /// FTML, Zheng and Kwok's Follow the Moving Leader (MXNet's `FTML`, its `ftml_update`).
-    Ftml {
-        /// Learning rate.
-        lr: f64,
-        /// Decay of the moving leader (MXNet's default 0.6).
-        beta1: f64,
-        /// Decay of the average of squared gradients.
-        beta2: f64,
-        /// Added to the root.
-        epsilon: f64,
-        /// Weight decay (joins the gradient before the clip).
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the gradient (weight decay included) to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-    },
-    /// AdaDelta, Zeiler's (MXNet's `AdaDelta`): each step scaled by the ratio of the roots
-    /// of two moving averages, of squared steps and of squared gradients. Its rule has no
-    /// learning rate.
-    AdaDelta {
-        /// Learning rate: kept, as MXNet's optimizer keeps it, but not used by the rule.
-        lr: f64,
-        /// Decay of both moving averages.
-        rho: f64,
-        /// Added to both averages under the roots.
-        epsilon: f64,
-        /// Weight decay (added to the step, as MXNet's AdaDelta does).
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-    },
-    /// Adamax (MXNet's `Adamax`): Adam with the infinity norm in place of the second moment,
-    /// and the first moment's bias correction.
-    Adamax {
-        /// Learning rate.
-        lr: f64,
-        /// Decay of the first moment.
-        beta1: f64,
-        /// Decay of the infinity norm.
-        beta2: f64,
-        /// Weight decay (joins the gradient before the clip).
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the gradient (weight decay included) to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-    },
-    /// Signum, Bernstein et al.'s (MXNet's `Signum`, its `signum_update`): the weight moves by
-    /// the learning rate against the sign of a momentum; without momentum, signSGD
-    /// (`signsgd_update`: the sign of the gradient itself).
-    Signum {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum (0 for signSGD: a key whose first update has momentum 0 keeps no momentum
-        /// state, and runs signSGD from then on, as in MXNet).
-        momentum: f64,
-        /// Weight decay (in the momentum; in signSGD, the weight's decay).
-        wd: f64,
-        /// Factor applied to the gradient first (not in signSGD, whose kernel ignores it).
-        rescale_grad: f64,
-        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-        /// Decoupled weight decay (Loshchilov and Hutter's), outside the momentum.
-        wd_lh: f64,
-    },
-    /// FTRL-proximal, McMahan et al.'s (MXNet's `Ftrl`, its `ftrl_update`): L1 and L2
-    /// regularised, with per-coordinate rates.
-    Ftrl {
-        /// Learning rate.
-        lr: f64,
-        /// L1 regularisation.
-        lamda1: f64,
-        /// Per-coordinate learning rate's offset.
-        beta: f64,
-        /// Weight decay (L2 regularisation).
-        wd: f64,
-        /// Factor applied to the gradient first.
-        rescale_grad: f64,
-        /// Clip the rescaled gradient to `[-c, c]`; 0 or less for no clipping.
-        clip_gradient: f64,
-    },
-}
+use rules::{adam_lr, adamax_lr, nadam_momentum, update_typed, Step};
 
 /// Per-key state of an optimizer: up to three arrays of moments (f64, where the weight is
 /// updated: in host memory, or on the weight's GPU; empty where the optimizer keeps fewer), the
@@ -239,6 +53,9 @@ pub struct OptimizerUpdater {
     /// Whether a float16 or bfloat16 key first updated from now on keeps a float32 master copy
     /// (MXNet's `multi_precision`).
     multi_precision: bool,
+    /// Nadam's momentum schedule, the product of every update's momentum (MXNet's
+    /// `m_schedule`, on the optimizer); 1 before the first.
+    m_schedule: f64,
     /// The most updates any key has had (MXNet's `num_update`): what the scheduler is given.
     num_update: u64,
     state: FxHashMap<Key, KeyState>,
@@ -272,6 +89,7 @@ impl OptimizerUpdater {
             schedule,
             begin_num_update,
             multi_precision,
+            m_schedule: 1.0,
             num_update: begin_num_update,
             state: FxHashMap::default(),
         }
@@ -418,7 +236,10 @@ impl OptimizerUpdater {
         } else {
             Device::default()
         };
-        let mut lr_t = 0.0;
+        let mut step = Step {
+            t: st.t,
+            ..Step::default()
+        };
         // The key's multipliers scale its learning rate and weight decay (MXNet's lr_mult,
         // wd_mult).
         let (lr_m, wd_m) = self.mults.of(key);
@@ -439,12 +260,12 @@ impl OptimizerUpdater {
             } => {
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
-                lr_t = adam_lr(lr, beta1, beta2, st.t);
+                step.lr_t = adam_lr(lr, beta1, beta2, st.t);
             }
             Optimizer::Adamax { lr, beta1, .. } => {
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
-                lr_t = adamax_lr(lr, beta1, st.t);
+                step.lr_t = adamax_lr(lr, beta1, st.t);
             }
             Optimizer::Signum { .. } if !signum_state => {}
             Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } | Optimizer::Signum { .. } => {
@@ -454,6 +275,19 @@ impl OptimizerUpdater {
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
             }
+            Optimizer::Nadam {
+                beta1,
+                schedule_decay,
+                ..
+            } => {
+                place(&mut st.m, n, device)?;
+                place(&mut st.v, n, device)?;
+                // As MXNet's: the optimizer's schedule moves at every update, whatever the key.
+                let mom_t = nadam_momentum(beta1, schedule_decay, st.t);
+                let mom_t_1 = nadam_momentum(beta1, schedule_decay, st.t.saturating_add(1));
+                self.m_schedule *= mom_t;
+                step.nadam = [mom_t, mom_t_1, self.m_schedule, self.m_schedule * mom_t_1];
+            }
             Optimizer::RmsPropCentered { .. } | Optimizer::Ftml { .. } => {
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
@@ -462,7 +296,7 @@ impl OptimizerUpdater {
         }
         #[cfg(feature = "cuda")]
         if on_gpu {
-            return crate::gpu::optim::step(opt, lr_t, grad, weight, &mut st.m, &mut st.v);
+            return crate::gpu::optim::step(opt, step.lr_t, grad, weight, &mut st.m, &mut st.v);
         }
         let moments = [
             st.m.as_mut_slice::<f64>()?,
@@ -470,13 +304,12 @@ impl OptimizerUpdater {
             st.d.as_mut_slice::<f64>()?,
         ];
         if mp {
-            return master::step(opt, lr_t, st.t, grad, weight, &mut st.master, moments);
+            return master::step(opt, step, grad, weight, &mut st.master, moments);
         }
         let dtype = weight.dtype();
         with_dtype!(dtype, T => update_typed::<T>(
             opt,
-            lr_t,
-            st.t,
+            step,
             grad.as_slice::<T>()?,
             weight.as_mut_slice::<T>()?,
             moments,
@@ -518,6 +351,7 @@ impl Optimizer {
             Optimizer::Signum { .. } => "signum",
             Optimizer::Ftrl { .. } => "ftrl",
             Optimizer::Ftml { .. } => "ftml",
+            Optimizer::Nadam { .. } => "nadam",
         }
     }
 }
@@ -546,12 +380,14 @@ impl<'a> Reader<'a> {
 }
 
 mod build;
+mod kinds;
 mod master;
 mod mults;
 mod rules;
 mod schedule;
 mod states;
 mod wire;
+pub use kinds::Optimizer;
 pub(crate) use mults::encode_mults;
 pub use mults::Multiplied;
 use mults::Mults;

@@ -222,17 +222,17 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     assert_eq!(kept.mults, Mults::default());
     // Files of version 1 (no multipliers) and 2 (no scheduler) load. A version 4 file:
     // magic, parameters (64), no multipliers (8), no scheduler and count 0 (9), no
-    // multi_precision (1), no keys.
+    // multi_precision (1), Nadam's schedule (8), no keys.
     let v4 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
-    assert_eq!(v4.len(), 8 + 64 + 8 + 9 + 1 + 8);
+    assert_eq!(v4.len(), 8 + 64 + 8 + 9 + 1 + 8 + 8);
     let mut v1 = b"KVOPTSD1".to_vec();
     v1.extend_from_slice(&v4[8..72]);
-    v1.extend_from_slice(&v4[90..]);
+    v1.extend_from_slice(&v4[98..]);
     assert!(kept.load_states(&v1).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
     let mut v2 = b"KVOPTSD2".to_vec();
     v2.extend_from_slice(&v4[8..80]);
-    v2.extend_from_slice(&v4[90..]);
+    v2.extend_from_slice(&v4[98..]);
     assert!(kept.load_states(&v2).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
     // A version 2 file with a key's state, without the optimizer: the state and its count.
@@ -244,18 +244,19 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     }
     let v4 = two.save_states();
     // Version 4 keeps a third array and a master copy per key (Adam's are empty, their
-    // lengths 0 last), and multi_precision before the keys; 2 and 3 do not.
+    // lengths 0 last), and multi_precision and Nadam's schedule before the keys; 2 and 3 do
+    // not.
     assert_eq!(v4[v4.len() - 16..], [0; 16]);
     let mut v2 = b"KVOPTST2".to_vec();
     v2.extend_from_slice(&v4[8..80]);
-    v2.extend_from_slice(&v4[90..v4.len() - 16]);
+    v2.extend_from_slice(&v4[98..v4.len() - 16]);
     let mut loaded = OptimizerUpdater::new(Optimizer::adam(0.5));
     assert!(!loaded.load_states(&v2).unwrap());
     assert_eq!(loaded.num_update(), 2);
     assert_eq!(loaded.save_states()[89..], v4[89..]);
     let mut v3 = b"KVOPTST3".to_vec();
     v3.extend_from_slice(&v4[8..89]);
-    v3.extend_from_slice(&v4[90..v4.len() - 16]);
+    v3.extend_from_slice(&v4[98..v4.len() - 16]);
     let mut loaded = OptimizerUpdater::new(Optimizer::adam(0.5));
     assert!(!loaded.load_states(&v3).unwrap());
     assert_eq!(loaded.save_states()[89..], v4[89..]);

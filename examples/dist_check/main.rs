@@ -312,8 +312,8 @@ fn optimizers(kv: &mut KVStore) {
         &pulled(&mut reference, 16, &[600], DType::F32).to_f64_vec(),
     );
     // AdaGrad, RMSProp (some weights clipped), AdaDelta, Adamax, Signum, FTRL, centered
-    // RMSProp (nine words on the wire, three states) and FTML (three states) on sliced keys,
-    // against the same reference.
+    // RMSProp (nine words on the wire, three states), FTML (three states) and Nadam on sliced
+    // keys, against the same reference.
     let others = [
         ("adagrad", Optimizer::adagrad(0.05).wd(0.01), 18),
         (
@@ -331,6 +331,13 @@ fn optimizers(kv: &mut KVStore) {
             30,
         ),
         ("ftml", Optimizer::ftml(0.05).wd(0.01), 32),
+        // Each server's momentum schedule moves once a round here (one slice of one key
+        // each), as the reference's does.
+        (
+            "nadam",
+            Optimizer::nadam(0.01).wd(0.01).schedule_decay(0.1),
+            36,
+        ),
     ];
     for (name, opt, key) in others {
         let mut reference = create("local").unwrap();

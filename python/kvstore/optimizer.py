@@ -3,7 +3,7 @@ MXNet 1.9's constructors: ``kv.set_optimizer(kvstore.optimizer.SGD(momentum=0.9,
 learning_rate=0.1, wd=1e-4))``. Their update rules are MXNet's ``sgd_update``,
 ``sgd_mom_update``, ``nag_mom_update``, ``adam_update``, its ``AdaGrad``'s dense update,
 ``rmsprop_update`` and ``rmspropalex_update``, its ``AdaDelta``'s and ``Adamax``'s updates, ``signum_update`` and
-``signsgd_update``, ``ftrl_update`` and ``ftml_update``.
+``signsgd_update``, ``ftrl_update``, ``ftml_update`` and its ``Nadam``'s update.
 
 As in MXNet, a local store runs the optimizer object it was given: a change to its parameters
 afterwards (``set_learning_rate``, or ``opt.wd = ...``) applies from the next update on, and
@@ -39,13 +39,13 @@ from typing import Any, Dict, Optional, Tuple
 from . import lr_scheduler as _schedulers
 
 __all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "AdaDelta", "Adamax",
-           "Signum", "Ftrl", "FTML", "create", "Updater", "get_updater"]
+           "Signum", "Ftrl", "FTML", "Nadam", "create", "Updater", "get_updater"]
 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
             "epsilon", "float_stable_eps", "gamma1", "gamma2", "centered", "clip_weights", "rho", "wd_lh",
-            "lamda1", "beta", "multi_precision", "lr_mult", "wd_mult", "idx2name",
+            "lamda1", "beta", "schedule_decay", "multi_precision", "lr_mult", "wd_mult", "idx2name",
             "lr_scheduler")
 _UNSET = object()
 # The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
@@ -427,6 +427,30 @@ class FTML(Optimizer):
                 "epsilon": self.epsilon}
 
 
+class Nadam(Optimizer):
+    """Nadam, Adam with Nesterov momentum (MXNet's ``Nadam(learning_rate=0.001, beta1=0.9,
+    beta2=0.999, epsilon=1e-8, schedule_decay=0.004, **kwargs)``, its update). As in MXNet,
+    its momentum schedule (``m_schedule``) is one product over every update the store's
+    optimizer makes, whatever the key; it lives where the optimizer runs (a distributed
+    store's servers each keep their own, as MXNet's), not on this object. Its update runs on
+    the host."""
+
+    name = "nadam"
+    _default_lr = 0.001
+
+    def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, schedule_decay: float = 0.004, **kwargs: Any) -> None:
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+        self.epsilon = float(epsilon)
+        self.schedule_decay = float(schedule_decay)
+
+    def _params(self) -> Dict[str, Optional[float]]:
+        return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2,
+                "epsilon": self.epsilon, "schedule_decay": self.schedule_decay}
+
+
 class Signum(Optimizer):
     """Signum, the sign of a momentum (MXNet's ``Signum(learning_rate=0.01, momentum=0.9,
     wd_lh=0.0, **kwargs)``, its ``signum_update``; with ``momentum=0``, ``signsgd_update``,
@@ -554,7 +578,7 @@ def create(name: str, **kwargs: Any) -> Optimizer:
     """An optimizer by MXNet's name: ``create('sgd', learning_rate=0.1)``."""
     kinds = {"sgd": SGD, "nag": NAG, "adam": Adam, "adagrad": AdaGrad, "rmsprop": RMSProp,
              "adadelta": AdaDelta, "adamax": Adamax, "signum": Signum, "ftrl": Ftrl,
-             "ftml": FTML}
+             "ftml": FTML, "nadam": Nadam}
     if name.lower() not in kinds:
         raise ValueError(f"unknown optimizer {name!r}; kvstore runs {sorted(kinds)}")
     return kinds[name.lower()](**kwargs)

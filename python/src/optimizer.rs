@@ -11,7 +11,7 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
     if !obj.hasattr("_kvstore_spec")? {
         return Err(PyTypeError::new_err(
             "set_optimizer takes a kvstore.optimizer object (SGD, NAG, Adam, AdaGrad, RMSProp, \
-             AdaDelta, Adamax, Signum, Ftrl, FTML)",
+             AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam)",
         ));
     }
     let spec = obj.call_method0("_kvstore_spec")?;
@@ -49,6 +49,11 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
         "signum" => Optimizer::signum(get("learning_rate", 0.01)?)
             .momentum(get("momentum", 0.9)?)
             .wd_lh(get("wd_lh", 0.0)?),
+        "nadam" => Optimizer::nadam(get("learning_rate", 0.001)?)
+            .beta1(get("beta1", 0.9)?)
+            .beta2(get("beta2", 0.999)?)
+            .epsilon(get("epsilon", 1e-8)?)
+            .schedule_decay(get("schedule_decay", 0.004)?),
         "ftml" => Optimizer::ftml(get("learning_rate", 0.01)?)
             .beta1(get("beta1", 0.6)?)
             .beta2(get("beta2", 0.999)?)
@@ -59,7 +64,7 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>) -> PyResult<kvstore::Multiplied> {
         other => {
             return Err(PyValueError::new_err(format!(
                 "optimizer {other:?} does not run in the store; it runs sgd, nag, adam, \
-                 adagrad, rmsprop, adadelta, adamax, signum, ftrl and ftml"
+                 adagrad, rmsprop, adadelta, adamax, signum, ftrl, ftml and nadam"
             )))
         }
     };

@@ -323,7 +323,7 @@ impl KVStore {
     }
 
     /// Runs a built-in optimizer (`kvstore.optimizer.SGD`, `NAG`, `Adam`, `AdaGrad`,
-    /// `RMSProp`, `AdaDelta`, `Adamax`, `Signum`, `Ftrl`, `FTML`) as the updater; in a distributed
+    /// `RMSProp`, `AdaDelta`, `Adamax`, `Signum`, `Ftrl`, `FTML`, `Nadam`) as the updater; in a distributed
     /// store it runs on the servers.
     /// A local store runs the object itself: a change to its parameters afterwards
     /// (`set_learning_rate`, say) applies from the next update on, with the state kept.

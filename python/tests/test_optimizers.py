@@ -79,6 +79,29 @@ class _ftml:
         return -z / d_t
 
 
+class _nadam:
+    def __init__(self, b1, b2, eps, sd):
+        self.b1, self.b2, self.eps, self.sd = b1, b2, eps, sd
+        self.m, self.v = np.zeros(4), np.zeros(4)
+        self.shared = [1.0]  # the optimizer's m_schedule, which every key's update moves
+
+    def __call__(self, t, w, g):
+        b1, b2, m, v = self.b1, self.b2, self.m, self.v
+        g = np.clip(g * RESCALE + WD * w, -CLIP, CLIP)
+        mom_t = b1 * (1.0 - 0.5 * (pow(0.96, t * self.sd)))
+        mom_t_1 = b1 * (1.0 - 0.5 * (pow(0.96, (t + 1) * self.sd)))
+        self.shared[0] = self.shared[0] * mom_t
+        schedule = self.shared[0]
+        schedule_next = schedule * mom_t_1
+        m[:] = m * b1 + (1 - b1) * g
+        v[:] = v * b2 + (1 - b2) * g * g
+        g_prime = g / (1 - schedule)
+        m_prime = m / (1 - schedule_next)
+        v_prime = v / (1 - pow(b2, t))
+        m_bar = (1 - mom_t) * g_prime + mom_t_1 * m_prime
+        return w - LR * m_bar / (np.sqrt(v_prime) + self.eps)
+
+
 class _centered:
     def __init__(self, g1, g2, eps, cw):
         self.g1, self.g2, self.eps, self.cw = g1, g2, eps, cw
@@ -99,6 +122,8 @@ CASES = [
     ("signum", dict(learning_rate=LR, momentum=0.7, wd_lh=0.2), lambda: _signum(0.7, 0.2)),
     ("signum", dict(learning_rate=LR, momentum=0.0), lambda: _signum(0.0, 0.0)),
     ("ftrl", dict(learning_rate=LR, lamda1=0.3, beta=1.5), lambda: _ftrl(0.3, 1.5)),
+    ("nadam", dict(learning_rate=LR, beta1=0.8, beta2=0.9, epsilon=1e-6, schedule_decay=0.1),
+     lambda: _nadam(0.8, 0.9, 1e-6, 0.1)),
     ("ftml", dict(learning_rate=LR, beta1=0.6, beta2=0.9, epsilon=1e-6),
      lambda: _ftml(0.6, 0.9, 1e-6)),
     ("rmsprop", dict(learning_rate=LR, gamma1=0.8, gamma2=0.7, epsilon=1e-6, centered=True,
@@ -115,6 +140,8 @@ def test_updates_are_mxnet_s(name, kwargs, rule):
     kv.init(1, W0.astype(np.float32))
     kv.set_optimizer(o)
     step64, step32 = rule(), rule()
+    if name == "nadam":
+        step32.shared = step64.shared  # one schedule, moved by key 0's update then key 1's
     want64, want32 = W0.copy(), W0.copy()
     out64, out32 = np.zeros(4), np.zeros(4, dtype=np.float32)
     for t, g in enumerate(GRADS, 1):
@@ -159,12 +186,15 @@ def test_constructors_are_mxnet_s():
     assert (f.lamda1, f.lr, f.beta) == (0.01, 0.1, 1.0)
     t = opt.FTML()
     assert (t.lr, t.beta1, t.beta2, t.epsilon) == (0.01, 0.6, 0.999, 1e-8)
+    n = opt.Nadam()
+    assert (n.lr, n.beta1, n.beta2, n.epsilon, n.schedule_decay) == (0.001, 0.9, 0.999, 1e-8,
+                                                                     0.004)
     assert opt.Ftrl(0.5, 0.2, 2).lamda1 == 0.5 and opt.Ftrl(0.5, 0.2, 2).beta == 2.0
     # As MXNet's Ftrl: learning_rate does not replace a scheduler's base_lr.
     sched = kvstore.lr_scheduler.FactorScheduler(step=10, factor=0.5, base_lr=0.3)
     with_sched = opt.Ftrl(learning_rate=0.2, lr_scheduler=sched)
     assert sched.base_lr == 0.3 and with_sched.learning_rate == 0.3
-    for o in (a, m, s, f, t):
+    for o in (a, m, s, f, t, n):
         assert isinstance(opt.create(o.name), type(o))
         assert repr(o).startswith(type(o).__name__ + "(")
     r = opt.RMSProp(centered=True)
@@ -173,7 +203,7 @@ def test_constructors_are_mxnet_s():
     with pytest.raises(TypeError):
         opt.Signum(momentumm=0.5)
     with pytest.raises(ValueError, match="unknown optimizer"):
-        opt.create("nadam")
+        opt.create("lamb")
 
 
 def test_a_store_running_centered_rmsprop_refuses_the_plain_one_s_state():

@@ -128,6 +128,28 @@ impl Optimizer {
         }
     }
 
+    /// Nadam with MXNet's defaults: betas 0.9 and 0.999, epsilon 1e-8, `schedule_decay` 0.004.
+    pub fn nadam(lr: f64) -> Optimizer {
+        Optimizer::Nadam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            schedule_decay: 0.004,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: 0.0,
+        }
+    }
+
+    /// Sets Nadam's decay of its momentum schedule (no effect on the others).
+    pub fn schedule_decay(mut self, value: f64) -> Optimizer {
+        if let Optimizer::Nadam { schedule_decay, .. } = &mut self {
+            *schedule_decay = value;
+        }
+        self
+    }
+
     /// Sets the learning rate.
     pub fn lr(mut self, value: f64) -> Optimizer {
         *self.common().lr = value;
@@ -167,7 +189,8 @@ impl Optimizer {
     pub fn beta1(mut self, value: f64) -> Optimizer {
         if let Optimizer::Adam { beta1, .. }
         | Optimizer::Adamax { beta1, .. }
-        | Optimizer::Ftml { beta1, .. } = &mut self
+        | Optimizer::Ftml { beta1, .. }
+        | Optimizer::Nadam { beta1, .. } = &mut self
         {
             *beta1 = value;
         }
@@ -179,7 +202,8 @@ impl Optimizer {
     pub fn beta2(mut self, value: f64) -> Optimizer {
         if let Optimizer::Adam { beta2, .. }
         | Optimizer::Adamax { beta2, .. }
-        | Optimizer::Ftml { beta2, .. } = &mut self
+        | Optimizer::Ftml { beta2, .. }
+        | Optimizer::Nadam { beta2, .. } = &mut self
         {
             *beta2 = value;
         }
@@ -194,7 +218,8 @@ impl Optimizer {
         | Optimizer::RmsProp { epsilon, .. }
         | Optimizer::RmsPropCentered { epsilon, .. }
         | Optimizer::AdaDelta { epsilon, .. }
-        | Optimizer::Ftml { epsilon, .. } = &mut self
+        | Optimizer::Ftml { epsilon, .. }
+        | Optimizer::Nadam { epsilon, .. } = &mut self
         {
             *epsilon = value;
         }
@@ -361,6 +386,13 @@ impl Optimizer {
                 ..
             }
             | Optimizer::Ftml {
+                lr,
+                wd,
+                rescale_grad,
+                clip_gradient,
+                ..
+            }
+            | Optimizer::Nadam {
                 lr,
                 wd,
                 rescale_grad,

@@ -3,7 +3,7 @@
 //! and the weight is the copy rounded back (MXNet's `update_multi_precision`). kvstore applies
 //! it to bfloat16 weights too.
 
-use super::rules::update_typed;
+use super::rules::{update_typed, Step};
 use super::Optimizer;
 use crate::dtype::with_dtype;
 use crate::{DType, Element, NDArray, Result};
@@ -28,8 +28,7 @@ pub(super) fn copy_of(weight: &NDArray) -> Result<NDArray> {
 /// `weight` set to `master` rounded into its dtype.
 pub(super) fn step(
     opt: &Optimizer,
-    lr_t: f64,
-    t: u64,
+    step: Step,
     grad: &NDArray,
     weight: &mut NDArray,
     master: &mut NDArray,
@@ -40,7 +39,7 @@ pub(super) fn step(
     let master = master.as_mut_slice::<f32>()?;
     // (MXNet's mp_sgd_update, mp_sgd_mom_update and mp_nag_mom_update are its rules on the
     // float32 copy, in their order.)
-    update_typed::<f32>(opt, lr_t, t, &g, master, moments);
+    update_typed::<f32>(opt, step, &g, master, moments);
     with_dtype!(dtype, T => {
         for (w, m) in weight.as_mut_slice::<T>()?.iter_mut().zip(master.iter()) {
             // One rounding: a float32 is a float64 exactly.

@@ -1,7 +1,7 @@
 //! The update rules on the host, element by element in f64 and rounded once into the
 //! weight's dtype: MXNet's `sgd_update`, `sgd_mom_update`, `nag_mom_update`, `adam_update`,
 //! its Python `AdaGrad`'s dense update, `rmsprop_update`, `rmspropalex_update`, its Python
-//! `AdaDelta` and `Adamax`, `signum_update`, `signsgd_update`, `ftrl_update` and
+//! `AdaDelta`, `Adamax` and `Nadam`, `signum_update`, `signsgd_update`, `ftrl_update` and
 //! `ftml_update` (MXNet 1.9).
 
 use super::Optimizer;
@@ -34,17 +34,34 @@ fn sign(x: f64) -> f64 {
     f64::from(u8::from(x > 0.0)) - f64::from(u8::from(x < 0.0))
 }
 
-/// One step on the host, the key's `t`-th: each of `moments` (`m`, `v`, `d`) holds the weight's
-/// size of moments where `opt` uses it.
+/// What one step of a key takes beyond the optimizer's parameters, from its count.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Step {
+    /// The key's update count (its `t`-th step, counted from `begin_num_update`).
+    pub(super) t: u64,
+    /// Adam's or Adamax's bias-corrected learning rate.
+    pub(super) lr_t: f64,
+    /// Nadam's momentum schedule: `momentum_t`, `momentum_t_1`, `m_schedule` and
+    /// `m_schedule_next`, as its `update` computes them.
+    pub(super) nadam: [f64; 4],
+}
+
+/// Nadam's momentum at step `t` (MXNet's `beta1 * (1 - 0.5 * 0.96 ** (t * schedule_decay))`).
+pub(super) fn nadam_momentum(beta1: f64, schedule_decay: f64, t: u64) -> f64 {
+    beta1 * (1.0 - 0.5 * 0.96f64.powf(t as f64 * schedule_decay))
+}
+
+/// One step on the host: each of `moments` (`m`, `v`, `d`) holds the weight's size of moments
+/// where `opt` uses it.
 pub(super) fn update_typed<T: Element>(
     opt: &Optimizer,
-    lr_t: f64,
-    t: u64,
+    step: Step,
     grad: &[T],
     weight: &mut [T],
     moments: [&mut [f64]; 3],
 ) {
     let [m, v, d] = moments;
+    let Step { t, lr_t, nadam } = step;
     match *opt {
         Optimizer::Sgd {
             lr,
@@ -184,6 +201,35 @@ pub(super) fn update_typed<T: Element>(
                 } else {
                     nw
                 });
+            }
+        }
+        Optimizer::Nadam {
+            lr,
+            beta1,
+            beta2,
+            epsilon,
+            wd,
+            rescale_grad,
+            clip_gradient,
+            ..
+        } => {
+            // MXNet's Nadam.update, in its order.
+            let [mom_t, mom_t_1, m_schedule, m_schedule_next] = nadam;
+            let c2 = 1.0 - beta2.powf(t as f64);
+            for ((w, g), (m, v)) in weight
+                .iter_mut()
+                .zip(grad)
+                .zip(m.iter_mut().zip(v.iter_mut()))
+            {
+                let wf = w.to_f64();
+                let g = prep(g.to_f64() * rescale_grad + wd * wf, 1.0, clip_gradient);
+                *m = *m * beta1 + (1.0 - beta1) * g;
+                *v = *v * beta2 + (1.0 - beta2) * g * g;
+                let g_prime = g / (1.0 - m_schedule);
+                let m_prime = *m / (1.0 - m_schedule_next);
+                let v_prime = *v / c2;
+                let m_bar = (1.0 - mom_t) * g_prime + mom_t_1 * m_prime;
+                *w = T::from_f64(wf - lr * m_bar / (v_prime.sqrt() + epsilon));
             }
         }
         Optimizer::Ftml {

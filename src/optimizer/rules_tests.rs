@@ -273,6 +273,7 @@ fn the_new_optimizers_take_a_keys_multipliers_and_refuse_a_fractional_kind() {
         Optimizer::ftrl(0.1),
         Optimizer::ftml(0.1),
         Optimizer::rmsprop(0.1).centered(true),
+        Optimizer::nadam(0.1),
     ] {
         // A key's lr_mult of 2 and wd_mult of 0 are the optimizer with lr * 2 and no decay.
         let base = base.wd(0.1);
@@ -425,4 +426,78 @@ fn the_fuzzers_seeds_are_a_centered_rmsprop_body_and_ftmls_saved_states() {
     assert!(u.multi_precision);
     assert_eq!(u.state[&Key::Int(0)].master.size(), 2);
     assert_eq!(u.save_states_and_optimizer(), seed);
+}
+
+/// MXNet's Nadam.update restated: `schedule` is the optimizer's `m_schedule`, shared by keys.
+fn nadam_step(
+    (lr, b1, b2, eps, sd, wd, rescale, clip): (f64, f64, f64, f64, f64, f64, f64, f64),
+    t: u64,
+    schedule: &mut f64,
+    g: &[f64; 4],
+    w: &mut [f64; 4],
+    m: &mut [f64; 4],
+    v: &mut [f64; 4],
+) {
+    let t = t as f64;
+    let mom_t = b1 * (1.0 - 0.5 * 0.96f64.powf(t * sd));
+    let mom_t_1 = b1 * (1.0 - 0.5 * 0.96f64.powf((t + 1.0) * sd));
+    *schedule *= mom_t;
+    let next = *schedule * mom_t_1;
+    for i in 0..4 {
+        let cg = (g[i] * rescale + wd * w[i]).clamp(-clip, clip);
+        m[i] = m[i] * b1 + (1.0 - b1) * cg;
+        v[i] = v[i] * b2 + (1.0 - b2) * cg * cg;
+        let g_prime = cg / (1.0 - *schedule);
+        let m_prime = m[i] / (1.0 - next);
+        let v_prime = v[i] / (1.0 - b2.powf(t));
+        let m_bar = (1.0 - mom_t) * g_prime + mom_t_1 * m_prime;
+        w[i] -= lr * m_bar / (v_prime.sqrt() + eps);
+    }
+}
+
+#[test]
+fn nadam_steps_as_mxnets_nadam_with_one_schedule_over_every_key() {
+    let p = (0.05, 0.8, 0.9, 1e-6, 0.1, 0.02, 0.5, 0.9);
+    let opt = Optimizer::nadam(p.0)
+        .beta1(p.1)
+        .beta2(p.2)
+        .epsilon(p.3)
+        .schedule_decay(p.4)
+        .wd(p.5)
+        .rescale_grad(p.6)
+        .clip_gradient(p.7);
+    assert_eq!(opt.encode().len(), 9);
+    let (mut m, mut v, mut schedule) = ([0.0f64; 4], [0.0f64; 4], 1.0);
+    check(opt.clone(), 4, |step, g, w| {
+        nadam_step(p, step as u64 + 1, &mut schedule, g, w, &mut m, &mut v);
+    });
+    // Two keys, updated in turn: the schedule moves at each update, whatever the key (MXNet's
+    // m_schedule is the optimizer's), each key's count its own.
+    let mut u = OptimizerUpdater::new(opt.clone());
+    let mut arrays = [
+        NDArray::from_vec(&[4], W0.to_vec()).unwrap(),
+        NDArray::from_vec(&[4], W0.to_vec()).unwrap(),
+    ];
+    let mut want = [(W0, [0.0f64; 4], [0.0f64; 4]); 2];
+    let mut schedule = 1.0;
+    for step in 0..3 {
+        for k in 0..2 {
+            let g = grads(step + k);
+            let gk = NDArray::from_vec(&[4], g.to_vec()).unwrap();
+            u.update(&Key::Int(k as i64), &gk, &mut arrays[k]).unwrap();
+            let (w, m, v) = &mut want[k];
+            nadam_step(p, step as u64 + 1, &mut schedule, &g, w, m, v);
+            assert_eq!(
+                arrays[k].to_vec::<f64>().unwrap(),
+                *w,
+                "key {k} step {step}"
+            );
+        }
+    }
+    // Saved with the optimizer, the schedule goes on where it stands.
+    let mut back = OptimizerUpdater::new(Optimizer::sgd(0.1));
+    assert!(back.load_states(&u.save_states_and_optimizer()).unwrap());
+    assert_eq!(back.m_schedule, u.m_schedule);
+    assert!(u.m_schedule < 0.5);
+    assert_eq!(Optimizer::nadam(0.1).name(), "nadam");
 }

@@ -7,8 +7,9 @@ use super::wire::read_words;
 use super::{mults, schedule, write_extras, KeyState, Mults, Optimizer, OptimizerUpdater, Reader};
 use crate::{DType, Key, KvError, NDArray, Result};
 
-/// The first bytes of saved optimizer states (version 4: `multi_precision` after the
-/// scheduler, and three arrays of moments and a master copy per key, where 3 had two arrays;
+/// The first bytes of saved optimizer states (version 4: `multi_precision` and Nadam's
+/// momentum schedule after the scheduler, and three arrays of moments and a master copy per
+/// key, where 3 had two arrays;
 /// 3: the optimizer's per-key multipliers, then its scheduler and the count
 /// it began from, follow its parameters; files of versions 3, 2, without the scheduler, and
 /// 1, without the multipliers either, still load).
@@ -51,6 +52,7 @@ impl OptimizerUpdater {
         self.mults.save(&mut out);
         write_extras(&mut out, self.schedule.as_ref(), self.begin_num_update);
         out.push(u8::from(self.multi_precision));
+        out.extend_from_slice(&self.m_schedule.to_le_bytes());
         let mut keys: Vec<&Key> = self.state.keys().collect();
         keys.sort();
         out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
@@ -113,13 +115,20 @@ impl OptimizerUpdater {
             _ => schedule::read_extras(&mut r)
                 .ok_or_else(|| bad("a truncated or malformed learning-rate scheduler"))?,
         };
-        let saved_mp = match version {
-            1..=3 => false,
-            _ => match r.take(1).ok_or_else(|| bad("truncated"))? {
-                [0] => false,
-                [1] => true,
-                _ => return Err(bad("a malformed multi_precision")),
-            },
+        let (saved_mp, saved_schedule_m) = match version {
+            1..=3 => (false, 1.0),
+            _ => {
+                let mp = match r.take(1).ok_or_else(|| bad("truncated"))? {
+                    [0] => false,
+                    [1] => true,
+                    _ => return Err(bad("a malformed multi_precision")),
+                };
+                let m = r.f64().filter(|m| m.is_finite());
+                (
+                    mp,
+                    m.ok_or_else(|| bad("a truncated or malformed momentum schedule"))?,
+                )
+            }
         };
         if !dumped && !saved.same_kind(&self.opt) {
             return Err(bad(&format!(
@@ -171,6 +180,7 @@ impl OptimizerUpdater {
             self.schedule = saved_schedule;
             self.begin_num_update = saved_begin;
             self.multi_precision = saved_mp;
+            self.m_schedule = saved_schedule_m;
         }
         // The most updates a key has had, as the counts saved say.
         self.num_update = state

@@ -1,5 +1,5 @@
 //! An optimizer's parameters on the wire and in saved states: f64 words, its kind first, 8 of
-//! them for every kind but centered RMSProp's, which takes 9.
+//! them for every kind but centered RMSProp's and Nadam's, which take 9.
 
 use super::{Optimizer, Reader};
 use crate::{KvError, Result};
@@ -9,7 +9,7 @@ use crate::{KvError, Result};
 fn words_of(kind: f64) -> Option<usize> {
     match kind {
         1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 7.0 | 8.0 | 9.0 | 11.0 => Some(8),
-        10.0 => Some(9),
+        10.0 | 12.0 => Some(9),
         _ => None,
     }
 }
@@ -164,6 +164,28 @@ impl Optimizer {
                 rescale_grad,
                 clip_gradient,
             ],
+            Optimizer::Nadam {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                schedule_decay,
+                wd,
+                rescale_grad,
+                clip_gradient,
+            } => {
+                return vec![
+                    12.0,
+                    lr,
+                    beta1,
+                    beta2,
+                    epsilon,
+                    schedule_decay,
+                    wd,
+                    rescale_grad,
+                    clip_gradient,
+                ]
+            }
             Optimizer::RmsPropCentered {
                 lr,
                 gamma1,
@@ -291,6 +313,16 @@ impl Optimizer {
                 wd: w[5],
                 rescale_grad: w[6],
                 clip_gradient: w[7],
+            }),
+            12 => Ok(Optimizer::Nadam {
+                lr: w[1],
+                beta1: w[2],
+                beta2: w[3],
+                epsilon: w[4],
+                schedule_decay: w[5],
+                wd: w[6],
+                rescale_grad: w[7],
+                clip_gradient: w[8],
             }),
             k => Err(KvError::Protocol(format!("unknown optimizer kind {k}"))),
         }
