@@ -66,6 +66,8 @@ pub(crate) fn check_updater_kept_shape(
 /// A single-process store.
 pub(crate) struct LocalStore {
     store: FxHashMap<Key, NDArray>,
+    /// Each str key's number: its place in the order of inits (MXNet's `str_key_dict_`).
+    numbers: FxHashMap<Key, i64>,
     /// Per-key buffers where a list of pushed values is summed before the updater runs.
     merge: FxHashMap<Key, NDArray>,
     updater: Option<Updater>,
@@ -84,6 +86,7 @@ impl LocalStore {
     pub(crate) fn new(on_devices: bool) -> Self {
         LocalStore {
             store: FxHashMap::default(),
+            numbers: FxHashMap::default(),
             merge: FxHashMap::default(),
             updater: None,
             on_devices,
@@ -184,8 +187,25 @@ impl LocalStore {
             };
             let v = vs[0].copy_to(device)?;
             self.store.insert(k.clone(), v);
+            if let Key::Str(_) = k {
+                let n = self.numbers.len() as i64;
+                self.numbers.insert(k.clone(), n);
+            }
         }
         Ok(())
+    }
+
+    /// The order in which a call's keys are updated: by their numbers, as MXNet's local store
+    /// groups a call's keys sorted (an int key is its number; a str key's is its place in the
+    /// order of inits), each key's values together. It shows where updates share a state
+    /// (Nadam's schedule) or print.
+    fn update_order(&self, pairs: &[(Key, List<&NDArray>)]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..pairs.len()).collect();
+        order.sort_by_key(|&i| match &pairs[i].0 {
+            Key::Int(n) => *n,
+            k => self.numbers.get(k).copied().unwrap_or(i64::MAX),
+        });
+        order
     }
 
     fn stored(&self, k: &Key) -> Result<&NDArray> {
@@ -205,8 +225,10 @@ impl LocalStore {
                 Compression::check_dtype(k, stored.dtype())?;
             }
         }
+        let order = self.update_order(pairs);
         let Some(c) = self.compression else {
-            for (k, vs) in pairs {
+            for &i in &order {
+                let (k, vs) = &pairs[i];
                 self.update(k, vs)?;
             }
             return Ok(());
@@ -220,7 +242,8 @@ impl LocalStore {
                     .collect()
             })
             .collect::<Result<Vec<Vec<NDArray>>>>()?;
-        for ((k, _), vs) in pairs.iter().zip(&hosts) {
+        for &i in &order {
+            let (k, vs) = (&pairs[i].0, &hosts[i]);
             let device = self.stored(k)?.device();
             let sent = self.compressed_sum(c, k, vs, device)?;
             self.update(k, &[&sent])?;

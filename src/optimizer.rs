@@ -192,7 +192,7 @@ impl OptimizerUpdater {
         // A master copy, as MXNet's create_state_multi_precision makes one: at the key's first
         // update, where the optimizer has multi_precision and the weight is a half type. One
         // of another size than the weight (loaded from elsewhere) is made afresh, as moments
-        // are. Made before the count moves, so that a failure changes nothing.
+        // are. Made before the count moves: a failure to make it changes nothing.
         let n = weight.size();
         let half = master::applies(weight.dtype());
         let copy = match self.state.get(key) {

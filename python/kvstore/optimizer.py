@@ -431,9 +431,11 @@ class Nadam(Optimizer):
     """Nadam, Adam with Nesterov momentum (MXNet's ``Nadam(learning_rate=0.001, beta1=0.9,
     beta2=0.999, epsilon=1e-8, schedule_decay=0.004, **kwargs)``, its update). As in MXNet,
     its momentum schedule (``m_schedule``) is one product over every update the store's
-    optimizer makes, whatever the key; it lives where the optimizer runs (a distributed
-    store's servers each keep their own, as MXNet's), not on this object. Its update runs on
-    the host."""
+    optimizer makes, whatever the key (a local store updates a call's keys in order of their
+    numbers, as MXNet's); it lives where the optimizer runs (a distributed store's servers
+    each keep their own, as MXNet's), not on this object. A ``clip_gradient`` of 0 or less
+    clips nothing (MXNet's Nadam would clip every gradient to 0). Its update runs on the
+    host."""
 
     name = "nadam"
     _default_lr = 0.001

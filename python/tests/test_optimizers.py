@@ -1,7 +1,8 @@
-"""AdaDelta, Adamax, Signum, Ftrl, centered RMSProp and FTML: MXNet 1.9's constructors, and
-their updates restated in numpy (float64, in MXNet's order, so that the values agree exactly) against what a store
-running them gives; float32 weights (updated in float64, rounded once a step) against the
-same float64 rule fed float32 gradients, within float32's rounding."""
+"""AdaDelta, Adamax, Signum, Ftrl, centered RMSProp, FTML and Nadam: MXNet 1.9's constructors,
+and their updates restated in numpy (float64, in MXNet's order, so that the values agree
+exactly) against what a store running them gives; float32 weights (updated in float64,
+rounded once a step) against the same float64 rule fed float32 gradients, within float32's
+rounding. Also get_updater, multi_precision, and the order of a call's updates."""
 
 import numpy as np
 import pytest
@@ -145,7 +146,8 @@ def test_updates_are_mxnet_s(name, kwargs, rule):
     want64, want32 = W0.copy(), W0.copy()
     out64, out32 = np.zeros(4), np.zeros(4, dtype=np.float32)
     for t, g in enumerate(GRADS, 1):
-        kv.push([0, 1], [g, g.astype(np.float32)])
+        # Keys updated in order of their numbers, as MXNet's local store does.
+        kv.push([1, 0], [g.astype(np.float32), g])
         want64, want32 = step64(t, want64, g), step32(t, want32, g.astype(np.float32))
         kv.pull([0, 1], out=[out64, out32])
         np.testing.assert_array_equal(out64, want64)
@@ -432,3 +434,21 @@ def test_a_local_store_saves_its_updater_s_states_as_mxnet_s(tmp_path):
     kv3._set_updater(lambda k, i, s: None)
     with pytest.raises(kvstore.KVStoreError):
         kv3.save_optimizer_states(path)
+
+
+def test_a_local_store_updates_a_call_s_keys_in_order_of_their_numbers():
+    # MXNet's local store groups a call's keys sorted: int keys by value, str keys by the order
+    # of their inits (their numbers).
+    seen = []
+    kv = kvstore.create()
+    kv.init([9, 5, 7], [np.zeros(1)] * 3)
+    kv._set_updater(lambda k, i, s: seen.append(k))
+    kv.push([9, 5, 7, 5], [np.ones(1)] * 4)
+    assert seen == [5, 7, 9]
+    seen.clear()
+    kv = kvstore.create()
+    kv.init(["b", "a"], [np.zeros(1)] * 2)
+    kv.init("c", np.zeros(1))
+    kv._set_updater(lambda k, i, s: seen.append(k))
+    kv.push(["c", "a", "b"], [np.ones(1)] * 3)
+    assert seen == ["b", "a", "c"]

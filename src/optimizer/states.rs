@@ -123,11 +123,7 @@ impl OptimizerUpdater {
                     [1] => true,
                     _ => return Err(bad("a malformed multi_precision")),
                 };
-                let m = r.f64().filter(|m| m.is_finite());
-                (
-                    mp,
-                    m.ok_or_else(|| bad("a truncated or malformed momentum schedule"))?,
-                )
+                (mp, r.f64().ok_or_else(|| bad("truncated"))?)
             }
         };
         if !dumped && !saved.same_kind(&self.opt) {
@@ -180,8 +176,9 @@ impl OptimizerUpdater {
             self.schedule = saved_schedule;
             self.begin_num_update = saved_begin;
             self.multi_precision = saved_mp;
-            self.m_schedule = saved_schedule_m;
         }
+        // Nadam's schedule goes with the update counts, which every load restores.
+        self.m_schedule = saved_schedule_m;
         // The most updates a key has had, as the counts saved say.
         self.num_update = state
             .values()
