@@ -200,11 +200,14 @@ impl LocalStore {
     /// order of inits), each key's values together. It shows where updates share a state
     /// (Nadam's schedule) or print.
     fn update_order(&self, pairs: &[(Key, List<&NDArray>)]) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..pairs.len()).collect();
-        order.sort_by_key(|&i| match &pairs[i].0 {
+        let number = |k: &Key| match k {
             Key::Int(n) => *n,
             k => self.numbers.get(k).copied().unwrap_or(i64::MAX),
-        });
+        };
+        let mut order: Vec<usize> = (0..pairs.len()).collect();
+        if !pairs.is_sorted_by_key(|(k, _)| number(k)) {
+            order.sort_by_key(|&i| number(&pairs[i].0));
+        }
         order
     }
 
@@ -225,14 +228,18 @@ impl LocalStore {
                 Compression::check_dtype(k, stored.dtype())?;
             }
         }
-        let order = self.update_order(pairs);
         let Some(c) = self.compression else {
-            for &i in &order {
+            if let [(k, vs)] = pairs {
+                // One key (the common call): nothing to order.
+                return self.update(k, vs);
+            }
+            for i in self.update_order(pairs) {
                 let (k, vs) = &pairs[i];
                 self.update(k, vs)?;
             }
             return Ok(());
         };
+        let order = self.update_order(pairs);
         // Every value on the host before any residual changes.
         let hosts = pairs
             .iter()
