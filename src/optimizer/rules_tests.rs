@@ -505,3 +505,76 @@ fn nadam_steps_as_mxnets_nadam_with_one_schedule_over_every_key() {
     assert!(u.m_schedule < 0.5);
     assert_eq!(Optimizer::nadam(0.1).name(), "nadam");
 }
+
+#[test]
+fn nadams_step_counts_are_each_keys_own_and_its_schedule_the_optimizers() {
+    // Key 0 is updated three times before key 1's first update: key 1 runs its step 1 (its
+    // own count) with the schedule the four updates made.
+    let p = (0.05, 0.8, 0.9, 1e-6, 0.1, 0.0, 1.0, 10.0);
+    let opt = Optimizer::nadam(p.0)
+        .beta1(p.1)
+        .beta2(p.2)
+        .epsilon(p.3)
+        .schedule_decay(p.4)
+        .clip_gradient(p.7);
+    let mut u = OptimizerUpdater::new(opt);
+    let mut a = NDArray::from_vec(&[4], W0.to_vec()).unwrap();
+    let mut b = NDArray::from_vec(&[4], W0.to_vec()).unwrap();
+    let (mut wa, mut ma, mut va) = (W0, [0.0f64; 4], [0.0f64; 4]);
+    let (mut wb, mut mb, mut vb) = (W0, [0.0f64; 4], [0.0f64; 4]);
+    let mut schedule = 1.0;
+    for step in 0..3 {
+        let g = grads(step);
+        let gn = NDArray::from_vec(&[4], g.to_vec()).unwrap();
+        u.update(&Key::Int(0), &gn, &mut a).unwrap();
+        nadam_step(
+            p,
+            step as u64 + 1,
+            &mut schedule,
+            &g,
+            &mut wa,
+            &mut ma,
+            &mut va,
+        );
+    }
+    let g = grads(3);
+    let gn = NDArray::from_vec(&[4], g.to_vec()).unwrap();
+    u.update(&Key::Int(1), &gn, &mut b).unwrap();
+    nadam_step(p, 1, &mut schedule, &g, &mut wb, &mut mb, &mut vb);
+    assert_eq!(a.to_vec::<f64>().unwrap(), wa);
+    assert_eq!(b.to_vec::<f64>().unwrap(), wb);
+    assert_eq!(u.num_update(), 3);
+}
+
+#[test]
+fn nag_reads_back_the_new_weight_rounded_into_its_dtype() {
+    // MXNet's NAGMomKernel on a float16 weight (no master copy) writes the new weight, then
+    // reads it back, rounded, for the momentum's weight decay.
+    let (lr, mom, wd) = (0.1, 0.9, 0.5);
+    let mut u = OptimizerUpdater::new(Optimizer::nag(lr).momentum(mom).wd(wd));
+    let f = |x: f32| half::f16::from_f32(x);
+    let mut w = NDArray::from_vec(&[2], vec![f(0.3), f(-1.7)]).unwrap();
+    let (mut want, mut m) = ([f(0.3), f(-1.7)], [0.0f64; 2]);
+    for step in 0..4 {
+        let gs = [f(0.5 - step as f32), f(0.25)];
+        u.update(
+            &Key::Int(0),
+            &NDArray::from_vec(&[2], gs.to_vec()).unwrap(),
+            &mut w,
+        )
+        .unwrap();
+        for i in 0..2 {
+            let (wf, g) = (f64::from(want[i].to_f32()), f64::from(gs[i].to_f32()));
+            m[i] *= mom;
+            let nw = f((wf - m[i] + (mom + 1.0) * (m[i] - lr * (g + wd * wf))) as f32);
+            m[i] -= lr * (g + wd * f64::from(nw.to_f32()));
+            want[i] = nw;
+        }
+        assert_eq!(w.as_slice::<half::f16>().unwrap(), want, "step {step}");
+        assert_eq!(
+            u.state[&Key::Int(0)].m.to_vec::<f64>().unwrap(),
+            m,
+            "step {step}"
+        );
+    }
+}
