@@ -205,9 +205,7 @@ impl LocalStore {
             k => self.numbers.get(k).copied().unwrap_or(i64::MAX),
         };
         let mut order: Vec<usize> = (0..pairs.len()).collect();
-        if !pairs.is_sorted_by_key(|(k, _)| number(k)) {
-            order.sort_by_key(|&i| number(&pairs[i].0));
-        }
+        order.sort_by_key(|&i| number(&pairs[i].0));
         order
     }
 

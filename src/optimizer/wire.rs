@@ -31,7 +31,7 @@ pub(super) fn read_words(r: &mut Reader<'_>) -> Result<Vec<f64>> {
 impl Optimizer {
     /// Encodes the optimizer as f64 words (kind first), for the wire.
     pub(crate) fn encode(&self) -> Vec<f64> {
-        let words: &[f64] = &match *self {
+        match *self {
             Optimizer::Sgd {
                 lr,
                 momentum,
@@ -51,7 +51,7 @@ impl Optimizer {
                 } else {
                     1.0
                 };
-                [
+                vec![
                     kind,
                     lr,
                     momentum,
@@ -70,7 +70,7 @@ impl Optimizer {
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [
+            } => vec![
                 2.0,
                 lr,
                 beta1,
@@ -86,7 +86,7 @@ impl Optimizer {
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [4.0, lr, epsilon, wd, rescale_grad, clip_gradient, 0.0, 0.0],
+            } => vec![4.0, lr, epsilon, wd, rescale_grad, clip_gradient, 0.0, 0.0],
             Optimizer::RmsProp {
                 lr,
                 gamma1,
@@ -95,7 +95,7 @@ impl Optimizer {
                 rescale_grad,
                 clip_gradient,
                 clip_weights,
-            } => [
+            } => vec![
                 5.0,
                 lr,
                 gamma1,
@@ -112,7 +112,7 @@ impl Optimizer {
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [6.0, lr, rho, epsilon, wd, rescale_grad, clip_gradient, 0.0],
+            } => vec![6.0, lr, rho, epsilon, wd, rescale_grad, clip_gradient, 0.0],
             Optimizer::Adamax {
                 lr,
                 beta1,
@@ -120,7 +120,7 @@ impl Optimizer {
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [7.0, lr, beta1, beta2, wd, rescale_grad, clip_gradient, 0.0],
+            } => vec![7.0, lr, beta1, beta2, wd, rescale_grad, clip_gradient, 0.0],
             Optimizer::Signum {
                 lr,
                 momentum,
@@ -128,7 +128,7 @@ impl Optimizer {
                 rescale_grad,
                 clip_gradient,
                 wd_lh,
-            } => [
+            } => vec![
                 8.0,
                 lr,
                 momentum,
@@ -145,7 +145,7 @@ impl Optimizer {
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [9.0, lr, lamda1, beta, wd, rescale_grad, clip_gradient, 0.0],
+            } => vec![9.0, lr, lamda1, beta, wd, rescale_grad, clip_gradient, 0.0],
             Optimizer::Ftml {
                 lr,
                 beta1,
@@ -154,7 +154,7 @@ impl Optimizer {
                 wd,
                 rescale_grad,
                 clip_gradient,
-            } => [
+            } => vec![
                 11.0,
                 lr,
                 beta1,
@@ -174,7 +174,7 @@ impl Optimizer {
                 rescale_grad,
                 clip_gradient,
             } => {
-                return vec![
+                vec![
                     12.0,
                     lr,
                     beta1,
@@ -196,7 +196,7 @@ impl Optimizer {
                 clip_gradient,
                 clip_weights,
             } => {
-                return vec![
+                vec![
                     10.0,
                     lr,
                     gamma1,
@@ -208,8 +208,7 @@ impl Optimizer {
                     clip_weights,
                 ]
             }
-        };
-        words.to_vec()
+        }
     }
 
     /// Decodes [`Optimizer::encode`]'s words.
