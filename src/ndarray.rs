@@ -265,7 +265,9 @@ impl NDArray {
     pub fn fill(&mut self, value: f64) {
         let dtype = self.dtype;
         with_dtype!(dtype, T => {
-            let v = T::from_f64(value);
+            // Element's conversion (through f32 for halves), not the `half` crate's inherent
+            // one, which a concrete T here would otherwise call.
+            let v = <T as crate::Element>::from_f64(value);
             bytemuck::cast_slice_mut::<u8, T>(self.as_bytes_mut()).fill(v);
         })
     }
@@ -391,6 +393,20 @@ impl fmt::Display for NDArray {
 mod tests {
     use super::*;
     use half::{bf16, f16};
+
+    #[test]
+    fn halves_are_filled_through_float32() {
+        // Just past halfway between two bfloat16s as a float32 (0xbf9a8006): the `half`
+        // crate's bf16::from_f64 rounded it down, from the f64's top 32 bits only.
+        let x = f64::from(f32::from_bits(0xbf9a_8006));
+        let b = NDArray::full_dtype(&[2], x, DType::BF16);
+        assert_eq!(b.as_slice::<bf16>().unwrap()[1].to_bits(), 0xbf9b);
+        // Just past halfway between 1 and the next float16, but halfway once in float32: one
+        // rounding gives 0x3c01, two (through f32, as everywhere here and on a GPU) 0x3c00.
+        let y = 1.0 + 2f64.powi(-11) + 2f64.powi(-30);
+        let h = NDArray::full_dtype(&[2], y, DType::F16);
+        assert_eq!(h.as_slice::<f16>().unwrap()[0].to_bits(), 0x3c00);
+    }
 
     #[test]
     fn constructors() {

@@ -5,16 +5,16 @@
 //! `AdaGrad`'s dense update, `rmsprop_update` and `rmspropalex_update`, its Python `AdaDelta`
 //! and `Adamax`, `signum_update` and `signsgd_update`, `ftrl_update`, `ftml_update`, its
 //! Python `Nadam`), element-wise, so they apply unchanged to the slice of a big tensor that
-//! one server holds. Where the weight and the gradient are
-//! on a GPU (feature `cuda`), SGD's and Adam's updates run there, with the state in that GPU's
-//! memory, and give the host's results bit for bit (the others have no GPU kernel: on GPU
-//! arrays they run on the host, through the arrays' mirrors).
+//! one server holds. Where the weight and the gradient are on a GPU (feature `cuda`), every
+//! one of them runs there (`crate::gpu::optim`), with the state (and a `multi_precision`
+//! master copy) in that GPU's memory, and gives the host's results bit for bit.
 
 use rustc_hash::FxHashMap;
 
 use crate::dtype::with_dtype;
 use crate::{DType, Device, Key, KvError, NDArray, Result};
-use rules::{adam_lr, adamax_lr, nadam_momentum, update_typed, Step};
+pub(crate) use rules::Step;
+use rules::{adam_lr, adamax_lr, nadam_momentum, update_typed};
 
 /// Per-key state of an optimizer: up to three arrays of moments (f64, where the weight is
 /// updated: in host memory, or on the weight's GPU; empty where the optimizer keeps fewer), the
@@ -223,11 +223,7 @@ impl OptimizerUpdater {
         }
         let mp = half && st.master.size() == n && n > 0;
         #[cfg(feature = "cuda")]
-        // Only SGD and Adam have GPU kernels: the others, and every update on a master copy,
-        // run on the host, through the arrays' mirrors.
-        let on_gpu = !mp
-            && matches!(self.opt, Optimizer::Sgd { .. } | Optimizer::Adam { .. })
-            && crate::gpu::optim::applies(grad, weight);
+        let on_gpu = crate::gpu::optim::applies(grad, weight);
         #[cfg(not(feature = "cuda"))]
         let on_gpu = false;
         // The state lives where the update runs.
@@ -294,9 +290,14 @@ impl OptimizerUpdater {
                 place(&mut st.d, n, device)?;
             }
         }
+        if mp && st.master.device() != device {
+            st.master = st.master.copy_to(device)?;
+        }
         #[cfg(feature = "cuda")]
         if on_gpu {
-            return crate::gpu::optim::step(opt, step.lr_t, grad, weight, &mut st.m, &mut st.v);
+            let master = if mp { Some(&mut st.master) } else { None };
+            let moments = [&mut st.m, &mut st.v, &mut st.d];
+            return crate::gpu::optim::step(opt, step, grad, weight, moments, master);
         }
         let moments = [
             st.m.as_mut_slice::<f64>()?,
@@ -398,3 +399,7 @@ pub(crate) use states::{is_dumped, mark_dumped};
 #[cfg(test)]
 #[path = "optimizer_tests.rs"]
 mod tests;
+
+#[cfg(all(test, feature = "cuda"))]
+#[path = "optimizer/gpu_tests.rs"]
+mod gpu_tests;

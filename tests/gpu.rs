@@ -191,6 +191,12 @@ fn optimizers_on_a_gpu_are_the_hosts_bit_for_bit_and_keep_their_state() {
             .wd(1e-3)
             .rescale_grad(0.5)
             .clip_gradient(2.0),
+        Optimizer::nag(0.05).momentum(0.9).wd(1e-2),
+        Optimizer::rmsprop(0.01).centered(true).clip_weights(1.4),
+        Optimizer::nadam(0.01).wd(1e-3),
+        Optimizer::ftml(0.02).clip_gradient(2.0),
+        Optimizer::signum(0.01).momentum(0.9).wd_lh(1e-2),
+        Optimizer::ftrl(0.1).lamda1(0.05),
     ];
     for opt in opts {
         for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {

@@ -3,12 +3,14 @@
 //! a device-to-device copy of the same size. Both are counted as bytes read plus bytes written
 //! per second, the bytes each must move: the copy reads its source and writes its destination
 //! once; the sum reads each value once and writes the result once. An implementation that
-//! moves more than that shows as a lower ratio.
+//! moves more than that shows as a lower ratio. Then a GPU array staged through a `local`
+//! store, and a push to a `device` store running a built-in optimizer on the GPU, each against
+//! its reference.
 
 use std::time::Instant;
 
 use clap::Args;
-use kvstore::{cpu, create, gpu, gpu_count, KvError, NDArray};
+use kvstore::{cpu, create, gpu, gpu_count, KvError, NDArray, Optimizer};
 
 /// `kvperf gpu`'s options.
 #[derive(Args, Debug)]
@@ -19,7 +21,7 @@ pub struct GpuArgs {
     /// Values summed by each push (all on gpu(0)).
     #[arg(long, default_value_t = 2)]
     pub values: usize,
-    /// Timed repetitions, after one that is not timed.
+    /// Timed repetitions, after one that is not timed (the optimizers' too).
     #[arg(long, default_value_t = 20)]
     pub reps: usize,
 }
@@ -90,7 +92,47 @@ pub fn run(a: &GpuArgs) -> Result<(), String> {
         sum * 1e3,
         sum_bw / copy_bw
     );
-    staged(a.reps, n)
+    staged(a.reps, n)?;
+    optimizers(a.reps, n, copy_bw)
+}
+
+/// A push of one f32 gradient to a `device` store running each of a few built-in optimizers
+/// on the GPU, counted as the bytes its rule must move (the weight read and written, the
+/// gradient read, each f64 moment read and written), against the device copy's rate.
+fn optimizers(reps: usize, n: usize, copy_bw: f64) -> Result<(), String> {
+    let on = |v: f64| NDArray::full(&[n], v).on(gpu(0)).map_err(err);
+    let sync = on(0.0)?;
+    let grad = on(0.001)?;
+    for (name, opt, moments) in [
+        ("sgd", Optimizer::sgd(0.1), 0),
+        ("sgd with momentum", Optimizer::sgd(0.1).momentum(0.9), 1),
+        ("adam", Optimizer::adam(0.01), 2),
+        (
+            "centered rmsprop",
+            Optimizer::rmsprop(0.01).centered(true),
+            3,
+        ),
+    ] {
+        let mut kv = create("device").map_err(err)?;
+        kv.init(0, &on(1.0)?).map_err(err)?;
+        kv.set_optimizer(opt).map_err(err)?;
+        let t = per_call(reps, &sync, || kv.push(0, &grad))?;
+        let mut out = on(0.0)?;
+        kv.pull(0, &mut out).map_err(err)?;
+        if out.to_f64_vec().iter().any(|&x| x >= 1.0 || x.is_nan()) {
+            return Err(format!("{name}: the weight did not move"));
+        }
+        let bw = (12 + 16 * moments) as f64 * n as f64 / t;
+        println!(
+            "{name} on a GPU, {} f32 weight: {:.1} GB/s of its rule's bytes ({:.3} ms), \
+             against the device copy: {:.2}",
+            crate::format_size(4 * n),
+            bw / 1e9,
+            t * 1e3,
+            bw / copy_bw
+        );
+    }
+    Ok(())
 }
 
 /// A push and a pull of a GPU array in a `local` store (values in host memory, a host copy

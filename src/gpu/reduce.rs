@@ -141,7 +141,7 @@ fn ptx() -> Result<&'static cudarc::nvrtc::Ptx> {
 
 /// One device's kernels, by name.
 struct Kernels {
-    by_name: Vec<(&'static str, CudaFunction)>,
+    by_name: Vec<(String, CudaFunction)>,
 }
 
 /// Whether the kernels are ready on device `ordinal` (compiled and loaded now if not yet).
@@ -159,8 +159,10 @@ fn kernels(ordinal: u32) -> Result<Arc<Kernels>> {
         let module = g.ctx.load_module(ptx()?.clone()).map_err(fail)?;
         let sums = [DType::F32, DType::F64, DType::F16, DType::BF16].map(kernel_name);
         let mut by_name = Vec::new();
-        for name in sums.into_iter().flatten().chain(super::optim::NAMES) {
-            by_name.push((name, module.load_function(name).map_err(fail)?));
+        let sums = sums.into_iter().flatten().map(String::from);
+        for name in sums.chain(super::optim::names()) {
+            let f = module.load_function(&name).map_err(fail)?;
+            by_name.push((name, f));
         }
         Ok(Arc::new(Kernels { by_name }))
     })

@@ -42,8 +42,10 @@ pub(super) fn step(
     update_typed::<f32>(opt, step, &g, master, moments);
     with_dtype!(dtype, T => {
         for (w, m) in weight.as_mut_slice::<T>()?.iter_mut().zip(master.iter()) {
-            // One rounding: a float32 is a float64 exactly.
-            *w = T::from_f64(f64::from(*m));
+            // One rounding: a float32 is a float64 exactly. (Element's conversion, not the
+            // `half` crate's inherent `from_f64`, which rounds a bfloat16 from the f64's top
+            // 32 bits only.)
+            *w = <T as Element>::from_f64(f64::from(*m));
         }
     });
     Ok(())

@@ -176,3 +176,36 @@ fn a_master_copy_of_another_size_is_made_afresh_from_the_weight() {
         [0.5, 1.5]
     );
 }
+
+#[test]
+fn a_bfloat16_weight_is_its_master_copy_rounded_through_float32() {
+    // The weight is the master copy rounded to nearest even, every element, every step. The
+    // `half` crate's own bf16::from_f64 keeps only the top 32 bits of the f64 before rounding,
+    // so a float32 just past a halfway point (0xbf9a8006, element 477 at the second step
+    // here) rounded down: Element::from_f64 must be the one called.
+    let n = 16387;
+    let key = Key::Int(3);
+    let bf = |xs: Vec<f64>| {
+        NDArray::from_vec(&[xs.len()], xs.into_iter().map(bf16::from_f64).collect()).unwrap()
+    };
+    let mut w = bf((0..n).map(|i| ((i as f64) * 0.013) % 3.0 - 1.5).collect());
+    let opt = Optimizer::sgd(0.05)
+        .momentum(0.9)
+        .wd(1e-4)
+        .clip_gradient(1.5);
+    let mut u = OptimizerUpdater::new(opt.multi_precision(true));
+    for s in 0..3 {
+        let g = bf((0..n)
+            .map(|i| ((i * (s + 2)) as f64 * 0.71) % 5.0 - 2.5)
+            .collect());
+        u.update(&key, &g, &mut w).unwrap();
+        let master = u.state[&key].master.to_vec::<f32>().unwrap();
+        let want: Vec<bf16> = master.iter().map(|&m| bf16::from_f32(m)).collect();
+        let got = w.as_slice::<bf16>().unwrap();
+        let bad = (0..n).find(|&i| got[i].to_bits() != want[i].to_bits());
+        assert_eq!(
+            bad, None,
+            "step {s}: the first element not its master rounded"
+        );
+    }
+}

@@ -36,14 +36,14 @@ fn sign(x: f64) -> f64 {
 
 /// What one step of a key takes beyond the optimizer's parameters, from its count.
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Step {
+pub(crate) struct Step {
     /// The key's update count (its `t`-th step, counted from `begin_num_update`).
-    pub(super) t: u64,
+    pub(crate) t: u64,
     /// Adam's or Adamax's bias-corrected learning rate.
-    pub(super) lr_t: f64,
+    pub(crate) lr_t: f64,
     /// Nadam's momentum schedule: `momentum_t`, `momentum_t_1`, `m_schedule` and
     /// `m_schedule_next`, as its `update` computes them.
-    pub(super) nadam: [f64; 4],
+    pub(crate) nadam: [f64; 4],
 }
 
 /// Nadam's momentum at step `t` (MXNet's `beta1 * (1 - 0.5 * 0.96 ** (t * schedule_decay))`).
