@@ -18,8 +18,8 @@ use rules::{adam_lr, adamax_lr, nadam_momentum, update_typed};
 
 /// Per-key state of an optimizer: up to three arrays of moments (f64, where the weight is
 /// updated: in host memory, or on the weight's GPU; empty where the optimizer keeps fewer), the
-/// weight's float32 master copy where it has one (`multi_precision`, in host memory), and the
-/// step count.
+/// weight's float32 master copy where it has one (`multi_precision`; where the update runs, as
+/// the moments), and the step count.
 struct KeyState {
     m: NDArray,
     v: NDArray,

@@ -175,6 +175,8 @@ fn sum_on_gpus_against_the_host(n: usize, count: usize, dtype: DType) {
     assert_eq!(got.as_bytes(), want.as_bytes(), "{count} values of {dtype}");
 }
 
+/// Through the stores, saved and loaded. (That the kernels ran, not the host through the
+/// arrays' mirrors, is checked by the library's `optimizer::gpu_tests`.)
 #[test]
 #[ignore = "needs a GPU"]
 fn optimizers_on_a_gpu_are_the_hosts_bit_for_bit_and_keep_their_state() {

@@ -1,5 +1,5 @@
 //! The built-in optimizers on a GPU (feature `cuda`): every rule of
-//! [`crate::optimizer`]'s host (`rules.rs`), one kernel per float dtype, for a weight and a
+//! [`crate::optimizer`]'s host (`rules.rs`), a kernel per float dtype and rule, for a weight and a
 //! gradient on a GPU, with the optimizer's state (f64 moments, and a float32 master copy under
 //! `multi_precision`) in that GPU's memory. They compute what the host computes, bit for bit:
 //! each element is taken to f64, updated with the host's operations in the host's order
@@ -495,8 +495,8 @@ pub(crate) fn step(
     let count = n as u64;
     let mut launch = stream.launch_builder(&f);
     launch.arg(&mp).arg(ws).arg(gs);
-    // A state the rule does not use is absent: the kernel, which then reads none, gets the
-    // gradient in its place.
+    // A state the rule does not use is absent: the kernel, which then reads none (it only
+    // forms `m + i` and the like, never dereferenced), gets the gradient in its place.
     for s in [master, m, v, d] {
         match s {
             Some(s) => launch.arg(s),

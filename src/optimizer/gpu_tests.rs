@@ -7,14 +7,12 @@ use half::{bf16, f16};
 
 use crate::{gpu, gpu_count, DType, Device, Key, Multiplied, NDArray, Optimizer, OptimizerUpdater};
 
-/// One of each kind, with its switches on where it has them (clips, weight decays, a
-/// rescale), so that every line of every rule runs.
+/// One of each kind, with its switches on where it has them (clips, weight decays, the
+/// rescale; Signum in both its orders, with the clip and without), so that every line of every
+/// rule runs.
 fn every_optimizer() -> Vec<Optimizer> {
-    vec![
-        Optimizer::sgd(0.1)
-            .wd(1e-3)
-            .rescale_grad(0.5)
-            .clip_gradient(0.9),
+    let all = vec![
+        Optimizer::sgd(0.1).wd(1e-3).clip_gradient(0.9),
         Optimizer::sgd(0.05)
             .momentum(0.9)
             .wd(1e-4)
@@ -24,10 +22,7 @@ fn every_optimizer() -> Vec<Optimizer> {
             .momentum(0.9)
             .wd(1e-2)
             .clip_gradient(1.5),
-        Optimizer::adam(0.01)
-            .wd(1e-3)
-            .rescale_grad(0.5)
-            .clip_gradient(2.0),
+        Optimizer::adam(0.01).wd(1e-3).clip_gradient(2.0),
         Optimizer::adagrad(0.1).wd(1e-3).clip_gradient(1.5),
         Optimizer::rmsprop(0.01)
             .wd(1e-3)
@@ -39,7 +34,7 @@ fn every_optimizer() -> Vec<Optimizer> {
             .wd(1e-3)
             .clip_weights(1.4),
         Optimizer::nadam(0.01).wd(1e-3).clip_gradient(2.0),
-        Optimizer::ftml(0.02).wd(1e-3).rescale_grad(0.5),
+        Optimizer::ftml(0.02).wd(1e-3),
         Optimizer::adadelta().wd(1e-3).clip_gradient(2.0),
         Optimizer::adamax(0.01).wd(1e-3).clip_gradient(1.0),
         Optimizer::signum(0.01)
@@ -47,16 +42,19 @@ fn every_optimizer() -> Vec<Optimizer> {
             .wd(1e-3)
             .wd_lh(1e-2)
             .clip_gradient(1.0),
+        Optimizer::signum(0.01).momentum(0.8).wd(1e-3),
         Optimizer::signum(0.01).momentum(0.0).wd(1e-3),
         Optimizer::ftrl(0.1)
             .lamda1(0.05)
             .beta(1.0)
             .wd(1e-3)
             .clip_gradient(2.0),
-    ]
+    ];
+    // A rescale for all (signSGD's rule ignores it, as MXNet's does).
+    all.into_iter().map(|o| o.rescale_grad(0.75)).collect()
 }
 
-/// An array of `dtype` holding `values`, each rounded as the host rounds it.
+/// An array of `dtype` holding `values` (the same inputs for the host and the GPU).
 fn array(dtype: DType, values: &[f64]) -> NDArray {
     let shape = [values.len()];
     match dtype {
@@ -85,9 +83,10 @@ fn host_and_gpu_agree(opt: Multiplied, dtype: DType, what: &str) {
             .collect();
         let g = array(dtype, &g);
         host.update(&key, &g, &mut host_w).unwrap();
-        on_gpu
-            .update(&key, &g.copy_to(dev).unwrap(), &mut gpu_w)
-            .unwrap();
+        let gpu_g = g.copy_to(dev).unwrap();
+        // The update takes the GPU's path (plain SGD and signSGD keep no state to show it).
+        assert!(crate::gpu::optim::applies(&gpu_g, &gpu_w), "{what}");
+        on_gpu.update(&key, &gpu_g, &mut gpu_w).unwrap();
         assert_eq!(gpu_w.device(), dev, "{what}");
         let got = gpu_w.copy_to(crate::cpu(0)).unwrap();
         if got.as_bytes() != host_w.as_bytes() {

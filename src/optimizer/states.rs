@@ -62,7 +62,8 @@ impl OptimizerUpdater {
             out.extend_from_slice(&st.t.to_le_bytes());
             for v in [&st.m, &st.v, &st.d] {
                 out.extend_from_slice(&(v.size() as u64).to_le_bytes());
-                // On a GPU, the moments are read through their host mirror.
+                // On a GPU, the moments (and the master copy, below) are read through their
+                // host mirror.
                 for x in v.as_slice::<f64>().unwrap_or_default() {
                     out.extend_from_slice(&x.to_le_bytes());
                 }
