@@ -202,6 +202,44 @@ impl OptimizerUpdater {
             }
             _ => None,
         };
+        // The update, all or nothing: where it fails (a GPU out of memory for the state, say),
+        // the key's count, the optimizer's and Nadam's schedule are as they were, and a key
+        // updated for the first time keeps no state.
+        let before = (
+            self.state.get(key).map(|st| st.t),
+            self.num_update,
+            self.m_schedule,
+        );
+        let done = self.apply(key, grad, weight, copy, signum_state);
+        if done.is_err() {
+            let (t, num_update, m_schedule) = before;
+            (self.num_update, self.m_schedule) = (num_update, m_schedule);
+            match t {
+                Some(t) => {
+                    if let Some(st) = self.state.get_mut(key) {
+                        st.t = t;
+                    }
+                }
+                None => {
+                    self.state.remove(key);
+                }
+            }
+        }
+        done
+    }
+
+    /// [`OptimizerUpdater::update`]'s step, once its arguments are checked and the master copy
+    /// made where one is due (`copy`).
+    fn apply(
+        &mut self,
+        key: &Key,
+        grad: &NDArray,
+        weight: &mut NDArray,
+        copy: Option<NDArray>,
+        signum_state: bool,
+    ) -> Result<()> {
+        let n = weight.size();
+        let half = master::applies(weight.dtype());
         let begin = self.begin_num_update;
         let st = self.state.entry(key.clone()).or_insert_with(|| KeyState {
             t: begin,

@@ -475,3 +475,40 @@ fn adagrad_and_rmsprop_take_a_keys_multipliers() {
         assert_ne!(a.to_vec::<f32>().unwrap(), vec![1.0; 4]);
     }
 }
+
+#[test]
+fn an_update_that_fails_after_the_count_moved_changes_nothing() {
+    // A failure after the count moves (on a GPU: out of memory for the state, a launch that
+    // fails) leaves the key's count, the optimizer's, Nadam's schedule and the weight as they
+    // were; a moment of the wrong dtype, planted here, makes the host's update fail there.
+    let key = Key::Int(1);
+    let g = NDArray::from_vec(&[2], vec![0.5f32, -0.5]).unwrap();
+    let mut u = OptimizerUpdater::new(
+        Optimizer::nadam(0.1).lr_scheduler(LrScheduler::factor(1, 0.5).base_lr(0.1)),
+    );
+    let mut w = NDArray::from_vec(&[2], vec![1.0f32, 2.0]).unwrap();
+    u.update(&key, &g, &mut w).unwrap();
+    let (kept_w, kept_schedule) = (w.to_vec::<f32>().unwrap(), u.m_schedule);
+    assert_ne!(kept_schedule, 1.0);
+    let good = std::mem::replace(
+        &mut u.state.get_mut(&key).unwrap().m,
+        NDArray::zeros_dtype(&[2], DType::F32),
+    );
+    assert!(u.update(&key, &g, &mut w).is_err());
+    assert_eq!(u.state[&key].t, 1);
+    assert_eq!(u.num_update(), 1);
+    assert_eq!(u.m_schedule, kept_schedule);
+    assert_eq!(w.to_vec::<f32>().unwrap(), kept_w);
+    // With its state back, the key goes on as one that never failed.
+    u.state.get_mut(&key).unwrap().m = good;
+    let mut clean = OptimizerUpdater::new(
+        Optimizer::nadam(0.1).lr_scheduler(LrScheduler::factor(1, 0.5).base_lr(0.1)),
+    );
+    let mut w2 = NDArray::from_vec(&[2], vec![1.0f32, 2.0]).unwrap();
+    for _ in 0..2 {
+        clean.update(&key, &g, &mut w2).unwrap();
+    }
+    u.update(&key, &g, &mut w).unwrap();
+    assert_eq!(w.to_vec::<f32>().unwrap(), w2.to_vec::<f32>().unwrap());
+    assert_eq!(u.num_update(), 2);
+}
