@@ -58,6 +58,8 @@ pub struct OptimizerUpdater {
     m_schedule: f64,
     /// The most updates any key has had (MXNet's `num_update`): what the scheduler is given.
     num_update: u64,
+    /// Whether MXNet's warning of float16 weights updated without `multi_precision` was given.
+    warned_f16: bool,
     state: FxHashMap<Key, KeyState>,
 }
 
@@ -90,6 +92,7 @@ impl OptimizerUpdater {
             begin_num_update,
             multi_precision,
             m_schedule: 1.0,
+            warned_f16: false,
             num_update: begin_num_update,
             state: FxHashMap::default(),
         }
@@ -240,6 +243,20 @@ impl OptimizerUpdater {
     ) -> Result<()> {
         let n = weight.size();
         let half = master::applies(weight.dtype());
+        if weight.dtype() == DType::F16
+            && !self.multi_precision
+            && !self.warned_f16
+            && !self.state.contains_key(key)
+        {
+            // MXNet's, where it makes a float16 key's state without a master copy (its Python
+            // warns once; so does this updater).
+            self.warned_f16 = true;
+            tracing::warn!(
+                "Accumulating with float16 in optimizer can lead to poor accuracy or slow \
+                 convergence. Consider using multi_precision=True option of the optimizer \
+                 (key {key})"
+            );
+        }
         let begin = self.begin_num_update;
         let st = self.state.entry(key.clone()).or_insert_with(|| KeyState {
             t: begin,

@@ -512,3 +512,50 @@ fn an_update_that_fails_after_the_count_moved_changes_nothing() {
     assert_eq!(w.to_vec::<f32>().unwrap(), w2.to_vec::<f32>().unwrap());
     assert_eq!(u.num_update(), 2);
 }
+
+#[test]
+fn float16_weights_without_a_master_copy_are_warned_of_once_as_mxnet_does() {
+    use std::sync::{Arc, Mutex};
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let w = buf.clone();
+    let sub = tracing_subscriber::fmt()
+        .with_writer(move || w.clone())
+        .with_ansi(false)
+        .finish();
+    // Two keys updated twice each: how many warnings.
+    let warnings = |opt: Multiplied, dtype: DType| {
+        buf.0.lock().unwrap().clear();
+        let mut u = OptimizerUpdater::new(opt);
+        for _ in 0..2 {
+            for k in 0..2 {
+                let g = NDArray::full_dtype(&[3], 0.5, dtype);
+                let mut w = NDArray::full_dtype(&[3], 1.0, dtype);
+                u.update(&Key::Int(k), &g, &mut w).unwrap();
+            }
+        }
+        let out = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        out.matches("Accumulating with float16 in optimizer")
+            .count()
+    };
+    tracing::subscriber::with_default(sub, || {
+        assert_eq!(warnings(Optimizer::sgd(0.1).into(), DType::F16), 1);
+        assert_eq!(
+            warnings(Optimizer::sgd(0.1).multi_precision(true), DType::F16),
+            0
+        );
+        assert_eq!(warnings(Optimizer::sgd(0.1).into(), DType::F32), 0);
+        // (MXNet's check is for float16 only.)
+        assert_eq!(warnings(Optimizer::sgd(0.1).into(), DType::BF16), 0);
+    });
+}
