@@ -212,222 +212,143 @@ RULES(f16, unsigned short)
 RULES(bf16, unsigned short)
 "#;
 
-/// The kernels' names (`update_<dtype>_<rule>`), for the sums' program to load.
-pub(super) fn names() -> impl Iterator<Item = String> {
-    ["f32", "f64", "f16", "bf16"]
-        .into_iter()
-        .flat_map(|s| (0..USES.len()).map(move |k| format!("update_{s}_{k}")))
-}
+/// The dtypes the kernels take, in the order of their kernels.
+const DTYPES: [(DType, &str); 4] = [
+    (DType::F32, "f32"),
+    (DType::F64, "f64"),
+    (DType::F16, "f16"),
+    (DType::BF16, "bf16"),
+];
 
 /// How many of the moments `m`, `v` and `d`, in that order, each kind's rule reads.
 const USES: [usize; 14] = [0, 1, 1, 2, 1, 1, 3, 2, 3, 2, 2, 0, 1, 2];
 
-fn suffix(dtype: DType) -> Option<&'static str> {
-    match dtype {
-        DType::F32 => Some("f32"),
-        DType::F64 => Some("f64"),
-        DType::F16 => Some("f16"),
-        DType::BF16 => Some("bf16"),
-        _ => None,
-    }
+/// The kernels' names (`update_<dtype>_<rule>`), dtype by dtype, for the sums' program to
+/// load: [`kernel_index`]'s order.
+pub(super) fn names() -> impl Iterator<Item = String> {
+    DTYPES
+        .into_iter()
+        .flat_map(|(_, s)| (0..USES.len()).map(move |k| format!("update_{s}_{k}")))
+}
+
+/// The index of the kernel of `dtype` and rule `kind` among [`names`], if the kernels take
+/// `dtype`.
+fn kernel_index(dtype: DType, kind: u32) -> Option<usize> {
+    let d = DTYPES.iter().position(|&(t, _)| t == dtype)?;
+    Some(d * USES.len() + kind as usize)
 }
 
 /// The kernel's `kind` of `opt`'s rule and its parameters, in the order the kernel reads
-/// them; `stateful` says whether the key has a momentum state (Signum: signum_update with,
-/// signsgd_update without).
+/// them (the four every rule has, then the rule's own); `stateful` says whether the key has a
+/// momentum state (Signum: signum_update with, signsgd_update without).
 fn params(opt: &Optimizer, step: Step, stateful: bool) -> (u32, [f64; 12]) {
     let Step { t, lr_t, nadam } = step;
     let mut p = [0.0; 12];
+    {
+        let mut o = opt.clone();
+        let c = o.common();
+        p[..4].copy_from_slice(&[*c.lr, *c.wd, *c.rescale_grad, *c.clip_gradient]);
+    }
+    let mut own = |xs: &[f64]| p[4..4 + xs.len()].copy_from_slice(xs);
     let kind = match *opt {
-        Optimizer::Sgd {
-            lr,
-            momentum,
-            wd,
-            rescale_grad,
-            clip_gradient,
+        Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. } if momentum <= 0.0 => 0,
+        Optimizer::Sgd { momentum, .. } => {
+            own(&[momentum]);
+            1
         }
-        | Optimizer::Nag {
-            lr,
-            momentum,
-            wd,
-            rescale_grad,
-            clip_gradient,
-        } => {
-            p[..5].copy_from_slice(&[lr, wd, rescale_grad, clip_gradient, momentum]);
-            match opt {
-                _ if momentum <= 0.0 => 0,
-                Optimizer::Sgd { .. } => 1,
-                _ => 2,
-            }
+        Optimizer::Nag { momentum, .. } => {
+            own(&[momentum]);
+            2
         }
         Optimizer::Adam {
             beta1,
             beta2,
             epsilon,
-            wd,
-            rescale_grad,
-            clip_gradient,
             ..
         } => {
-            p[..7].copy_from_slice(&[lr_t, wd, rescale_grad, clip_gradient, beta1, beta2, epsilon]);
+            own(&[beta1, beta2, epsilon]);
             3
         }
-        Optimizer::AdaGrad {
-            lr,
-            epsilon,
-            wd,
-            rescale_grad,
-            clip_gradient,
-        } => {
-            p[..5].copy_from_slice(&[lr, wd, rescale_grad, clip_gradient, epsilon]);
+        Optimizer::AdaGrad { epsilon, .. } => {
+            own(&[epsilon]);
             4
         }
         Optimizer::RmsProp {
-            lr,
             gamma1,
             epsilon,
-            wd,
-            rescale_grad,
-            clip_gradient,
             clip_weights,
+            ..
         } => {
-            p[..7].copy_from_slice(&[
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                gamma1,
-                epsilon,
-                clip_weights,
-            ]);
+            own(&[gamma1, epsilon, clip_weights]);
             5
         }
         Optimizer::RmsPropCentered {
-            lr,
             gamma1,
             gamma2,
             epsilon,
-            wd,
-            rescale_grad,
-            clip_gradient,
             clip_weights,
+            ..
         } => {
-            p[..8].copy_from_slice(&[
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                gamma1,
-                epsilon,
-                clip_weights,
-                gamma2,
-            ]);
+            own(&[gamma1, epsilon, clip_weights, gamma2]);
             6
         }
         Optimizer::Nadam {
-            lr,
             beta1,
             beta2,
             epsilon,
-            wd,
-            rescale_grad,
-            clip_gradient,
             ..
         } => {
             // The host rule's own expression for the second moment's correction.
             let c2 = 1.0 - beta2.powf(t as f64);
             let [mom_t, mom_t_1, sched, sched_next] = nadam;
-            p = [
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
-                beta1,
-                beta2,
-                epsilon,
-                mom_t,
-                mom_t_1,
-                sched,
-                sched_next,
-                c2,
-            ];
+            own(&[beta1, beta2, epsilon, mom_t, mom_t_1, sched, sched_next, c2]);
             7
         }
         Optimizer::Ftml {
-            lr,
             beta1,
             beta2,
             epsilon,
-            wd,
-            rescale_grad,
-            clip_gradient,
+            ..
         } => {
             let t = t as f64;
-            let (c1, c2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
-            p[..9].copy_from_slice(&[
-                lr,
-                wd,
-                rescale_grad,
-                clip_gradient,
+            own(&[
                 beta1,
                 beta2,
                 epsilon,
-                c1,
-                c2,
+                1.0 - beta1.powf(t),
+                1.0 - beta2.powf(t),
             ]);
             8
         }
-        Optimizer::AdaDelta {
-            rho,
-            epsilon,
-            wd,
-            rescale_grad,
-            clip_gradient,
-            lr,
-        } => {
-            p[..6].copy_from_slice(&[lr, wd, rescale_grad, clip_gradient, rho, epsilon]);
+        Optimizer::AdaDelta { rho, epsilon, .. } => {
+            own(&[rho, epsilon]);
             9
         }
-        Optimizer::Adamax {
-            beta1,
-            beta2,
-            wd,
-            rescale_grad,
-            clip_gradient,
-            ..
-        } => {
-            p[..6].copy_from_slice(&[lr_t, wd, rescale_grad, clip_gradient, beta1, beta2]);
+        Optimizer::Adamax { beta1, beta2, .. } => {
+            own(&[beta1, beta2]);
             10
         }
         Optimizer::Signum {
-            lr,
-            momentum,
-            wd,
-            rescale_grad,
-            clip_gradient,
-            wd_lh,
+            momentum, wd_lh, ..
         } => {
             // MXNet's Signum passes a momentum of 0 or less on as none (the kernel's 0).
-            let mom = momentum.max(0.0);
-            p[..6].copy_from_slice(&[lr, wd, rescale_grad, clip_gradient, mom, wd_lh]);
+            own(&[momentum.max(0.0), wd_lh]);
             if stateful {
                 12
             } else {
                 11
             }
         }
-        Optimizer::Ftrl {
-            lr,
-            lamda1,
-            beta,
-            wd,
-            rescale_grad,
-            clip_gradient,
-        } => {
-            p[..6].copy_from_slice(&[lr, wd, rescale_grad, clip_gradient, lamda1, beta]);
+        Optimizer::Ftrl { lamda1, beta, .. } => {
+            own(&[lamda1, beta]);
             13
         }
     };
+    // Adam's and Adamax's rules take the step's bias-corrected rate in the learning rate's
+    // place.
+    if matches!(kind, 3 | 10) {
+        p[0] = lr_t;
+    }
     (kind, p)
 }
 
@@ -438,7 +359,7 @@ pub(crate) fn applies(grad: &NDArray, weight: &NDArray) -> bool {
     let (Some(w), Some(_)) = (weight.device_buf(), grad.device_buf()) else {
         return false;
     };
-    suffix(weight.dtype()).is_some() && reduce::ready(w.ordinal()).is_ok()
+    kernel_index(weight.dtype(), 0).is_some() && reduce::ready(w.ordinal()).is_ok()
 }
 
 /// One step of `opt` on the GPU ([`applies`] said so): `weight` updated in place by `grad`
@@ -455,7 +376,6 @@ pub(crate) fn step(
 ) -> Result<()> {
     let n = weight.size();
     let dtype = weight.dtype();
-    let sfx = suffix(dtype).ok_or_else(|| KvError::Device(format!("no GPU update for {dtype}")))?;
     let Some(w) = weight.device_buf_mut() else {
         return Err(KvError::Device("the weight is not on a GPU".into()));
     };
@@ -474,7 +394,9 @@ pub(crate) fn step(
         return Ok(());
     }
     let (kind, p) = params(opt, step, moments[0].size() == n);
-    let f = reduce::function(ordinal, &format!("update_{sfx}_{kind}"))?;
+    let index = kernel_index(dtype, kind)
+        .ok_or_else(|| KvError::Device(format!("no GPU update for {dtype}")))?;
+    let f = reduce::update_function(ordinal, index)?;
     let stream = w.stream().clone();
     let gs = g.device()?;
     // The moments the rule reads (`USES` of them, in order), each of the weight's size on its

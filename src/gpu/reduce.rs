@@ -139,9 +139,11 @@ fn ptx() -> Result<&'static cudarc::nvrtc::Ptx> {
     .map_err(|e| KvError::Device(format!("the GPU sum kernels: {e}")))
 }
 
-/// One device's kernels, by name.
+/// One device's kernels: the sums by name, the optimizers' by index
+/// (`super::optim::names`'s order).
 struct Kernels {
-    by_name: Vec<(String, CudaFunction)>,
+    by_name: Vec<(&'static str, CudaFunction)>,
+    updates: Vec<CudaFunction>,
 }
 
 /// Whether the kernels are ready on device `ordinal` (compiled and loaded now if not yet).
@@ -159,13 +161,24 @@ fn kernels(ordinal: u32) -> Result<Arc<Kernels>> {
         let module = g.ctx.load_module(ptx()?.clone()).map_err(fail)?;
         let sums = [DType::F32, DType::F64, DType::F16, DType::BF16].map(kernel_name);
         let mut by_name = Vec::new();
-        let sums = sums.into_iter().flatten().map(String::from);
-        for name in sums.chain(super::optim::names()) {
-            let f = module.load_function(&name).map_err(fail)?;
-            by_name.push((name, f));
+        for name in sums.into_iter().flatten() {
+            by_name.push((name, module.load_function(name).map_err(fail)?));
         }
-        Ok(Arc::new(Kernels { by_name }))
+        let mut updates = Vec::new();
+        for name in super::optim::names() {
+            updates.push(module.load_function(&name).map_err(fail)?);
+        }
+        Ok(Arc::new(Kernels { by_name, updates }))
     })
+}
+
+/// The optimizers' kernel `index` (in `super::optim::names`'s order) on device `ordinal`.
+pub(crate) fn update_function(ordinal: u32, index: usize) -> Result<CudaFunction> {
+    kernels(ordinal)?
+        .updates
+        .get(index)
+        .cloned()
+        .ok_or_else(|| KvError::Device(format!("no GPU update kernel {index}")))
 }
 
 /// The kernel `name` on device `ordinal`.
