@@ -20,9 +20,10 @@
 //!
 //! # Under mpirun or srun
 //! Without `DMLC_ROLE`, a process started by Open MPI's or MPICH's `mpirun` or by Slurm's
-//! `srun` takes its place from their variables (`OMPI_COMM_WORLD_RANK`/`_SIZE`,
-//! `PMI_RANK`/`PMI_SIZE`, `SLURM_PROCID`/`SLURM_NTASKS`). The rule: with `KVSTORE_NUM_SERVERS`
-//! = S (default 1), rank 0 is the scheduler, ranks 1..=S the servers, the rest the workers
+//! `srun` takes its place from their variables, the first found of
+//! `OMPI_COMM_WORLD_RANK`/`_SIZE`, `PMI_RANK`/`PMI_SIZE` (an mpiexec inside a Slurm job sets
+//! them) and `SLURM_PROCID`/`SLURM_NTASKS`. The rule: with `KVSTORE_NUM_SERVERS` = S
+//! (default 1), rank 0 is the scheduler, ranks 1..=S the servers, the rest the workers
 //! (so a job of N ranks has N - 1 - S workers). The scheduler is found at
 //! `KVSTORE_ROOT_URI` if set, else at the first host of Slurm's node list, else on loopback when
 //! every rank runs on one host (`OMPI_COMM_WORLD_LOCAL_SIZE` = `OMPI_COMM_WORLD_SIZE`); its port
@@ -178,6 +179,16 @@ fn launcher_rank(env: Lookup) -> Result<Option<LauncherRank>> {
             job_id: get(env, "OMPI_MCA_ess_base_jobid").or_else(|| get(env, "PMIX_NAMESPACE")),
         }));
     }
+    if let Some((rank, size)) = pair("PMI_RANK", "PMI_SIZE")? {
+        let local = get(env, "MPI_LOCALNRANKS").and_then(|v| v.parse::<usize>().ok());
+        return Ok(Some(LauncherRank {
+            launcher: "pmi",
+            rank,
+            size,
+            all_local: local.map(|l| l == size),
+            job_id: get(env, "PMI_KVSNAME").or_else(|| get(env, "PMIX_NAMESPACE")),
+        }));
+    }
     if let Some((rank, size)) = pair("SLURM_PROCID", "SLURM_NTASKS")? {
         let nodes = get(env, "SLURM_NNODES").or_else(|| get(env, "SLURM_JOB_NUM_NODES"));
         let job = get(env, "SLURM_JOB_ID").or_else(|| get(env, "SLURM_JOBID"));
@@ -187,16 +198,6 @@ fn launcher_rank(env: Lookup) -> Result<Option<LauncherRank>> {
             size,
             all_local: nodes.map(|n| n.trim() == "1"),
             job_id: job.map(|j| format!("{j}.{}", get(env, "SLURM_STEP_ID").unwrap_or_default())),
-        }));
-    }
-    if let Some((rank, size)) = pair("PMI_RANK", "PMI_SIZE")? {
-        let local = get(env, "MPI_LOCALNRANKS").and_then(|v| v.parse::<usize>().ok());
-        return Ok(Some(LauncherRank {
-            launcher: "pmi",
-            rank,
-            size,
-            all_local: local.map(|l| l == size),
-            job_id: get(env, "PMI_KVSNAME").or_else(|| get(env, "PMIX_NAMESPACE")),
         }));
     }
     Ok(None)
@@ -570,7 +571,10 @@ mod tests {
             .unwrap()
             .to_string()
             .contains("KVSTORE_ROOT_URI"));
+        // MPICH's or Intel MPI's mpiexec inside a Slurm allocation: its ranks, not the step's.
         let p = cfg(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
             ("PMI_RANK", "3"),
             ("PMI_SIZE", "4"),
             ("KVSTORE_ROOT_URI", "127.0.0.1"),

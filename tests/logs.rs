@@ -271,6 +271,14 @@ fn kvrun_doctor_checks_this_host_and_says_what_would_fail() {
     ] {
         assert!(ok.stdout.contains(want), "{want}\n{}", ok.all());
     }
+    // A bare name is looked up on the PATH, as the job's processes find it.
+    let bare = doctor("exec \"$1\" doctor sh");
+    assert!(
+        bare.stdout
+            .contains("ok localhost: sh is there and executable"),
+        "{}",
+        bare.all()
+    );
     // A missing program, an unreachable host and a low memlock limit.
     let bad = doctor(
         "ulimit -l 64; exec \"$1\" doctor -H localhost,nohost.invalid \

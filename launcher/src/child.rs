@@ -112,13 +112,17 @@ fn forward(
             match r.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {
-                    let text = String::from_utf8_lossy(&line);
-                    let text = text.trim_end_matches('\n');
-                    if to_stderr {
-                        let _ = writeln!(std::io::stderr().lock(), "{prefix}{text}");
-                    } else {
-                        let _ = writeln!(std::io::stdout().lock(), "{prefix}{text}");
+                    // The line's bytes as they came (not every program writes UTF-8), after
+                    // the prefix, in one write: lines of several processes never interleave.
+                    if line.last() != Some(&b'\n') {
+                        line.push(b'\n');
                     }
+                    line.splice(0..0, prefix.bytes());
+                    let _ = if to_stderr {
+                        std::io::stderr().lock().write_all(&line)
+                    } else {
+                        std::io::stdout().lock().write_all(&line)
+                    };
                 }
             }
         }
@@ -165,16 +169,19 @@ impl Child {
         cmd.stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
+        // The child checks that kvrun still lives once its death signal is set: its parent
+        // must still be this process (a dead parent's children go to init or to a subreaper).
+        let kvrun_pid = std::process::id() as libc::pid_t;
         // SAFETY: the closure runs in the child between fork and exec and only calls prctl and
-        // getppid, which are async-signal-safe; it touches no memory of the parent.
+        // getppid, which are async-signal-safe; it reads one integer copied into it.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 // If kvrun dies (even by SIGKILL), the kernel kills its children; the shepherd
                 // then kills their process groups (grandchildren too).
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if libc::getppid() == 1 {
+                if libc::getppid() != kvrun_pid {
                     return Err(std::io::Error::other("kvrun exited during spawn"));
                 }
                 Ok(())
@@ -229,33 +236,44 @@ impl Child {
     }
 
     fn signal_group(&self, sig: libc::c_int) {
-        // SAFETY: killpg only sends a signal; the group id is our child's pid, which it leads
-        // (process_group(0)), so no unrelated process can be hit while the child is unreaped.
+        // SAFETY: killpg only sends a signal. The group id is our child's pid, which it leads
+        // (process_group(0)); after the leader is reaped the group lives on while any of its
+        // processes does, and the id could name another group only if the kernel reused the
+        // pid for a new group leader after all of them ended (the shepherd takes the same
+        // risk, as every launcher that kills process groups does).
         unsafe {
             libc::killpg(self.pid as libc::pid_t, sig);
         }
     }
 }
 
-/// Stops every process still running (SIGTERM, then SIGKILL after a grace period) and reaps
-/// them, with their process groups.
+/// Stops the job's processes and whatever they started: every process group gets SIGTERM
+/// (those whose leader has exited too: a failed worker's or a finished server's helpers are
+/// not left behind), then SIGKILL after a grace period. Each leader is reaped, waiting a bounded
+/// time: a process in an uninterruptible sleep (a hung file system) is named and left.
 pub fn stop_all(children: &mut [Child]) {
     for c in children.iter_mut() {
-        if c.poll().is_none() {
-            c.signal_group(libc::SIGTERM);
-            // A stopped process acts on the TERM only once it runs again.
-            c.signal_group(libc::SIGCONT);
-        }
+        c.poll();
+        c.signal_group(libc::SIGTERM);
+        // A stopped process acts on the TERM only once it runs again.
+        c.signal_group(libc::SIGCONT);
     }
     let deadline = Instant::now() + Duration::from_secs(3);
     while Instant::now() < deadline && !children.iter_mut().all(|c| c.poll().is_some()) {
         std::thread::sleep(Duration::from_millis(10));
     }
     for c in children.iter_mut() {
-        if c.poll().is_none() {
-            c.signal_group(libc::SIGKILL);
-            let _ = c.proc.wait();
-        }
+        c.signal_group(libc::SIGKILL);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && !children.iter_mut().all(|c| c.poll().is_some()) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for c in children.iter_mut().filter(|c| !c.exited()) {
+        eprintln!(
+            "kvrun: {} did not end 5 s after SIGKILL (an uninterruptible sleep?); leaving it",
+            c.name()
+        );
     }
 }
 
@@ -275,7 +293,6 @@ pub fn flush_output(children: &mut [Child]) {
     }
 }
 
-/// Says how a process ended (`remote`: it ran over ssh).
 /// A signal's name, as `kill -l` gives it.
 pub fn signal_name(sig: i32) -> String {
     let name = match sig {
@@ -301,15 +318,30 @@ pub fn signal_name(sig: i32) -> String {
     name.to_string()
 }
 
+/// The signal that likely ended a process: the status's own, or for a remote process (whose
+/// wrapper shell can only pass a signal death on as the status 128 + n) one read from that.
+pub fn likely_signal(s: &ExitStatus, remote: bool) -> Option<i32> {
+    match (s.code(), s.signal()) {
+        (Some(c), _) if remote && (129..=128 + 31).contains(&c) => Some(c - 128),
+        (_, sig) => sig,
+    }
+}
+
+/// Says how a process ended (`remote`: it ran over ssh).
 pub fn describe(s: &ExitStatus, remote: bool) -> String {
     match (s.code(), s.signal()) {
-        (Some(255), _) if remote => {
-            "could not be started: ssh failed (status 255: host unreachable or login refused)"
-                .into()
-        }
+        (Some(255), _) if remote => "could not be started or lost its connection: ssh failed \
+             (status 255: host unreachable or login refused), or the program's own status 255"
+            .into(),
         (Some(127), _) => "exited with status 127: the program was not found there".into(),
         (Some(126), _) => "exited with status 126: the program cannot be executed there".into(),
-        (Some(c), _) => format!("exited with status {c}"),
+        (Some(c), _) => match likely_signal(s, remote) {
+            Some(sig) => format!(
+                "exited with status {c}: killed by signal {sig} ({}) there, or its own status {c}",
+                signal_name(sig)
+            ),
+            None => format!("exited with status {c}"),
+        },
         (None, Some(sig)) => format!("was killed by signal {sig} ({})", signal_name(sig)),
         _ => "ended".into(),
     }

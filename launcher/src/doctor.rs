@@ -47,7 +47,10 @@ struct Facts {
 /// The shell script run on each host: one `key value` line per fact. (`KVRUN_SYSFS` names
 /// another sysfs root, for tests.)
 const PROBE: &str = r#"
-if [ -x "$1" ]; then echo "program yes"; else echo "program no"; fi
+case "$1" in
+  */*) if [ -f "$1" ] && [ -x "$1" ]; then echo "program yes"; else echo "program no"; fi ;;
+  *) if command -v "$1" >/dev/null 2>&1; then echo "program yes"; else echo "program no"; fi ;;
+esac
 echo "memlock $(ulimit -l)"
 echo "ptrace $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo -)"
 echo "shm $(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $2}')"
@@ -79,8 +82,17 @@ fn probe(host: &str, ssh: &[String], program: &str) -> Facts {
         c
     } else {
         let mut c = Command::new(&ssh[0]);
+        // In the directory the job's processes start in (`child::remote_command`).
+        let cd = std::env::current_dir()
+            .map(|d| {
+                format!(
+                    "cd {} 2>/dev/null; ",
+                    crate::shell_quote(&d.to_string_lossy())
+                )
+            })
+            .unwrap_or_default();
         let script = format!(
-            "sh -c {} kvrun-doctor {}",
+            "{cd}sh -c {} kvrun-doctor {}",
             crate::shell_quote(PROBE),
             crate::shell_quote(program)
         );

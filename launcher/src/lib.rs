@@ -12,7 +12,7 @@ mod view;
 
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr, TcpListener};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -48,11 +48,11 @@ pub struct Options {
     #[arg(long)]
     pub timeout: Option<f64>,
     /// Seconds the servers get to exit after the workers are done.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0, value_parser = seconds)]
     pub grace: f64,
     /// Print a line every SECS seconds while the job runs: calls and bytes so far, and the
     /// slowest worker.
-    #[arg(long, value_name = "SECS")]
+    #[arg(long, value_name = "SECS", value_parser = seconds)]
     pub progress: Option<f64>,
     /// Collect every process's metrics at the end of the job into FILE.
     #[arg(long, value_name = "FILE")]
@@ -87,12 +87,51 @@ pub struct Options {
     /// the route to the first remote host).
     #[arg(long, value_name = "ADDR")]
     pub scheduler_host: Option<IpAddr>,
+    /// The program every process runs, then its arguments: everything from PROGRAM on is the
+    /// program's, as with mpirun (`kvrun -n 2 ./bench -s 8` passes `-s 8` to bench).
+    #[arg(
+        required = true,
+        num_args = 1..,
+        trailing_var_arg = true,
+        value_name = "PROGRAM [ARGS]"
+    )]
+    pub command: Vec<String>,
+}
+
+impl Options {
     /// The program every process runs.
-    #[arg(required = true)]
-    pub program: PathBuf,
-    /// Its arguments.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-    pub args: Vec<String>,
+    pub fn program(&self) -> &Path {
+        Path::new(self.command.first().map_or("", String::as_str))
+    }
+
+    /// The program's arguments.
+    pub fn args(&self) -> &[String] {
+        self.command.get(1..).unwrap_or(&[])
+    }
+}
+
+/// A number of seconds on the command line: finite and not negative.
+fn seconds(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(t) if (0.0..1e9).contains(&t) => Ok(t),
+        _ => Err(format!("{v:?} is not a number of seconds")),
+    }
+}
+
+/// Why `-x` may not set `name`, where it is a variable kvrun gives every process itself (a
+/// value of the user's would reach some processes and not kvrun's scheduler).
+fn managed(name: &str) -> Option<&'static str> {
+    match name {
+        "KVSTORE_TIMEOUT" => Some(" (use --timeout)"),
+        "DMLC_NUM_WORKER" => Some(" (use -n)"),
+        "DMLC_NUM_SERVER" => Some(" (use -s)"),
+        "DMLC_PS_ROOT_URI" | "DMLC_PS_ROOT_PORT" => {
+            Some(" (use --host, --port or --scheduler-host)")
+        }
+        "KVSTORE_SECRET" | "DMLC_ROLE" | "KVSTORE_RANK" => Some(" (a new one for every job)"),
+        n if n == kvstore::report::VAR => Some(""),
+        _ => None,
+    }
 }
 
 /// A random job secret, from the kernel's generator.
@@ -192,19 +231,25 @@ fn run_job(opts: &Options) -> Result<i32, String> {
     let ssh: Vec<String> = opts.ssh.split_whitespace().map(str::to_string).collect();
 
     let secret = make_secret().map_err(|e| format!("cannot make a job secret: {e}"))?;
-    // Remote processes need an address they can reach: listen on every address.
-    let bind = match first_remote {
+    // Remote processes need an address they can reach: `--scheduler-host`, else `--host` where
+    // it names one, else this host's address on the route to the first remote host, listening
+    // on every address of that family.
+    let advertise = match first_remote {
+        None => None,
+        Some(_) if opts.scheduler_host.is_some() => opts.scheduler_host,
+        Some(_) if !opts.host.is_loopback() && !opts.host.is_unspecified() => Some(opts.host),
+        Some(h) => Some(route_to(h)?),
+    };
+    let bind = match advertise {
+        Some(IpAddr::V6(_)) if opts.host.is_loopback() => IpAddr::from([0u16; 8]),
         Some(_) if opts.host.is_loopback() => IpAddr::from([0, 0, 0, 0]),
         _ => opts.host,
     };
     let listener = TcpListener::bind(SocketAddr::new(bind, opts.port))
         .map_err(|e| format!("cannot listen on {bind}:{}: {e}", opts.port))?;
     let mut root = listener.local_addr().map_err(|e| e.to_string())?;
-    if let Some(h) = first_remote {
-        root.set_ip(match opts.scheduler_host {
-            Some(ip) => ip,
-            None => route_to(h)?,
-        });
+    if let Some(ip) = advertise {
+        root.set_ip(ip);
     }
     let sched_opts = SchedulerOptions {
         num_workers: opts.workers as usize,
@@ -235,6 +280,10 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         env.push((k.to_string(), v));
     }
     for x in &opts.env {
+        let name = x.split_once('=').map_or(x.as_str(), |(k, _)| k);
+        if let Some(why) = managed(name) {
+            return Err(format!("-x {name}: kvrun sets {name} itself{why}"));
+        }
         match x.split_once('=') {
             Some((k, v)) => env.push((k.to_string(), v.to_string())),
             None => match std::env::var(x) {
@@ -248,7 +297,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         shepherd::Shepherd::start().map_err(|e| format!("cannot start the shepherd: {e}"))?;
     let mut children: Vec<Child> = Vec::new();
     for (role, h) in placement {
-        match Child::spawn(role, remote[h], &ssh, &opts.program, &opts.args, &env) {
+        match Child::spawn(role, remote[h], &ssh, opts.program(), opts.args(), &env) {
             Ok(c) => {
                 shepherd.watch(c.pid);
                 children.push(c);
@@ -257,8 +306,8 @@ fn run_job(opts: &Options) -> Result<i32, String> {
                 child::stop_all(&mut children);
                 shepherd.done();
                 let what = match remote[h] {
-                    Some(host) => format!("{} on {host} via {}", opts.program.display(), ssh[0]),
-                    None => opts.program.display().to_string(),
+                    Some(host) => format!("{} on {host} via {}", opts.program().display(), ssh[0]),
+                    None => opts.program().display().to_string(),
                 };
                 return Err(format!("cannot start {role} ({what}): {e}"));
             }
@@ -282,7 +331,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         "{} and {} of {} on {}; scheduler at {root}; job timeout {job_timeout} s",
         count(opts.workers, "worker"),
         count(opts.servers, "server"),
-        opts.program.display(),
+        opts.program().display(),
         places_once.join(", ")
     ));
     let started = Instant::now();
@@ -365,7 +414,7 @@ fn supervise(
             if let Some(status) = c.poll() {
                 if !status.success() {
                     failed.push((
-                        std::os::unix::process::ExitStatusExt::signal(&status).is_none(),
+                        child::likely_signal(&status, c.host.is_some()).is_none(),
                         format!(
                             "{} {}",
                             c.name(),

@@ -172,3 +172,112 @@ fn killing_kvrun_itself_takes_its_children_down() {
     }
     assert!(pids_with_marker(&marker).is_empty(), "orphans left");
 }
+
+/// Waits up to 5 s for the processes carrying `marker` to be gone; returns those left.
+fn left_after(marker: &str) -> Vec<u32> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !pids_with_marker(marker).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    pids_with_marker(marker)
+}
+
+#[test]
+fn what_a_failed_or_finished_process_started_does_not_outlive_the_job() {
+    // Each process leaves a child behind in the background; worker 1 then fails, the others
+    // wait for it to be stopped. Then a job whose every process ends well.
+    for (script, code) in [
+        (
+            r#"sleep 60 & if [ "$DMLC_ROLE" = worker ] && [ "$KVSTORE_RANK" = 1 ]; then exit 7; fi; wait"#,
+            1,
+        ),
+        ("sleep 60 & exit 0", 0),
+    ] {
+        let marker = format!("kvrun-left-check-{}-{code}", std::process::id());
+        let out = kvrun()
+            .env("KVRUN_TEST_MARKER", &marker)
+            .args(["-n", "2", "-s", "1", "--", "/bin/sh", "-c", script])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(code), "{out:?}");
+        assert_eq!(left_after(&marker), Vec::<u32>::new(), "left behind");
+    }
+}
+
+#[test]
+fn everything_after_the_program_is_the_programs() {
+    // `-s 8` and `--timeout 3` after PROGRAM are its arguments ($0 and $1.. of the script),
+    // not kvrun's options: one server (the default), the default timeout.
+    let script = r#"echo "args $0 $* servers $DMLC_NUM_SERVER timeout $KVSTORE_TIMEOUT""#;
+    let out = kvrun()
+        .env_remove("KVSTORE_TIMEOUT")
+        .args([
+            "-n",
+            "1",
+            "/bin/sh",
+            "-c",
+            script,
+            "-s",
+            "8",
+            "--timeout",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("[worker 0] args -s 8 --timeout 3 servers 1 timeout 120"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn x_cannot_set_what_kvrun_gives_every_process() {
+    for var in ["KVSTORE_SECRET=s", "KVSTORE_TIMEOUT=600", "DMLC_NUM_WORKER"] {
+        let out = kvrun()
+            .env("DMLC_NUM_WORKER", "3")
+            .args(["-n", "1", "-x", var, "--", "true"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let name = var.split('=').next().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!("-x {name}: kvrun sets {name} itself")),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn output_bytes_pass_through_as_they_are() {
+    // A line that is not UTF-8, and a last line without its newline.
+    let out = kvrun()
+        .args(["-n", "1", "--", "/bin/sh", "-c", r"printf 'a\377b\nend'"])
+        .output()
+        .unwrap();
+    let want: &[u8] = b"[worker 0] a\xffb\n";
+    assert!(
+        out.stdout.windows(want.len()).any(|w| w == want),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        out.stdout.ends_with(b"[worker 0] end\n") || {
+            let s = String::from_utf8_lossy(&out.stdout);
+            s.contains("[worker 0] end\n")
+        },
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // Seconds that are not a number of seconds are refused, not a panic.
+    for bad in [["--grace", "-1"], ["--progress", "inf"]] {
+        let out = kvrun()
+            .args(["-n", "1"])
+            .args(bad)
+            .arg("true")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+    }
+}
