@@ -47,8 +47,13 @@ impl Clone for NDArray {
 /// (which every call does) allocates nothing for it.
 pub(crate) type Shape = smallvec::SmallVec<[usize; 4]>;
 
+/// The elements of `shape`, saturating where the product overflows (no array has such a
+/// shape: every constructor checks its bytes first).
 fn elems(shape: &[usize]) -> usize {
-    shape.iter().product()
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+        .unwrap_or(usize::MAX)
 }
 
 /// The bytes of `shape` of `dtype`, or [`KvError::TooLarge`] where they overflow the address
@@ -72,14 +77,14 @@ fn too_large(shape: &[usize], dtype: DType) -> KvError {
 
 impl NDArray {
     /// An array of zeros of the given dtype.
+    ///
+    /// # Panics
+    /// Where the shape's size in bytes overflows the address range, as `vec!` does, in every
+    /// build ([`NDArray::try_zeros_dtype`] returns the error instead).
     pub fn zeros_dtype(shape: &[usize], dtype: DType) -> NDArray {
-        NDArray {
-            shape: Shape::from_slice(shape),
-            dtype,
-            device: Device::default(),
-            buf: Arc::new(Storage::Heap(AlignedBuf::zeroed(
-                elems(shape) * dtype.size(),
-            ))),
+        match NDArray::try_zeros_dtype(shape, dtype) {
+            Ok(a) => a,
+            Err(e) => panic!("{e}"),
         }
     }
 
@@ -143,6 +148,7 @@ impl NDArray {
 
     /// An array holding a copy of `data` in row-major order; the length must fill the shape.
     pub fn from_slice<T: Element>(shape: &[usize], data: &[T]) -> Result<NDArray> {
+        checked_bytes(shape, T::DTYPE)?;
         if elems(shape) != data.len() {
             return Err(KvError::BadShape {
                 shape: shape.to_vec(),
@@ -156,7 +162,7 @@ impl NDArray {
 
     /// A 1-D array of the given dtype made from raw little-endian bytes.
     pub fn from_bytes(shape: &[usize], dtype: DType, bytes: &[u8]) -> Result<NDArray> {
-        if elems(shape) * dtype.size() != bytes.len() {
+        if checked_bytes(shape, dtype)? != bytes.len() {
             return Err(KvError::BadShape {
                 shape: shape.to_vec(),
                 len: bytes.len() / dtype.size().max(1),
@@ -327,7 +333,7 @@ impl NDArray {
     /// Turns this array into a receive buffer of `shape` and `dtype`, keeping its allocation
     /// when it is big enough and not shared. Its contents are unspecified afterwards.
     pub(crate) fn reset_as(&mut self, shape: &[usize], dtype: DType) {
-        let len = elems(shape) * dtype.size();
+        let len = elems(shape).saturating_mul(dtype.size());
         match Arc::get_mut(&mut self.buf) {
             Some(b) => b.set_len(len),
             None => self.buf = Arc::new(self.buf.fresh(len)),

@@ -284,7 +284,8 @@ impl AlignedBuf {
 
     fn zeroed_aligned(len: usize, align: usize) -> Self {
         let words = len.div_ceil(8);
-        let ptr = match std::alloc::Layout::from_size_align(words * 8, align) {
+        let size = words.saturating_mul(8);
+        let ptr = match std::alloc::Layout::from_size_align(size, align) {
             Ok(layout) if words > 0 => {
                 // SAFETY: the layout has a non-zero size.
                 let p = unsafe { std::alloc::alloc_zeroed(layout) };

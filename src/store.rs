@@ -279,7 +279,7 @@ impl KVStore {
     /// server's one copy. Elsewhere it is an ordinary array.
     pub fn alloc(&mut self, shape: &[usize], dtype: crate::DType) -> Result<NDArray> {
         match &mut self.inner {
-            Inner::Local(_) => Ok(NDArray::zeros_dtype(shape, dtype)),
+            Inner::Local(_) => NDArray::try_zeros_dtype(shape, dtype),
             Inner::Dist(d) => d.alloc(shape, dtype),
         }
     }

@@ -356,6 +356,21 @@ fn broadcast_priority_pull_into_and_scalars() {
         Err(KvError::TooLarge { .. })
     ));
     assert_eq!(NDArray::try_zeros(&[2, 2]).unwrap().size(), 4);
+    // Shapes whose element count wraps (to 0 here) are refused by every constructor, in
+    // every build: none makes an array whose storage is smaller than its shape says.
+    let huge = [1usize << 32, 1 << 32];
+    for r in [
+        NDArray::from_vec(&huge, Vec::<f32>::new()),
+        NDArray::from_slice(&huge, &[] as &[u8]),
+        NDArray::from_bytes(&huge, DType::U8, &[]),
+        create("local").unwrap().alloc(&[usize::MAX], DType::U8),
+    ] {
+        assert!(matches!(r, Err(KvError::TooLarge { .. })), "{r:?}");
+    }
+    for shape in [[usize::MAX, 1], [1 << 62, 4]] {
+        let made = std::panic::catch_unwind(|| NDArray::ones(&shape));
+        assert!(made.is_err(), "an array of {shape:?} was made");
+    }
 }
 
 #[test]

@@ -369,11 +369,11 @@ impl ServerState {
                 ),
             ));
         }
-        if m.op != Op::Pull && s.stored.dtype() != m.dtype {
+        if s.stored.dtype() != m.dtype {
             return Err((
                 status::MISMATCH,
                 format!(
-                    "key {}: stored {}, pushed {}",
+                    "key {}: stored as {}, the request names {}",
                     m.key,
                     s.stored.dtype(),
                     m.dtype

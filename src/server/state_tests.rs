@@ -108,6 +108,11 @@ fn bad_requests_get_errors_and_change_nothing() {
         &mut NDArray::full_dtype(&[3], 1.0, DType::F64),
     );
     s.handle(0, 0, &req(Op::Barrier, 2, 3, 6), &mut empty());
+    // A pull of the key as another dtype (a worker whose own init differed from rank 0's):
+    // refused, not answered with bytes of the stored dtype.
+    let mut f64pull = req(Op::Pull, 2, 3, 7);
+    f64pull.dtype = DType::F64;
+    s.handle(0, 0, &f64pull, &mut empty());
     let codes: Vec<u16> = replies(&mut s).iter().map(|r| r.2).collect();
     assert_eq!(
         codes,
@@ -117,7 +122,8 @@ fn bad_requests_get_errors_and_change_nothing() {
             status::UNKNOWN_KEY,
             status::MISMATCH,
             status::MISMATCH,
-            status::FAILED
+            status::FAILED,
+            status::MISMATCH
         ]
     );
     assert_eq!(s.stored(2).unwrap().to_vec::<f32>().unwrap(), vec![7.0; 3]);

@@ -53,10 +53,6 @@ impl<T> PeerTable<T> {
         self.slots.iter().filter_map(|s| s.as_deref())
     }
 
-    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
-        self.slots.iter_mut().filter_map(|s| s.as_deref_mut())
-    }
-
     pub fn keys(&self) -> impl Iterator<Item = u32> + '_ {
         self.iter().map(|(i, _)| i)
     }

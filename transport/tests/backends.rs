@@ -431,3 +431,51 @@ fn rdma_dmabuf_memory_is_tried_then_its_host_bytes_are_registered() {
     });
     assert_eq!(read(&land), pattern(4096, 9));
 }
+
+/// A listener that stopped accepting, its backlog full: a connect gives up at its deadline
+/// with an error, where a blocking connect would wait in the kernel for good.
+#[test]
+fn shm_connect_to_a_full_backlog_ends_at_its_deadline() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+    let id = format!(
+        "bl{}x{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let at = SocketAddr::from_abstract_name(format!("kvstore-shm.{id}")).unwrap();
+    let _listener = UnixListener::bind_addr(&at).unwrap();
+    // Fill the backlog: non-blocking connects until the kernel says it is full.
+    let mut held = Vec::new();
+    let filled = (0..100_000).any(|_| {
+        let s = rustix::net::socket_with(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::STREAM,
+            rustix::net::SocketFlags::NONBLOCK,
+            None,
+        )
+        .unwrap();
+        let to =
+            rustix::net::SocketAddrUnix::new_abstract_name(format!("kvstore-shm.{id}").as_bytes())
+                .unwrap();
+        match rustix::net::connect(&s, &to) {
+            Ok(()) => {
+                held.push(UnixStream::from(s));
+                false
+            }
+            Err(e) => {
+                assert_eq!(e, rustix::io::Errno::AGAIN, "{e}");
+                true
+            }
+        }
+    });
+    assert!(filled, "the backlog never filled");
+    let mut b = ShmBackend::new(&format!("{id}c"), small_shm(false)).unwrap();
+    let start = Instant::now();
+    assert!(b.connect(&id, Duration::from_millis(300)).is_err());
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+}

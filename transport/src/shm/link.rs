@@ -14,6 +14,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvstore_shm::{recv_fds, send_fds, Channel, Pool, Segment, SLOT};
 
@@ -179,10 +180,55 @@ pub(super) fn addr(name: &str) -> Result<UnixAddr, TransportError> {
     Ok(UnixAddr::from_abstract_name(format!("kvstore-shm.{name}"))?)
 }
 
+/// Connects to the backend listening under `name`, retrying until `deadline`: the socket is
+/// non-blocking while it connects, so a listener whose backlog is full (one that stopped
+/// accepting) is retried like one not there yet, never waited on without a bound.
+pub(super) fn connect_by(name: &str, deadline: Instant) -> Result<UnixStream, TransportError> {
+    use rustix::net::{socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let to = SocketAddrUnix::new_abstract_name(format!("kvstore-shm.{name}").as_bytes())
+        .map_err(std::io::Error::from)?;
+    loop {
+        let fd = socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+        .map_err(std::io::Error::from)?;
+        match rustix::net::connect(&fd, &to) {
+            Ok(()) => {
+                let s = UnixStream::from(fd);
+                s.set_nonblocking(false)?;
+                return Ok(s);
+            }
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => return Err(std::io::Error::from(e).into()),
+        }
+    }
+}
+
 /// The last descriptor a peer passed (they come in a fixed order), or a refusal naming it.
 pub(super) fn take_fd(fds: &mut Vec<OwnedFd>, what: &str) -> Result<OwnedFd, TransportError> {
     fds.pop()
         .ok_or_else(|| TransportError::Refused(format!("no {what}")))
+}
+
+/// The peer's doorbell, refused unless it is a non-blocking eventfd: ringing it must never
+/// block this process (a blocking eventfd at its limit, or a full pipe, would).
+pub(super) fn take_bell(fds: &mut Vec<OwnedFd>) -> Result<OwnedFd, TransportError> {
+    use std::os::fd::AsRawFd;
+    let fd = take_fd(fds, "doorbell")?;
+    let what = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    let nonblocking = rustix::fs::fcntl_getfl(&fd)
+        .map_err(std::io::Error::from)?
+        .contains(rustix::fs::OFlags::NONBLOCK);
+    if what.as_os_str() != "anon_inode:[eventfd]" || !nonblocking {
+        return Err(TransportError::Refused(format!(
+            "a doorbell that is not a non-blocking eventfd ({})",
+            what.display()
+        )));
+    }
+    Ok(fd)
 }
 
 pub(super) fn eventfd() -> Result<OwnedFd, TransportError> {
@@ -317,7 +363,7 @@ pub(super) fn accept_parts(
     my_canary: u64,
     cross_memory: bool,
 ) -> Result<Parts, TransportError> {
-    let their_bell = take_fd(&mut fds, "doorbell")?;
+    let their_bell = take_bell(&mut fds)?;
     let landing_fd = take_fd(&mut fds, "landing pool")?;
     let pool_fd = take_fd(&mut fds, "pool")?;
     let chan_fd = take_fd(&mut fds, "channel")?;
@@ -360,4 +406,32 @@ pub(crate) fn fuzz(data: &[u8]) {
     let d = Desc::decode(&slot);
     let _ = (d.kind, d.flags, d.word);
     let _ = Hello::decode(data);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_doorbell_must_be_a_nonblocking_eventfd() {
+        use rustix::event::EventfdFlags;
+        let good = eventfd().unwrap();
+        assert!(take_bell(&mut vec![good]).is_ok());
+        // A blocking eventfd (a write at its limit waits), a socket (a write to a full one
+        // waits), a file: refused, so a peer cannot make a wake-up block this process.
+        let blocking = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
+        let (a, _b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let file = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        for fd in [blocking, OwnedFd::from(a), file] {
+            match take_bell(&mut vec![fd]) {
+                Err(TransportError::Refused(why)) => assert!(why.contains("eventfd"), "{why}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(matches!(
+            take_bell(&mut vec![]),
+            Err(TransportError::Refused(_))
+        ));
+    }
 }

@@ -61,6 +61,13 @@ const HANDSHAKE: usize = 1 << 40;
 /// Descriptors taken from one peer per progress call, so that one busy peer cannot starve the
 /// others.
 const BATCH: usize = 256;
+/// Descriptors waiting for room in a peer's ring (acknowledgements of what it sent) beyond
+/// which its own ring is not read: a peer that never drains its ring keeps the backlog in its
+/// ring, not in this process's memory.
+const UNSENT_MAX: usize = 2 * BATCH;
+/// Grants a peer may say it revoked (ids kept so that nothing is written there again): a
+/// peer that says more breaks the protocol.
+const REVOKED_MAX: usize = 1 << 16;
 
 /// The sizes of a shared-memory backend.
 #[derive(Clone, Debug)]
@@ -164,6 +171,8 @@ pub struct ShmBackend {
     next_grant: u64,
     /// Memory a lost peer that still lives may write: kept for good.
     quarantine: Vec<Region>,
+    /// The grants of that memory: a revoke of one fails (the peer may still write it).
+    kept: FxHashSet<u64>,
     done: VecDeque<(Token, Option<TransportError>)>,
     lost: VecDeque<(PeerId, TransportError)>,
     /// Whether `arm` marked the rings asleep since the last progress.
@@ -211,6 +220,7 @@ impl ShmBackend {
             grants: FxHashMap::default(),
             next_grant: 1,
             quarantine: Vec::new(),
+            kept: FxHashSet::default(),
             done: VecDeque::new(),
             lost: VecDeque::new(),
             armed: false,
@@ -237,13 +247,7 @@ impl ShmBackend {
     /// Connects to the backend listening under `name`, waiting up to `timeout`.
     pub fn connect(&mut self, name: &str, timeout: Duration) -> Result<PeerId, TransportError> {
         let deadline = Instant::now() + timeout;
-        let sock = loop {
-            match UnixStream::connect_addr(&addr(name)?) {
-                Ok(s) => break s,
-                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-                Err(e) => return Err(e.into()),
-            }
-        };
+        let sock = connect_by(name, deadline)?;
         let mut proc = PeerProcess::of(&sock)?;
         sock.set_read_timeout(Some(
             deadline
@@ -274,12 +278,14 @@ impl ShmBackend {
             ],
         )?;
         let (reply, mut fds) = recv_hello(&sock, 3).map_err(|e| match e {
-            TransportError::Io(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            TransportError::Io(e) | TransportError::Shm(kvstore_shm::ShmError::Io(e))
+                if e.kind() == std::io::ErrorKind::WouldBlock =>
+            {
                 TransportError::Timeout(format!("the shared-memory handshake with {name}"))
             }
             e => e,
         })?;
-        let their_bell = take_fd(&mut fds, "doorbell")?;
+        let their_bell = link::take_bell(&mut fds)?;
         let (their_landing_seg, their_landing) =
             attach_pool(take_fd(&mut fds, "landing pool")?, true)?;
         let (their_seg, their_pool) = attach_pool(take_fd(&mut fds, "pool")?, false)?;
@@ -462,6 +468,7 @@ impl ShmBackend {
                 self.done.push_back((t, e));
             }
             if !exited {
+                self.kept.insert(id);
                 self.quarantine.push(g.region);
                 self.quarantine.extend(g.bounce);
             }

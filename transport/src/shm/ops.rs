@@ -28,7 +28,7 @@ impl ShmBackend {
         }
         let mut slot = [0u8; SLOT];
         for _ in 0..BATCH {
-            if !p.chan.try_recv(&mut slot)? {
+            if p.unsent.len() >= UNSENT_MAX || !p.chan.try_recv(&mut slot)? {
                 break;
             }
             let d = Desc::decode(&slot);
@@ -91,6 +91,11 @@ impl ShmBackend {
                     }
                 }
                 REVOKE => {
+                    if p.revoked.len() >= REVOKED_MAX {
+                        return Err(TransportError::Refused(format!(
+                            "more than {REVOKED_MAX} revocations"
+                        )));
+                    }
                     p.revoked.insert(d.id);
                     let ack = Desc {
                         kind: REVOKED,
@@ -276,13 +281,27 @@ impl Backend for ShmBackend {
                     "{grant:?} is not {peer}'s, or is already being revoked"
                 )))
             }
+            // A grant to a peer that was lost while its process lives: its memory is kept,
+            // and the revoke fails, as the contract says.
+            None if self.kept.contains(&grant.id) => self.done.push_back((
+                token,
+                Some(TransportError::PeerLost(format!(
+                    "{peer} closed its link but still runs: grant {} kept, never freed",
+                    grant.id
+                ))),
+            )),
             None => self.done.push_back((token, None)),
         }
         Ok(())
     }
 
     fn forget(&mut self, peer: PeerId, grant: &RemoteRegion) {
-        if self.grants.get(&grant.id).is_some_and(|g| g.peer == peer) {
+        // A grant being revoked stays until its revoke completes (its token with it).
+        if self
+            .grants
+            .get(&grant.id)
+            .is_some_and(|g| g.peer == peer && g.revoking.is_none())
+        {
             self.grants.remove(&grant.id);
         }
     }
@@ -444,11 +463,21 @@ impl Backend for ShmBackend {
     }
 
     fn flush(&mut self) -> Result<(), TransportError> {
-        for p in self.peers.values_mut() {
-            push_unsent(p)?;
-            if std::mem::take(&mut p.posted) {
-                p.chan.wake_peer()?;
+        // A peer whose ring or wake-up words make no sense is lost, alone.
+        let mut broken = Vec::new();
+        for (id, p) in self.peers.iter_mut() {
+            let r = push_unsent(p).and_then(|()| {
+                if std::mem::take(&mut p.posted) {
+                    p.chan.wake_peer()?;
+                }
+                Ok(())
+            });
+            if let Err(e) = r {
+                broken.push((id, e));
             }
+        }
+        for (id, e) in broken {
+            self.lose(PeerId(id), e);
         }
         Ok(())
     }
@@ -509,10 +538,23 @@ impl Backend for ShmBackend {
             } else if let Some(p) = self.peers.get(&((t / 2) as u32)) {
                 if t % 2 == 1 {
                     drain(&p.bell);
-                } else if matches!((&p.sock).read(&mut [0u8; 1]), Ok(0)) {
-                    // Descriptors it posted before it went still count.
-                    let _ = self.read_peer((t / 2) as u32, on, &mut n);
-                    self.lose(PeerId((t / 2) as u32), TransportError::Closed);
+                } else {
+                    // After the handshake the socket only says the peer is gone: its end
+                    // closed, an error, or bytes it had no reason to send.
+                    let gone = match (&p.sock).read(&mut [0u8; 1]) {
+                        Ok(0) => Some(TransportError::Closed),
+                        Ok(_) => Some(TransportError::Refused(
+                            "bytes on the socket after the handshake".into(),
+                        )),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => None,
+                        Err(e) => Some(e.into()),
+                    };
+                    if let Some(e) = gone {
+                        // Descriptors it posted before it went still count.
+                        let _ = self.read_peer((t / 2) as u32, on, &mut n);
+                        self.lose(PeerId((t / 2) as u32), e);
+                    }
                 }
             }
         }
