@@ -214,6 +214,22 @@ fn inflight(kv: &mut KVStore) {
         expect_vals("pull after an unwaited push", &out, &[sum; 3]);
         ok("wait push", kv.wait(push));
     }
+    // Two pushes of one key in a row, the first not waited for, the other workers late: each
+    // server holds the second for the round after the first (the key is sliced: no slice runs
+    // a round ahead of another), and a pull after them sees the second round.
+    for step in 7..=8 {
+        let g = step as f64 * (r + 1.0);
+        let sum = step as f64 * w * (w + 1.0) / 2.0;
+        if r > 0.0 {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let first = NDArray::full(&shapes[1], 1000.0 * (r + 1.0));
+        let first = ok("push_async", kv.push_async(11, &first));
+        ok("a second push", kv.push(11, &NDArray::full(&shapes[1], g)));
+        ok("wait first", kv.wait(first));
+        let out = pulled(kv, 11, &shapes[1], DType::F32);
+        expect_vals("pull after two pushes", &out, &vec![sum; 1000]);
+    }
     // A dropped call is still carried out; wait_all waits for it.
     let _ = ok("push_async", kv.push_async(10, &NDArray::ones(&shapes[0])));
     ok("wait_all", kv.wait_all());

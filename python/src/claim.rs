@@ -28,6 +28,8 @@ pub(crate) fn check_gil(py: Python<'_>) -> PyResult<()> {
 /// woken when a claim is released.
 pub(crate) struct Claimable<T> {
     busy: AtomicBool,
+    /// The thread that holds the claim ([`this_thread`]), 0 while none does.
+    owner: AtomicUsize,
     waiters: AtomicUsize,
     gate: Mutex<()>,
     released: Condvar,
@@ -49,6 +51,7 @@ impl<T> Claimable<T> {
     pub(crate) fn new(value: T) -> Self {
         Claimable {
             busy: AtomicBool::new(false),
+            owner: AtomicUsize::new(0),
             waiters: AtomicUsize::new(0),
             gate: Mutex::new(()),
             released: Condvar::new(),
@@ -72,10 +75,18 @@ impl<T> Claimable<T> {
         {
             return None;
         }
+        self.owner.store(this_thread(), Ordering::Relaxed);
         Some(Claim {
             cell: self,
             _use: std::marker::PhantomData,
         })
+    }
+
+    /// Whether a claim made on this thread holds the value: a call made from within that
+    /// claim's call (a signal handler run by its interrupt check, a finalizer) would wait for
+    /// itself.
+    pub(crate) fn held_here(&self) -> bool {
+        self.owner.load(Ordering::Relaxed) == this_thread()
     }
 
     /// Waits without the GIL until a claim is released, or at most `most`; then the caller
@@ -119,6 +130,8 @@ impl<T> std::ops::DerefMut for Claim<'_, T> {
 
 impl<T> Drop for Claim<'_, T> {
     fn drop(&mut self) {
+        // No owner before not busy: a thread that looks never takes another's claim for its own.
+        self.cell.owner.store(0, Ordering::Relaxed);
         // Release: the next claim (its acquiring load) sees what this one did.
         self.cell.busy.store(false, Ordering::Release);
         if self.cell.waiters.load(Ordering::Relaxed) != 0 {
@@ -126,4 +139,13 @@ impl<T> Drop for Claim<'_, T> {
             self.cell.released.notify_all();
         }
     }
+}
+
+/// A number for this thread, unique among the living ones (the address of a thread-local):
+/// never 0.
+fn this_thread() -> usize {
+    thread_local! {
+        static ME: u8 = const { 0 };
+    }
+    ME.with(|m| m as *const u8 as usize)
 }

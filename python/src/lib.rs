@@ -109,7 +109,7 @@ fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
     };
     if kind.starts_with("dist") {
         let sync = kind == "dist_sync";
-        match py.detach(|| kvstore::run_role(sync)) {
+        match interruptible(py, move || kvstore::run_role(sync))? {
             Ok(None) => {}
             Ok(Some(_)) => return Err(PySystemExit::new_err(0)),
             Err(e) => {
@@ -118,8 +118,46 @@ fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
             }
         }
     }
-    let kv = py.detach(|| kvstore::create(kind)).map_err(to_py)?;
-    Ok(store::KVStore::new(kv, &name))
+    let kv = match kind.starts_with("dist") {
+        true => interruptible(py, move || kvstore::create(kind))?,
+        false => kvstore::create(kind),
+    };
+    Ok(store::KVStore::new(kv.map_err(to_py)?, &name))
+}
+
+/// Runs `f` (a dist store's rendezvous, or a server's whole job) on a thread of its own while
+/// this one looks for signals every 50 ms, the GIL let go between looks: Ctrl-C raises
+/// `KeyboardInterrupt` at once, where `f` itself would be heard only at its timeout. An
+/// interrupted `f` is left to end by itself (its waits are bounded).
+fn interruptible<R: Send + 'static>(
+    py: Python<'_>,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> PyResult<R> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("kvstore-join".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot start a thread: {e}")))?;
+    let mut rx = rx;
+    loop {
+        let (got, back) = py.detach(move || {
+            let got = rx.recv_timeout(std::time::Duration::from_millis(50));
+            (got, rx)
+        });
+        rx = back;
+        match got {
+            Ok(r) => return Ok(r),
+            Err(RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(PyRuntimeError::new_err(
+                    "joining the job ended without an answer (its thread failed)",
+                ))
+            }
+        }
+    }
 }
 
 #[pymodule]

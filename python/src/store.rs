@@ -428,7 +428,9 @@ impl KVStore {
         fname: std::path::PathBuf,
         dump_optimizer: bool,
     ) -> PyResult<()> {
-        if let Some(u) = self.python_updater().as_ref().map(|u| u.clone_ref(py)) {
+        // The lock is let go before any Python runs (another thread may want it meanwhile).
+        let updater = self.python_updater().as_ref().map(|u| u.clone_ref(py));
+        if let Some(u) = updater {
             self.control(py, 0, |_| Ok(()))?; // a closed or inherited store refuses it
             if crate::runner::save_through(u.bind(py), &fname, dump_optimizer)? {
                 return Ok(());
@@ -444,7 +446,8 @@ impl KVStore {
     /// saved with `dump_optimizer` replaces the optimizer too, and the store no longer runs
     /// the object `set_optimizer` was given (as in MXNet).
     fn load_optimizer_states(&self, py: Python<'_>, fname: std::path::PathBuf) -> PyResult<()> {
-        if let Some(u) = self.python_updater().as_ref().map(|u| u.clone_ref(py)) {
+        let updater = self.python_updater().as_ref().map(|u| u.clone_ref(py));
+        if let Some(u) = updater {
             self.control(py, 0, |_| Ok(()))?; // a closed or inherited store refuses it
             if crate::runner::load_through(u.bind(py), &fname)? {
                 return Ok(());
@@ -494,7 +497,9 @@ impl KVStore {
         read: bool,
         touch: usize,
     ) -> PyResult<f64> {
-        let k = keys(key)?.keys.remove(0);
+        let Some(k) = keys(key)?.keys.into_iter().next() else {
+            return Err(pyo3::exceptions::PyValueError::new_err("no key"));
+        };
         let arrays = |l: Lent| match lent {
             true => Ok(l.array),
             false => NDArray::from_bytes(l.array.shape(), l.array.dtype(), l.array.as_bytes()),

@@ -568,3 +568,34 @@ def test_a_forked_child_is_told_it_cannot_use_the_store(kv):
     os.waitpid(pid, 0)
     assert "fork" in msg and f"process {os.getpid()}" in msg, msg
     kv.push(3, np.ones(SHAPE, dtype=np.float32))
+
+
+def test_threads_saving_a_python_updaters_states_do_not_deadlock(tmp_path):
+    # Each save runs the updater's get_states (Python, which may hand the GIL to the other
+    # thread) without holding the store's locks; run apart, so that a deadlock fails the
+    # test instead of hanging the suite.
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "saves.py"
+    script.write_text(textwrap.dedent(f"""\
+        import sys, threading
+        import numpy as np
+        import kvstore
+        from kvstore import optimizer as opt
+        kv = kvstore.create()
+        kv.init(0, np.zeros(1 << 20, dtype=np.float32))
+        kv._set_updater(opt.get_updater(opt.SGD(momentum=0.9)))
+        kv.push(0, np.ones(1 << 20, dtype=np.float32))
+        def saver(i):
+            for n in range(40):
+                kv.save_optimizer_states({str(tmp_path)!r} + f"/s{{i}}")
+        ts = [threading.Thread(target=saver, args=(i,)) for i in range(2)]
+        sys.setswitchinterval(1e-6)
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print("saved", flush=True)
+        """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "saved" in out.stdout, out

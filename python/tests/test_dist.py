@@ -403,3 +403,58 @@ def test_get_updater_set_on_a_worker_runs_on_the_servers(tmp_path):
         """, env={"KVSTORE_BIGARRAY_BOUND": "100000"})
     assert code == 0, out
     assert out.count("matches") == 2, out
+
+
+def test_a_signal_handler_that_calls_the_store_it_interrupted_is_refused_not_hung(tmp_path):
+    # Rank 0 waits in a barrier for rank 1; a signal's handler, run by the call's check for
+    # signals, calls the same store: an error, not a wait for itself.
+    code, out = run_job(tmp_path, """
+        import signal, threading
+        kv.init(1, np.zeros(4))
+        if kv.rank == 1:
+            time.sleep(3)
+        else:
+            def handler(sig, frame):
+                try:
+                    kv.pull(1, out=np.zeros(4))
+                    print("handler pulled", flush=True)
+                except RuntimeError as e:
+                    print(f"handler refused: {e}", flush=True)
+            signal.signal(signal.SIGUSR1, handler)
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        kv.barrier()
+        print(f"barrier done {kv.rank}", flush=True)
+        """)
+    assert code == 0, out
+    assert "handler refused: this KVStore is in the middle of a call on this thread" in out, out
+    assert "handler pulled" not in out, out
+    assert "barrier done 0" in out and "barrier done 1" in out, out
+
+
+def test_ctrl_c_interrupts_a_worker_waiting_to_join_its_job(tmp_path):
+    # No scheduler ever listens: the worker's create waits (KVSTORE_TIMEOUT is long); Ctrl-C
+    # raises KeyboardInterrupt at once.
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "join.py"
+    script.write_text(textwrap.dedent("""\
+        import kvstore
+        print("joining", flush=True)
+        try:
+            kvstore.create("dist_sync")
+            print("joined", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """))
+    env = dict(os.environ, DMLC_ROLE="worker", DMLC_PS_ROOT_URI="127.0.0.1",
+               DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1",
+               KVSTORE_SECRET="0123456789abcdef0123", KVSTORE_TIMEOUT="600")
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env)
+    assert p.stdout.readline().strip() == "joining"
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=60)
+    assert "interrupted" in out and "joined" not in out, out

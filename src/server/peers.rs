@@ -328,7 +328,9 @@ impl Workers {
         let entries = batch::read(h, rest, len, |op| {
             matches!(op, Op::Push | Op::Pull | Op::PushPull)
         })?;
-        for e in entries {
+        // Every entry is judged before any is handled: a malformed batch does nothing but
+        // close its link (none of its pushes counted into a round).
+        for e in &entries {
             if e.msg.flags & !flags::PACKED != 0 || !e.text.is_empty() {
                 return Err("a batched request with flags or text".into());
             }
@@ -337,6 +339,8 @@ impl Workers {
             if big(e.msg.data_bytes()) || (answer && big(e.msg.value_bytes())) {
                 return Err(format!("a batched request for {} elements", e.msg.len));
             }
+        }
+        for e in entries {
             self.batched.insert((addr.id(), e.msg.req_id));
             match (e.data, &data) {
                 (Some(r), Some(d)) => {

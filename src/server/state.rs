@@ -66,6 +66,18 @@ struct Slot {
     /// A sync round's first push, kept where it lies in a receive slot until the next push
     /// is summed with it in one pass (rather than copied, then summed with).
     first: Option<Kept>,
+    /// Pushes of workers that pushed this round already (`push_async`, then a push of the
+    /// same key), at most one each, kept for the next round, as MXNet's engine runs one key's
+    /// pushes in order; and the pulls that came after them, answered by that round.
+    next: Vec<Deferred>,
+    behind_next: Vec<Held>,
+}
+
+/// A push held for the round after the one in progress, its value copied.
+struct Deferred {
+    worker: usize,
+    held: Held,
+    value: NDArray,
 }
 
 /// Makes the server's arrays (stored values, merge and spare buffers), zeroed: the loop puts
@@ -341,6 +353,8 @@ impl ServerState {
                 start: m.start,
                 spare: None,
                 first: None,
+                next: Vec::new(),
+                behind_next: Vec::new(),
             },
         );
         self.ok(peer, m, Payload::None);
@@ -390,7 +404,12 @@ impl ServerState {
         let Some(slot) = self.slots.get_mut(&m.key) else {
             return;
         };
-        // After this worker's own push of the round: the round's result, once it is in.
+        // After this worker's own push of the round: the round's result, once it is in (after
+        // its push held for the next round: that round's).
+        if slot.next.iter().any(|d| d.worker == worker) {
+            slot.behind_next.push(Held { peer, req: *m });
+            return;
+        }
         if slot.pushed.get(worker).copied().unwrap_or(false) {
             slot.behind.push(Held { peer, req: *m });
             return;
@@ -448,12 +467,21 @@ impl ServerState {
             return self.err(peer, m, status::PEER_LOST, text);
         }
         if slot.pushed[worker] {
-            return self.err(
-                peer,
-                m,
-                status::FAILED,
-                format!("worker {worker} pushed key {key} twice in one round"),
-            );
+            if slot.next.iter().any(|d| d.worker == worker) {
+                let text = format!(
+                    "worker {worker} pushed key {key} a third time before its round completed: \
+                     wait for the first"
+                );
+                return self.err(peer, m, status::FAILED, text);
+            }
+            return match payload.take() {
+                Ok(value) => slot.next.push(Deferred {
+                    worker,
+                    held: Held { peer, req: *m },
+                    value,
+                }),
+                Err(e) => self.err(peer, m, status::FAILED, e.to_string()),
+            };
         }
         slot.pushed[worker] = true;
         slot.count += 1;
@@ -561,6 +589,16 @@ impl ServerState {
                 Ok(p) => self.ok(h.peer, &h.req, p),
                 Err(e) => self.err(h.peer, &h.req, status::FAILED, e),
             }
+        }
+        // The pushes held for this next round start it, the pulls after them behind them.
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        let next = std::mem::take(&mut slot.next);
+        slot.behind = std::mem::take(&mut slot.behind_next);
+        for mut d in next {
+            let input = Input::Owned(&mut d.value);
+            self.push_value(d.held.peer, d.worker, &d.held.req, input);
         }
     }
 }

@@ -51,15 +51,40 @@ fn sync_round_holds_replies_until_every_worker_pushed() {
 }
 
 #[test]
-fn double_push_in_a_round_is_refused() {
+fn a_second_push_in_a_round_waits_for_the_next_and_a_third_is_refused() {
     let mut s = ServerState::new(2, true);
     s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
     s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
-    s.handle(0, 0, &req(Op::Push, 1, 2, 3), &mut data(1.0, 2));
-    let r = replies(&mut s);
-    assert_eq!(r[1].2, status::FAILED);
-    s.handle(1, 1, &req(Op::Push, 1, 2, 4), &mut data(5.0, 2));
+    // Worker 0 pushes again before worker 1 pushed once (`push_async`, then a push): held
+    // for the next round; a pull after it waits for that round; a third push is refused.
+    s.handle(0, 0, &req(Op::Push, 1, 2, 3), &mut data(10.0, 2));
+    s.handle(0, 0, &req(Op::Pull, 1, 2, 4), &mut empty());
+    s.handle(0, 0, &req(Op::Push, 1, 2, 5), &mut data(100.0, 2));
+    assert_eq!(replies(&mut s)[1..], [(0, 5, status::FAILED, vec![])]);
+    // Worker 1's first push completes round 1 (1 + 5); the held push starts round 2.
+    s.handle(1, 1, &req(Op::Push, 1, 2, 6), &mut data(5.0, 2));
     assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![6.0; 2]);
+    let r = replies(&mut s);
+    assert_eq!(r, [(0, 2, 0, vec![]), (1, 6, 0, vec![])]);
+    // Its second completes round 2 (10 + 20): the held push and the pull behind it answered.
+    s.handle(1, 1, &req(Op::Push, 1, 2, 7), &mut data(20.0, 2));
+    assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![30.0; 2]);
+    let r = replies(&mut s);
+    assert_eq!(
+        r,
+        [
+            (0, 3, 0, vec![]),
+            (1, 7, 0, vec![]),
+            (0, 4, 0, vec![30.0; 2])
+        ]
+    );
+    // A push held for a round that cannot complete (worker 1 gone) fails with it.
+    s.handle(0, 0, &req(Op::Push, 1, 2, 8), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::PushPull, 1, 2, 9), &mut data(1.0, 2));
+    s.worker_gone(1, "disconnected");
+    let codes: Vec<(u64, u16)> = replies(&mut s).iter().map(|r| (r.1, r.2)).collect();
+    assert_eq!(codes, [(8, status::PEER_LOST), (9, status::PEER_LOST)]);
+    assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![30.0; 2]);
 }
 
 #[test]

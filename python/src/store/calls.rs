@@ -220,6 +220,12 @@ impl KVStore {
                      cannot call the store that runs it",
                 ));
             }
+            if self.inner.held_here() {
+                return Err(PyRuntimeError::new_err(
+                    "this KVStore is in the middle of a call on this thread: a signal handler \
+                     or a finalizer that runs during it cannot call the same store",
+                ));
+            }
             self.inner
                 .wait_released(py, std::time::Duration::from_millis(1));
             py.check_signals()?;

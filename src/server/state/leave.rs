@@ -26,6 +26,8 @@ impl ServerState {
                 slot.pushed.iter_mut().for_each(|p| *p = false);
                 self.released.extend(slot.first.take().map(|k| k.id));
                 failed.extend(slot.held.drain(..).map(|h| (*key, h)));
+                failed.extend(slot.next.drain(..).map(|d| (*key, d.held)));
+                slot.behind.append(&mut slot.behind_next);
                 // The pulls behind the failed pushes get the stored value (or the run of it they
                 // name), as they would now.
                 let value = slot.stored.clone();
@@ -57,6 +59,8 @@ impl ServerState {
         for slot in self.slots.values_mut() {
             held.append(&mut slot.held);
             held.append(&mut slot.behind);
+            held.extend(slot.next.drain(..).map(|d| d.held));
+            held.append(&mut slot.behind_next);
             slot.count = 0;
             slot.pushed.iter_mut().for_each(|p| *p = false);
             self.released.extend(slot.first.take().map(|k| k.id));
@@ -71,6 +75,8 @@ impl ServerState {
         self.outbox.retain(|o| o.to != peer);
         for slot in self.slots.values_mut() {
             slot.behind.retain(|h| h.peer != peer);
+            slot.behind_next.retain(|h| h.peer != peer);
+            slot.next.retain(|d| d.held.peer != peer);
         }
         self.snapshots.remove(&peer);
     }
