@@ -143,12 +143,23 @@ impl Pool {
     }
 
     fn take(&self, start: usize, n: usize, len: usize) -> Result<Region, ShmError> {
-        if !self.set_bits(start, n, true)? {
-            // Only this process sets bits, so a set bit here means the bitmap was changed
-            // behind the allocator's back: undo what this call set and refuse.
-            return Err(ShmError::Corrupt(
-                "pool bitmap changed during allocation".into(),
-            ));
+        let mut q = start;
+        while q < start + n {
+            let (w, mask, next) = word_span(start, n, q);
+            let before = self.word(w)?.fetch_or(mask, Ordering::AcqRel);
+            if before & mask != 0 {
+                // Only this process sets bits, so a set bit here means the bitmap was changed
+                // behind the allocator's back: undo what this call set (this word's new bits,
+                // the earlier words' whole spans) and refuse.
+                self.word(w)?.fetch_and(!(mask & !before), Ordering::AcqRel);
+                if q > start {
+                    self.set_bits(start, q - start, false)?;
+                }
+                return Err(ShmError::Corrupt(
+                    "pool bitmap changed during allocation".into(),
+                ));
+            }
+            q = next;
         }
         Ok(Region {
             offset: self.pages + start * self.page,
@@ -162,14 +173,7 @@ impl Pool {
         let mut all = true;
         let mut q = p;
         while q < p + n {
-            let w = q / 64;
-            let lo = q % 64;
-            let hi = (p + n - w * 64).min(64);
-            let mask = if hi - lo == 64 {
-                u64::MAX
-            } else {
-                ((1u64 << (hi - lo)) - 1) << lo
-            };
+            let (w, mask, next) = word_span(p, n, q);
             let before = if set {
                 self.word(w)?.fetch_or(mask, Ordering::AcqRel)
             } else {
@@ -177,9 +181,22 @@ impl Pool {
             };
             let had = before & mask;
             all &= if set { had == 0 } else { had == mask };
-            q = w * 64 + hi;
+            q = next;
         }
         Ok(all)
+    }
+
+    /// Whether every page of `p..p+n` is allocated: a word of the bitmap at a time.
+    fn all_set(&self, p: usize, n: usize) -> Result<bool, ShmError> {
+        let mut q = p;
+        while q < p + n {
+            let (w, mask, next) = word_span(p, n, q);
+            if self.load(w)? & mask != mask {
+                return Ok(false);
+            }
+            q = next;
+        }
+        Ok(true)
     }
 
     /// The pages of a region, if it lies inside the pool on page boundaries.
@@ -201,13 +218,11 @@ impl Pool {
     /// Checks that a region (from a peer's descriptor) is inside the pool and allocated.
     pub fn check(&self, r: Region) -> Result<(), ShmError> {
         let (p, n) = self.pages_of(r)?;
-        for q in p..p + n {
-            if !self.is_set(q)? {
-                return Err(ShmError::NotAllocated {
-                    offset: r.offset,
-                    len: r.len,
-                });
-            }
+        if !self.all_set(p, n)? {
+            return Err(ShmError::NotAllocated {
+                offset: r.offset,
+                len: r.len,
+            });
         }
         Ok(())
     }
@@ -222,10 +237,8 @@ impl Pool {
         if q >= self.npages {
             return Err(bad());
         }
-        for x in p..=q {
-            if !self.is_set(x)? {
-                return Err(ShmError::NotAllocated { offset, len });
-            }
+        if !self.all_set(p, q + 1 - p)? {
+            return Err(ShmError::NotAllocated { offset, len });
         }
         Ok(())
     }
@@ -249,6 +262,20 @@ impl Pool {
             .filter(|&p| !self.is_set(p).unwrap_or(true))
             .count()
     }
+}
+
+/// Of the pages `p..p+n`, the part in the bitmap word holding page `q`: the word, its mask,
+/// and the first page after it.
+fn word_span(p: usize, n: usize, q: usize) -> (usize, u64, usize) {
+    let w = q / 64;
+    let lo = q % 64;
+    let hi = (p + n - w * 64).min(64);
+    let mask = if hi - lo == 64 {
+        u64::MAX
+    } else {
+        ((1u64 << (hi - lo)) - 1) << lo
+    };
+    (w, mask, w * 64 + hi)
 }
 
 #[cfg(test)]
@@ -279,6 +306,23 @@ mod tests {
             "does not fit"
         );
         assert!(Pool::new(seg, 4096, 4, 4096).is_ok());
+    }
+
+    #[test]
+    fn an_allocation_that_meets_a_bit_set_behind_its_back_undoes_what_it_set() {
+        let p = pool(256);
+        // Page 100 (word 1) marked used by someone else, between the search and the take.
+        p.word(1).unwrap().fetch_or(1 << 36, Ordering::AcqRel);
+        assert!(matches!(
+            p.take(0, 160, 160 * 4096),
+            Err(ShmError::Corrupt(_))
+        ));
+        assert_eq!(p.load(0).unwrap(), 0, "word 0 given back");
+        assert_eq!(p.load(1).unwrap(), 1 << 36, "only the other's bit left");
+        assert_eq!(p.load(2).unwrap(), 0);
+        // The pool still allocates around it.
+        let r = p.alloc(64 * 4096).unwrap();
+        assert_eq!(r.offset, p.pages);
     }
 
     #[test]

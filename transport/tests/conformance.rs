@@ -441,6 +441,11 @@ fn a_handle_of_another_kind_or_size_is_refused(kind: Kind) {
     let big = vec![0u8; a.b.max_body() + 1];
     // SAFETY: no data.
     assert!(unsafe { a.b.send(to_b, &big, None) }.is_err());
+    // A region of another backend (its memory may be pages a peer writes) is refused.
+    let (mut other, _, _c, _) = pair(kind);
+    let foreign = heap(&mut other, &[2u8; 64]);
+    // SAFETY: `foreign` is not written.
+    assert!(unsafe { a.b.send(to_b, b"", Some((&foreign, 0..64, Token(3)))) }.is_err());
 }
 
 fn a_paused_peer_is_not_read_until_resumed(kind: Kind) {

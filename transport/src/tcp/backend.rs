@@ -319,6 +319,8 @@ impl Backend for TcpBackend {
         crate::backend::check_body(body.len(), MAX_BODY)?;
         let (data, token) = match data {
             Some((r, range, t)) => {
+                // Another backend's region may be memory a peer writes (landing pages).
+                r.check_owner(self.id)?;
                 r.check_range(&range)?;
                 (Some((r.clone(), range)), Some(t))
             }
@@ -350,6 +352,7 @@ impl Backend for TcpBackend {
         imm: u32,
         token: Token,
     ) -> Result<Sent, TransportError> {
+        src.check_owner(self.id)?;
         crate::backend::check_put(src, &range, dst, Some(KIND_TCP), offset, imm)?;
         let hdr = FrameHeader::new(
             meta(PUT, true, imm, dst.id, offset as u64),
