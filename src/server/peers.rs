@@ -273,9 +273,16 @@ impl Workers {
             self.serve_slot(state, addr, rank, &m, id)?;
         } else if m.op.carries_data() {
             self.slots.on_push(addr.id(), &m);
+            let came = data.is_some();
             let Some(d) = data.filter(|d| Some(d.len() as u64) == m.data_bytes()) else {
                 self.grants.remove(&(addr.id(), m.req_id));
-                refuse(state, "payload length does not match the message");
+                if !came {
+                    // Its data dropped as it came (TCP's admission: it does not fit its key),
+                    // or none came: answered with what is wrong with it.
+                    state.answer_unfit(addr.id(), &m);
+                } else {
+                    refuse(state, "payload length does not match the message");
+                }
                 return Ok(());
             };
             let (n, dtype) = m.payload_layout();

@@ -1,6 +1,7 @@
 //! A request's payload as the server's state machine takes it.
 
-use super::PeerData;
+use super::{PeerData, PeerId, ServerState};
+use crate::protocol::{status, Msg};
 use crate::NDArray;
 
 /// A request's payload, as the I/O layer received it.
@@ -52,5 +53,17 @@ impl Input<'_> {
             }
             Input::Peer(p, _) => p.to_array(),
         }
+    }
+}
+
+impl ServerState {
+    /// Answers a push that came without its data (dropped as it was read, since it does not
+    /// fit its key here) with what is wrong with it: the key unknown, or another size.
+    pub fn answer_unfit(&mut self, peer: PeerId, m: &Msg) {
+        let (code, text) = self.check_slot(m).err().unwrap_or_else(|| {
+            let text = "payload length does not match the message".to_string();
+            (status::FAILED, text)
+        });
+        self.err(peer, m, code, text);
     }
 }

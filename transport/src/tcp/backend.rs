@@ -123,8 +123,9 @@ impl TcpBackend {
     }
 
     /// Has every message that brings data judged by `admit` (peer, body, bytes of data) once
-    /// its body is in and before its data is read: a refusal closes that link, so a message
-    /// the owner would refuse never costs the memory of its data.
+    /// its body is in and before its data is read ([`Admission`]): a refusal closes that link,
+    /// and data the owner does not want is read into scratch and dropped, so a message the
+    /// owner would refuse never costs the memory of its data.
     pub fn set_admission(&mut self, admit: Box<Admission>) {
         self.admission = Some(admit);
     }

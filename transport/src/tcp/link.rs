@@ -52,6 +52,9 @@ pub(crate) struct Rx {
     pub(super) kind: u8,
     pub(super) body_len: usize,
     pub(super) has_data: bool,
+    /// The message's data is read and dropped (its admission said so): it is delivered
+    /// without it.
+    pub(super) drop_data: bool,
     /// The put in progress: grant, offset, immediate, and whether the grant is live.
     pub(super) put: Option<(u64, usize, u32, bool)>,
 }
@@ -114,14 +117,17 @@ pub(crate) struct Sink<'a> {
     pub(crate) admit: Option<&'a mut Admission>,
 }
 
-/// Judges a message by its body and the bytes of data it brings, before they are read: an
-/// error refuses it (and closes the link).
-pub type Admission = dyn FnMut(PeerId, &[u8], usize) -> Result<(), String> + Send;
+/// Judges a message by its body and the bytes of data it brings, before they are read:
+/// `Ok(true)` takes the data; `Ok(false)` reads the data and drops it, delivering the message
+/// without it (for its owner to answer with an error: a well-formed request it cannot take);
+/// an error refuses the message and closes the link.
+pub type Admission = dyn FnMut(PeerId, &[u8], usize) -> Result<bool, String> + Send;
 
 /// The largest receive buffer a link keeps between messages.
 const KEEP: usize = 4 << 20;
 
-/// Where unwanted put bytes (into a revoked grant) are read, 64 KiB at a time.
+/// Where unwanted bytes (a put into a revoked grant, data its admission dropped) are read,
+/// 64 KiB at a time.
 fn drain(scratch: &mut Vec<u8>, want: usize) -> &mut [u8] {
     let n = want.clamp(1, 64 * 1024);
     if scratch.len() < n {
@@ -152,6 +158,7 @@ impl FrameSink for Sink<'_> {
                 }
                 self.rx.body_len = body;
                 self.rx.has_data = h.meta[1] != 0;
+                self.rx.drop_data = false;
                 if !self.rx.has_data && body != len {
                     return Err(TransportError::Refused(format!(
                         "a frame of {len} bytes with a body of {body} and no data"
@@ -219,11 +226,15 @@ impl FrameSink for Sink<'_> {
                     if got == body && self.rx.has_data {
                         if let Some(admit) = self.admit.as_mut() {
                             let data = h.payload_len as usize - body;
-                            admit(self.peer, &self.rx.buf[..body], data)
+                            self.rx.drop_data = !admit(self.peer, &self.rx.buf[..body], data)
                                 .map_err(TransportError::Refused)?;
                         }
                     }
-                    crate::tcp::grow_into(&mut self.rx.buf, got, want)
+                    if self.rx.drop_data {
+                        drain(&mut self.rx.scratch, want)
+                    } else {
+                        crate::tcp::grow_into(&mut self.rx.buf, got, want)
+                    }
                 }
             }
         })
@@ -244,9 +255,7 @@ impl FrameSink for Sink<'_> {
             (PUT, _) => *self.n -= 1,
             _ => {
                 let (body, data) = self.rx.buf.split_at(self.rx.body_len);
-                let data = self
-                    .rx
-                    .has_data
+                let data = (self.rx.has_data && !self.rx.drop_data)
                     .then(|| Lent::new(data.as_ptr(), data.len()));
                 (self.on)(Completion::Recv {
                     peer: self.peer,
