@@ -52,44 +52,40 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-/// The remote side of a process started over ssh: takes the job's secret from the first line
-/// of stdin (never from the command line, which `ps` shows to every user), runs the program in
-/// a session of its own (setsid) with stdin from /dev/null, and kills that whole process group
-/// when the ssh session's stdin closes (kvrun stopped the job, or died).
-const REMOTE_WRAPPER: &str = r#"IFS= read -r KVSTORE_SECRET || exit 1
-export KVSTORE_SECRET
-exec 3<&0
-if command -v setsid >/dev/null 2>&1; then setsid "$@" </dev/null & else "$@" </dev/null & fi
-c=$!
-( cat <&3 >/dev/null 2>&1; kill -TERM -$c $c 2>/dev/null; sleep 2; kill -KILL -$c $c 2>/dev/null ) >/dev/null 2>&1 &
-w=$!
-exec 3<&-
-wait $c
-s=$?
-kill $w 2>/dev/null
-exit $s"#;
+/// The remote side of a process started over ssh, a POSIX `sh` script run by the login shell
+/// (whatever it is: one line, in single quotes, so that a csh-family shell passes it on too):
+/// goes to the directory given first (as kvrun's own), takes the job's secret from the first
+/// line of stdin (never from the command line, which `ps` shows to every user), runs the
+/// program in a session of its own (setsid) with stdin from /dev/null, and kills that whole
+/// process group when the ssh session's stdin closes (kvrun stopped the job, or died). A
+/// login shell's own descriptors are closed first (csh leaves copies of the session's output
+/// open in what it runs, which would keep it open after the program ends).
+const REMOTE_WRAPPER: &str = "exec 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; cd \"$1\" 2>/dev/null; shift; \
+    IFS= read -r KVSTORE_SECRET || exit 1; export KVSTORE_SECRET; exec 3<&0; \
+    if command -v setsid >/dev/null 2>&1; then setsid \"$@\" </dev/null & \
+    else \"$@\" </dev/null & fi; c=$!; \
+    ( cat <&3 >/dev/null 2>&1; kill -TERM -$c $c 2>/dev/null; sleep 2; \
+    kill -KILL -$c $c 2>/dev/null ) >/dev/null 2>&1 & w=$!; \
+    exec 3<&-; wait $c; s=$?; kill $w 2>/dev/null; exit $s";
 
 /// The variable that never goes on a command line: it is written to the remote side's stdin.
 pub const SECRET_VAR: &str = "KVSTORE_SECRET";
 
-/// The command line run on a remote host: every variable of `env` but the secret, which the
-/// wrapper reads from stdin.
+/// The command line run on a remote host: the wrapper, the directory, then `env` with every
+/// variable of `env` but the secret (which the wrapper reads from stdin), the program and its
+/// arguments. Words only, each quoted: any login shell, POSIX or csh, runs it the same.
 pub fn remote_command(program: &Path, args: &[String], env: &[(String, String)]) -> String {
-    let mut cmd = String::new();
-    if let Ok(cwd) = std::env::current_dir() {
-        cmd.push_str(&format!(
-            "cd {} 2>/dev/null; ",
-            shell_quote(&cwd.to_string_lossy())
-        ));
-    }
-    cmd.push_str("exec env");
+    let cwd = std::env::current_dir()
+        .map(|d| d.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| ".".into());
+    let mut cmd = format!(
+        "exec sh -c {} kvrun-remote {} env",
+        shell_quote(REMOTE_WRAPPER),
+        shell_quote(&cwd)
+    );
     for (k, v) in env.iter().filter(|(k, _)| k != SECRET_VAR) {
         cmd.push_str(&format!(" {}", shell_quote(&format!("{k}={v}"))));
     }
-    cmd.push_str(&format!(
-        " sh -c {} kvrun-remote",
-        shell_quote(REMOTE_WRAPPER)
-    ));
     cmd.push(' ');
     cmd.push_str(&shell_quote(&program.to_string_lossy()));
     for a in args {
@@ -375,7 +371,13 @@ mod tests {
         let out = std::process::Command::new("sh")
             .arg("-c")
             .arg(REMOTE_WRAPPER)
-            .args(["kvrun-remote", "sh", "-c", "printf %s \"$KVSTORE_SECRET\""])
+            .args([
+                "kvrun-remote",
+                "/",
+                "sh",
+                "-c",
+                "printf %s \"$KVSTORE_SECRET\"",
+            ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -392,5 +394,59 @@ mod tests {
             })
             .unwrap();
         assert_eq!(out, "0123456789abcdef-hush");
+    }
+
+    #[test]
+    fn the_remote_command_runs_the_same_under_a_posix_or_a_csh_login_shell() {
+        let env = vec![
+            ("DMLC_ROLE".to_string(), "worker".to_string()),
+            ("ODD".to_string(), "it's $HOME; `x` !".to_string()),
+            (SECRET_VAR.to_string(), "0123456789abcdef-hush".to_string()),
+        ];
+        let script =
+            "printf '%s|%s|%s|%s|%s' \"$KVSTORE_SECRET\" \"$DMLC_ROLE\" \"$ODD\" \"$PWD\" \"$1\"";
+        let cmd = remote_command(
+            Path::new("/bin/sh"),
+            &["-c".into(), script.into(), "zero".into(), "a b'c".into()],
+            &env,
+        );
+        assert!(!cmd.contains('\n'), "{cmd}");
+        let cwd = std::env::current_dir().unwrap();
+        // ssh runs the command with the user's login shell: `SHELL -c COMMAND`.
+        let shells: Vec<&str> = ["/bin/sh", "/bin/csh", "/bin/tcsh"]
+            .into_iter()
+            .filter(|s| Path::new(s).exists())
+            .collect();
+        for shell in &shells {
+            let mut c = Command::new(shell)
+                .arg("-c")
+                .arg(&cmd)
+                .current_dir("/")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut i = c.stdin.take().unwrap();
+            writeln!(i, "0123456789abcdef-hush").unwrap();
+            let out = {
+                use std::io::Read;
+                let mut o = String::new();
+                c.stdout.take().unwrap().read_to_string(&mut o).unwrap();
+                o
+            };
+            drop(i);
+            let done = c.wait_with_output().unwrap();
+            assert_eq!(
+                out,
+                format!(
+                    "0123456789abcdef-hush|worker|it's $HOME; `x` !|{}|a b'c",
+                    cwd.display()
+                ),
+                "{shell}: {}",
+                String::from_utf8_lossy(&done.stderr)
+            );
+        }
+        assert!(shells.contains(&"/bin/sh"));
     }
 }

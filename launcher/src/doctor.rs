@@ -3,7 +3,8 @@
 //! transport their processes would use and why. It exits non-zero when the job would fail.
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 
@@ -76,30 +77,25 @@ done
 
 /// Runs the probe on `host` (locally when it is this host).
 fn probe(host: &str, ssh: &[String], program: &str) -> Facts {
-    let mut cmd = if hosts::is_local(host) {
+    let (mut cmd, script) = if hosts::is_local(host) {
         let mut c = Command::new("sh");
         c.args(["-c", PROBE, "kvrun-doctor", program]);
-        c
+        (c, String::new())
     } else {
+        // The script goes on stdin, the login shell (POSIX or csh) sees only words; it runs in
+        // the directory the job's processes start in (`child::remote_command`).
+        let cwd = std::env::current_dir()
+            .map(|d| d.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| ".".into());
         let mut c = Command::new(&ssh[0]);
-        // In the directory the job's processes start in (`child::remote_command`).
-        let cd = std::env::current_dir()
-            .map(|d| {
-                format!(
-                    "cd {} 2>/dev/null; ",
-                    crate::shell_quote(&d.to_string_lossy())
-                )
-            })
-            .unwrap_or_default();
-        let script = format!(
-            "{cd}sh -c {} kvrun-doctor {}",
-            crate::shell_quote(PROBE),
+        c.args(&ssh[1..]).arg(host).arg(format!(
+            "exec sh -s {} {}",
+            crate::shell_quote(&cwd),
             crate::shell_quote(program)
-        );
-        c.args(&ssh[1..]).arg(host).arg(script);
-        c
+        ));
+        (c, format!("cd \"$1\" 2>/dev/null; shift\n{PROBE}"))
     };
-    let out = cmd.stdin(Stdio::null()).output();
+    let out = run_bounded(&mut cmd, script.as_bytes(), Duration::from_secs(60));
     let mut f = Facts::default();
     let out = match out {
         Ok(o) if o.status.success() => o,
@@ -326,4 +322,31 @@ fn kib(k: u64) -> String {
 fn fail(why: &str) -> i32 {
     eprintln!("kvrun doctor: {why}");
     2
+}
+
+/// Runs `cmd` with `input` on its stdin, for at most `limit` (then it is killed): its output.
+fn run_bounded(cmd: &mut Command, input: &[u8], limit: Duration) -> std::io::Result<Output> {
+    use std::io::Write;
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    if let Some(mut i) = child.stdin.take() {
+        // A shell that exits early closes it: what it did not read does not matter.
+        let _ = i.write_all(input);
+    }
+    let deadline = Instant::now() + limit;
+    while child.try_wait()?.is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::other(format!(
+                "no answer in {} s",
+                limit.as_secs()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output()
 }

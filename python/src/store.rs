@@ -330,10 +330,17 @@ impl KVStore {
     fn set_optimizer(slf: &Bound<'_, Self>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
         let me = slf.get();
         let opt = crate::optimizer::of(optimizer)?;
-        me.control(slf.py(), 0, move |kv| kv.set_optimizer(opt))?;
+        let runs = optimizer.clone().unbind();
+        // As in `_set_updater`: said while the store is claimed.
+        me.control(slf.py(), 0, move |kv| {
+            kv.set_optimizer(opt)?;
+            if !me.dist {
+                *me.python_updater() = None;
+                *me.runs() = Some(runs);
+            }
+            Ok(())
+        })?;
         if !me.dist {
-            *me.python_updater() = None;
-            *me.runs() = Some(optimizer.clone().unbind());
             optimizer.call_method1("_attached_to", (slf,))?;
         }
         Ok(())
@@ -397,15 +404,18 @@ impl KVStore {
             return self.control(py, 0, move |kv| kv.set_server_updater(&name));
         }
         let f = updater.clone().unbind();
+        let kept = updater.clone().unbind();
         let me = self.address();
+        // What the store runs is said while the store is claimed, so that a set_optimizer on
+        // another thread cannot come between.
         self.control(py, 0, move |kv| {
             kv.set_updater(move |k: &Key, i: &NDArray, s: &mut NDArray| {
                 updater::run_for(me, &f, k, i, s)
-            })
-        })?;
-        *self.runs() = None;
-        *self.python_updater() = Some(updater.clone().unbind());
-        Ok(())
+            })?;
+            *self.runs() = None;
+            *self.python_updater() = Some(kept);
+            Ok(())
+        })
     }
 
     /// Waits until every worker reaches the barrier.
