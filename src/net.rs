@@ -100,6 +100,8 @@ pub(crate) struct Net {
     /// After a sleep: which backends' descriptors were readable (TCP, shared memory, RDMA).
     /// Having armed, the others have no work, and the next progress does not look at them.
     woke: Option<[bool; 3]>,
+    /// Whether the last [`Net::wait`] slept in `poll` (rather than spun).
+    pub(crate) slept: bool,
 }
 
 /// How often a busy loop with no TCP peer polls the TCP backend.
@@ -196,6 +198,7 @@ impl Net {
             last_tcp: Instant::now(),
             spins: 0,
             woke: None,
+            slept: false,
         })
     }
 
@@ -297,6 +300,7 @@ impl Net {
         timeout: Duration,
     ) -> Result<bool> {
         self.flush()?;
+        self.slept = false;
         self.spins = self.spins.wrapping_add(1);
         if self.crowded && self.spins == 1 && std::mem::take(&mut self.fresh) {
             // Each turn of a crowded host's spin may give the core away for long: the time
@@ -344,6 +348,7 @@ impl Net {
         if let Some(e) = extra {
             fds.push(PollFd::from_borrowed_fd(e, PollFlags::IN));
         }
+        self.slept = true;
         let ts = Timespec {
             tv_sec: timeout.as_secs() as i64,
             tv_nsec: timeout.subsec_nanos() as i64,

@@ -173,16 +173,18 @@ pub(crate) fn join(
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
     hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);
-    // A nonce; then this node's address (a worker has none), its host, its RDMA listener and
-    // its shared-memory socket.
+    // A nonce; then this node's address (a worker has none), its host, its RDMA listener,
+    // its shared-memory socket, and its heartbeat period in ms (the scheduler judges its
+    // silence by it).
     let dash = |a: Option<SocketAddr>| a.map_or_else(|| "-".to_string(), |a| a.to_string());
     let nonce = auth::random::<{ auth::NONCE }>()?;
     let rest = format!(
-        "{}\n{}\n{}\n{}",
+        "{}\n{}\n{}\n{}\n{}",
         dash(addr),
         net::host_id(),
         dash(rdma),
-        shm.unwrap_or("-")
+        shm.unwrap_or("-"),
+        heartbeat_every(cfg.timeout).as_millis()
     );
     let claim = auth::hello_claim(role, hello.sender, &rest);
     let payload = format!("{}\n{rest}", auth::hex(&nonce));
@@ -266,8 +268,14 @@ pub(crate) fn join(
     )?;
     // From here on this process beats, the rendezvous wait included.
     let beat = Heartbeat::start(sched, heartbeat_every(cfg.timeout))?;
-    let (h, text) = read(sched)?;
-    let m = Msg::decode(&h.meta)?;
+    // (A server's beats are answered, from now on: those answers are not the roster.)
+    let (m, text) = loop {
+        let (h, text) = read(sched)?;
+        let m = Msg::decode(&h.meta)?;
+        if m.op != Op::Heartbeat {
+            break (m, text);
+        }
+    };
     let text = String::from_utf8_lossy(&text).into_owned();
     match m.op {
         Op::Roster => Ok((

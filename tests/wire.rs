@@ -550,3 +550,48 @@ fn a_packed_push_is_judged_by_its_packed_size_and_answered_whole() {
     assert!(r.is_err(), "the link stayed open");
     job.kill_all();
 }
+
+#[test]
+fn a_server_whose_scheduler_stops_answering_ends_naming_it() {
+    // The scheduler answers each of a server's beats; stopped (SIGSTOP), it answers none, and
+    // the server, which would otherwise wait for a shutdown for good, ends with an error
+    // naming it within three of its beats (0.5 s each at its timeout; the scheduler's, and
+    // the raw worker's, which does not beat, stay long).
+    let mut job = util::ManualJob::start_servers_with(
+        1,
+        0,
+        1,
+        &["seed", "dist_sync"],
+        &[],
+        &[("KVSTORE_TIMEOUT", "4")],
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    if let Ok(Some(_)) = job.servers[0].try_wait() {
+        let server = job.servers.remove(0);
+        panic!("{:?}", util::finish(server, Duration::from_secs(5)));
+    }
+    let _s = raw_worker(job.port);
+    // The job is running: the server serves, the scheduler answers its beats.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        job.servers[0].try_wait().unwrap().is_none(),
+        "the server ended early"
+    );
+    let sched = job.scheduler.id().to_string();
+    std::process::Command::new("kill")
+        .args(["-STOP", &sched])
+        .status()
+        .unwrap();
+    let server = job.servers.remove(0);
+    let (code, out) = util::finish(server, Duration::from_secs(60));
+    std::process::Command::new("kill")
+        .args(["-CONT", &sched])
+        .status()
+        .unwrap();
+    job.kill_all();
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("lost the scheduler: no heartbeat for 1.5 s"),
+        "{out}"
+    );
+}

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvstore_transport::tcp::{FrameQueue, FrameReader};
 
-use super::{send, Event, Node, MAX_CONTROL};
+use super::{send, send_on, Event, Node, MAX_CONTROL};
 use crate::auth;
 use crate::protocol::{Msg, Op};
 
@@ -121,7 +121,7 @@ impl Pending {
                     );
                     let text = format!("{}\n{}", auth::hex(&hello.ours), auth::hex(&proof));
                     // A fresh connection's buffer takes these few bytes at once.
-                    if send(&mut self.s, Op::Challenge, &text).is_err() {
+                    if send_on(&mut self.s, Op::Challenge, &text).is_err() {
                         return Step::Dropped;
                     }
                     self.hello = Some(hello);
@@ -152,7 +152,8 @@ impl Pending {
 }
 
 /// What a node's hello says of it after the nonce: its address (a server's), host, RDMA
-/// listener and shared-memory socket name, each checked.
+/// listener and shared-memory socket name, each checked; and its heartbeat period in ms
+/// (0 where it says none).
 #[allow(clippy::type_complexity)]
 pub(crate) fn node_lines(
     payload: &[u8],
@@ -161,6 +162,7 @@ pub(crate) fn node_lines(
     String,
     Option<SocketAddr>,
     Option<String>,
+    u32,
 ) {
     let mut lines = payload.split(|&b| b == b'\n');
     let addr = lines
@@ -182,7 +184,12 @@ pub(crate) fn node_lines(
         .and_then(|a| std::str::from_utf8(a).ok())
         .filter(|n| !n.is_empty() && *n != "-" && n.chars().all(|c| c.is_ascii_alphanumeric()))
         .map(str::to_string);
-    (addr, host, rdma, shm)
+    let beat = lines
+        .next()
+        .and_then(|a| std::str::from_utf8(a).ok())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(0);
+    (addr, host, rdma, shm, beat)
 }
 
 /// A hello's nonce and claim, with a fresh nonce of this side.
@@ -224,9 +231,15 @@ pub(super) fn reader(p: Proven, tx: mpsc::Sender<Event>, _live: Live, liveness: 
         reader: p_reader,
         frames: p_frames,
     } = p;
-    let (addr, host, rdma, shm) = node_lines(&payload);
+    let (addr, host, rdma, shm, beat) = node_lines(&payload);
     let Ok(writer) = s.try_clone() else { return };
     let _ = writer.set_write_timeout(Some(Duration::from_secs(10)));
+    let writer = Arc::new(std::sync::Mutex::new(writer));
+    // A server answers each of its beats with one of the scheduler's: the server's loop,
+    // which waits on nothing else of the scheduler's, so learns that it lives.
+    let beats_back = (msg.key == crate::protocol::role::SERVER).then(|| writer.clone());
+    // The node's own beat period, which its hello said: its silence is judged by it.
+    let liveness = liveness.max(Duration::from_millis(3 * u64::from(beat)));
     let node = Node {
         role: msg.key,
         hint: (msg.sender != u32::MAX).then_some(msg.sender),
@@ -252,7 +265,11 @@ pub(super) fn reader(p: Proven, tx: mpsc::Sender<Event>, _live: Live, liveness: 
         while let Some((h, _)) = frames.pop() {
             heard = Instant::now();
             match Msg::decode(&h.meta) {
-                Ok(m) if m.op == Op::Heartbeat => {}
+                Ok(m) if m.op == Op::Heartbeat => {
+                    if let Some(w) = &beats_back {
+                        let _ = send(w, Op::Heartbeat, "");
+                    }
+                }
                 Ok(m) => {
                     if tx.send(Event::Frame { id, op: m.op }).is_err() {
                         return;

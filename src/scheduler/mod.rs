@@ -59,7 +59,8 @@ struct Node {
     shm: Option<String>,
     /// Hides the tokens in its roster (from its handshake).
     mask: [u8; auth::MAC],
-    writer: TcpStream,
+    /// Its link, written by the scheduler's loop and (a server's) by its reader's beats.
+    writer: Writer,
     rank: usize,
     done: bool,
 }
@@ -77,14 +78,27 @@ impl Node {
 
 const MAX_CONTROL: u64 = 64 * 1024;
 
-fn send(w: &mut TcpStream, op: Op, text: &str) -> Result<()> {
+/// A node's link, written a frame at a time by whoever holds it.
+type Writer = Arc<std::sync::Mutex<TcpStream>>;
+
+fn send(w: &Writer, op: Op, text: &str) -> Result<()> {
+    send_on(&mut w.lock().unwrap_or_else(|p| p.into_inner()), op, text)
+}
+
+fn send_on(s: &mut TcpStream, op: Op, text: &str) -> Result<()> {
     let m = Msg::new(op);
     write_frame(
-        w,
+        s,
         &FrameHeader::new(m.encode(), text.len() as u64),
         text.as_bytes(),
     )?;
     Ok(())
+}
+
+/// Closes a node's link (its reader thread ends with it).
+fn close(w: &Writer) {
+    let s = w.lock().unwrap_or_else(|p| p.into_inner());
+    let _ = s.shutdown(std::net::Shutdown::Both);
 }
 
 /// Orders nodes of one role: by their rank hints when those are a permutation, else by arrival.
@@ -206,7 +220,7 @@ fn serve(
                     role::WORKER if workers.len() < opts.num_workers => &mut workers,
                     _ => {
                         // Not wanted: closed (its reader thread ends with it).
-                        let _ = node.writer.shutdown(std::net::Shutdown::Both);
+                        close(&node.writer);
                         continue;
                     }
                 };
@@ -274,7 +288,7 @@ fn serve(
             opts.num_servers,
             addrs.join("\n")
         );
-        if let Err(e) = send(&mut n.writer, Op::Roster, &text) {
+        if let Err(e) = send(&n.writer, Op::Roster, &text) {
             let why = format!("cannot reach {}: {e}", n.name());
             return abort(&mut nodes, why);
         }
@@ -306,7 +320,7 @@ fn serve(
         };
         match ev {
             Event::Hello(_, node) => {
-                let _ = node.writer.shutdown(std::net::Shutdown::Both);
+                close(&node.writer);
             }
             Event::Frame { id, op } => {
                 let Some(n) = nodes.get_mut(&id) else {
@@ -321,7 +335,7 @@ fn serve(
                             at_barrier.clear();
                             for &w in &workers {
                                 if let Some(n) = nodes.get_mut(&w) {
-                                    let _ = send(&mut n.writer, Op::BarrierDone, "");
+                                    let _ = send(&n.writer, Op::BarrierDone, "");
                                 }
                             }
                         }
@@ -338,7 +352,7 @@ fn serve(
                             for &s in &servers {
                                 if let Some(n) = nodes.get_mut(&s) {
                                     n.done = true;
-                                    let _ = send(&mut n.writer, Op::Shutdown, "");
+                                    let _ = send(&n.writer, Op::Shutdown, "");
                                 }
                             }
                             shutdown_at = Some(Instant::now() + Duration::from_secs(10));
@@ -382,14 +396,14 @@ fn barrier_blocked(
 fn fail_barrier(at: &mut HashSet<usize>, nodes: &mut BTreeMap<usize, Node>, why: &str) {
     for id in at.drain() {
         if let Some(n) = nodes.get_mut(&id) {
-            let _ = send(&mut n.writer, Op::Abort, why);
+            let _ = send(&n.writer, Op::Abort, why);
         }
     }
 }
 
 fn abort(nodes: &mut BTreeMap<usize, Node>, why: String) -> Result<()> {
     for n in nodes.values_mut() {
-        let _ = send(&mut n.writer, Op::Abort, &why);
+        let _ = send(&n.writer, Op::Abort, &why);
     }
     Err(KvError::Aborted(why))
 }

@@ -130,6 +130,10 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut sched_open = true;
     let mut stop_by: Option<Instant> = None;
     let mut last_sched = Instant::now();
+    // The scheduler answers each of this server's beats: a silence as long as the liveness a
+    // process is judged by is a scheduler that was stopped or hangs (no Shutdown would come).
+    let mut heard_sched = Instant::now();
+    let sched_liveness = crate::roles::liveness(cfg.timeout);
     let mut turns = 0u32;
     let mut sched_ready = false;
     loop {
@@ -138,12 +142,15 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
         // The scheduler speaks rarely (shutdown, abort): a busy loop reads its socket once a
         // millisecond, not on every turn (each read is a system call).
         turns = turns.wrapping_add(1);
-        if sched_open && (sched_ready || turns % 64 == 0 && last_sched.elapsed() >= SCHED_EVERY) {
+        // (A loop that slept reads it too: the clock and a read cost nothing then.)
+        let due = turns % 64 == 0 && last_sched.elapsed() >= SCHED_EVERY;
+        if sched_open && (sched_ready || net.slept || due) {
             last_sched = Instant::now();
             let mut r = sched_reader
                 .read_from(&mut sched, &mut sched_frames)
                 .map_err(|e| e.to_string());
             while let Some(f) = sched_frames.pop() {
+                heard_sched = Instant::now();
                 match sched_event(&f) {
                     Ok(Some(Ok(()))) => {
                         outcome.get_or_insert(Ok(()));
@@ -155,6 +162,13 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                     Ok(None) => {}
                     Err(e) => r = Err(e),
                 }
+            }
+            let silent = heard_sched.elapsed() >= sched_liveness;
+            if silent && r.is_ok() {
+                r = Err(format!(
+                    "no heartbeat for {:.1} s: it was stopped or hangs",
+                    sched_liveness.as_secs_f64()
+                ));
             }
             if let Err(e) = r {
                 if outcome.is_none() {

@@ -178,6 +178,18 @@ impl ManualJob {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> ManualJob {
+        ManualJob::start_servers_with(w, spawned, s, args, env, &[])
+    }
+
+    /// As [`ManualJob::start_some`], the servers with `server_env` too.
+    pub fn start_servers_with(
+        w: usize,
+        spawned: usize,
+        s: usize,
+        args: &[&str],
+        env: &[(&str, &str)],
+        server_env: &[(&str, &str)],
+    ) -> ManualJob {
         let port = free_port();
         let scheduler = role_cmd("scheduler", 0, port, w, s, args, env)
             .spawn()
@@ -185,6 +197,7 @@ impl ManualJob {
         let servers = (0..s)
             .map(|r| {
                 role_cmd("server", r, port, w, s, args, env)
+                    .envs(server_env.iter().copied())
                     .spawn()
                     .unwrap()
             })
