@@ -17,19 +17,36 @@ pub const VAR: &str = "KVSTORE_REPORT";
 
 const LABEL: &[u8] = b"kvstore report v1";
 
-/// The first line a process writes: it knows `secret`.
-pub fn hello(secret: &str) -> String {
+/// The bytes of the launcher's nonce ([`challenge`]).
+pub const NONCE: usize = auth::NONCE;
+
+/// A fresh nonce for [`challenge`], from the kernel's generator.
+pub fn nonce() -> std::io::Result<[u8; NONCE]> {
+    auth::random::<NONCE>()
+}
+
+/// The line the launcher writes first: a fresh nonce, which the process's proof covers (a
+/// proof seen on the wire proves nothing on another connection).
+pub fn challenge(nonce: &[u8; auth::NONCE]) -> String {
+    format!("kvstore-report-nonce {}", auth::hex(nonce))
+}
+
+/// The first line a process writes, answering [`challenge`]: it knows `secret`.
+pub fn hello(secret: &str, nonce: &[u8; auth::NONCE]) -> String {
     format!(
         "kvstore-report {}",
-        auth::hex(&auth::plain_mac(secret.as_bytes(), LABEL))
+        auth::hex(&auth::plain_mac(
+            secret.as_bytes(),
+            &[LABEL, nonce].concat()
+        ))
     )
 }
 
-/// Whether `line` is [`hello`] for `secret` (compared in constant time).
-pub fn check_hello(secret: &str, line: &str) -> bool {
+/// Whether `line` is [`hello`] for `secret` and `nonce` (compared in constant time).
+pub fn check_hello(secret: &str, nonce: &[u8; auth::NONCE], line: &str) -> bool {
     line.strip_prefix("kvstore-report ")
         .and_then(auth::unhex::<{ auth::MAC }>)
-        .is_some_and(|got| auth::plain_check(secret.as_bytes(), LABEL, &got))
+        .is_some_and(|got| auth::plain_check(secret.as_bytes(), &[LABEL, nonce].concat(), &got))
 }
 
 /// One report.
@@ -136,8 +153,19 @@ pub(crate) fn start(addr: Option<SocketAddr>, secret: &str) {
         let s = addr.and_then(|a| {
             let mut s = TcpStream::connect_timeout(&a, Duration::from_secs(1)).ok()?;
             s.set_write_timeout(Some(Duration::from_millis(200))).ok()?;
+            s.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
             s.set_nodelay(true).ok()?;
-            writeln!(s, "{}", hello(secret)).ok()?;
+            // The launcher's nonce: one short line.
+            let mut line = Vec::new();
+            let mut b = [0u8; 1];
+            while line.len() < 128 && !line.ends_with(b"\n") {
+                std::io::Read::read_exact(&mut s, &mut b).ok()?;
+                line.push(b[0]);
+            }
+            let line = std::str::from_utf8(&line).ok()?.trim_end();
+            let nonce =
+                auth::unhex::<{ auth::NONCE }>(line.strip_prefix("kvstore-report-nonce ")?)?;
+            writeln!(s, "{}", hello(secret, &nonce)).ok()?;
             Some(s)
         });
         Mutex::new(s)
@@ -251,12 +279,20 @@ mod tests {
         ] {
             assert_eq!(Report::parse(bad), None, "{bad:?}");
         }
-        let h = hello("a secret of enough bytes");
-        assert!(check_hello("a secret of enough bytes", &h));
-        assert!(!check_hello("another secret entirely!", &h));
+        let (n, m) = ([7u8; auth::NONCE], [8u8; auth::NONCE]);
+        let h = hello("a secret of enough bytes", &n);
+        assert!(check_hello("a secret of enough bytes", &n, &h));
+        assert!(!check_hello("another secret entirely!", &n, &h));
+        // A proof is good for its own nonce only: seen once, it cannot be replayed.
+        assert!(!check_hello("a secret of enough bytes", &m, &h));
         assert!(!check_hello(
             "a secret of enough bytes",
+            &n,
             "kvstore-report 00"
         ));
+        assert_eq!(
+            challenge(&n).strip_prefix("kvstore-report-nonce "),
+            Some(auth::hex(&n).as_str())
+        );
     }
 }

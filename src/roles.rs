@@ -245,10 +245,13 @@ pub(crate) fn join(
                 }
             }
         }
-        Op::Abort => return Err(crate::KvError::Aborted(text)),
+        // The scheduler proves itself before it says anything else: what an unproven peer
+        // says is not taken for the job's word.
         other => {
-            return Err(crate::KvError::Protocol(format!(
-                "expected the scheduler's challenge, got {other:?}"
+            return Err(crate::KvError::PeerLost(format!(
+                "the scheduler at {} answered {other:?} before proving it knows this job's \
+                 secret (not this job's scheduler)",
+                cfg.root
             )))
         }
     };

@@ -32,12 +32,43 @@ pub(crate) fn resolve(
     Ok(s)
 }
 
-/// The secret in `path`, refused unless this user owns it and no one else may read it.
+/// The secret in `path`, refused unless it is a regular file this user owns that no one else
+/// may read, in a directory no one else may change. The file is opened once (not through a
+/// symbolic link, and without blocking: a FIFO put there is refused, not waited on), and what
+/// is checked is the open file that is read, so nothing can be swapped in between.
 fn read_secret_file(path: &std::path::Path) -> Result<String> {
-    use std::os::unix::fs::MetadataExt;
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let bad = |why: String| KvError::Config(format!("secret file {}: {why}", path.display()));
-    let m = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
-    if m.uid() != rustix::process::geteuid().as_raw() {
+    let me = rustix::process::geteuid().as_raw();
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let d = std::fs::metadata(dir).map_err(|e| bad(format!("its directory: {e}")))?;
+    if d.uid() != me && d.uid() != 0 {
+        return Err(bad("in a directory of another user".into()));
+    }
+    // Others who may write the directory could replace the file, unless it is sticky (/tmp).
+    if d.mode() & 0o022 != 0 && d.mode() & 0o1000 == 0 {
+        return Err(bad(format!(
+            "in a directory others may write (mode {:o}; chmod go-w)",
+            d.mode() & 0o777
+        )));
+    }
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => bad("a symbolic link (name the file itself)".into()),
+            _ => bad(e.to_string()),
+        })?;
+    let m = f.metadata().map_err(|e| bad(e.to_string()))?;
+    if !m.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    if m.uid() != me {
         return Err(bad("owned by another user".into()));
     }
     if m.mode() & 0o077 != 0 {
@@ -46,7 +77,10 @@ fn read_secret_file(path: &std::path::Path) -> Result<String> {
             m.mode() & 0o777
         )));
     }
-    let s = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let mut s = String::new();
+    f.take(64 * 1024)
+        .read_to_string(&mut s)
+        .map_err(|e| bad(e.to_string()))?;
     Ok(s.trim().to_string())
 }
 
@@ -88,4 +122,37 @@ fn secret_file(dir: &std::path::Path) -> Result<String> {
         }
     }
     read_secret_file(&path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_secret_file_is_read_only_where_no_one_else_could_have_put_it() {
+        let dir = std::env::temp_dir().join(format!("kvstore-secretfile-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let real = dir.join("real");
+        std::fs::write(&real, "0123456789abcdef0123\n").unwrap();
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_secret_file(&real).unwrap(), "0123456789abcdef0123");
+        let err = |p: &std::path::Path| read_secret_file(p).unwrap_err().to_string();
+        // A symbolic link to a file of this user's (the link could name any 0600 file).
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        assert!(err(&link).contains("symbolic link"), "{}", err(&link));
+        // A FIFO: refused at once, not waited on.
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo reads the NUL-terminated path only.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(err(&fifo).contains("not a regular file"), "{}", err(&fifo));
+        // A directory others may write: refused.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();
+        assert!(err(&real).contains("chmod go-w"), "{}", err(&real));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -595,3 +595,24 @@ fn a_server_whose_scheduler_stops_answering_ends_naming_it() {
         "{out}"
     );
 }
+
+#[test]
+fn idle_connections_of_a_stranger_do_not_keep_a_node_from_joining() {
+    // More silent connections than the scheduler keeps handshakes for: a node that joins
+    // after them takes the place of one of them, not a refusal.
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let idle: Vec<std::net::TcpStream> = (0..100)
+        .map(|_| loop {
+            match std::net::TcpStream::connect(("127.0.0.1", job.port)) {
+                Ok(s) => break s,
+                Err(e) if std::time::Instant::now() > deadline => panic!("{e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let _s = raw_worker(job.port);
+    drop(idle);
+    job.kill_all();
+}

@@ -258,9 +258,13 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         timeout: Duration::from_secs_f64(job_timeout),
     };
     // The processes' reports come to a listener of kvrun's own, beside the scheduler's.
-    let (report_at, mut view) =
-        view::listen(bind, secret.clone(), opts.workers as usize, opts.progress)
-            .map_err(|e| format!("cannot listen for reports on {bind}: {e}"))?;
+    let (report_at, mut view) = view::listen(
+        bind,
+        secret.clone(),
+        (opts.workers as usize, opts.servers as usize),
+        opts.progress,
+    )
+    .map_err(|e| format!("cannot listen for reports on {bind}: {e}"))?;
     let report_at = SocketAddr::new(root.ip(), report_at.port());
     let (sched_tx, sched_rx) = mpsc::channel();
     std::thread::spawn(move || {

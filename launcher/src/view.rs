@@ -8,7 +8,10 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvstore::report::{check_hello, Report};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use kvstore::report::{challenge, check_hello, Report};
 
 use crate::child::{Child, RoleName};
 
@@ -19,6 +22,7 @@ const MAX_LINE: u64 = 64 * 1024;
 pub(crate) struct View {
     rx: mpsc::Receiver<Report>,
     workers: usize,
+    servers: usize,
     joined: HashSet<(String, usize)>,
     transports: BTreeMap<usize, String>,
     progress: BTreeMap<usize, (u64, u64)>,
@@ -33,24 +37,40 @@ pub(crate) struct View {
     metrics: BTreeMap<(String, usize), (String, String)>,
 }
 
-/// Listens on `ip` for the job's reports, checking each connection's proof of `secret`.
+/// Listens on `ip` for the job's reports, checking each connection's proof of `secret`. At
+/// most a few connections more than the job has processes are served at once (each process
+/// reports over one), so that strangers cannot run kvrun, and its scheduler, out of threads
+/// or descriptors.
 pub(crate) fn listen(
     ip: IpAddr,
     secret: String,
-    workers: usize,
+    (workers, servers): (usize, usize),
     every: Option<f64>,
 ) -> std::io::Result<(SocketAddr, View)> {
     let l = TcpListener::bind(SocketAddr::new(ip, 0))?;
     let addr = l.local_addr()?;
     let (tx, rx) = mpsc::channel();
+    let most = workers + servers + 16;
+    let open = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("kvrun-reports".into())
         .spawn(move || {
             for s in l.incoming().flatten() {
-                let (tx, secret) = (tx.clone(), secret.clone());
-                let _ = std::thread::Builder::new()
+                if open.load(Ordering::Relaxed) >= most {
+                    continue;
+                }
+                open.fetch_add(1, Ordering::Relaxed);
+                let (tx, secret, done) = (tx.clone(), secret.clone(), open.clone());
+                let spawned = std::thread::Builder::new()
                     .name("kvrun-report".into())
-                    .spawn(move || read_reports(s, &secret, &tx));
+                    .spawn(move || {
+                        read_reports(s, &secret, &tx);
+                        done.fetch_sub(1, Ordering::Relaxed);
+                    });
+                if spawned.is_err() {
+                    // No thread: the connection was dropped with the closure, unread.
+                    open.fetch_sub(1, Ordering::Relaxed);
+                }
             }
         })?;
     let now = Instant::now();
@@ -60,6 +80,7 @@ pub(crate) fn listen(
         View {
             rx,
             workers,
+            servers,
             joined: HashSet::new(),
             transports: BTreeMap::new(),
             progress: BTreeMap::new(),
@@ -74,18 +95,44 @@ pub(crate) fn listen(
     ))
 }
 
-/// One process's reports: a proof of the secret first (within 5 s), then report lines;
-/// anything else ends the connection.
-fn read_reports(s: TcpStream, secret: &str, tx: &mpsc::Sender<Report>) {
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    let ok = matches!(r.by_ref().take(MAX_LINE).read_line(&mut line), Ok(n) if n > 0)
-        && check_hello(secret, line.trim_end());
+/// One process's reports: kvrun's nonce, its proof of the secret over it (within 5 s in
+/// all), then report lines; anything else ends the connection.
+fn read_reports(mut s: TcpStream, secret: &str, tx: &mpsc::Sender<Report>) {
+    use std::io::Write;
+    let Ok(nonce) = kvstore::report::nonce() else {
+        return;
+    };
+    let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
+    if writeln!(s, "{}", challenge(&nonce)).is_err() {
+        return;
+    }
+    // The proof's line, read against one deadline (a byte now and then does not stretch it).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut first = Vec::new();
+    let mut chunk = [0u8; 256];
+    while !first.contains(&b'\n') {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || first.len() > 256 || s.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => first.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let Some(at) = first.iter().position(|&b| b == b'\n') else {
+        return;
+    };
+    let ok =
+        std::str::from_utf8(&first[..at]).is_ok_and(|l| check_hello(secret, &nonce, l.trim_end()));
     if !ok {
         return;
     }
-    let _ = r.get_ref().set_read_timeout(None);
+    let _ = s.set_read_timeout(None);
+    // What came after the proof's line is read first.
+    let rest = first[at + 1..].to_vec();
+    let mut r = BufReader::new(std::io::Cursor::new(rest).chain(s));
+    let mut line = String::new();
     loop {
         line.clear();
         match r.by_ref().take(MAX_LINE).read_line(&mut line) {
@@ -115,6 +162,22 @@ impl View {
     /// ended without taking its role.
     pub(crate) fn update(&mut self, children: &[Child], say: impl Fn(&str)) {
         while let Ok(r) = self.rx.try_recv() {
+            // Ranks outside the job are no process of it.
+            let within = |role: &str, rank: usize| match role {
+                "server" => rank < self.servers,
+                _ => rank < self.workers,
+            };
+            let fits = match &r {
+                Report::Joined { role, rank } | Report::Metrics { role, rank, .. } => {
+                    within(role, *rank)
+                }
+                Report::Transports { rank, .. } | Report::Progress { rank, .. } => {
+                    within("worker", *rank)
+                }
+            };
+            if !fits {
+                continue;
+            }
             match r {
                 Report::Joined { role, rank } => {
                     self.joined.insert((role, rank));

@@ -58,6 +58,21 @@ pub(super) enum Step {
 }
 
 impl Pending {
+    /// Which of `pending` (full) gives its place to a new connection: the oldest that has
+    /// not said its hello, else the oldest. A stranger's idle connections so make room for
+    /// the job's nodes, which say theirs at once and finish within a round trip.
+    pub(super) fn evict(pending: &[Pending]) -> Option<usize> {
+        let oldest = |silent: bool| {
+            pending
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| !silent || p.hello.is_none())
+                .min_by_key(|(_, p)| p.deadline)
+                .map(|(i, _)| i)
+        };
+        oldest(true).or_else(|| oldest(false))
+    }
+
     pub(super) fn new(s: TcpStream) -> Option<Pending> {
         s.set_nonblocking(true).ok()?;
         let _ = s.set_nodelay(true);

@@ -101,21 +101,39 @@ fn close(w: &Writer) {
     let _ = s.shutdown(std::net::Shutdown::Both);
 }
 
-/// Orders nodes of one role: by their rank hints when those are a permutation, else by arrival.
+/// Ranks the nodes of one role: each its hint (`KVSTORE_RANK`) where that is in range and no
+/// earlier node took it, the others the free ranks by arrival. A hint not honoured is named
+/// in a warning.
 fn assign_ranks(ids: &[usize], nodes: &mut BTreeMap<usize, Node>) {
-    let hints: Vec<Option<u32>> = ids.iter().map(|i| nodes[i].hint).collect();
-    let mut seen = HashSet::new();
-    let valid = hints
+    let mut taken = vec![false; ids.len()];
+    let mut ranks: Vec<Option<usize>> = ids
         .iter()
-        .all(|h| matches!(h, Some(r) if (*r as usize) < ids.len() && seen.insert(*r)));
+        .map(|i| {
+            let r = nodes[i].hint? as usize;
+            (r < taken.len() && !std::mem::replace(&mut taken[r], true)).then_some(r)
+        })
+        .collect();
+    let mut free = (0..ids.len()).filter(|&r| !taken[r]);
     for (n, id) in ids.iter().enumerate() {
-        if let Some(node) = nodes.get_mut(id) {
-            node.rank = if valid {
-                hints[n].unwrap_or(0) as usize
-            } else {
-                n
-            };
+        let Some(node) = nodes.get_mut(id) else {
+            continue;
+        };
+        if ranks[n].is_none() {
+            ranks[n] = free.next();
+            if let Some(h) = node.hint {
+                let role = if node.role == role::SERVER {
+                    "server"
+                } else {
+                    "worker"
+                };
+                tracing::warn!(
+                    "a {role} on {}: its rank hint {h} is out of range or taken; it gets rank {}",
+                    node.host,
+                    ranks[n].unwrap_or(n)
+                );
+            }
         }
+        node.rank = ranks[n].unwrap_or(n);
     }
 }
 
@@ -140,12 +158,19 @@ pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<(
             let mut next = 0;
             let mut pending: Vec<Pending> = Vec::new();
             while accepting.load(Ordering::Relaxed) {
-                // New connections join the handshakes, as many as the cap allows; beyond it,
-                // or out of descriptors, a connection is closed at once.
-                while let Ok((s, _)) = listener.accept() {
-                    if pending.len() < MAX_PENDING {
-                        pending.extend(Pending::new(s));
+                // New connections join the handshakes; beyond the cap, each takes the place
+                // of the oldest that is silent (else the oldest). At most a cap's worth a
+                // pass, so that a flood of connections cannot keep handshakes from advancing.
+                for _ in 0..MAX_PENDING {
+                    let Ok((s, _)) = listener.accept() else {
+                        break;
+                    };
+                    if pending.len() >= MAX_PENDING {
+                        if let Some(i) = Pending::evict(&pending) {
+                            pending.swap_remove(i);
+                        }
                     }
+                    pending.extend(Pending::new(s));
                 }
                 let mut i = 0;
                 while i < pending.len() {

@@ -51,3 +51,30 @@ fn idle_connections_cost_no_thread_and_are_dropped() {
     // The rendezvous times out as it would have (no node came).
     assert!(t.join().unwrap().is_err());
 }
+
+#[test]
+fn rank_hints_are_honoured_where_they_can_be_and_the_rest_go_by_arrival() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let node = |hint: Option<u32>| Node {
+        role: role::WORKER,
+        hint,
+        addr: None,
+        host: "h".into(),
+        rdma: None,
+        shm: None,
+        mask: [0; auth::MAC],
+        writer: Arc::new(std::sync::Mutex::new(TcpStream::connect(at).unwrap())),
+        rank: 99,
+        done: false,
+    };
+    let mut nodes = BTreeMap::new();
+    // A hint taken twice, none, one out of range: before, any of these gave every node its
+    // arrival order, the good hints too.
+    for (i, h) in [Some(2), Some(2), None, Some(7)].into_iter().enumerate() {
+        nodes.insert(i, node(h));
+    }
+    assign_ranks(&[0, 1, 2, 3], &mut nodes);
+    let ranks: Vec<usize> = (0..4).map(|i| nodes[&i].rank).collect();
+    assert_eq!(ranks, [2, 0, 1, 3]);
+}

@@ -61,11 +61,19 @@ impl Mem {
     pub fn zeroed(len: usize) -> Arc<Mem> {
         let layout = std::alloc::Layout::from_size_align(len.max(1), MEM_ALIGN)
             .expect("a length that fits a layout");
+        match Mem::try_zeroed(len) {
+            Some(m) => m,
+            None => std::alloc::handle_alloc_error(layout),
+        }
+    }
+
+    /// `len` zeroed bytes, or `None` where they cannot be had (a length a peer named).
+    pub fn try_zeroed(len: usize) -> Option<Arc<Mem>> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), MEM_ALIGN).ok()?;
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr =
-            std::ptr::NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        Arc::new(Mem { ptr, len })
+        let ptr = std::ptr::NonNull::new(p)?;
+        Some(Arc::new(Mem { ptr, len }))
     }
 
     /// `data`, copied into new memory.

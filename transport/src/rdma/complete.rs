@@ -87,6 +87,17 @@ impl RdmaBackend {
             return;
         }
         if recv {
+            let credited = self.cfg.receives as u64;
+            let over = self.peers.get_mut(&peer).is_some_and(|p| {
+                p.arrived += 1;
+                p.arrived > credited + p.reposted
+            });
+            if over {
+                let _ = self.rx.post(idx as u32);
+                let e = TransportError::Refused("more messages than its credits".into());
+                self.lose(PeerId(peer), e);
+                return;
+            }
             let with_imm = wc.opcode == ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
             let a = Arrival {
                 buf: idx as u32,
@@ -299,6 +310,14 @@ impl RdmaBackend {
                 }
             }
             REVOKE => {
+                // A peer that says more revocations than any use makes, or that lets its
+                // answers pile up unread, breaks the protocol (this process's memory is not
+                // its queue).
+                if p.revoked.len() >= super::REVOKED_MAX || p.unsent.len() >= super::UNSENT_MAX {
+                    return Err(TransportError::Refused(
+                        "revocations beyond any use, or their answers left unread".into(),
+                    ));
+                }
                 p.revoked.insert(h.id);
                 self.control(
                     peer,
@@ -395,7 +414,25 @@ impl RdmaBackend {
         h: &Head,
     ) -> Result<(), TransportError> {
         let len = h.len as usize;
-        let mem = Mem::zeroed(len);
+        // What a peer's messages wait to have read at once is bounded by one message's
+        // largest size, and memory that cannot be had fails that peer, not this process.
+        let waiting: usize = self.peers.get(&peer).map_or(0, |p| {
+            p.inbox
+                .iter()
+                .map(|m| match m {
+                    Inbound::Msg { data: Some(d), .. } => d.len(),
+                    _ => 0,
+                })
+                .sum()
+        });
+        if waiting.saturating_add(len) as u64 > self.cfg.max_message {
+            return Err(TransportError::Refused(format!(
+                "{len} more bytes to read with {waiting} waiting"
+            )));
+        }
+        let mem = Mem::try_zeroed(len).ok_or_else(|| {
+            TransportError::Refused(format!("no memory for a message of {len} bytes"))
+        })?;
         let s: Arc<dyn Storage> = mem.clone();
         let mr = Mr::new(&self.pd, &s, 0, len, super::verbs::LOCAL)?;
         let mut chain = Vec::new();
@@ -408,7 +445,7 @@ impl RdmaBackend {
                 lkey: mr.lkey,
             };
             let mut w = wr(ffi::ibv_wr_opcode::IBV_WR_RDMA_READ, sge, 0);
-            w.wr.wr.rdma.remote_addr = h.off + at as u64;
+            w.wr.wr.rdma.remote_addr = h.off.wrapping_add(at as u64);
             w.wr.wr.rdma.rkey = h.key;
             chain.push((w, None, Some(tag)));
         }

@@ -116,6 +116,7 @@ impl RdmaBackend {
             returned: 0,
             reposted: 0,
             told: 0,
+            arrived: 0,
             posted: VecDeque::new(),
             next_seq: 1,
             inbox: VecDeque::new(),

@@ -64,6 +64,10 @@ const CHANNEL: mio::Token = mio::Token(usize::MAX - 1);
 const ASYNC: mio::Token = mio::Token(usize::MAX - 2);
 /// Tokens of connections still in their handshake start here.
 const HANDSHAKE: usize = 1 << 40;
+/// Grants a peer may say it revoked (ids kept so that nothing is written there again), and
+/// control answers waiting for its credits: a peer past either breaks the protocol.
+const REVOKED_MAX: usize = 1 << 16;
+const UNSENT_MAX: usize = 1 << 12;
 /// A grant's slot is in the bits of its id from here (and in a WRITE_WITH_IMM's immediate
 /// above the caller's [`crate::IMM_BITS`]).
 const SLOT_SHIFT: u32 = 48;
@@ -141,6 +145,9 @@ pub(crate) struct Peer {
     /// Buffers posted again and the count last told to the peer.
     reposted: u64,
     told: u64,
+    /// Buffers it took: never more than it was credited (its first receives and every one
+    /// posted again), or it breaks the protocol and would starve the others.
+    arrived: u64,
     posted: VecDeque<Posted>,
     next_seq: u64,
     inbox: VecDeque<Inbound>,

@@ -133,7 +133,12 @@ impl Backend for RdmaBackend {
     }
 
     fn forget(&mut self, peer: PeerId, grant: &RemoteRegion) {
-        if self.grants.get(&grant.id).is_some_and(|g| g.peer == peer) {
+        // A grant being revoked stays until its revoke completes (its token with it).
+        if self
+            .grants
+            .get(&grant.id)
+            .is_some_and(|g| g.peer == peer && g.revoking.is_none())
+        {
             self.drop_grant(grant.id);
         }
     }
@@ -287,7 +292,7 @@ impl Backend for RdmaBackend {
                 lkey: mr.lkey,
             };
             let mut w = wr(ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, sge, 0);
-            w.wr.wr.rdma.remote_addr = dst.addr + (offset + at) as u64;
+            w.wr.wr.rdma.remote_addr = dst.addr.wrapping_add((offset + at) as u64);
             w.wr.wr.rdma.rkey = dst.key;
             chain.push((w, None, None));
         }

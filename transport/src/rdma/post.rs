@@ -16,7 +16,9 @@ impl RdmaBackend {
     pub(super) fn room(&self, p: &Peer, n: usize, credit: bool, control: bool) -> bool {
         let p_returned = p.returned.max(credit_word(p));
         let sq = p.posted.len() + n <= self.cfg.send_depth;
-        let avail = (p.their_receives as u64 + p_returned).saturating_sub(p.sent);
+        let avail = (p.their_receives as u64)
+            .saturating_add(p_returned)
+            .saturating_sub(p.sent);
         let need = if control { 1 } else { RESERVE + 1 };
         sq && (!credit || avail >= need)
     }
@@ -166,7 +168,10 @@ impl RdmaBackend {
                     break;
                 };
                 p.returned = p.returned.max(credit_word(p));
-                let ok = (p.their_receives as u64 + p.returned).saturating_sub(p.sent) >= 1
+                let ok = (p.their_receives as u64)
+                    .saturating_add(p.returned)
+                    .saturating_sub(p.sent)
+                    >= 1
                     && p.posted.len() < self.cfg.send_depth;
                 if !ok {
                     break;
@@ -268,7 +273,7 @@ impl RdmaBackend {
                 };
                 wr(op, sge, 0)
             };
-            w.wr.wr.rdma.remote_addr = dst.addr + at as u64;
+            w.wr.wr.rdma.remote_addr = dst.addr.wrapping_add(at as u64);
             w.wr.wr.rdma.rkey = dst.key;
             if last {
                 w.wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
