@@ -214,7 +214,13 @@ impl Backend for RdmaBackend {
             }
             return Ok(Sent::WouldBlock);
         };
-        self.post(peer.0, &mut [(w, slot, None)], token, 1)?;
+        if let Err(e) = self.post(peer.0, &mut [(w, slot, None)], token, 1) {
+            // Not sent: the data lent for it is not lent (its token is the caller's error).
+            if let Some(p) = self.peers.get_mut(&peer.0) {
+                p.lent.remove(&head.id);
+            }
+            return Err(e);
+        }
         if let Some(t) = done_now {
             self.done.push_back((t, None));
         }

@@ -34,6 +34,9 @@ impl RdmaBackend {
     ) -> Result<(), TransportError> {
         let free_low = self.free_sends.len() < 8;
         let Some(p) = self.peers.get_mut(&peer) else {
+            // The send buffers the chain took go back.
+            self.free_sends
+                .extend(chain.iter().filter_map(|(_, slot, _)| *slot));
             return Err(TransportError::PeerLost(format!(
                 "peer {peer} is not connected"
             )));
@@ -61,7 +64,15 @@ impl RdmaBackend {
         // send buffers (freed on completion), the caller's regions (held by `Posted` through
         // the token's contract and by the region cache), and read destinations (held by the
         // inbox); the chain's memory is alive for the call.
-        unsafe { p.qp.post_send(&mut chain[0].0.wr) }?;
+        if let Err((e, bad)) = unsafe { p.qp.post_send(&mut chain[0].0.wr) } {
+            // Where nothing of the chain was taken, its send buffers go back (where a part
+            // was, the device may still read them: they stay taken).
+            if std::ptr::eq(bad, &chain[0].0.wr) {
+                self.free_sends
+                    .extend(chain.iter().filter_map(|(_, slot, _)| *slot));
+            }
+            return Err(e);
+        }
         p.sent += sends;
         for (i, (_, slot, read)) in chain.iter().enumerate() {
             p.posted.push_back(Posted {

@@ -207,17 +207,21 @@ impl Qp {
         self.modify(&mut a, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0, "ERR")
     }
 
-    /// Posts a chain of send work requests.
+    /// Posts a chain of send work requests; on failure also the first request not posted
+    /// (those before it were, and complete as usual).
     ///
     /// # Safety
     /// Every request of the chain is valid, and each memory range its gather lists name stays
     /// registered, alive and unwritten until the request completes (or the QP is destroyed).
-    pub(crate) unsafe fn post_send(&self, wr: *mut ffi::ibv_send_wr) -> Result<(), TransportError> {
+    pub(crate) unsafe fn post_send(
+        &self,
+        wr: *mut ffi::ibv_send_wr,
+    ) -> Result<(), (TransportError, *mut ffi::ibv_send_wr)> {
         let mut bad = std::ptr::null_mut();
         // SAFETY: a live QP; the chain's validity is the caller's contract.
         let rc = unsafe { ffi::ibv_post_send(self.ptr, wr, &mut bad) };
         if rc != 0 {
-            return Err(ret_err("ibv_post_send", rc));
+            return Err((ret_err("ibv_post_send", rc), bad));
         }
         Ok(())
     }
