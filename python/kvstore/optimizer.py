@@ -252,6 +252,93 @@ class Optimizer:
         for k, v in state.items():
             object.__setattr__(self, k, _Watched(self, k, v) if k in _WATCHED else v)
 
+    # MXNet's extension point: an optimizer of your own subclasses Optimizer (or one of the
+    # built-in ones), defines ``create_state`` and ``update`` on numpy arrays, and may be
+    # registered by name. The store runs it in Python (as an updater); the built-in ones run
+    # in Rust.
+    opt_registry: Dict[str, Any] = {}
+
+    @staticmethod
+    def register(klass: Any) -> Any:
+        """Registers an optimizer class under its lower-case name, for ``create_optimizer``
+        (MXNet's ``Optimizer.register``, a decorator); one that replaces another is warned of."""
+        if not isinstance(klass, type):
+            raise TypeError("register takes an optimizer class")
+        name = klass.__name__.lower()
+        if name in Optimizer.opt_registry:
+            warnings.warn(f"WARNING: New optimizer {klass.__module__}.{klass.__name__} is "
+                          f"overriding existing optimizer "
+                          f"{Optimizer.opt_registry[name].__module__}."
+                          f"{Optimizer.opt_registry[name].__name__}", stacklevel=2)
+        Optimizer.opt_registry[name] = klass
+        return klass
+
+    @staticmethod
+    def create_optimizer(name: str, **kwargs: Any) -> "Optimizer":
+        """An optimizer of a registered class by its name, in any case (MXNet's
+        ``Optimizer.create_optimizer``)."""
+        if name.lower() in Optimizer.opt_registry:
+            return Optimizer.opt_registry[name.lower()](**kwargs)
+        raise ValueError(f"Cannot find optimizer {name}")
+
+    def create_state(self, index: Any, weight: Any) -> Any:
+        """An optimizer of your own: the state of parameter ``index`` (MXNet's; none here)."""
+        return None
+
+    def update(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
+        """An optimizer of your own: updates ``weight`` (a numpy array) in place from
+        ``grad``."""
+        raise NotImplementedError()
+
+    def create_state_multi_precision(self, index: Any, weight: Any) -> Any:
+        """As MXNet's: with ``multi_precision``, a float16 weight's state is a float32 master
+        copy and the state made for it."""
+        import numpy as np
+        if self.multi_precision and weight.dtype == np.float16:
+            master = weight.astype(np.float32)
+            return (master, self.create_state(index, master))
+        return self.create_state(index, weight)
+
+    def update_multi_precision(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
+        """As MXNet's: with ``multi_precision``, a float16 weight is updated through its
+        float32 master copy."""
+        import numpy as np
+        if self.multi_precision and weight.dtype == np.float16:
+            master, inner = state
+            self.update(index, master, grad.astype(np.float32), inner)
+            weight[...] = master.astype(np.float16)
+        else:
+            self.update(index, weight, grad, state)
+
+    def _update_count(self, index: Any) -> None:
+        """Counts an update of each index (MXNet's): ``num_update`` is the most any has had."""
+        counts = self.__dict__.setdefault("_index_update_count", {})
+        for i in index if isinstance(index, (list, tuple)) else [index]:
+            counts[i] = counts.get(i, self.begin_num_update) + 1
+            self._num_update = max(counts[i], self._num_update)
+
+    def _get_lrs(self, indices: Any) -> Any:
+        lr = self.lr_scheduler(self.num_update) if self.lr_scheduler is not None else self.lr
+        return [lr * self._mult_of(self.lr_mult, i) for i in indices]
+
+    def _get_lr(self, index: Any) -> float:
+        """The learning rate of ``index`` (MXNet's): the scheduler's at ``num_update`` or
+        ``lr``, times its ``lr_mult``."""
+        return self._get_lrs([index])[0]
+
+    def _get_wds(self, indices: Any) -> Any:
+        return [self.wd * self._mult_of(self.wd_mult, i) for i in indices]
+
+    def _get_wd(self, index: Any) -> float:
+        """The weight decay of ``index`` (MXNet's): ``wd`` times its ``wd_mult``."""
+        return self._get_wds([index])[0]
+
+    def _custom(self) -> bool:
+        """Whether this optimizer's rule is its own (it defines ``update`` or
+        ``create_state``), which the store runs in Python, not a built-in one's."""
+        t = type(self)
+        return t.update is not Optimizer.update or t.create_state is not Optimizer.create_state
+
     def _attached_to(self, store: Any) -> None:
         """Called by a local store's ``set_optimizer``: the store runs this optimizer."""
         self._stores.add(store)
@@ -513,8 +600,15 @@ class Updater:
         if not isinstance(optimizer, Optimizer):
             raise TypeError("get_updater takes a kvstore.optimizer object, not "
                             f"{type(optimizer).__name__}")
-        from ._native import OptimizerRunner
         self.optimizer: Optional[Optimizer] = optimizer
+        if optimizer._custom():
+            # An optimizer of your own: its rule runs here, its state per index in
+            # ``states`` (MXNet's Updater), saved as MXNet saves it (a pickle).
+            self._runner = None
+            self.states: Dict[Any, Any] = {}
+            self.states_synced: Dict[Any, bool] = {}
+            return
+        from ._native import OptimizerRunner
         self._runner = OptimizerRunner(optimizer)
         optimizer._attached_to(self)
 
@@ -523,27 +617,51 @@ class Updater:
             index, grad, weight = [index], [grad], [weight]
         for i, g, w in zip(index, grad, weight):
             # MXNet's updaters may be given a str key as bytes.
-            self._runner.update(i.decode() if isinstance(i, bytes) else i, g, w)
+            i = i.decode() if isinstance(i, bytes) else i
+            if self._runner is not None:
+                self._runner.update(i, g, w)
+                continue
+            opt = self.optimizer
+            if i not in self.states:
+                self.states[i] = opt.create_state_multi_precision(i, w)
+                self.states_synced[i] = True
+            opt.update_multi_precision(i, w, g, self.states[i])
 
     def get_states(self, dump_optimizer: bool = False) -> bytes:
         """The state of every index (and the optimizer, with ``dump_optimizer``), as bytes."""
+        if self._runner is None:
+            import pickle
+            return pickle.dumps((self.states, self.optimizer) if dump_optimizer
+                                else self.states)
         return self._runner.save_states(bool(dump_optimizer))
 
     def set_states(self, states: bytes) -> None:
         """Replaces the state with what ``get_states`` gave."""
+        if self._runner is None:
+            import pickle
+            got = pickle.loads(bytes(states))
+            if isinstance(got, tuple) and len(got) == 2:
+                self.states, self.optimizer = got
+            else:
+                self.states = got
+            self.states_synced = dict.fromkeys(self.states, False)
+            return
         if self._runner.load_states(bytes(states)) and self.optimizer is not None:
             self.optimizer._stores.discard(self)
             self.optimizer = None
 
     def _retune_optimizer(self, optimizer: Optimizer) -> None:
-        self._runner.retune(optimizer)
+        if self._runner is not None:
+            self._runner.retune(optimizer)
 
     def _optimizer_num_update(self, optimizer: Optimizer) -> int:
-        return self._runner.num_update()
+        return optimizer._num_update if self._runner is None else self._runner.num_update()
 
     def __reduce__(self) -> Any:
         # By value: the optimizer object, the state fresh (a distributed store's servers start
         # their own); or, once it runs loaded states with their optimizer, those.
+        if self._runner is None:
+            return (Updater, (self.optimizer,))
         if self.optimizer is None:
             return (_updater_of_states, (self.get_states(dump_optimizer=True),))
         return (Updater, (self.optimizer,))
@@ -576,11 +694,16 @@ def _mults(d: Dict[Any, float]) -> Dict[Any, float]:
     return {k: float(v) for k, v in d.items()}
 
 
+for _k in (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam):
+    Optimizer.opt_registry[_k.__name__.lower()] = _k
+
+register = Optimizer.register
+
+
 def create(name: str, **kwargs: Any) -> Optimizer:
-    """An optimizer by MXNet's name: ``create('sgd', learning_rate=0.1)``."""
-    kinds = {"sgd": SGD, "nag": NAG, "adam": Adam, "adagrad": AdaGrad, "rmsprop": RMSProp,
-             "adadelta": AdaDelta, "adamax": Adamax, "signum": Signum, "ftrl": Ftrl,
-             "ftml": FTML, "nadam": Nadam}
-    if name.lower() not in kinds:
-        raise ValueError(f"unknown optimizer {name!r}; kvstore runs {sorted(kinds)}")
-    return kinds[name.lower()](**kwargs)
+    """An optimizer by MXNet's name, or a class registered with ``register``:
+    ``create('sgd', learning_rate=0.1)`` (MXNet's ``optimizer.create``)."""
+    if name.lower() not in Optimizer.opt_registry:
+        raise ValueError(f"unknown optimizer {name!r}; kvstore runs "
+                         f"{sorted(Optimizer.opt_registry)}")
+    return Optimizer.create_optimizer(name, **kwargs)

@@ -324,11 +324,20 @@ impl KVStore {
 
     /// Runs a built-in optimizer (`kvstore.optimizer.SGD`, `NAG`, `Adam`, `AdaGrad`,
     /// `RMSProp`, `AdaDelta`, `Adamax`, `Signum`, `Ftrl`, `FTML`, `Nadam`) as the updater; in a distributed
-    /// store it runs on the servers.
+    /// store it runs on the servers. An optimizer of your own (a subclass that defines
+    /// `update`) runs in Python, as `_set_updater(get_updater(optimizer))` would run it.
     /// A local store runs the object itself: a change to its parameters afterwards
     /// (`set_learning_rate`, say) applies from the next update on, with the state kept.
     fn set_optimizer(slf: &Bound<'_, Self>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
         let me = slf.get();
+        // An optimizer of your own (it defines `update`): run in Python, as an updater.
+        if optimizer.hasattr("_custom")? && optimizer.call_method0("_custom")?.is_truthy()? {
+            let up = slf
+                .py()
+                .import("kvstore.optimizer")?
+                .call_method1("get_updater", (optimizer,))?;
+            return me._set_updater(slf.py(), &up);
+        }
         let opt = crate::optimizer::of(optimizer)?;
         let runs = optimizer.clone().unbind();
         // As in `_set_updater`: said while the store is claimed.

@@ -458,3 +458,24 @@ def test_ctrl_c_interrupts_a_worker_waiting_to_join_its_job(tmp_path):
     p.send_signal(signal.SIGINT)
     out, _ = p.communicate(timeout=60)
     assert "interrupted" in out and "joined" not in out, out
+
+
+def test_an_optimizer_of_ones_own_runs_on_the_servers(tmp_path):
+    code, out = run_job(tmp_path, """
+        from kvstore import optimizer as O
+
+        class Halving(O.Optimizer):
+            def update(self, index, weight, grad, state):
+                weight -= 0.5 * grad
+
+        kv.init(3, np.zeros(4))
+        kv.set_optimizer(Halving())
+        kv.push(3, np.ones(4))
+        o = np.zeros(4)
+        kv.pull(3, out=o)
+        # The round's sum (one per worker), halved, once.
+        assert (o == -0.5 * kv.num_workers).all(), o
+        print(f"worker {kv.rank} done", flush=True)
+        """)
+    assert code == 0, out
+    assert "worker 0 done" in out and "worker 1 done" in out, out
