@@ -126,6 +126,9 @@ def test_row_sparse_pull_writes_the_rows_asked_for_and_zeros_the_rest():
     kv.row_sparse_pull("emb", out=outs, row_ids=[np.array([2]), [0, 1]])
     assert (outs[0][2] == w[2]).all() and (outs[0][[0, 1, 3]] == 0).all()
     assert (outs[1][:2] == w[:2]).all() and (outs[1][2:] == 0).all()
+    # One list of ids alone in a list serves every output too (MXNet's single_rowid).
+    kv.row_sparse_pull("emb", out=outs, row_ids=[np.array([3])])
+    assert all((o[3] == w[3]).all() and (o[:3] == 0).all() for o in outs)
     # Errors: nothing is written.
     before = out.copy()
     with pytest.raises(ValueError, match="out of range"):

@@ -25,7 +25,8 @@ fn ids_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         .collect()
 }
 
-/// The row ids of each of `outputs` outputs: one list for all, or a list of lists, one each.
+/// The row ids of each of `outputs` outputs: one list for all (bare, or alone in a list, as
+/// MXNet takes it), or a list of lists, one each.
 fn row_lists(row_ids: &Bound<'_, PyAny>, outputs: usize) -> PyResult<Vec<Vec<u64>>> {
     let nested = is_list(row_ids)
         && row_ids
@@ -40,10 +41,14 @@ fn row_lists(row_ids: &Bound<'_, PyAny>, outputs: usize) -> PyResult<Vec<Vec<u64
         let ids = ids_of(row_ids)?;
         return Ok(vec![ids; outputs]);
     }
-    let lists = row_ids
+    let mut lists = row_ids
         .try_iter()?
         .map(|l| ids_of(&l?))
         .collect::<PyResult<Vec<_>>>()?;
+    // One list of them for several outputs serves each (MXNet's `single_rowid`).
+    if lists.len() == 1 && outputs > 1 {
+        lists = vec![lists.remove(0); outputs];
+    }
     if lists.len() != outputs {
         return Err(PyValueError::new_err(format!(
             "{} lists of row ids for {outputs} outputs",
