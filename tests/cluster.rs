@@ -65,18 +65,27 @@ fn a_job_under_real_mpirun_takes_its_roles_from_open_mpi() {
     }
 }
 
-/// Two test hosts (network namespaces with sshd), removed again on drop.
+/// Two test hosts (network namespaces with sshd), removed again on drop. One set at a time
+/// in this process: their names come from its pid.
 struct Hosts {
     dir: PathBuf,
     script: PathBuf,
+    _one: std::sync::MutexGuard<'static, ()>,
 }
+
+static ONE_SET: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Hosts {
     fn up() -> Result<Hosts, String> {
+        let one = ONE_SET.lock().unwrap_or_else(|p| p.into_inner());
         let dir = PathBuf::from(format!("/tmp/kvh{}", std::process::id() % 1_000_000));
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/hosts.sh");
         let _ = std::fs::remove_dir_all(&dir);
-        let hosts = Hosts { dir, script };
+        let hosts = Hosts {
+            dir,
+            script,
+            _one: one,
+        };
         let out = Command::new(&hosts.script)
             .args([Path::new("up"), &hosts.dir, Path::new("2")])
             .output()
@@ -335,5 +344,42 @@ fn a_job_runs_across_hosts_over_ssh_and_failures_stop_it_everywhere() {
         "{}",
         r.all()
     );
+    hosts.assert_clean();
+}
+
+#[test]
+fn many_processes_on_one_host_all_start_over_ssh() {
+    // sshd drops new connections at random beyond 10 not yet logged in (its MaxStartups
+    // 10:30:100): kvrun keeps at most 8 of a host's ssh connections in their login at once.
+    if !is_root() {
+        return skip("network namespaces need root");
+    }
+    for tool in ["ip", "ssh", "ssh-keygen", "/usr/sbin/sshd"] {
+        if !have(tool) {
+            return skip(&format!("{tool} is not installed"));
+        }
+    }
+    let hosts = match Hosts::up() {
+        Ok(h) => h,
+        Err(e) => return skip(&format!("cannot create network namespaces here: {e}")),
+    };
+    let first = hosts.addrs()[0].clone();
+    let list = format!("{first}:24");
+    let r = hosts.kvrun(
+        &["-H", &list],
+        23,
+        1,
+        Path::new("/bin/sh"),
+        &["-c", "echo \"up $DMLC_ROLE $KVSTORE_RANK\""],
+    );
+    assert_eq!(r.code, Some(0), "{}", r.all());
+    for w in 0..23 {
+        assert!(
+            r.stdout.contains(&format!("up worker {w}\n")),
+            "{w}\n{}",
+            r.all()
+        );
+    }
+    assert!(r.stdout.contains("up server 0\n"), "{}", r.all());
     hosts.assert_clean();
 }

@@ -5,6 +5,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A process's role and rank.
@@ -39,6 +41,8 @@ pub struct Child {
     status: Option<ExitStatus>,
     /// The threads copying its output, joined before kvrun exits so no last line is lost.
     forwarders: Vec<std::thread::JoinHandle<()>>,
+    /// Whether it runs: a local one at once, a remote one once its wrapper said so.
+    started: Arc<AtomicBool>,
 }
 
 /// Quotes a word for a POSIX shell.
@@ -61,12 +65,17 @@ pub fn shell_quote(s: &str) -> String {
 /// login shell's own descriptors are closed first (csh leaves copies of the session's output
 /// open in what it runs, which would keep it open after the program ends).
 const REMOTE_WRAPPER: &str = "exec 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; cd \"$1\" 2>/dev/null; shift; \
+    printf '%s\\n' kvrun-remote-started >&2; \
     IFS= read -r KVSTORE_SECRET || exit 1; export KVSTORE_SECRET; exec 3<&0; \
     if command -v setsid >/dev/null 2>&1; then setsid \"$@\" </dev/null & \
     else \"$@\" </dev/null & fi; c=$!; \
     ( cat <&3 >/dev/null 2>&1; kill -TERM -$c $c 2>/dev/null; sleep 2; \
     kill -KILL -$c $c 2>/dev/null ) >/dev/null 2>&1 & w=$!; \
     exec 3<&-; wait $c; s=$?; kill $w 2>/dev/null; exit $s";
+
+/// The wrapper's first line on stderr: the ssh session is logged in (kvrun keeps few of a
+/// host's sessions in their login at once, see [`Child::logging_in`]).
+const STARTED: &[u8] = b"kvrun-remote-started\n";
 
 /// The variable that never goes on a command line: it is written to the remote side's stdin.
 pub const SECRET_VAR: &str = "KVSTORE_SECRET";
@@ -99,6 +108,7 @@ fn forward(
     prefix: String,
     from: impl std::io::Read + Send + 'static,
     to_stderr: bool,
+    mut started: Option<Arc<AtomicBool>>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(from);
@@ -107,7 +117,14 @@ fn forward(
             line.clear();
             match r.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => return,
+                // A remote wrapper's first line says it runs: taken, not shown.
+                Ok(_) if started.is_some() && line == STARTED => {
+                    if let Some(s) = started.take() {
+                        s.store(true, Ordering::Relaxed);
+                    }
+                }
                 Ok(_) => {
+                    started = None;
                     // The line's bytes as they came (not every program writes UTF-8), after
                     // the prefix, in one write: lines of several processes never interleave.
                     if line.last() != Some(&b'\n') {
@@ -199,11 +216,13 @@ impl Child {
             writeln!(pipe, "{secret}")?;
         }
         let mut forwarders = Vec::new();
+        let started = Arc::new(AtomicBool::new(host.is_none()));
         if let Some(out) = proc.stdout.take() {
-            forwarders.push(forward(prefix.clone(), out, false));
+            forwarders.push(forward(prefix.clone(), out, false, None));
         }
         if let Some(err) = proc.stderr.take() {
-            forwarders.push(forward(prefix, err, true));
+            let watch = host.is_some().then(|| started.clone());
+            forwarders.push(forward(prefix, err, true, watch));
         }
         Ok(Child {
             role,
@@ -213,7 +232,14 @@ impl Child {
             _lifeline: lifeline,
             status: None,
             forwarders,
+            started,
         })
+    }
+
+    /// Whether this is a remote process whose ssh session is still logging in (its wrapper
+    /// has not said it runs, and ssh has not ended).
+    pub fn logging_in(&mut self) -> bool {
+        !self.started.load(Ordering::Relaxed) && self.poll().is_none()
     }
 
     /// The exit status, if the process has exited.

@@ -134,6 +134,10 @@ fn managed(name: &str) -> Option<&'static str> {
     }
 }
 
+/// The ssh sessions to one host kvrun lets log in at once (below sshd's default MaxStartups
+/// of 10, past which it drops new ones at random).
+const SSH_LOGINS: usize = 8;
+
 /// A random job secret, from the kernel's generator.
 pub fn make_secret() -> std::io::Result<String> {
     let mut b = [0u8; 16];
@@ -301,6 +305,21 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         shepherd::Shepherd::start().map_err(|e| format!("cannot start the shepherd: {e}"))?;
     let mut children: Vec<Child> = Vec::new();
     for (role, h) in placement {
+        if let Some(host) = remote[h] {
+            // sshd drops new connections at random beyond 10 not yet logged in (its
+            // MaxStartups): at most 8 of a host's are let log in at once.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let logging_in = |cs: &mut [Child]| {
+                let mine = cs.iter_mut().filter(|c| c.host.as_deref() == Some(host));
+                mine.map(|c| c.logging_in() as usize).sum::<usize>()
+            };
+            while logging_in(&mut children) >= SSH_LOGINS
+                && Instant::now() < deadline
+                && !stop.load(Ordering::Relaxed)
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         match Child::spawn(role, remote[h], &ssh, opts.program(), opts.args(), &env) {
             Ok(c) => {
                 shepherd.watch(c.pid);
