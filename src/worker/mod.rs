@@ -533,7 +533,19 @@ mod at_exit {
             if pid != me {
                 continue;
             }
-            let Ok(_g) = lock.try_lock() else { continue };
+            // The heartbeat thread may be writing a beat (microseconds): the lock is tried
+            // for a bounded while, so that a clean exit is not taken for a lost worker.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(200);
+            let g = loop {
+                match lock.try_lock() {
+                    Ok(g) => break Some(g),
+                    Err(_) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(std::time::Duration::from_millis(1))
+                    }
+                    Err(_) => break None,
+                }
+            };
+            let Some(_g) = g else { continue };
             let h = FrameHeader::new(Msg::new(Op::Finish).encode(), 0);
             let _ = write_frame(&mut s, &h, &[]);
         }
