@@ -46,9 +46,18 @@ __all__ = ["create", "KVStore", "KVStoreBase", "KVStoreError", "PeerLost", "Time
            "lr_scheduler", "optimizer"]
 
 
-class KVStoreBase:
+class _StoreKind(type):
+    """Makes kvstore's own stores instances of ``KVStoreBase`` too, as MXNet's ``KVStore`` is
+    a subclass of it (code that checks ``isinstance(kv, KVStoreBase)`` takes them)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, KVStore) or super().__instancecheck__(obj)
+
+
+class KVStoreBase(metaclass=_StoreKind):
     """MXNet's ``KVStoreBase``: the ``OPTIMIZER`` capability's name, and the registry of store
-    classes that ``create`` looks in first (``@KVStoreBase.register``)."""
+    classes that ``create`` looks in first (``@KVStoreBase.register``); kvstore's own stores
+    are instances of it."""
 
     OPTIMIZER = "optimizer"
     kv_registry: Dict[str, Any] = {}

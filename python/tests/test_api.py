@@ -155,6 +155,18 @@ def test_row_sparse_pull_writes_the_rows_asked_for_and_zeros_the_rest():
     assert all((o == f).all() for o, f in zip(outs, firsts))
 
 
+def test_a_store_is_a_kvstorebase_as_in_mxnet():
+    # MXNet's KVStore subclasses KVStoreBase, and its model code checks that.
+    assert isinstance(kvstore.create("local"), kvstore.KVStoreBase)
+    assert not isinstance(object(), kvstore.KVStoreBase)
+
+    @kvstore.KVStoreBase.register
+    class Mine(kvstore.KVStoreBase):
+        pass
+
+    assert isinstance(kvstore.create("mine"), kvstore.KVStoreBase)
+
+
 def test_string_keys():
     kv = kvstore.create()
     kv.init(["w", "b"], [np.ones(SHAPE), np.zeros(SHAPE)])
