@@ -257,6 +257,13 @@ impl Child {
         self.status.is_some()
     }
 
+    /// Whether its process group still has a process (its leader reaped if it ended).
+    fn group_lives(&mut self) -> bool {
+        self.poll();
+        // SAFETY: a signal of 0 only checks that the group exists (see `signal_group`).
+        unsafe { libc::killpg(self.pid as libc::pid_t, 0) == 0 }
+    }
+
     fn signal_group(&self, sig: libc::c_int) {
         // SAFETY: killpg only sends a signal. The group id is our child's pid, which it leads
         // (process_group(0)); after the leader is reaped the group lives on while any of its
@@ -280,8 +287,10 @@ pub fn stop_all(children: &mut [Child]) {
         // A stopped process acts on the TERM only once it runs again.
         c.signal_group(libc::SIGCONT);
     }
+    // The grace period lasts while any group has a process left (a leader's background
+    // children too, after it ended), at most 3 s.
     let deadline = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < deadline && !children.iter_mut().all(|c| c.poll().is_some()) {
+    while Instant::now() < deadline && children.iter_mut().any(|c| c.group_lives()) {
         std::thread::sleep(Duration::from_millis(10));
     }
     for c in children.iter_mut() {

@@ -281,3 +281,25 @@ fn output_bytes_pass_through_as_they_are() {
         assert_eq!(out.status.code(), Some(2), "{out:?}");
     }
 }
+
+#[test]
+fn what_a_process_left_running_gets_its_grace_period_before_the_kill() {
+    // Each process leaves a background child that, on SIGTERM, takes half a second to write
+    // what it must (a checkpoint, say) before it exits: it gets the time, where before the
+    // SIGKILL followed at once once every leader had ended.
+    let dir = std::env::temp_dir().join(format!("kvrun-grace-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = r#"(trap 'sleep 0.5; echo done > "$MARK.$DMLC_ROLE$KVSTORE_RANK"; exit 0' TERM; while :; do sleep 0.1; done) & sleep 0.3; exit 0"#;
+    let out = kvrun()
+        .env("MARK", dir.join("m"))
+        .args(["-n", "1", "-s", "1", "--", "/bin/sh", "-c", script])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    for who in ["worker0", "server0"] {
+        let f = dir.join(format!("m.{who}"));
+        assert!(f.exists(), "{who} wrote nothing: {out:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
