@@ -76,6 +76,26 @@ struct Hosts {
 static ONE_SET: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Hosts {
+    /// The hosts, or `None` (the test said why it skips) where this machine cannot make them:
+    /// not root, or without iproute2 and OpenSSH's server.
+    fn up_or_skip() -> Option<Hosts> {
+        if !is_root() {
+            skip("network namespaces need root");
+            return None;
+        }
+        for tool in ["ip", "ssh", "ssh-keygen", "/usr/sbin/sshd"] {
+            if !have(tool) {
+                skip(&format!(
+                    "{tool} is not installed (apt-get install iproute2 openssh-server)"
+                ));
+                return None;
+            }
+        }
+        Hosts::up()
+            .map_err(|e| skip(&format!("cannot create network namespaces here: {e}")))
+            .ok()
+    }
+
     fn up() -> Result<Hosts, String> {
         let one = ONE_SET.lock().unwrap_or_else(|p| p.into_inner());
         let dir = PathBuf::from(format!("/tmp/kvh{}", std::process::id() % 1_000_000));
@@ -185,19 +205,8 @@ impl Drop for Hosts {
 
 #[test]
 fn a_job_runs_across_hosts_over_ssh_and_failures_stop_it_everywhere() {
-    if !is_root() {
-        return skip("network namespaces need root");
-    }
-    for tool in ["ip", "ssh", "ssh-keygen", "/usr/sbin/sshd"] {
-        if !have(tool) {
-            return skip(&format!(
-                "{tool} is not installed (apt-get install iproute2 openssh-server)"
-            ));
-        }
-    }
-    let hosts = match Hosts::up() {
-        Ok(h) => h,
-        Err(e) => return skip(&format!("cannot create network namespaces here: {e}")),
+    let Some(hosts) = Hosts::up_or_skip() else {
+        return;
     };
     let addrs = hosts.addrs();
     let hostfile = hosts.dir.join("hostfile");
@@ -351,17 +360,8 @@ fn a_job_runs_across_hosts_over_ssh_and_failures_stop_it_everywhere() {
 fn many_processes_on_one_host_all_start_over_ssh() {
     // sshd drops new connections at random beyond 10 not yet logged in (its MaxStartups
     // 10:30:100): kvrun keeps at most 8 of a host's ssh connections in their login at once.
-    if !is_root() {
-        return skip("network namespaces need root");
-    }
-    for tool in ["ip", "ssh", "ssh-keygen", "/usr/sbin/sshd"] {
-        if !have(tool) {
-            return skip(&format!("{tool} is not installed"));
-        }
-    }
-    let hosts = match Hosts::up() {
-        Ok(h) => h,
-        Err(e) => return skip(&format!("cannot create network namespaces here: {e}")),
+    let Some(hosts) = Hosts::up_or_skip() else {
+        return;
     };
     let first = hosts.addrs()[0].clone();
     let list = format!("{first}:24");

@@ -8,15 +8,15 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::args::{is_list, keys, per_key, plan_outputs};
-use crate::arrays::Lent;
 use crate::claim::Claimable;
 use crate::shell::{lend_into, Shell};
-use crate::{to_py, updater};
+use crate::updater;
 
+mod bench;
 mod calls;
 mod pushes;
 mod rows;
-use calls::{nbytes, read_lines, refs, refs_mut, touch_lines};
+use calls::{nbytes, read_lines, refs, refs_mut};
 use pushes::{Pushes, ASYNC_BYTES};
 
 /// How many times this process is a child made by fork, counted by a `pthread_atfork` handler
@@ -516,43 +516,7 @@ impl KVStore {
         read: bool,
         touch: usize,
     ) -> PyResult<f64> {
-        let Some(k) = keys(key)?.keys.into_iter().next() else {
-            return Err(pyo3::exceptions::PyValueError::new_err("no key"));
-        };
-        let arrays = |l: Lent| match lent {
-            true => Ok(l.array),
-            false => NDArray::from_bytes(l.array.shape(), l.array.dtype(), l.array.as_bytes()),
-        };
-        let v = arrays(crate::arrays::lend(value, false, "value")?).map_err(to_py)?;
-        let mut o = arrays(crate::arrays::lend(out, true, "out")?).map_err(to_py)?;
-        let mut other = vec![0u8; touch];
-        // Python's push in a distributed store returns before the servers answer (`pushes`):
-        // so does this loop's, of a copy of the lent memory as Python's, or of the store's own
-        // array (a write to it would copy it); the pull, then the push's end.
-        let early = self.dist && v.nbytes() <= ASYNC_BYTES;
-        let mut pushes = Pushes::default();
-        self.call(py, usize::MAX, move |kv| {
-            let t = std::time::Instant::now();
-            for _ in 0..iters {
-                let mut pending = None;
-                match (early, lent) {
-                    (false, _) => kv.push(k.clone(), &v)?,
-                    (true, true) => pushes.start(kv, &k, &v, 0)?,
-                    (true, false) => pending = Some(kv.push_async(k.clone(), &v)?),
-                }
-                touch_lines(&mut other);
-                kv.pull(k.clone(), &mut o)?;
-                match pending {
-                    Some(p) => drop(kv.wait(p)?),
-                    None => pushes.settle(kv, &k)?,
-                }
-                touch_lines(&mut other);
-                if read {
-                    read_lines(o.as_bytes());
-                }
-            }
-            Ok(t.elapsed().as_secs_f64())
-        })
+        self.rust_loop(py, key, value, out, iters, (lent, read, touch))
     }
 
     /// The Python loop's calls made from Rust, for `benches/layer_cost.py`: `iters` calls of

@@ -589,3 +589,4 @@ fn push_unsent(p: &mut Peer) -> Result<(), TransportError> {
 }
 
 mod ops;
+mod recv;

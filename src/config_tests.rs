@@ -1,0 +1,163 @@
+//! The configuration's tests: variables of every launcher, the secret's checks.
+
+use super::*;
+use std::collections::HashMap;
+
+/// The configuration of these variables, with a job secret unless they name one.
+fn cfg(vars: &[(&str, &str)]) -> Result<Config> {
+    let mut m: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    if !m.contains_key("KVSTORE_SECRET_FILE") && !m.contains_key("HOME") {
+        m.entry("KVSTORE_SECRET".into())
+            .or_insert_with(|| "a-test-secret-of-24-bytes".into());
+    }
+    Config::from_lookup(&|k| m.get(k).cloned())
+}
+
+#[test]
+fn the_secret_is_never_empty_short_or_readable_by_others() {
+    let base = [
+        ("DMLC_ROLE", "worker"),
+        ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+        ("DMLC_PS_ROOT_PORT", "9000"),
+        ("DMLC_NUM_SERVER", "1"),
+        ("DMLC_NUM_WORKER", "1"),
+    ];
+    let with = |extra: &[(&str, &str)]| {
+        let mut v = base.to_vec();
+        v.extend_from_slice(extra);
+        cfg(&v)
+    };
+    let short = with(&[("KVSTORE_SECRET", "guessable")]).unwrap_err();
+    assert!(short.to_string().contains("KVSTORE_SECRET"), "{short}");
+    let dir = std::env::temp_dir().join(format!("kvstore-secret-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let home = dir.display().to_string();
+    // No secret anywhere: one is made in ~/.kvstore, 0600, and read back the same.
+    let a = with(&[("HOME", &home)]).unwrap().secret;
+    let b = with(&[("HOME", &home)]).unwrap().secret;
+    assert_eq!(a, b);
+    assert!(a.len() >= 32);
+    let file = dir.join(".kvstore/secret");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    // A file others may read is refused, naming the fix.
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let f = file.display().to_string();
+    let e = with(&[("KVSTORE_SECRET_FILE", &f)]).unwrap_err();
+    assert!(e.to_string().contains("chmod 600"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+    // None at all, and no home: a clear error naming how to set one.
+    let mut v = base.to_vec();
+    v.push(("KVSTORE_SECRET_FILE", "/nonexistent/kvstore-secret"));
+    assert!(cfg(&v).is_err());
+}
+
+#[test]
+fn mxnet_variables() {
+    let c = cfg(&[
+        ("DMLC_ROLE", "server"),
+        ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+        ("DMLC_PS_ROOT_PORT", "9091"),
+        ("DMLC_NUM_SERVER", "2"),
+        ("DMLC_NUM_WORKER", "3"),
+    ])
+    .unwrap();
+    assert_eq!(c.role, Role::Server);
+    assert_eq!(c.root.port(), 9091);
+    assert_eq!((c.num_servers, c.num_workers), (2, 3));
+    assert!(cfg(&[("DMLC_ROLE", "boss")]).is_err());
+    let e = cfg(&[]).err().unwrap().to_string();
+    assert!(e.contains("DMLC_ROLE"), "{e}");
+}
+
+#[test]
+fn slurm_ranks_follow_the_documented_rule() {
+    let base = [
+        ("SLURM_NTASKS", "6"),
+        ("SLURM_JOB_ID", "4242"),
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_NNODES", "3"),
+        ("SLURM_JOB_NODELIST", "localhost,node[02-03]"),
+        ("KVSTORE_NUM_SERVERS", "2"),
+    ];
+    let at = |rank: &str| {
+        let mut v = base.to_vec();
+        v.push(("SLURM_PROCID", rank));
+        cfg(&v).unwrap()
+    };
+    let c0 = at("0");
+    assert_eq!(c0.role, Role::Scheduler);
+    assert_eq!((c0.num_servers, c0.num_workers), (2, 3));
+    assert!(c0.root.ip().is_loopback(), "first host of the node list");
+    let c2 = at("2");
+    assert_eq!((c2.role, c2.rank_hint), (Role::Server, Some(1)));
+    let c5 = at("5");
+    assert_eq!((c5.role, c5.rank_hint), (Role::Worker, Some(2)));
+    assert_eq!(
+        c0.root.port(),
+        c5.root.port(),
+        "every rank derives the same port"
+    );
+    assert_eq!(c0.secret, c5.secret);
+    let mut small = base.to_vec();
+    small[0] = ("SLURM_NTASKS", "3");
+    small.push(("SLURM_PROCID", "0"));
+    assert!(
+        cfg(&small).is_err(),
+        "3 ranks cannot hold a scheduler, 2 servers and a worker"
+    );
+}
+
+#[test]
+fn open_mpi_and_pmi_ranks() {
+    let c = cfg(&[
+        ("OMPI_COMM_WORLD_RANK", "1"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+        ("OMPI_MCA_ess_base_jobid", "77"),
+    ])
+    .unwrap();
+    assert_eq!((c.role, c.num_servers, c.num_workers), (Role::Server, 1, 2));
+    assert!(c.root.ip().is_loopback());
+    let spread = cfg(&[
+        ("OMPI_COMM_WORLD_RANK", "1"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ("OMPI_MCA_ess_base_jobid", "77"),
+    ]);
+    assert!(spread
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("KVSTORE_ROOT_URI"));
+    // MPICH's or Intel MPI's mpiexec inside a Slurm allocation: its ranks, not the step's.
+    let p = cfg(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "1"),
+        ("PMI_RANK", "3"),
+        ("PMI_SIZE", "4"),
+        ("KVSTORE_ROOT_URI", "127.0.0.1"),
+        ("KVSTORE_ROOT_PORT", "7000"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (p.role, p.rank_hint, p.root.port()),
+        (Role::Worker, Some(1), 7000)
+    );
+}
+
+#[test]
+fn slurm_node_lists() {
+    assert_eq!(
+        first_slurm_host("node[03-05,9],gpu1").as_deref(),
+        Some("node03")
+    );
+    assert_eq!(first_slurm_host("a,b").as_deref(), Some("a"));
+    assert_eq!(first_slurm_host("single").as_deref(), Some("single"));
+    assert_eq!(first_slurm_host("n[7]").as_deref(), Some("n7"));
+    assert_eq!(first_slurm_host(""), None);
+}

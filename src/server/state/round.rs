@@ -1,0 +1,59 @@
+//! A sync round's end: the summed push applied once, the held pushes and the pulls behind
+//! them answered, and the pushes held for the next round starting it.
+
+use super::{apply, rows, unpin, Input, Payload, ServerState, Updater};
+use crate::protocol::{status, Op};
+
+impl ServerState {
+    /// Every worker has pushed `key`: apply the summed push once and answer every held push.
+    pub(super) fn complete_round(&mut self, key: u64) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        tracing::debug!("key {key}: round of {} pushes complete", slot.count);
+        self.metrics.rounds += 1;
+        self.metrics.waited += slot.count.saturating_sub(1) as u64;
+        let res = match (&mut self.updater, &mut slot.merge) {
+            // ASSIGN: the round's sum becomes the stored value; swap the buffers, copy nothing.
+            (Updater::Assign, Some(merge)) => {
+                std::mem::swap(&mut slot.stored, merge);
+                Ok(())
+            }
+            (up, Some(merge)) => unpin(&mut slot.stored, &mut slot.spare, true, &mut self.alloc)
+                .and_then(|()| apply(up, true, key, merge, &mut slot.stored)),
+            (_, None) => Ok(()),
+        };
+        slot.count = 0;
+        slot.pushed.iter_mut().for_each(|p| *p = false);
+        let held = std::mem::take(&mut slot.held);
+        let behind = std::mem::take(&mut slot.behind);
+        let (value, start) = (slot.stored.clone(), slot.start);
+        for h in held {
+            match &res {
+                Ok(()) if h.req.op == Op::PushPull => {
+                    self.ok(h.peer, &h.req, Payload::Array(value.clone()))
+                }
+                Ok(()) => self.ok(h.peer, &h.req, Payload::None),
+                Err(e) => self.err(h.peer, &h.req, status::FAILED, e.to_string()),
+            }
+        }
+        // The pulls behind a push get the value, as a pull now would (the stored one, where
+        // the update failed: the push's own answer says so).
+        for h in behind {
+            match rows::pulled(&value, start, &h.req) {
+                Ok(p) => self.ok(h.peer, &h.req, p),
+                Err(e) => self.err(h.peer, &h.req, status::FAILED, e),
+            }
+        }
+        // The pushes held for this next round start it, the pulls after them behind them.
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        let next = std::mem::take(&mut slot.next);
+        slot.behind = std::mem::take(&mut slot.behind_next);
+        for mut d in next {
+            let input = Input::Owned(&mut d.value);
+            self.push_value(d.held.peer, d.worker, &d.held.req, input);
+        }
+    }
+}

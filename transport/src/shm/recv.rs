@@ -1,0 +1,67 @@
+//! A message taken off a peer's ring: its body copied out, its data lent where it lies.
+
+use super::*;
+
+/// Delivers a message: its body copied out of the descriptor or the peer's pool, its data lent
+/// where it lies; then releases what the peer lent.
+pub(super) fn recv_msg(
+    p: &mut Peer,
+    peer: PeerId,
+    d: &Desc,
+    slot: &[u8; SLOT],
+    on: &mut dyn FnMut(Completion<'_>),
+) -> Result<(), TransportError> {
+    let blen = d.word as usize;
+    if blen > MAX_BODY || (d.flags & BODY_IN_POOL == 0 && blen > INLINE) {
+        return Err(TransportError::Refused(format!("a body of {blen} bytes")));
+    }
+    if d.flags & BODY_IN_POOL != 0 {
+        let r = kvstore_shm::Region {
+            offset: d.body_off as usize,
+            len: blen,
+        };
+        p.their_pool.check_span(r.offset, blen)?;
+        p.rxbuf.resize(blen, 0);
+        p.their_seg.read(r.offset, &mut p.rxbuf)?;
+    }
+    let data = if d.flags & DATA_INLINE != 0 {
+        let len = d.len as usize;
+        if d.flags & BODY_IN_POOL != 0 || blen.checked_add(len).is_none_or(|e| e > INLINE) {
+            return Err(TransportError::Refused(format!(
+                "{len} bytes of inline data"
+            )));
+        }
+        let at = &slot[HEAD + blen..HEAD + blen + len];
+        Some(Lent::new(at.as_ptr(), len))
+    } else if d.flags & HAS_DATA != 0 {
+        let len = d.len as usize;
+        if len == 0 {
+            Some(Lent::new(std::ptr::NonNull::<u8>::dangling().as_ptr(), 0))
+        } else {
+            let r = kvstore_shm::Region {
+                offset: d.off as usize,
+                len,
+            };
+            // Pages outside the peer's pool, or not allocated, are refused.
+            p.their_pool.check_span(r.offset, len)?;
+            Some(Lent::new(p.their_seg.ptr(r.offset, len)?, len))
+        }
+    } else {
+        None
+    };
+    let body = if d.flags & BODY_IN_POOL != 0 {
+        &p.rxbuf[..]
+    } else {
+        &slot[HEAD..HEAD + blen]
+    };
+    on(Completion::Recv { peer, body, data });
+    if d.flags & DATA_INLINE == 0 && d.flags & (HAS_DATA | BODY_IN_POOL) != 0 {
+        let r = Desc {
+            kind: RELEASE,
+            id: d.id,
+            ..Desc::default()
+        };
+        p.unsent.push_back(r.encode(&[]));
+    }
+    Ok(())
+}
