@@ -10,7 +10,9 @@ impl ServerState {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
-        tracing::debug!("key {key}: round of {} pushes complete", slot.count);
+        // Logged under the state machine's target (`KVSTORE_LOG` filters name it).
+        let n = slot.count;
+        tracing::debug!(target: "kvstore::server::state", "key {key}: round of {n} pushes complete");
         self.metrics.rounds += 1;
         self.metrics.waited += slot.count.saturating_sub(1) as u64;
         let res = match (&mut self.updater, &mut slot.merge) {
