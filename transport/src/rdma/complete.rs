@@ -366,6 +366,11 @@ impl RdmaBackend {
     ) -> Result<(), TransportError> {
         let slot = imm >> crate::IMM_BITS;
         let imm = imm & ((1 << crate::IMM_BITS) - 1);
+        if slot == 0 && imm == 0 && got == 8 {
+            // A note: the peer wrote its count of reposted buffers into our credit word, and
+            // took a buffer so that this side wakes to use them (`tell_credits`).
+            return Ok(());
+        }
         let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
         let Some(&id) = p.slots.get(&slot) else {
             if slot == 0 || slot >= p.next_slot {

@@ -116,6 +116,8 @@ impl RdmaBackend {
             returned: 0,
             reposted: 0,
             told: 0,
+            note_owed: false,
+            starved: false,
             arrived: 0,
             posted: VecDeque::new(),
             next_seq: 1,

@@ -145,6 +145,12 @@ pub(crate) struct Peer {
     /// Buffers posted again and the count last told to the peer.
     reposted: u64,
     told: u64,
+    /// A count was told by a plain WRITE, which wakes nobody, when no credit was left for a
+    /// note (a WRITE_WITH_IMM): the note follows once there is one.
+    note_owed: bool,
+    /// A send or put was told to wait for credits: while so, a sleep looks at the credit
+    /// word first (a count written by a plain WRITE wakes nobody).
+    starved: bool,
     /// Buffers it took: never more than it was credited (its first receives and every one
     /// posted again), or it breaks the protocol and would starve the others.
     arrived: u64,
@@ -220,6 +226,10 @@ impl Peers {
 
     fn values(&self) -> impl Iterator<Item = &Peer> {
         self.0.iter()
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Peer> {
+        self.0.iter_mut()
     }
 
     fn len(&self) -> usize {

@@ -173,6 +173,7 @@ impl Backend for RdmaBackend {
                 false,
             )
         {
+            self.peer(peer)?.starved = true;
             return Ok(Sent::WouldBlock);
         }
         let mut head = Head {
@@ -254,6 +255,7 @@ impl Backend for RdmaBackend {
                 false,
             )
         {
+            self.peer(peer)?.starved = true;
             return Ok(Sent::WouldBlock);
         }
         // The notice: which grant, where, how much, and the caller's immediate.
@@ -329,6 +331,22 @@ impl Backend for RdmaBackend {
             .values()
             .any(|p| !p.paused && (!p.held.is_empty() || p.inbox.front().is_some_and(ready)))
         {
+            return Ok(false);
+        }
+        // Credits that came back by a plain WRITE (no completion) to a side that waits for
+        // them: a send or put told to wait, control messages queued, a note owed.
+        let mut fresh = false;
+        for p in self.peers.values_mut() {
+            if p.starved || p.note_owed || !p.unsent.is_empty() {
+                let word = super::wire::credit_word(p);
+                if word > p.returned {
+                    p.returned = word;
+                    p.starved = false;
+                    fresh = true;
+                }
+            }
+        }
+        if fresh {
             return Ok(false);
         }
         self.cq.arm()?;

@@ -97,10 +97,15 @@ impl RdmaBackend {
     ) -> Option<(Wr, Option<u32>)> {
         let p = self.peers.get_mut(&peer)?;
         head.credits = p.reposted;
-        p.told = p.reposted;
         let dlen = data.as_ref().map_or(0, |(_, r)| r.len());
         let len = HEAD + body.len() + dlen;
+        // Told once it goes (a message takes a buffer of the peer, so it wakes it too).
+        let tell = |p: &mut super::Peer| {
+            p.told = p.reposted;
+            p.note_owed = false;
+        };
         if len <= p.max_inline {
+            tell(p);
             let w = wr_inline_with(ffi::ibv_wr_opcode::IBV_WR_SEND, |b| {
                 b[..HEAD].copy_from_slice(&head.encode());
                 b[HEAD..HEAD + body.len()].copy_from_slice(body);
@@ -120,6 +125,7 @@ impl RdmaBackend {
             return Some((w, None));
         }
         let slot = self.free_sends.pop()?;
+        tell(p);
         let at = slot as usize * self.cfg.buffer;
         self.send_mem.write(at, &head.encode());
         self.send_mem.write(at + HEAD, body);
@@ -170,7 +176,7 @@ impl RdmaBackend {
         let ids: Vec<u32> = self
             .peers
             .iter()
-            .filter(|(_, p)| !p.unsent.is_empty() || p.reposted - p.told >= owed)
+            .filter(|(_, p)| !p.unsent.is_empty() || p.note_owed || p.reposted - p.told >= owed)
             .map(|(k, _)| *k)
             .collect();
         for id in ids {
@@ -205,36 +211,53 @@ impl RdmaBackend {
     }
 
     /// Writes the count of reposted buffers into the peer's credit word when a quarter of
-    /// them is owed (no buffer of the peer is used: a plain RDMA WRITE).
+    /// them is owed, as a note: a WRITE_WITH_IMM naming slot 0, which takes one of the peer's
+    /// buffers and so wakes it if it sleeps waiting for these credits (a plain WRITE raises
+    /// no completion there). Without a credit for the note, a plain WRITE, and the note once
+    /// a credit comes back.
     fn tell_credits(&mut self, id: u32) {
-        let Some(p) = self.peers.get_mut(&id) else {
+        let Some(p) = self.peers.get(&id) else {
             return;
         };
-        if p.reposted - p.told < (self.cfg.receives as u64 / 4).max(1)
-            || p.posted.len() >= self.cfg.send_depth
-        {
+        if p.posted.len() >= self.cfg.send_depth {
             return;
         }
-        self.write_credits(id, false);
+        let owed = p.reposted - p.told >= (self.cfg.receives as u64 / 4).max(1);
+        if !owed && !p.note_owed {
+            return;
+        }
+        let note = self.room(p, 1, true, true);
+        if !note && !owed {
+            return;
+        }
+        if let Some(p) = self.peers.get_mut(&id) {
+            p.note_owed = !note;
+        }
+        self.write_credits(id, false, note);
     }
 
-    /// An RDMA WRITE of the count of buffers posted again into the peer's credit word;
-    /// `signaled`: its completion says that everything posted before it was acknowledged.
-    fn write_credits(&mut self, id: u32, signaled: bool) {
+    /// An RDMA WRITE of the count of buffers posted again into the peer's credit word
+    /// (`note`: with an immediate, see `tell_credits`); `signaled`: its completion says that
+    /// everything posted before it was acknowledged.
+    fn write_credits(&mut self, id: u32, signaled: bool, note: bool) {
         let Some(p) = self.peers.get_mut(&id) else {
             return;
         };
         p.told = p.reposted;
-        let mut w = wr_inline(
-            ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-            &p.reposted.to_le_bytes(),
-        );
+        let op = if note {
+            ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+        } else {
+            ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+        };
+        let mut w = wr_inline(op, &p.reposted.to_le_bytes());
         w.wr.wr.rdma.remote_addr = p.their_credit.0;
         w.wr.wr.rdma.rkey = p.their_credit.1;
+        // Slot 0 and immediate 0: a note, never a put (a put's slot is never 0).
+        w.wr.imm_data_invalidated_rkey_union.imm_data = 0;
         if signaled {
             w.wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        let r = self.post(id, &mut [(w, None, None)], None, 0);
+        let r = self.post(id, &mut [(w, None, None)], None, note as u64);
         if let Err(e) = r {
             self.lose(PeerId(id), e);
         }
@@ -323,7 +346,7 @@ impl RdmaBackend {
             .map(|(id, _)| *id)
             .collect();
         for id in busy {
-            self.write_credits(id, true);
+            self.write_credits(id, true, false);
         }
         let deadline = std::time::Instant::now() + limit;
         while self.peers.values().any(|p| !p.posted.is_empty())
