@@ -467,7 +467,8 @@ fn read_answers(s: &mut std::net::TcpStream, n: usize) -> Vec<(u64, u16, Option<
 fn a_batch_is_answered_entry_by_entry_and_a_malformed_one_closes_its_link() {
     use kvstore::protocol::{status, Op};
     let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
-    let mut s = raw_worker(job.port);
+    let j = raw_join(job.port);
+    let mut s = raw_hello(&j.server, j.rank, &j.token).expect("the server's acknowledgement");
     let msg = |op: Op, key: u64, id: u64| f32_msg(op, key, 4, id);
     let floats = |v: [f32; 4]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
     send_msg(
@@ -505,6 +506,25 @@ fn a_batch_is_answered_entry_by_entry_and_a_malformed_one_closes_its_link() {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let r = kvstore_transport::tcp::blocking::read_frame(&mut s, 1 << 20, Some(deadline));
     assert!(r.is_err(), "the link stayed open");
+    // A batch whose valid push comes before a malformed entry (a flag a batched request may
+    // not carry) is judged whole: its link closes, and the push counted nowhere.
+    let mut s = raw_hello(&j.server, j.rank, &j.token).expect("the rank's link again");
+    let mut bad = msg(Op::Pull, 1, 8);
+    bad.flags = kvstore::protocol::flags::SLOT;
+    let entries = [msg(Op::Push, 1, 7), bad];
+    send_msg(
+        &mut s,
+        &batch_body(&entries, 16, 2),
+        Some(&floats([7.0; 4])),
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let r = kvstore_transport::tcp::blocking::read_frame(&mut s, 1 << 20, Some(deadline));
+    assert!(r.is_err(), "the link stayed open");
+    let mut s = raw_hello(&j.server, j.rank, &j.token).expect("the rank's link again");
+    send_msg(&mut s, &batch_body(&[msg(Op::Pull, 1, 9)], 0, 1), None).unwrap();
+    assert_eq!(read_answers(&mut s, 1), vec![(9, status::OK, Some(push))]);
+    drop(j.sched);
     job.kill_all();
 }
 

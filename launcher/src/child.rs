@@ -358,6 +358,16 @@ pub fn likely_signal(s: &ExitStatus, remote: bool) -> Option<i32> {
     }
 }
 
+/// The status a failed process gives the job, as a shell (or ssh) reports it: its exit
+/// status, or 128 + n for a process killed by signal n; 1 for a status that says neither.
+pub fn exit_code(s: &ExitStatus) -> i32 {
+    match (s.code(), s.signal()) {
+        (Some(c), _) if c != 0 => c,
+        (None, Some(sig)) => 128 + sig,
+        _ => 1,
+    }
+}
+
 /// Says how a process ended (`remote`: it ran over ssh).
 pub fn describe(s: &ExitStatus, remote: bool) -> String {
     match (s.code(), s.signal()) {

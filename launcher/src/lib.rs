@@ -29,7 +29,12 @@ pub use hosts::{Host, MapBy};
     name = "kvrun",
     version,
     about = "Run a kvstore job: a scheduler, S servers and W workers of PROGRAM",
-    override_usage = "kvrun -n WORKERS -s SERVERS [OPTIONS] [--] PROGRAM [ARGS]..."
+    override_usage = "kvrun -n WORKERS -s SERVERS [OPTIONS] [--] PROGRAM [ARGS]...",
+    after_help = "Exit status: 0 when every process ended with 0; when one fails, the first \
+                  failure's own status, as mpirun gives it (128 + n for a process killed by \
+                  signal n); 1 when kvrun ends the job itself (its timeout, servers that \
+                  outlive the grace period, the scheduler's error); 130 on Ctrl-C; 2 for a \
+                  wrong command line."
 )]
 pub struct Options {
     /// Number of worker processes.
@@ -432,7 +437,7 @@ fn supervise(
         view.update(children, say);
         // Failures seen now; of several seen at once, one killed by a signal is the likelier
         // cause (the others ended because of it).
-        let mut failed: Vec<(bool, String)> = Vec::new();
+        let mut failed: Vec<(bool, String, i32)> = Vec::new();
         for c in children.iter_mut() {
             if let Some(status) = c.poll() {
                 if !status.success() {
@@ -443,13 +448,14 @@ fn supervise(
                             c.name(),
                             child::describe(&status, c.host.is_some())
                         ),
+                        child::exit_code(&status),
                     ));
                 }
             }
         }
         if !failed.is_empty() {
             failed.sort_by_key(|f| f.0);
-            let first = failed.remove(0).1;
+            let (_, first, code) = failed.remove(0);
             // Give the others a moment to report too: they are listed after the first cause.
             std::thread::sleep(Duration::from_millis(100));
             let mut then: Vec<String> = failed.into_iter().map(|f| f.1).collect();
@@ -471,7 +477,8 @@ fn supervise(
                 format!("; then {}", then.join("; "))
             };
             say(&format!("first failure: {first}{then}; stopping the job"));
-            return 1;
+            // As mpirun: the job's status is the first failure's own.
+            return code;
         }
         let workers_done = children
             .iter()

@@ -254,7 +254,11 @@ fn a_sender_told_to_wait_wakes_when_room_comes_back(kind: Kind) {
         while (b.log.len() as u64) <= posted {
             b.pump();
             kvstore_transport::wait(&mut [b.b.as_mut()], Duration::from_millis(5)).unwrap();
-            assert!(start.elapsed() < Duration::from_secs(30), "hung: {:?}", b.log.len());
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "hung: {:?}",
+                b.log.len()
+            );
         }
         b
     });
@@ -273,7 +277,10 @@ fn a_sender_told_to_wait_wakes_when_room_comes_back(kind: Kind) {
             break;
         }
         kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(5)).unwrap();
-        assert!(start.elapsed() < Duration::from_secs(20), "no room came back");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no room came back"
+        );
     }
     while !receiver.is_finished() {
         a.pump();
