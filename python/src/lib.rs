@@ -36,6 +36,14 @@ pyo3::create_exception!(
      unusable."
 );
 
+pyo3::create_exception!(
+    kvstore,
+    DTypeMismatch,
+    PyValueError,
+    "A value or an output whose dtype is not its key's, where it cannot be converted (an \
+     object numpy cannot read as an array); numpy arrays are converted, as MXNet converts."
+);
+
 /// A kvstore error as the Python exception it is: KeyError, ValueError, TypeError, or one of
 /// kvstore's own. An exception that a Python updater raised is raised as itself.
 pub(crate) fn to_py(e: KvError) -> PyErr {
@@ -47,8 +55,8 @@ pub(crate) fn to_py(e: KvError) -> PyErr {
     let text = e.to_string();
     match e {
         KvError::UnknownKey(_) => PyKeyError::new_err(text),
+        KvError::DTypeMismatch { .. } => DTypeMismatch::new_err(text),
         KvError::ShapeMismatch { .. }
-        | KvError::DTypeMismatch { .. }
         | KvError::LengthMismatch { .. }
         | KvError::EmptyValues(_)
         | KvError::BadShape { .. }
@@ -174,5 +182,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KVStoreError", py.get_type::<KVStoreError>())?;
     m.add("PeerLost", py.get_type::<PeerLost>())?;
     m.add("Timeout", py.get_type::<Timeout>())?;
+    m.add("DTypeMismatch", py.get_type::<DTypeMismatch>())?;
     Ok(())
 }

@@ -3,20 +3,22 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use kvstore::{Key, Keys, NDArray, Outputs, Values};
+use kvstore::{Key, Keys, NDArray, Values};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::args::{is_list, keys, per_key, plan_outputs};
+use crate::args::{keys, per_key};
 use crate::claim::Claimable;
 use crate::shell::{lend_into, Shell};
 use crate::updater;
 
 mod bench;
 mod calls;
+mod convert;
+mod given;
 mod pushes;
 mod rows;
-use calls::{nbytes, read_lines, refs, refs_mut};
+use calls::{nbytes, read_lines, refs};
 use pushes::{Pushes, ASYNC_BYTES};
 
 /// How many times this process is a child made by fork, counted by a `pthread_atfork` handler
@@ -129,7 +131,8 @@ impl KVStore {
     /// distributed store, a push of one array of at most 1 MiB returns once the array is
     /// copied, before the servers answer (as MXNet's push returns at once): its error, if it
     /// fails, is raised by the next call that waits for it (the key's next push, a pull of the
-    /// key, or any other call); a pull of the key sees it.
+    /// key, or any other call); a pull of the key sees it. A value of another dtype than its
+    /// key's is converted (a copy), as MXNet converts it.
     #[pyo3(signature = (key, value, priority = 0))]
     pub(crate) fn push(
         &self,
@@ -138,38 +141,16 @@ impl KVStore {
         value: &Bound<'_, PyAny>,
         priority: i32,
     ) -> PyResult<()> {
-        if !is_list(key) && !is_list(value) {
-            // One key, one array: the common call, with nothing to group. In a distributed
-            // store it returns once the array's bytes are copied (`pushes`).
-            let dist = self.dist;
-            let push = |kv: &mut kvstore::KVStore, p: &mut Pushes, k: &Key, v: &mut NDArray| {
-                if dist && v.nbytes() <= ASYNC_BYTES {
-                    return p.start(kv, k, v, priority);
-                }
-                p.settle(kv, k)?;
-                kv.with_priority(priority).push(k, &*v)
-            };
-            if let Some(r) = self.one_array(py, key, value, false, push) {
-                return r;
-            }
-            let key = crate::args::key(key)?;
-            let v = crate::arrays::lend(value, false, "value")?;
-            return self.call(py, v.len, move |kv| {
-                kv.with_priority(priority).push(key, &v.array)
-            });
-        }
-        let k = keys(key)?;
-        let vals = per_key(&k, value, false, "value")?;
-        let n = nbytes(&vals);
-        let r = refs(&vals);
-        self.call(py, n, move |kv| {
-            kv.with_priority(priority)
-                .push(Keys::Many(k.keys), Values::Nested(r))
+        let r = self.push_given(py, key, value, priority);
+        self.converted(py, r, key, Some(value), None, |a| {
+            let v = a.value.as_ref().unwrap_or(value);
+            self.push_given(py, key, v, priority)
         })
     }
 
     /// Pulls the stored values into `out` (an array, or a list: one per device, or one per
-    /// key), writing the arrays in place.
+    /// key), writing the arrays in place. An output of another dtype than its key's gets the
+    /// value cast into it, as in MXNet.
     #[pyo3(signature = (key, out = None, priority = 0, ignore_sparse = true))]
     pub(crate) fn pull(
         &self,
@@ -180,27 +161,10 @@ impl KVStore {
         ignore_sparse: bool,
     ) -> PyResult<()> {
         let _ = ignore_sparse;
-        let out =
-            out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
-        if !is_list(key) && !is_list(out) {
-            // The key's push in flight is over once the pull is (the servers answer it first);
-            // where both failed, the push's error comes first (the pull's follows from it).
-            let pull = |kv: &mut kvstore::KVStore, p: &mut Pushes, k: &Key, o: &mut NDArray| {
-                let pulled = kv.with_priority(priority).pull(k, o);
-                p.settle(kv, k).and(pulled)
-            };
-            if let Some(r) = self.one_array(py, key, out, true, pull) {
-                return r;
-            }
-            let key = crate::args::key(key)?;
-            let mut o = crate::arrays::lend(out, true, "out")?;
-            return self.call(py, o.len, move |kv| {
-                kv.with_priority(priority).pull(key, &mut o.array)
-            });
-        }
-        let k = keys(key)?;
-        let mut outs = per_key(&k, out, true, "out")?;
-        self.pull_into(py, k, &mut outs, priority)
+        let r = self.pull_given(py, key, out, priority);
+        self.converted(py, r, key, None, out, |a| {
+            self.pull_given(py, key, a.out.as_ref().or(out), priority)
+        })
     }
 
     /// Pulls only the rows `row_ids` (along the first dimension) of each key's value into
@@ -223,10 +187,15 @@ impl KVStore {
         let ids = row_ids.ok_or_else(|| {
             PyValueError::new_err("row_sparse_pull needs row_ids= (the rows to pull)")
         })?;
-        self.rows(py, key, out, priority, ids)
+        let r = self.rows(py, key, out, priority, ids);
+        self.converted(py, r, key, None, Some(out), |a| {
+            self.rows(py, key, a.out.as_ref().unwrap_or(out), priority, ids)
+        })
     }
 
     /// Pushes, then pulls the result into `out`; with no `out`, into the values themselves.
+    /// Values and outputs of another dtype than their key's are converted, as in `push` and
+    /// `pull`.
     #[pyo3(signature = (key, value, out = None, priority = 0))]
     pub(crate) fn pushpull(
         &self,
@@ -236,74 +205,12 @@ impl KVStore {
         out: Option<&Bound<'_, PyAny>>,
         priority: i32,
     ) -> PyResult<()> {
-        if !is_list(key) && !is_list(value) && out.is_none_or(|o| !is_list(o)) {
-            // One key, one array, one output or none: in place when none.
-            if let Some(r) = self.one_pushpull(py, key, value, out.unwrap_or(value), priority) {
-                return r;
-            }
-        }
-        let k = keys(key)?;
-        let in_place = out.is_none();
-        let vals = per_key(&k, value, in_place, "value")?;
-        let mut outs = match out {
-            Some(o) => per_key(&k, o, true, "out")?,
-            None => Vec::new(),
-        };
-        let shared = plan_outputs(&mut outs)?;
-        let aliased = in_place
-            || outs
-                .iter()
-                .flatten()
-                .any(|o| vals.iter().flatten().any(|v| v.overlaps(o)));
-        for (list, vs) in outs.iter().zip(&vals) {
-            for o in list {
-                let v = &vs[0].array;
-                if o.array.shape() != v.shape() || o.array.dtype() != v.dtype() {
-                    return Err(PyValueError::new_err(format!(
-                        "out has shape {:?} and dtype {}, its value {:?} and {}",
-                        o.array.shape(),
-                        o.array.dtype(),
-                        v.shape(),
-                        v.dtype()
-                    )));
-                }
-            }
-        }
-        if aliased || shared {
-            // The results land in the store's memory first, and are copied into the outputs
-            // (or the values) once the call is over: a call never writes what it reads.
-            let mut tmp: Vec<NDArray> = vals
-                .iter()
-                .map(|l| NDArray::zeros_dtype(l[0].array.shape(), l[0].array.dtype()))
-                .collect();
-            let n = nbytes(&vals);
-            let r = refs(&vals);
-            let ks = k.keys.clone();
-            let tmp_refs: Vec<Vec<&mut NDArray>> = tmp.iter_mut().map(|t| vec![t]).collect();
-            self.call(py, n, move |kv| {
-                kv.with_priority(priority).pushpull(
-                    Keys::Many(ks),
-                    Values::Nested(r),
-                    Outputs::Nested(tmp_refs),
-                )
-            })?;
-            let targets = if in_place { &vals } else { &outs };
-            for (t, list) in tmp.iter().zip(targets) {
-                for o in list {
-                    o.fill_from(t);
-                }
-            }
-            return Ok(());
-        }
-        let n = nbytes(&vals) + nbytes(&outs);
-        let r = refs(&vals);
-        let o = refs_mut(&mut outs);
-        self.call(py, n, move |kv| {
-            kv.with_priority(priority).pushpull(
-                Keys::Many(k.keys),
-                Values::Nested(r),
-                Outputs::Nested(o),
-            )
+        let r = self.pushpull_given(py, key, value, out, priority);
+        // In place, the values are the outputs too.
+        self.converted(py, r, key, Some(value), Some(out.unwrap_or(value)), |a| {
+            let v = a.value.as_ref().unwrap_or(value);
+            let o = a.out.as_ref().or(out);
+            self.pushpull_given(py, key, v, o, priority)
         })
     }
 

@@ -60,14 +60,15 @@ def test_keys_dtypes_and_arrays_change_between_calls(keys):
             out = np.zeros(3, dtype=dt)
             kv.pull(k, out=out)
             assert out.dtype == dt and (out == round_ + i).all(), (k, dt)
-    # A key the store refuses is refused after keys it took, and another dtype under a
-    # known key is a mismatch.
+    # A key the store refuses is refused after keys it took; another dtype under a known
+    # key is converted, as MXNet converts it.
     with pytest.raises(TypeError, match="bool"):
         kv.push(True, np.zeros(3, dtype=np.float32))
     with pytest.raises(KeyError):
         kv.push(keys[0] * 3, np.zeros(3, dtype=np.float32))
-    with pytest.raises(ValueError, match="dtype"):
-        kv.pull(keys[0], out=np.zeros(3, dtype=np.float64))
+    out = np.zeros(3, dtype=np.float64)
+    kv.pull(keys[0], out=out)
+    assert out.tolist() == [2.0] * 3
 
 
 def test_numpy_integer_scalars_are_keys():
@@ -142,8 +143,8 @@ def test_every_form_of_push_and_pull_is_the_same_call():
         kv.push(7, o)
     with pytest.raises(KeyError):
         kv.pull(7, out=o)
-    with pytest.raises(ValueError, match="shape|dtype"):
-        kv.push(0, np.zeros(3))
+    with pytest.raises(ValueError, match="shape"):
+        kv.push(0, np.zeros(4))
     with pytest.raises(ValueError, match="shape|dtype"):
         kv.pull(0, out=np.zeros(4, dtype=np.float32))
     with pytest.raises(TypeError):
@@ -231,7 +232,6 @@ def test_pushpull_lands_the_updated_value_in_place_and_in_outputs():
     ro.flags.writeable = False
     for bad, err in [
         (lambda: kv.pushpull(0, a, out=np.zeros(5, dtype=np.float32)), ValueError),
-        (lambda: kv.pushpull(0, a, out=np.zeros(6)), ValueError),
         (lambda: kv.pushpull(0, a, out=ro), ValueError),
         (lambda: kv.pushpull(0, ro), ValueError),
         (lambda: kv.pushpull(9, a), KeyError),
