@@ -491,3 +491,35 @@ fn many_small_keys_go_in_batches_and_every_value_is_exact() {
         assert_jobs_ok(&runs, w, "batches");
     }
 }
+
+#[test]
+fn kvrun_host_names_the_address_every_process_is_told_ipv6_too() {
+    // `--host ::1`: the scheduler listens on IPv6 loopback, and the processes are told that
+    // address (and reach the servers on it), over TCP and shared memory alike.
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("skipped: this host has no IPv6 loopback");
+        return;
+    }
+    for t in TRANSPORTS {
+        let mut cmd = std::process::Command::new(util::bin("kvrun"));
+        cmd.args(["--host", "::1", "-n", "2", "-s", "2", "--timeout", "30"])
+            .args(["-x", &format!("KVSTORE_TRANSPORT={t}")])
+            .arg(util::bin("examples/dist_check"))
+            .args(["seed", "dist_sync"]);
+        let r = util::run_limited(&mut cmd, Duration::from_secs(90));
+        assert_job_ok(&r, 2, "seed");
+        assert!(r.stderr.contains("scheduler at [::1]:"), "{}", r.all());
+        for w in 0..2 {
+            for s in 0..2 {
+                let line = format!("rank {w} reaches server {s} at [::1]:");
+                assert!(
+                    r.stdout
+                        .lines()
+                        .any(|l| l.contains(&line) && l.ends_with(&format!("via {t}"))),
+                    "{line}\n{}",
+                    r.all()
+                );
+            }
+        }
+    }
+}
