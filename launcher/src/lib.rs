@@ -411,6 +411,25 @@ fn route_to(host: &str) -> Result<IpAddr, String> {
     Ok(s.local_addr().map_err(|e| e.to_string())?.ip())
 }
 
+/// A process that failed: whether a signal likely ended it, how it ended in words, and its
+/// status as the job's (`child::exit_code`).
+struct Failure {
+    signal: bool,
+    what: String,
+    code: i32,
+}
+
+impl Failure {
+    fn of(c: &Child, status: &std::process::ExitStatus) -> Failure {
+        let remote = c.host.is_some();
+        Failure {
+            signal: child::likely_signal(status, remote).is_some(),
+            what: format!("{} {}", c.name(), child::describe(status, remote)),
+            code: child::exit_code(status),
+        }
+    }
+}
+
 /// Watches the processes until the job ends; returns the exit status.
 fn supervise(
     children: &mut [Child],
@@ -435,42 +454,41 @@ fn supervise(
             c.poll();
         }
         view.update(children, say);
-        // Failures seen now; of several seen at once, one killed by a signal is the likelier
-        // cause (the others ended because of it).
-        let mut failed: Vec<(bool, String, i32)> = Vec::new();
+        // Failures seen now.
+        let mut failed: Vec<Failure> = Vec::new();
         for c in children.iter_mut() {
             if let Some(status) = c.poll() {
                 if !status.success() {
-                    failed.push((
-                        child::likely_signal(&status, c.host.is_some()).is_none(),
-                        format!(
-                            "{} {}",
-                            c.name(),
-                            child::describe(&status, c.host.is_some())
-                        ),
-                        child::exit_code(&status),
-                    ));
+                    failed.push(Failure::of(c, &status));
                 }
             }
         }
         if !failed.is_empty() {
-            failed.sort_by_key(|f| f.0);
-            let (_, first, code) = failed.remove(0);
-            // Give the others a moment to report too: they are listed after the first cause.
-            std::thread::sleep(Duration::from_millis(100));
-            let mut then: Vec<String> = failed.into_iter().map(|f| f.1).collect();
-            for c in children.iter_mut() {
-                if let Some(status) = c.poll() {
-                    let d = format!(
-                        "{} {}",
-                        c.name(),
-                        child::describe(&status, c.host.is_some())
-                    );
-                    if !status.success() && d != first && !then.contains(&d) {
-                        then.push(d);
+            // Give the others a moment to report too (until all ended, 500 ms at most). Of the
+            // failures seen by then, one killed by a signal is the likelier cause (the others
+            // ended because of it) and is named first: its status can come after theirs (a
+            // core being written, a remote one's status passed on by ssh). The others follow
+            // in the order seen.
+            let until = Instant::now() + Duration::from_millis(500);
+            loop {
+                for c in children.iter_mut() {
+                    if let Some(status) = c.poll() {
+                        let f = Failure::of(c, &status);
+                        if !status.success() && !failed.iter().any(|g| g.what == f.what) {
+                            failed.push(f);
+                        }
                     }
                 }
+                if Instant::now() >= until || children.iter().all(|c| c.exited()) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
             }
+            failed.sort_by_key(|f| !f.signal);
+            let Failure {
+                what: first, code, ..
+            } = failed.remove(0);
+            let then: Vec<String> = failed.into_iter().map(|f| f.what).collect();
             let then = if then.is_empty() {
                 String::new()
             } else {
