@@ -366,7 +366,7 @@ impl RdmaBackend {
     ) -> Result<(), TransportError> {
         let slot = imm >> crate::IMM_BITS;
         let imm = imm & ((1 << crate::IMM_BITS) - 1);
-        if slot == 0 && imm == 0 && got == 8 {
+        if slot == 0 && imm == 0 {
             // A note: the peer wrote its count of reposted buffers into our credit word, and
             // took a buffer so that this side wakes to use them (`tell_credits`).
             return Ok(());

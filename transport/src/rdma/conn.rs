@@ -116,7 +116,7 @@ impl RdmaBackend {
             returned: 0,
             reposted: 0,
             told: 0,
-            note_owed: false,
+            note_owed: None,
             starved: false,
             arrived: 0,
             posted: VecDeque::new(),

@@ -145,9 +145,9 @@ pub(crate) struct Peer {
     /// Buffers posted again and the count last told to the peer.
     reposted: u64,
     told: u64,
-    /// A count was told by a plain WRITE, which wakes nobody, when no credit was left for a
-    /// note (a WRITE_WITH_IMM): the note follows once there is one.
-    note_owed: bool,
+    /// Since when a count was told by a plain WRITE, which wakes nobody, for want of a credit
+    /// for a note (a WRITE_WITH_IMM): the note follows once there is one.
+    note_owed: Option<std::time::Instant>,
     /// A send or put was told to wait for credits: while so, a sleep looks at the credit
     /// word first (a count written by a plain WRITE wakes nobody).
     starved: bool,
@@ -552,6 +552,10 @@ impl RdmaBackend {
 
 /// How often a busy loop looks at the event descriptors.
 const EVENTS_EVERY: std::time::Duration = std::time::Duration::from_micros(500);
+
+/// How long a backend that could not wake a peer (`Peer::note_owed`) spins instead of
+/// sleeping: the peer's own count, if it waits too, lands within it.
+const NOTE_SPIN: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// How long a backend being dropped waits for its posted operations to be acknowledged.
 const LINGER: std::time::Duration = std::time::Duration::from_secs(2);

@@ -337,7 +337,7 @@ impl Backend for RdmaBackend {
         // them: a send or put told to wait, control messages queued, a note owed.
         let mut fresh = false;
         for p in self.peers.values_mut() {
-            if p.starved || p.note_owed || !p.unsent.is_empty() {
+            if p.starved || p.note_owed.is_some() || !p.unsent.is_empty() {
                 let word = super::wire::credit_word(p);
                 if word > p.returned {
                     p.returned = word;
@@ -347,6 +347,16 @@ impl Backend for RdmaBackend {
             }
         }
         if fresh {
+            return Ok(false);
+        }
+        // A peer this side could not wake may be waiting for this side's credits too, its own
+        // count in flight to here by a plain WRITE: a short spin sees it land, where a sleep
+        // would miss it.
+        if self
+            .peers
+            .values()
+            .any(|p| p.note_owed.is_some_and(|t| t.elapsed() < super::NOTE_SPIN))
+        {
             return Ok(false);
         }
         self.cq.arm()?;

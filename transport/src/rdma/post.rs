@@ -102,7 +102,7 @@ impl RdmaBackend {
         // Told once it goes (a message takes a buffer of the peer, so it wakes it too).
         let tell = |p: &mut super::Peer| {
             p.told = p.reposted;
-            p.note_owed = false;
+            p.note_owed = None;
         };
         if len <= p.max_inline {
             tell(p);
@@ -176,7 +176,9 @@ impl RdmaBackend {
         let ids: Vec<u32> = self
             .peers
             .iter()
-            .filter(|(_, p)| !p.unsent.is_empty() || p.note_owed || p.reposted - p.told >= owed)
+            .filter(|(_, p)| {
+                !p.unsent.is_empty() || p.note_owed.is_some() || p.reposted - p.told >= owed
+            })
             .map(|(k, _)| *k)
             .collect();
         for id in ids {
@@ -223,7 +225,7 @@ impl RdmaBackend {
             return;
         }
         let owed = p.reposted - p.told >= (self.cfg.receives as u64 / 4).max(1);
-        if !owed && !p.note_owed {
+        if !owed && p.note_owed.is_none() {
             return;
         }
         let note = self.room(p, 1, true, true);
@@ -231,7 +233,10 @@ impl RdmaBackend {
             return;
         }
         if let Some(p) = self.peers.get_mut(&id) {
-            p.note_owed = !note;
+            p.note_owed = match note {
+                true => None,
+                false => p.note_owed.or_else(|| Some(std::time::Instant::now())),
+            };
         }
         self.write_credits(id, false, note);
     }

@@ -239,7 +239,7 @@ pub(crate) struct Hello {
     pub(crate) credit_key: u32,
 }
 
-const MAGIC: &[u8; 8] = b"KVRDMA01";
+const MAGIC: &[u8; 8] = b"KVRDMA02";
 pub(crate) const HELLO_LEN: usize = 8 + 4 * 6 + 16 + 16;
 
 impl Hello {
@@ -265,7 +265,9 @@ impl Hello {
 
     pub(crate) fn decode(b: &[u8; HELLO_LEN]) -> Result<Hello, TransportError> {
         if &b[..8] != MAGIC {
-            return Err(TransportError::Refused("not a kvstore RDMA peer".into()));
+            return Err(TransportError::Refused(
+                "not a kvstore RDMA peer of this version".into(),
+            ));
         }
         let w =
             |i: usize| u32::from_le_bytes(b[8 + 4 * i..12 + 4 * i].try_into().unwrap_or_default());
