@@ -141,11 +141,10 @@ impl KVStore {
         value: &Bound<'_, PyAny>,
         priority: i32,
     ) -> PyResult<()> {
-        let r = self.push_given(py, key, value, priority);
-        self.converted(py, r, key, Some(value), None, |a| {
-            let v = a.value.as_ref().unwrap_or(value);
-            self.push_given(py, key, v, priority)
-        })
+        match self.push_given(py, key, value, priority) {
+            Err(e) => self.push_converted(py, e, key, value, priority),
+            ok => ok,
+        }
     }
 
     /// Pulls the stored values into `out` (an array, or a list: one per device, or one per
@@ -161,10 +160,10 @@ impl KVStore {
         ignore_sparse: bool,
     ) -> PyResult<()> {
         let _ = ignore_sparse;
-        let r = self.pull_given(py, key, out, priority);
-        self.converted(py, r, key, None, out, |a| {
-            self.pull_given(py, key, a.out.as_ref().or(out), priority)
-        })
+        match self.pull_given(py, key, out, priority) {
+            Err(e) => self.pull_converted(py, e, key, out, priority),
+            ok => ok,
+        }
     }
 
     /// Pulls only the rows `row_ids` (along the first dimension) of each key's value into
@@ -205,13 +204,10 @@ impl KVStore {
         out: Option<&Bound<'_, PyAny>>,
         priority: i32,
     ) -> PyResult<()> {
-        let r = self.pushpull_given(py, key, value, out, priority);
-        // In place, the values are the outputs too.
-        self.converted(py, r, key, Some(value), Some(out.unwrap_or(value)), |a| {
-            let v = a.value.as_ref().unwrap_or(value);
-            let o = a.out.as_ref().or(out);
-            self.pushpull_given(py, key, v, o, priority)
-        })
+        match self.pushpull_given(py, key, value, out, priority) {
+            Err(e) => self.pushpull_converted(py, e, key, value, out, priority),
+            ok => ok,
+        }
     }
 
     /// Initialises keys with values (rank 0's, in a distributed store) and pulls them into

@@ -71,4 +71,55 @@ impl KVStore {
         }
         Ok(())
     }
+
+    // The calls' refusals, taken out of line: the common call's code stays as it was (its
+    // size, not its time, is what a small call's cost grows with).
+
+    #[cold]
+    #[inline(never)]
+    pub(super) fn push_converted(
+        &self,
+        py: Python<'_>,
+        e: PyErr,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        priority: i32,
+    ) -> PyResult<()> {
+        self.converted(py, Err(e), key, Some(value), None, |a| {
+            self.push_given(py, key, a.value.as_ref().unwrap_or(value), priority)
+        })
+    }
+
+    #[cold]
+    #[inline(never)]
+    pub(super) fn pull_converted(
+        &self,
+        py: Python<'_>,
+        e: PyErr,
+        key: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+    ) -> PyResult<()> {
+        self.converted(py, Err(e), key, None, out, |a| {
+            self.pull_given(py, key, a.out.as_ref().or(out), priority)
+        })
+    }
+
+    #[cold]
+    #[inline(never)]
+    pub(super) fn pushpull_converted(
+        &self,
+        py: Python<'_>,
+        e: PyErr,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+    ) -> PyResult<()> {
+        // In place, the values are the outputs too.
+        self.converted(py, Err(e), key, Some(value), Some(out.unwrap_or(value)), |a| {
+            let v = a.value.as_ref().unwrap_or(value);
+            self.pushpull_given(py, key, v, a.out.as_ref().or(out), priority)
+        })
+    }
 }
