@@ -117,9 +117,16 @@ impl KVStore {
         priority: i32,
     ) -> PyResult<()> {
         // In place, the values are the outputs too.
-        self.converted(py, Err(e), key, Some(value), Some(out.unwrap_or(value)), |a| {
-            let v = a.value.as_ref().unwrap_or(value);
-            self.pushpull_given(py, key, v, a.out.as_ref().or(out), priority)
-        })
+        self.converted(
+            py,
+            Err(e),
+            key,
+            Some(value),
+            Some(out.unwrap_or(value)),
+            |a| {
+                let v = a.value.as_ref().unwrap_or(value);
+                self.pushpull_given(py, key, v, a.out.as_ref().or(out), priority)
+            },
+        )
     }
 }
