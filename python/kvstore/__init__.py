@@ -39,11 +39,11 @@ differences from MXNet, each documented in README.md:
 from typing import Any, Dict
 
 from . import lr_scheduler, optimizer
-from ._native import DTypeMismatch, KVStore, KVStoreError, PeerLost, Timeout
+from ._native import DTypeMismatch, KVStore, KVStoreError, PeerLost, Timeout, UnsupportedDType
 from ._native import create as _create
 
 __all__ = ["create", "DTypeMismatch", "KVStore", "KVStoreBase", "KVStoreError", "PeerLost", "Timeout",
-           "lr_scheduler", "optimizer"]
+           "UnsupportedDType", "lr_scheduler", "optimizer"]
 
 
 class _StoreKind(type):

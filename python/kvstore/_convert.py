@@ -19,9 +19,15 @@ def _is_list(obj: Any) -> bool:
 
 
 def _readable(a: Any) -> bool:
-    """Whether numpy reads ``a`` as an array of numbers (not a 0-d object array)."""
+    """Whether numpy reads ``a`` as an array (not a 0-d object array)."""
     return isinstance(a, np.ndarray) or hasattr(a, "__array_interface__") or hasattr(
         a, "__array__")
+
+
+def _real(arr: np.ndarray) -> bool:
+    """Whether ``arr`` holds bools or real numbers, which convert as MXNet's cast does (a
+    complex value would lose its imaginary part silently: never converted)."""
+    return arr.dtype.kind in "biuf"
 
 
 def _dtype(name: str) -> Optional[np.dtype]:
@@ -58,7 +64,7 @@ def values(key: Any, obj: Any, dtypes: Sequence[str]) -> Optional[List[Any]]:
         if i >= len(dtypes) or not _readable(a):
             return a
         arr, want = np.asarray(a), _dtype(dtypes[i])
-        if want is None or arr.dtype == want:
+        if want is None or arr.dtype == want or not _real(arr):
             return a
         changed = True
         return arr.astype(want)
@@ -78,7 +84,7 @@ def outputs(key: Any, obj: Any,
         if i >= len(dtypes) or not _readable(o):
             return o
         arr, want = np.asarray(o), _dtype(dtypes[i])
-        if want is None or arr.dtype == want:
+        if want is None or arr.dtype == want or not _real(arr):
             return o
         stand_in = np.empty(arr.shape, dtype=want)
         backs.append((arr, stand_in))

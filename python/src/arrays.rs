@@ -213,9 +213,10 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
     };
     let itemsize = usize::try_from(v.itemsize).unwrap_or(0);
     let Some(dtype) = dtype_of(format, itemsize) else {
-        return Err(PyTypeError::new_err(format!(
+        return Err(crate::UnsupportedDType::new_err(format!(
             "{what} has an unsupported dtype (buffer format {format:?}, {itemsize} bytes); \
-             the store takes float32, float64, float16, int32, int64 and uint8"
+             the store keeps float32, float64, float16, int32, int64 and uint8 (a push or pull of a \
+             key converts real numbers and bools into the key's dtype)"
         )));
     };
     let ndim = usize::try_from(v.ndim).unwrap_or(0);

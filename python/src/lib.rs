@@ -44,6 +44,15 @@ pyo3::create_exception!(
      object numpy cannot read as an array); numpy arrays are converted, as MXNet converts."
 );
 
+pyo3::create_exception!(
+    kvstore,
+    UnsupportedDType,
+    PyTypeError,
+    "An array of a dtype the store does not keep (complex, int8, bool, another byte order...): \
+     a TypeError where nothing converts it (an init, a complex value); a push or pull of a key \
+     converts real numbers and bools into the key's dtype, as MXNet converts them."
+);
+
 /// A kvstore error as the Python exception it is: KeyError, ValueError, TypeError, or one of
 /// kvstore's own. An exception that a Python updater raised is raised as itself.
 pub(crate) fn to_py(e: KvError) -> PyErr {
@@ -183,5 +192,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerLost", py.get_type::<PeerLost>())?;
     m.add("Timeout", py.get_type::<Timeout>())?;
     m.add("DTypeMismatch", py.get_type::<DTypeMismatch>())?;
+    m.add("UnsupportedDType", py.get_type::<UnsupportedDType>())?;
     Ok(())
 }

@@ -202,9 +202,9 @@ def test_errors_are_python_exceptions(kv):
     with pytest.raises(TypeError, match="dtype"):
         kv.push(3, np.ones(SHAPE, dtype=np.complex64))
     with pytest.raises(TypeError, match="dtype"):
-        kv.push(3, np.ones(SHAPE, dtype=">f4"))  # not this machine's byte order
+        kv.init(8, np.ones(SHAPE, dtype=">f4"))  # not this machine's byte order
     with pytest.raises(TypeError, match="dtype"):
-        kv.push(3, np.ones(SHAPE, dtype=np.int8))
+        kv.init(8, np.ones(SHAPE, dtype=np.int8))
     # A subclass of ndarray is an ndarray, in place.
     m = np.zeros(SHAPE, dtype=np.float32).view(np.matrix)
     kv.pull(3, out=m)

@@ -88,6 +88,31 @@ def test_pushpull_converts_values_and_outputs_in_place_or_not(kv):
     assert seen == [(np.float32, np.float32)] and (out == 7).all()
 
 
+def test_dtypes_the_store_lacks_are_converted_into_the_keys(kv):
+    # int8, bool, uint16 and another byte order: kept by no key, converted as MXNet converts.
+    kv.push(3, np.full(SHAPE, -3, dtype=np.int8))
+    out = f32(0)
+    kv.pull(3, out=out)
+    assert (out == -3).all()
+    kv.push(3, [np.ones(SHAPE, dtype=bool), np.full(SHAPE, 2, dtype=np.uint16)])
+    kv.pull(3, out=out)
+    assert (out == 3).all()
+    kv.push(3, np.full(SHAPE, 1.5, dtype=">f4"))
+    outs = [np.zeros(SHAPE, dtype=np.int8), np.zeros(SHAPE, dtype=">f8"), np.zeros(SHAPE, bool)]
+    kv.pull(3, out=outs)
+    assert (outs[0] == 1).all() and (outs[1] == 1.5).all() and outs[1].dtype == ">f8"
+    assert outs[2].all()
+    # Nothing converts an init's value (it makes the key's dtype), or a complex number.
+    with pytest.raises(kvstore.UnsupportedDType, match="unsupported dtype"):
+        kv.init(9, np.zeros(SHAPE, dtype=np.int8))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        kv.push(3, np.ones(SHAPE, dtype=np.complex64))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        kv.pull(3, out=np.zeros(SHAPE, dtype=np.complex128))
+    kv.pull(3, out=out)
+    assert (out == 1.5).all()
+
+
 def test_what_cannot_be_converted_is_refused_and_changes_nothing(kv):
     kv.push(3, f32(1))
     with pytest.raises(ValueError, match="shape"):

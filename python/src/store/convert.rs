@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 
 use super::KVStore;
 use crate::args::keys;
-use crate::DTypeMismatch;
+use crate::{DTypeMismatch, UnsupportedDType};
 
 /// What a refused call takes again: its values and its outputs, either converted.
 pub(super) struct Again<'py> {
@@ -29,10 +29,16 @@ impl KVStore {
         again: impl FnOnce(Again<'py>) -> PyResult<()>,
     ) -> PyResult<()> {
         let refused = match r {
-            Err(e) if e.is_instance_of::<DTypeMismatch>(py) => e,
+            Err(e)
+                if e.is_instance_of::<DTypeMismatch>(py)
+                    || e.is_instance_of::<UnsupportedDType>(py) =>
+            {
+                e
+            }
             r => return r,
         };
         let k = keys(key)?;
+        // A key the store does not know is a KeyError, before any dtype.
         let names: Vec<&'static str> = self.call(py, 0, move |kv| {
             k.keys
                 .iter()
