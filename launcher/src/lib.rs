@@ -428,6 +428,20 @@ impl Failure {
             code: child::exit_code(status),
         }
     }
+
+    /// Adds the failures among `children` that `failed` does not hold yet, in the order seen.
+    fn collect(children: &mut [Child], failed: &mut Vec<Failure>) {
+        for c in children.iter_mut() {
+            if let Some(status) = c.poll() {
+                if !status.success() {
+                    let f = Failure::of(c, &status);
+                    if !failed.iter().any(|g| g.what == f.what) {
+                        failed.push(f);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Watches the processes until the job ends; returns the exit status.
@@ -456,13 +470,7 @@ fn supervise(
         view.update(children, say);
         // Failures seen now.
         let mut failed: Vec<Failure> = Vec::new();
-        for c in children.iter_mut() {
-            if let Some(status) = c.poll() {
-                if !status.success() {
-                    failed.push(Failure::of(c, &status));
-                }
-            }
-        }
+        Failure::collect(children, &mut failed);
         if !failed.is_empty() {
             // Give the others a moment to report too (until all ended, 500 ms at most). Of the
             // failures seen by then, one killed by a signal is the likelier cause (the others
@@ -470,19 +478,9 @@ fn supervise(
             // core being written, a remote one's status passed on by ssh). The others follow
             // in the order seen.
             let until = Instant::now() + Duration::from_millis(500);
-            loop {
-                for c in children.iter_mut() {
-                    if let Some(status) = c.poll() {
-                        let f = Failure::of(c, &status);
-                        if !status.success() && !failed.iter().any(|g| g.what == f.what) {
-                            failed.push(f);
-                        }
-                    }
-                }
-                if Instant::now() >= until || children.iter().all(|c| c.exited()) {
-                    break;
-                }
+            while Instant::now() < until && !children.iter().all(|c| c.exited()) {
                 std::thread::sleep(Duration::from_millis(20));
+                Failure::collect(children, &mut failed);
             }
             failed.sort_by_key(|f| !f.signal);
             let Failure {
