@@ -1,6 +1,8 @@
-//! Two processes' channel: one segment holding a ring and a wake word per direction, and a
-//! page pool per side (each side allocates from its own pool; the other may read and free).
+//! Two processes' channel: one segment holding a ring, a wake word and a room word per
+//! direction, and a page pool per side (each side allocates from its own pool; the other may
+//! read and free).
 
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -8,10 +10,13 @@ use crate::ring::SLOT;
 use crate::{Pool, Ring, Segment, ShmError, Wake};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"KVSHMCH1");
-const VERSION: u64 = 1;
+const VERSION: u64 = 2;
 const HEADER: usize = 4096;
 const WAKE_AB: usize = 128;
 const WAKE_BA: usize = 192;
+/// Where the producer of each ring asks its consumer for a wake-up when a slot frees.
+const ROOM_AB: usize = 256;
+const ROOM_BA: usize = 320;
 
 /// The sizes of a channel.
 #[derive(Clone, Copy, Debug)]
@@ -63,6 +68,9 @@ pub struct Channel {
     rx: Ring,
     tx_wake: Wake,
     rx_wake: Wake,
+    /// This end's request for room in `tx`, and the peer's for room in `rx`.
+    tx_room: usize,
+    rx_room: usize,
     mine: Pool,
     theirs: Pool,
 }
@@ -161,6 +169,8 @@ impl Channel {
         let ba = Ring::new(seg.clone(), l.ring_ba, cfg.ring_slots)?;
         let pa = Pool::new(seg.clone(), l.pool_a, cfg.pages, cfg.page_size)?;
         let pb = Pool::new(seg.clone(), l.pool_b, cfg.pages, cfg.page_size)?;
+        seg.atomic_u32(ROOM_AB)?;
+        seg.atomic_u32(ROOM_BA)?;
         let wab = Wake::new(seg.clone(), WAKE_AB)?;
         let wba = Wake::new(seg.clone(), WAKE_BA)?;
         Ok(match side {
@@ -171,6 +181,8 @@ impl Channel {
                 rx: ba,
                 tx_wake: wab,
                 rx_wake: wba,
+                tx_room: ROOM_AB,
+                rx_room: ROOM_BA,
                 mine: pa,
                 theirs: pb,
             },
@@ -181,6 +193,8 @@ impl Channel {
                 rx: ab,
                 tx_wake: wba,
                 rx_wake: wab,
+                tx_room: ROOM_BA,
+                rx_room: ROOM_AB,
                 mine: pb,
                 theirs: pa,
             },
@@ -238,6 +252,30 @@ impl Channel {
     /// Whether the ring to the peer is full (a post would be refused until the peer takes one).
     pub fn tx_full(&self) -> bool {
         self.tx.is_full()
+    }
+
+    /// Before this end sleeps with the ring to the peer full (a post refused): asks the peer to
+    /// wake it when it next takes descriptors ([`Channel::took`]). Returns whether the ring has
+    /// room already, in which case no wake-up may come: post now instead of sleeping.
+    pub fn want_room(&self) -> Result<bool, ShmError> {
+        self.seg
+            .atomic_u32(self.tx_room)?
+            .store(1, Ordering::Relaxed);
+        // Pairs with the fence in `took`: either this sees the slot the peer freed, or the
+        // peer sees the request.
+        fence(Ordering::SeqCst);
+        Ok(!self.tx.is_full())
+    }
+
+    /// After taking descriptors off the ring from the peer: wakes the peer if it asked for
+    /// room ([`Channel::want_room`]), since the slots it waits for are free now.
+    pub fn took(&self) -> Result<(), ShmError> {
+        fence(Ordering::SeqCst);
+        let w = self.seg.atomic_u32(self.rx_room)?;
+        if w.load(Ordering::Relaxed) != 0 && w.swap(0, Ordering::Relaxed) != 0 {
+            self.tx_wake.ring()?;
+        }
+        Ok(())
     }
 
     /// Wakes the peer if it sleeps (after [`Channel::try_post`]).
@@ -364,6 +402,33 @@ mod tests {
         a.recv(&mut slot, Duration::ZERO, deadline).unwrap();
         assert_eq!(&slot[..4], b"back");
         assert!(!a.try_recv(&mut slot).unwrap());
+    }
+
+    /// A producer that found the ring full and asked for room is rung (on its doorbell) once
+    /// the consumer takes a descriptor; one that did not ask is not.
+    #[test]
+    fn a_producer_that_asked_for_room_is_rung_when_a_slot_frees() {
+        use rustix::event::{eventfd, EventfdFlags};
+        let (a, mut b) = pair();
+        let bell = eventfd(0, EventfdFlags::NONBLOCK).unwrap();
+        b.set_tx_doorbell(bell.try_clone().unwrap());
+        let rung = || {
+            let mut c = [0u8; 8];
+            rustix::io::read(&bell, &mut c).is_ok()
+        };
+        let mut slot = [0u8; SLOT];
+        while a.try_post(b"x").unwrap() {}
+        assert!(b.try_recv(&mut slot).unwrap() && a.try_post(b"x").unwrap());
+        b.took().unwrap();
+        assert!(!rung(), "nobody asked");
+        assert!(!a.want_room().unwrap(), "a full ring");
+        assert!(!rung());
+        assert!(b.try_recv(&mut slot).unwrap());
+        b.took().unwrap();
+        assert!(rung(), "a freed slot rings the producer that asked");
+        b.took().unwrap();
+        assert!(!rung(), "a request rings once");
+        assert!(a.want_room().unwrap(), "room now");
     }
 
     #[test]

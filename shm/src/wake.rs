@@ -54,18 +54,25 @@ impl Wake {
 
     /// Called by the producer after publishing: wakes the consumer if it sleeps.
     pub fn notify(&self) -> Result<(), ShmError> {
-        let seq = self.seg.atomic_u32(self.off)?;
         let sleeping = self.seg.atomic_u32(self.off + 4)?;
         // Pairs with the fence in `wait`: either the waiter sees what was published, or this
         // sees that it sleeps.
         fence(Ordering::SeqCst);
         if sleeping.load(Ordering::Relaxed) != 0 {
-            seq.fetch_add(1, Ordering::Release);
-            futex::wake(seq, futex::Flags::empty(), u32::MAX)?;
-            if let Some(fd) = &self.doorbell {
-                // An eventfd counter: 8 bytes; a full counter (EAGAIN) is already rung.
-                let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
-            }
+            self.ring()?;
+        }
+        Ok(())
+    }
+
+    /// Wakes the other side whether or not it says it sleeps (it asked for a wake-up in
+    /// another way).
+    pub fn ring(&self) -> Result<(), ShmError> {
+        let seq = self.seg.atomic_u32(self.off)?;
+        seq.fetch_add(1, Ordering::Release);
+        futex::wake(seq, futex::Flags::empty(), u32::MAX)?;
+        if let Some(fd) = &self.doorbell {
+            // An eventfd counter: 8 bytes; a full counter (EAGAIN) is already rung.
+            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
         }
         Ok(())
     }

@@ -9,6 +9,9 @@ use kvstore_transport::{Access, Region, RemoteRegion, Sent, Token};
 #[path = "conformance/harness.rs"]
 mod harness;
 use harness::*;
+#[path = "conformance/room.rs"]
+mod room;
+use room::*;
 
 fn messages_and_data_of_every_size_arrive_in_order(kind: Kind) {
     let (mut a, to_b, mut b, _) = pair(kind);
@@ -218,82 +221,6 @@ fn a_full_link_would_block_and_drains(kind: Kind) {
         .take()
         .iter()
         .all(|e| matches!(e, Ev::Recv(_, body, Some(d)) if body == b"x" && d.len() == 1 << 20)));
-}
-
-/// A sender that was told "would block" and then sleeps as a caller does (`wait`) is woken
-/// once the receiver has taken what filled the link: no sleep outlasts the lack of room.
-fn a_sender_told_to_wait_wakes_when_room_comes_back(kind: Kind) {
-    let (mut a, to_b, b, _) = pair(kind);
-    // Eager-sized data (one receive buffer over RDMA), so that the link fills soon.
-    const N: usize = 60_000;
-    let src = heap(&mut a, &pattern(N, 9));
-    let mut posted = 0u64;
-    // SAFETY: `src` is never written.
-    while unsafe { a.b.send(to_b, b"y", Some((&src, 0..N, Token(posted)))) }.unwrap()
-        == Sent::Posted
-    {
-        posted += 1;
-        assert!(posted < 10_000, "a link that never fills");
-    }
-    // The sender has nothing left to do but wait for room: what it posted has completed
-    // (a wait of 300 ms passes with nothing to wake it).
-    let start = Instant::now();
-    loop {
-        a.pump();
-        let t0 = Instant::now();
-        kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(300)).unwrap();
-        if t0.elapsed() >= Duration::from_millis(290) {
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "never idle");
-    }
-    // Now the receiver takes everything (on its own thread, as another process would).
-    let receiver = std::thread::spawn(move || {
-        let mut b = b;
-        let start = Instant::now();
-        while (b.log.len() as u64) <= posted {
-            b.pump();
-            kvstore_transport::wait(&mut [b.b.as_mut()], Duration::from_millis(5)).unwrap();
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "hung: {:?}",
-                b.log.len()
-            );
-        }
-        b
-    });
-    let t0 = Instant::now();
-    kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_secs(10)).unwrap();
-    assert!(
-        t0.elapsed() < Duration::from_secs(9),
-        "a sender slept through the room coming back"
-    );
-    // It can send again, and everything arrives in order.
-    let start = Instant::now();
-    loop {
-        a.pump();
-        // SAFETY: no data.
-        if unsafe { a.b.send(to_b, b"last", None) }.unwrap() == Sent::Posted {
-            break;
-        }
-        kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(5)).unwrap();
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "no room came back"
-        );
-    }
-    while !receiver.is_finished() {
-        a.pump();
-        kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(5)).unwrap();
-    }
-    let mut b = receiver.join().unwrap();
-    let got = b.take();
-    assert_eq!(got.len() as u64, posted + 1);
-    let want = pattern(N, 9);
-    for e in &got[..posted as usize] {
-        assert!(matches!(e, Ev::Recv(_, body, Some(d)) if body == b"y" && *d == want));
-    }
-    assert!(matches!(&got[posted as usize], Ev::Recv(_, body, None) if body == b"last"));
 }
 
 fn many_peers_one_loop_and_no_missed_wakeup(kind: Kind) {
@@ -568,6 +495,7 @@ suite!(
     puts_that_fill_their_grant_arrive_whole,
     a_full_link_would_block_and_drains,
     a_sender_told_to_wait_wakes_when_room_comes_back,
+    two_peers_each_out_of_the_others_room_both_go_on,
     many_peers_one_loop_and_no_missed_wakeup,
     a_lost_peer_is_reported_and_fails_what_it_had,
     a_revoked_grant_is_never_written,

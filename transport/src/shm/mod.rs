@@ -126,6 +126,9 @@ struct Peer {
     revoked: FxHashSet<u64>,
     /// Control descriptors waiting for room on the ring, in order.
     unsent: VecDeque<[u8; SLOT]>,
+    /// A caller was told "would block" for want of room on the ring, and has not been woken
+    /// since to try again.
+    starved: bool,
     posted: bool,
     rxbuf: Vec<u8>,
     /// Its ring is not read while set (backpressure).
@@ -346,6 +349,7 @@ impl ShmBackend {
                 next_seq: 1,
                 revoked: FxHashSet::default(),
                 unsent: VecDeque::new(),
+                starved: false,
                 posted: false,
                 rxbuf: Vec::new(),
                 paused: false,

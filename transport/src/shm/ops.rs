@@ -28,8 +28,12 @@ impl ShmBackend {
             return Ok(());
         }
         let mut slot = [0u8; SLOT];
-        for _ in 0..BATCH {
-            if p.unsent.len() >= UNSENT_MAX || !p.chan.try_recv(&mut slot)? {
+        for i in 0..=BATCH {
+            if i == BATCH || p.unsent.len() >= UNSENT_MAX || !p.chan.try_recv(&mut slot)? {
+                if i > 0 {
+                    // Slots were freed: the peer may be waiting for one.
+                    p.chan.took()?;
+                }
                 break;
             }
             let d = Desc::decode(&slot);
@@ -253,6 +257,7 @@ impl Backend for ShmBackend {
         // A full link is found before any staging copy, so a retry never copies twice.
         let p = self.peer(peer)?;
         if !p.unsent.is_empty() || p.chan.tx_full() {
+            p.starved = true;
             return Ok(Sent::WouldBlock);
         }
         let mut d = Desc {
@@ -317,6 +322,7 @@ impl Backend for ShmBackend {
             d.id = p.next_seq;
         }
         if !p.chan.try_post(&d.encode(&inline[..inline_len]))? {
+            p.starved = true;
             return Ok(Sent::WouldBlock);
         }
         p.posted = true;
@@ -348,6 +354,7 @@ impl Backend for ShmBackend {
         }
         // A full link is found before the copy, so a retry never copies twice.
         if !p.unsent.is_empty() || p.chan.tx_full() {
+            p.starved = true;
             return Ok(Sent::WouldBlock);
         }
         // SAFETY: the range was checked; the caller does not write it until the token completes
@@ -388,6 +395,7 @@ impl Backend for ShmBackend {
             ..Desc::default()
         };
         if !p.chan.try_post(&d.encode(&[]))? {
+            p.starved = true;
             return Ok(Sent::WouldBlock);
         }
         p.posted = true;
@@ -428,10 +436,15 @@ impl Backend for ShmBackend {
             return Ok(false);
         }
         self.armed = true;
-        for p in self.peers.values() {
-            // Descriptors waiting for room: the peer frees it without a wake-up, so look again.
+        for (_, p) in self.peers.iter_mut() {
+            // Descriptors waiting for room, or a caller told to wait for it: the peer rings
+            // when it frees a slot, unless there is room already (then post, or retry, now).
+            if (p.starved || !p.unsent.is_empty()) && p.chan.want_room()? {
+                p.starved = false;
+                return Ok(false);
+            }
             // A paused peer's ring is not read, so what waits there is no work.
-            if !p.unsent.is_empty() || (!p.paused && !p.chan.arm_rx()?) {
+            if !p.paused && !p.chan.arm_rx()? {
                 return Ok(false);
             }
         }

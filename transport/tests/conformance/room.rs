@@ -1,0 +1,172 @@
+//! Room on a link: a sender told "would block" is woken when room comes back, also when each
+//! of two peers is out of the other's room.
+
+use std::time::{Duration, Instant};
+
+use kvstore_transport::{PeerId, Region, Sent, Token};
+
+use super::harness::*;
+
+/// A sender that was told "would block" and then sleeps as a caller does (`wait`) is woken
+/// once the receiver has taken what filled the link: no sleep outlasts the lack of room. With
+/// eager-sized data and with bodies alone (which the receiver takes without a word back).
+pub(crate) fn a_sender_told_to_wait_wakes_when_room_comes_back(kind: Kind) {
+    for n in [EAGER, 0] {
+        sender_wakes(kind, n);
+    }
+}
+
+fn sender_wakes(kind: Kind, n: usize) {
+    let (mut a, to_b, b, _) = pair(kind);
+    let src = heap(&mut a, &pattern(n.max(1), 9));
+    let data = |t| (n > 0).then_some((&src, 0..n, Token(t)));
+    let mut posted = 0u64;
+    // SAFETY: `src` is never written.
+    while unsafe { a.b.send(to_b, b"y", data(posted)) }.unwrap() == Sent::Posted {
+        posted += 1;
+        // (Small messages fill a TCP link's socket buffers.)
+        assert!(posted < 1_000_000, "a link that never fills");
+    }
+    // The sender has nothing left to do but wait for room: what it posted has completed
+    // (a wait of 300 ms passes with nothing to wake it).
+    let start = Instant::now();
+    loop {
+        a.pump();
+        let t0 = Instant::now();
+        kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(300)).unwrap();
+        if t0.elapsed() >= Duration::from_millis(290) {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "never idle");
+    }
+    // Now the receiver takes everything (on its own thread, as another process would).
+    let receiver = std::thread::spawn(move || {
+        let mut b = b;
+        let start = Instant::now();
+        while (b.log.len() as u64) <= posted {
+            b.pump();
+            kvstore_transport::wait(&mut [b.b.as_mut()], Duration::from_millis(5)).unwrap();
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "hung: {:?}",
+                b.log.len()
+            );
+        }
+        b
+    });
+    let t0 = Instant::now();
+    kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_secs(10)).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(9),
+        "a sender slept through the room coming back ({n} bytes of data)"
+    );
+    // It can send again, and everything arrives in order.
+    let start = Instant::now();
+    loop {
+        a.pump();
+        // SAFETY: no data.
+        if unsafe { a.b.send(to_b, b"last", None) }.unwrap() == Sent::Posted {
+            break;
+        }
+        kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(5)).unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no room came back"
+        );
+    }
+    while !receiver.is_finished() {
+        a.pump();
+        kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(5)).unwrap();
+    }
+    let mut b = receiver.join().unwrap();
+    let got = b.take();
+    assert_eq!(got.len() as u64, posted + 1);
+    let want = (n > 0).then(|| pattern(n, 9));
+    for e in &got[..posted as usize] {
+        assert!(
+            matches!(e, Ev::Recv(_, body, d) if body == b"y" && *d == want),
+            "{n}"
+        );
+    }
+    assert!(matches!(&got[posted as usize], Ev::Recv(_, body, None) if body == b"last"));
+}
+
+/// Eager-sized data (one receive buffer over RDMA), so that a link fills soon.
+const EAGER: usize = 60_000;
+
+/// Sends `EAGER` bytes of `src` with a small body until the link to `to` is full; how many
+/// went.
+fn fill(s: &mut Side, to: PeerId, src: &Region) -> u64 {
+    let mut posted = 0u64;
+    // SAFETY: `src` is never written.
+    while unsafe { s.b.send(to, b"z", Some((src, 0..EAGER, Token(posted)))) }.unwrap()
+        == Sent::Posted
+    {
+        posted += 1;
+        assert!(posted < 10_000, "a link that never fills");
+    }
+    posted
+}
+
+/// Two peers that each filled the link to the other before reading anything both go on, each
+/// on its own thread sleeping as a caller does: each takes what the other sent, room comes back
+/// both ways, and neither sleeps through it. (Over RDMA the count of room given back must reach
+/// a peer that has no room left to be told in.)
+pub(crate) fn two_peers_each_out_of_the_others_room_both_go_on(kind: Kind) {
+    let (mut a, to_b, mut b, to_a) = pair(kind);
+    let (src_a, src_b) = (
+        heap(&mut a, &pattern(EAGER, 3)),
+        heap(&mut b, &pattern(EAGER, 5)),
+    );
+    let from_a = fill(&mut a, to_b, &src_a);
+    let from_b = fill(&mut b, to_a, &src_b);
+    assert!(from_a >= 1 && from_b >= 1);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // Takes `expect` messages of `salt`'s pattern and a last one, and sends its own last one;
+    // then keeps the link going until the other side has done the same.
+    let run = |mut s: Side, to: PeerId, expect: u64, salt: u8| {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let (mut told, mut finished) = (false, false);
+            let recvs = |s: &Side| s.log.iter().filter(|e| matches!(e, Ev::Recv(..))).count();
+            loop {
+                s.pump();
+                // SAFETY: no data.
+                told = told || unsafe { s.b.send(to, b"last", None) }.unwrap() == Sent::Posted;
+                s.pump();
+                if !finished && told && recvs(&s) as u64 == expect + 1 {
+                    finished = true;
+                    done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                if done.load(std::sync::atomic::Ordering::SeqCst) == 2 {
+                    break;
+                }
+                let t0 = Instant::now();
+                let nap = if finished { 5 } else { 10_000 };
+                kvstore_transport::wait(&mut [s.b.as_mut()], Duration::from_millis(nap)).unwrap();
+                assert!(
+                    finished || t0.elapsed() < Duration::from_secs(9),
+                    "slept through the other side's room coming back ({} of {expect} taken)",
+                    recvs(&s)
+                );
+                assert!(start.elapsed() < Duration::from_secs(40), "hung");
+            }
+            let want = pattern(EAGER, salt);
+            let got: Vec<Ev> = s
+                .take()
+                .into_iter()
+                .filter(|e| matches!(e, Ev::Recv(..)))
+                .collect();
+            for e in &got[..expect as usize] {
+                assert!(matches!(e, Ev::Recv(_, body, Some(d)) if body == b"z" && *d == want));
+            }
+            assert!(matches!(&got[expect as usize], Ev::Recv(_, body, None) if body == b"last"));
+            s
+        })
+    };
+    let ta = run(a, to_b, from_b, 5);
+    let tb = run(b, to_a, from_a, 3);
+    let (a, b) = (ta.join().unwrap(), tb.join().unwrap());
+    drop((src_a, src_b, a, b));
+}
