@@ -9,20 +9,48 @@ use super::harness::*;
 
 /// A sender that was told "would block" and then sleeps as a caller does (`wait`) is woken
 /// once the receiver has taken what filled the link: no sleep outlasts the lack of room. With
-/// eager-sized data and with bodies alone (which the receiver takes without a word back).
+/// eager-sized data, with bodies alone, and with small puts (the last two the receiver takes
+/// without a word back).
 pub(crate) fn a_sender_told_to_wait_wakes_when_room_comes_back(kind: Kind) {
-    for n in [EAGER, 0] {
-        sender_wakes(kind, n);
+    for what in [What::Data(EAGER), What::Bodies, What::Puts] {
+        sender_wakes(kind, what);
     }
 }
 
-fn sender_wakes(kind: Kind, n: usize) {
-    let (mut a, to_b, b, _) = pair(kind);
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum What {
+    /// Messages with this many bytes of data.
+    Data(usize),
+    /// Messages with a body alone.
+    Bodies,
+    /// Puts of 64 bytes into one grant, each with its number as the immediate.
+    Puts,
+}
+
+fn sender_wakes(kind: Kind, what: What) {
+    let (mut a, to_b, mut b, to_a) = pair(kind);
+    let n = match what {
+        What::Data(n) => n,
+        What::Bodies => 0,
+        What::Puts => 64,
+    };
     let src = heap(&mut a, &pattern(n.max(1), 9));
-    let data = |t| (n > 0).then_some((&src, 0..n, Token(t)));
+    let target = heap(&mut b, &[0u8; 64]);
+    let grant = grant_to(&mut b, to_a, &target, 0..64);
     let mut posted = 0u64;
-    // SAFETY: `src` is never written.
-    while unsafe { a.b.send(to_b, b"y", data(posted)) }.unwrap() == Sent::Posted {
+    loop {
+        let t = Token(posted);
+        // SAFETY: `src` is never written.
+        let sent = unsafe {
+            match what {
+                What::Data(_) => a.b.send(to_b, b"y", Some((&src, 0..n, t))),
+                What::Bodies => a.b.send(to_b, b"y", None),
+                What::Puts => a.b.put(to_b, &src, 0..n, &grant, 0, posted as u32, t),
+            }
+        };
+        if sent.unwrap() == Sent::WouldBlock {
+            break;
+        }
         posted += 1;
         // (Small messages fill a TCP link's socket buffers.)
         assert!(posted < 1_000_000, "a link that never fills");
@@ -58,7 +86,7 @@ fn sender_wakes(kind: Kind, n: usize) {
     kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_secs(10)).unwrap();
     assert!(
         t0.elapsed() < Duration::from_secs(9),
-        "a sender slept through the room coming back ({n} bytes of data)"
+        "a sender slept through the room coming back ({what:?})"
     );
     // It can send again, and everything arrives in order.
     let start = Instant::now();
@@ -82,11 +110,15 @@ fn sender_wakes(kind: Kind, n: usize) {
     let got = b.take();
     assert_eq!(got.len() as u64, posted + 1);
     let want = (n > 0).then(|| pattern(n, 9));
-    for e in &got[..posted as usize] {
-        assert!(
-            matches!(e, Ev::Recv(_, body, d) if body == b"y" && *d == want),
-            "{n}"
-        );
+    for (i, e) in got[..posted as usize].iter().enumerate() {
+        let ok = match what {
+            What::Puts => *e == Ev::Put(to_a, grant.id(), 0, n, i as u32),
+            _ => matches!(e, Ev::Recv(_, body, d) if body == b"y" && *d == want),
+        };
+        assert!(ok, "{what:?}: {e:?}");
+    }
+    if what == What::Puts {
+        assert_eq!(read(&target), want.unwrap());
     }
     assert!(matches!(&got[posted as usize], Ev::Recv(_, body, None) if body == b"last"));
 }
