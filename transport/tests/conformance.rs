@@ -496,6 +496,7 @@ suite!(
     a_full_link_would_block_and_drains,
     a_sender_told_to_wait_wakes_when_room_comes_back,
     two_peers_each_out_of_the_others_room_both_go_on,
+    random_traffic_both_ways_never_sleeps_through_work,
     many_peers_one_loop_and_no_missed_wakeup,
     a_lost_peer_is_reported_and_fails_what_it_had,
     a_revoked_grant_is_never_written,

@@ -202,3 +202,145 @@ pub(crate) fn two_peers_each_out_of_the_others_room_both_go_on(kind: Kind) {
     let (a, b) = (ta.join().unwrap(), tb.join().unwrap());
     drop((src_a, src_b, a, b));
 }
+
+/// What one side sends in [`random_traffic_both_ways_never_sleeps_through_work`].
+#[derive(Clone, Copy, Debug)]
+enum Item {
+    /// A message with a body alone.
+    Body,
+    /// A message with this many bytes of data.
+    Data(usize),
+    /// A put of this many bytes into the peer's grant.
+    Put(usize),
+}
+
+/// The most bytes of one item's data.
+const BIG: usize = 200_000;
+
+/// `n` items drawn from `seed` (xorshift: the same plan on every run).
+fn plan(seed: u64, n: usize) -> Vec<Item> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let len = 1 + (x >> 8) as usize % BIG;
+            match x % 3 {
+                0 => Item::Body,
+                1 => Item::Data(len),
+                _ => Item::Put(len),
+            }
+        })
+        .collect()
+}
+
+/// One side of the random traffic: sends `mine` in order, as fast as the link takes it, and
+/// takes everything the peer sends, sleeping in `wait` between; then checks what came.
+#[allow(clippy::too_many_arguments)]
+fn both_ways(
+    mut s: Side,
+    to: PeerId,
+    src: Region,
+    grant: kvstore_transport::RemoteRegion,
+    mine: Vec<Item>,
+    theirs: Vec<Item>,
+    salt: u8,
+    done: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> Side {
+    use std::sync::atomic::Ordering::SeqCst;
+    let start = Instant::now();
+    let (mut next, mut finished) = (0usize, false);
+    let taken = |s: &Side| {
+        s.log
+            .iter()
+            .filter(|e| matches!(e, Ev::Recv(..) | Ev::Put(..)))
+            .count()
+    };
+    loop {
+        s.pump();
+        while next < mine.len() {
+            let (t, tag) = (Token(next as u64), (next as u32).to_le_bytes());
+            // SAFETY: `src` is never written.
+            let sent = unsafe {
+                match mine[next] {
+                    Item::Body => s.b.send(to, &tag, None),
+                    Item::Data(n) => s.b.send(to, &tag, Some((&src, 0..n, t))),
+                    Item::Put(n) => s.b.put(to, &src, 0..n, &grant, 0, next as u32, t),
+                }
+            };
+            if sent.unwrap() == Sent::WouldBlock {
+                break;
+            }
+            next += 1;
+        }
+        s.pump();
+        if !finished && next == mine.len() && taken(&s) == theirs.len() {
+            finished = true;
+            done.fetch_add(1, SeqCst);
+        }
+        if done.load(SeqCst) == 2 {
+            break;
+        }
+        let t0 = Instant::now();
+        let nap = Duration::from_millis(if finished { 5 } else { 10_000 });
+        kvstore_transport::wait(&mut [s.b.as_mut()], nap).unwrap();
+        assert!(
+            finished || t0.elapsed() < Duration::from_secs(9),
+            "slept through work: {next} of {} sent, {} of {} taken",
+            mine.len(),
+            taken(&s),
+            theirs.len()
+        );
+        assert!(start.elapsed() < Duration::from_secs(120), "hung");
+    }
+    // What came: the messages in order, and the puts in order.
+    let data = pattern(BIG, salt);
+    let log = s.take();
+    let msgs: Vec<&Ev> = log.iter().filter(|e| matches!(e, Ev::Recv(..))).collect();
+    let puts: Vec<&Ev> = log.iter().filter(|e| matches!(e, Ev::Put(..))).collect();
+    let (mut m, mut p) = (msgs.iter(), puts.iter());
+    for (i, item) in theirs.iter().enumerate() {
+        let tag = (i as u32).to_le_bytes();
+        match *item {
+            Item::Body => assert!(
+                matches!(m.next(), Some(Ev::Recv(_, b, None)) if *b == tag),
+                "message {i}"
+            ),
+            Item::Data(n) => assert!(
+                matches!(m.next(), Some(Ev::Recv(_, b, Some(d))) if *b == tag && d[..] == data[..n]),
+                "message {i} with {n} bytes"
+            ),
+            Item::Put(n) => assert!(
+                matches!(p.next(), Some(Ev::Put(_, _, 0, len, imm)) if *len == n && *imm == i as u32),
+                "put {i} of {n} bytes"
+            ),
+        }
+    }
+    assert!(m.next().is_none() && p.next().is_none());
+    s
+}
+
+/// Messages with and without data and puts, of random sizes, both ways at once as fast as the
+/// links take them, each side on its own thread sleeping in `wait` between: everything
+/// arrives in order, and no side sleeps through work it could do.
+pub(crate) fn random_traffic_both_ways_never_sleeps_through_work(kind: Kind) {
+    let (mut a, to_b, mut b, to_a) = pair(kind);
+    let (src_a, src_b) = (
+        heap(&mut a, &pattern(BIG, 11)),
+        heap(&mut b, &pattern(BIG, 13)),
+    );
+    let (into_a, into_b) = (heap(&mut a, &[0u8; BIG]), heap(&mut b, &[0u8; BIG]));
+    let (grant_b, grant_a) = (
+        grant_to(&mut b, to_a, &into_b, 0..BIG),
+        grant_to(&mut a, to_b, &into_a, 0..BIG),
+    );
+    let (plan_a, plan_b) = (plan(1, 300), plan(2, 300));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (pa, pb, d) = (plan_a.clone(), plan_b.clone(), done.clone());
+    let ta = std::thread::spawn(move || both_ways(a, to_b, src_a, grant_b, pa, pb, 13, d));
+    let tb =
+        std::thread::spawn(move || both_ways(b, to_a, src_b, grant_a, plan_b, plan_a, 11, done));
+    let (a, b) = (ta.join().unwrap(), tb.join().unwrap());
+    drop((a, b, into_a, into_b));
+}
