@@ -235,19 +235,28 @@ fn plan(seed: u64, n: usize) -> Vec<Item> {
         .collect()
 }
 
-/// One side of the random traffic: sends `mine` in order, as fast as the link takes it, and
-/// takes everything the peer sends, sleeping in `wait` between; then checks what came.
-#[allow(clippy::too_many_arguments)]
-fn both_ways(
-    mut s: Side,
+/// One side of the random traffic: where it sends, from what, and what each side sends.
+struct Way {
     to: PeerId,
     src: Region,
     grant: kvstore_transport::RemoteRegion,
     mine: Vec<Item>,
     theirs: Vec<Item>,
+    /// The salt of the peer's data pattern.
     salt: u8,
-    done: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-) -> Side {
+}
+
+/// Sends `w.mine` in order, as fast as the link takes it, and takes everything the peer sends,
+/// sleeping in `wait` between; then checks what came.
+fn both_ways(mut s: Side, w: Way, done: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> Side {
+    let Way {
+        to,
+        src,
+        grant,
+        mine,
+        theirs,
+        salt,
+    } = w;
     use std::sync::atomic::Ordering::SeqCst;
     let start = Instant::now();
     let (mut next, mut finished) = (0usize, false);
@@ -337,10 +346,25 @@ pub(crate) fn random_traffic_both_ways_never_sleeps_through_work(kind: Kind) {
     );
     let (plan_a, plan_b) = (plan(1, 300), plan(2, 300));
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (pa, pb, d) = (plan_a.clone(), plan_b.clone(), done.clone());
-    let ta = std::thread::spawn(move || both_ways(a, to_b, src_a, grant_b, pa, pb, 13, d));
-    let tb =
-        std::thread::spawn(move || both_ways(b, to_a, src_b, grant_a, plan_b, plan_a, 11, done));
+    let way_a = Way {
+        to: to_b,
+        src: src_a,
+        grant: grant_b,
+        mine: plan_a.clone(),
+        theirs: plan_b.clone(),
+        salt: 13,
+    };
+    let way_b = Way {
+        to: to_a,
+        src: src_b,
+        grant: grant_a,
+        mine: plan_b,
+        theirs: plan_a,
+        salt: 11,
+    };
+    let d = done.clone();
+    let ta = std::thread::spawn(move || both_ways(a, way_a, d));
+    let tb = std::thread::spawn(move || both_ways(b, way_b, done));
     let (a, b) = (ta.join().unwrap(), tb.join().unwrap());
     drop((a, b, into_a, into_b));
 }
