@@ -495,6 +495,7 @@ suite!(
     puts_that_fill_their_grant_arrive_whole,
     a_full_link_would_block_and_drains,
     a_sender_told_to_wait_wakes_when_room_comes_back,
+    a_sender_whose_room_came_back_while_busy_does_not_sleep,
     two_peers_each_out_of_the_others_room_both_go_on,
     random_traffic_both_ways_never_sleeps_through_work,
     many_peers_one_loop_and_no_missed_wakeup,

@@ -156,6 +156,7 @@ impl TcpBackend {
                 rx: Rx::default(),
                 out: OutQueue::new(),
                 paused: false,
+                starved: false,
             },
         );
         Ok(PeerId(id))
@@ -199,6 +200,7 @@ impl TcpBackend {
     fn enqueue(&mut self, peer: PeerId, hdr: FrameHeader, o: Out) -> Result<Sent, TransportError> {
         let p = self.peer(peer)?;
         if p.out.pending_bytes() >= MAX_QUEUED {
+            p.starved = true;
             return Ok(Sent::WouldBlock);
         }
         p.out.push(hdr.encode(), o);
@@ -386,7 +388,19 @@ impl Backend for TcpBackend {
     }
 
     fn arm(&mut self) -> Result<bool, TransportError> {
-        Ok(self.done.is_empty() && self.lost.is_empty() && self.resumed.is_empty())
+        if !self.done.is_empty() || !self.lost.is_empty() || !self.resumed.is_empty() {
+            return Ok(false);
+        }
+        // A caller told to wait for room whose queue drained since (its own flush or progress
+        // wrote it out, so no readiness will come): it retries instead of sleeping.
+        let mut room = false;
+        for (_, p) in self.peers.iter_mut() {
+            if p.starved && p.out.pending_bytes() < MAX_QUEUED {
+                p.starved = false;
+                room = true;
+            }
+        }
+        Ok(!room)
     }
 
     fn fd(&self) -> BorrowedFd<'_> {

@@ -66,6 +66,9 @@ pub(super) struct Peer {
     pub(super) out: OutQueue<Out>,
     /// Not read while set (backpressure).
     pub(super) paused: bool,
+    /// A caller was told "would block" (its queue full) and has not been woken since to try
+    /// again.
+    pub(super) starved: bool,
 }
 
 pub(crate) struct Grant {

@@ -13,7 +13,16 @@ use super::harness::*;
 /// without a word back).
 pub(crate) fn a_sender_told_to_wait_wakes_when_room_comes_back(kind: Kind) {
     for what in [What::Data(EAGER), What::Bodies, What::Puts] {
-        sender_wakes(kind, what);
+        sender_wakes(kind, what, false);
+    }
+}
+
+/// A sender told "would block" whose room came back while it was busy (its own progress took
+/// what the receiver said, or wrote out what it had queued), so that nothing is left to wake
+/// a sleep, does not sleep when it next waits: it has not tried again since.
+pub(crate) fn a_sender_whose_room_came_back_while_busy_does_not_sleep(kind: Kind) {
+    for what in [What::Data(EAGER), What::Bodies, What::Puts] {
+        sender_wakes(kind, what, true);
     }
 }
 
@@ -27,7 +36,9 @@ enum What {
     Puts,
 }
 
-fn sender_wakes(kind: Kind, what: What) {
+/// `busy`: the receiver takes everything while the sender never sleeps, and then the sender
+/// waits; else the sender sleeps first.
+fn sender_wakes(kind: Kind, what: What, busy: bool) {
     let (mut a, to_b, mut b, to_a) = pair(kind);
     let n = match what {
         What::Data(n) => n,
@@ -58,21 +69,26 @@ fn sender_wakes(kind: Kind, what: What) {
     // The sender has nothing left to do but wait for room: what it posted has completed
     // (a wait of 300 ms passes with nothing to wake it).
     let start = Instant::now();
-    loop {
-        a.pump();
-        let t0 = Instant::now();
-        kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(300)).unwrap();
-        if t0.elapsed() >= Duration::from_millis(290) {
-            break;
+    if !busy {
+        loop {
+            a.pump();
+            let t0 = Instant::now();
+            kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_millis(300)).unwrap();
+            if t0.elapsed() >= Duration::from_millis(290) {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "never idle");
         }
-        assert!(start.elapsed() < Duration::from_secs(20), "never idle");
     }
     // Now the receiver takes everything (on its own thread, as another process would).
+    let taken = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let count = taken.clone();
     let receiver = std::thread::spawn(move || {
         let mut b = b;
         let start = Instant::now();
         while (b.log.len() as u64) <= posted {
             b.pump();
+            count.store(b.log.len() as u64, std::sync::atomic::Ordering::SeqCst);
             kvstore_transport::wait(&mut [b.b.as_mut()], Duration::from_millis(5)).unwrap();
             assert!(
                 start.elapsed() < Duration::from_secs(30),
@@ -82,11 +98,19 @@ fn sender_wakes(kind: Kind, what: What) {
         }
         b
     });
+    while busy && taken.load(std::sync::atomic::Ordering::SeqCst) < posted {
+        a.pump();
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(start.elapsed() < Duration::from_secs(30), "never taken");
+    }
+    for _ in 0..busy as usize * 100 {
+        a.pump();
+    }
     let t0 = Instant::now();
     kvstore_transport::wait(&mut [a.b.as_mut()], Duration::from_secs(10)).unwrap();
     assert!(
         t0.elapsed() < Duration::from_secs(9),
-        "a sender slept through the room coming back ({what:?})"
+        "a sender slept through the room coming back ({what:?}, busy: {busy})"
     );
     // It can send again, and everything arrives in order.
     let start = Instant::now();
