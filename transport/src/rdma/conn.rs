@@ -117,7 +117,7 @@ impl RdmaBackend {
             reposted: 0,
             told: 0,
             note_owed: None,
-            starved: false,
+            starved: 0,
             arrived: 0,
             posted: VecDeque::new(),
             next_seq: 1,

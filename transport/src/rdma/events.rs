@@ -4,7 +4,7 @@
 
 use rdma_sys as ffi;
 
-use super::{RdmaBackend, ASYNC, CHANNEL, HANDSHAKE, LISTENER};
+use super::{RdmaBackend, ASYNC, CHANNEL, HANDSHAKE, LISTENER, TIMER};
 use crate::{Completion, PeerId, TransportError};
 
 impl RdmaBackend {
@@ -32,6 +32,10 @@ impl RdmaBackend {
                 LISTENER => self.accept_all()?,
                 CHANNEL => self.cq.drain_events(),
                 ASYNC => self.async_events(),
+                TIMER => {
+                    // Its count of expirations: only the wake-up mattered.
+                    let _ = rustix::io::read(&self.timer, &mut [0u8; 8]);
+                }
                 _ if t >= HANDSHAKE => {
                     if let Some(peer) = self.handshake(t) {
                         on(Completion::Connected { peer });
@@ -47,6 +51,24 @@ impl RdmaBackend {
         }
         self.expire_handshakes();
         // Events are asked for again before each sleep; a wake-up may also have been spent.
+        Ok(())
+    }
+
+    /// Wakes a sleep on the backend's descriptor after `after`, once.
+    pub(super) fn wake_after(&self, after: std::time::Duration) -> Result<(), TransportError> {
+        use rustix::time::{timerfd_settime, Itimerspec, TimerfdTimerFlags, Timespec};
+        let spec = Itimerspec {
+            it_interval: Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: Timespec {
+                tv_sec: after.as_secs() as i64,
+                tv_nsec: after.subsec_nanos() as i64,
+            },
+        };
+        timerfd_settime(&self.timer, TimerfdTimerFlags::empty(), &spec)
+            .map_err(std::io::Error::from)?;
         Ok(())
     }
 

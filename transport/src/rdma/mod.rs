@@ -62,6 +62,7 @@ const KIND_RDMA: u32 = 3;
 const LISTENER: mio::Token = mio::Token(usize::MAX);
 const CHANNEL: mio::Token = mio::Token(usize::MAX - 1);
 const ASYNC: mio::Token = mio::Token(usize::MAX - 2);
+const TIMER: mio::Token = mio::Token(usize::MAX - 3);
 /// Tokens of connections still in their handshake start here.
 const HANDSHAKE: usize = 1 << 40;
 /// Grants a peer may say it revoked (ids kept so that nothing is written there again), and
@@ -148,9 +149,11 @@ pub(crate) struct Peer {
     /// Since when a count was told by a plain WRITE, which wakes nobody, for want of a credit
     /// for a note (a WRITE_WITH_IMM): the note follows once there is one.
     note_owed: Option<std::time::Instant>,
-    /// A send or put was told to wait for credits: while so, a sleep looks at the credit
-    /// word first (a count written by a plain WRITE wakes nobody).
-    starved: bool,
+    /// The work requests a send or put needed when it was told to wait for room (0: none).
+    /// While so, a sleep looks at the credit word first (a count written by a plain WRITE
+    /// wakes nobody), and does not happen if the room is there: it came back while this side
+    /// was busy, and nothing is left to wake it.
+    starved: usize,
     /// Buffers it took: never more than it was credited (its first receives and every one
     /// posted again), or it breaks the protocol and would starve the others.
     arrived: u64,
@@ -278,6 +281,8 @@ pub struct RdmaBackend {
     ctx: Arc<Context>,
     poll: Poll,
     events: Events,
+    /// Wakes a sleep now and then while a note is owed ([`NOTE_POLL`]).
+    timer: std::os::fd::OwnedFd,
     listener: Option<TcpListener>,
     next_peer: u32,
     next_handshake: usize,
@@ -373,6 +378,14 @@ impl RdmaBackend {
             .register(&mut SourceFd(&chan.fd()), CHANNEL, Interest::READABLE)?;
         poll.registry()
             .register(&mut SourceFd(&ctx.async_fd()), ASYNC, Interest::READABLE)?;
+        use rustix::time::{timerfd_create, TimerfdClockId, TimerfdFlags};
+        let timer = timerfd_create(
+            TimerfdClockId::Monotonic,
+            TimerfdFlags::NONBLOCK | TimerfdFlags::CLOEXEC,
+        )
+        .map_err(std::io::Error::from)?;
+        poll.registry()
+            .register(&mut SourceFd(&timer.as_raw_fd()), TIMER, Interest::READABLE)?;
         let mut b = RdmaBackend {
             id: fresh_id(),
             free_sends: (0..cfg.sends as u32).rev().collect(),
@@ -391,6 +404,7 @@ impl RdmaBackend {
             ctx,
             poll,
             events: Events::with_capacity(64),
+            timer,
             listener: None,
             next_peer: 0,
             next_handshake: 0,
@@ -556,6 +570,14 @@ const EVENTS_EVERY: std::time::Duration = std::time::Duration::from_micros(500);
 /// How long a backend that could not wake a peer (`Peer::note_owed`) spins instead of
 /// sleeping: the peer's own count, if it waits too, lands within it.
 const NOTE_SPIN: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// After the spin, how soon a sleeping backend that still owes a note looks again: a quarter
+/// of the time it has owed it, within these bounds (the peer's count may land at any time, and
+/// nothing announces it).
+const NOTE_POLL: (std::time::Duration, std::time::Duration) = (
+    std::time::Duration::from_millis(1),
+    std::time::Duration::from_millis(50),
+);
 
 /// How long a backend being dropped waits for its posted operations to be acknowledged.
 const LINGER: std::time::Duration = std::time::Duration::from_secs(2);

@@ -173,7 +173,7 @@ impl Backend for RdmaBackend {
                 false,
             )
         {
-            self.peer(peer)?.starved = true;
+            self.peer(peer)?.starved = 2;
             return Ok(Sent::WouldBlock);
         }
         let mut head = Head {
@@ -208,8 +208,10 @@ impl Backend for RdmaBackend {
             }
         };
         let Some((w, slot)) = chain_slot else {
-            if head.flags & RNDV != 0 {
-                if let Some(p) = self.peers.get_mut(&peer.0) {
+            // No send buffer free: they come back as sends complete.
+            if let Some(p) = self.peers.get_mut(&peer.0) {
+                p.starved = 2;
+                if head.flags & RNDV != 0 {
                     p.lent.remove(&head.id);
                 }
             }
@@ -255,7 +257,7 @@ impl Backend for RdmaBackend {
                 false,
             )
         {
-            self.peer(peer)?.starved = true;
+            self.peer(peer)?.starved = writes + 2;
             return Ok(Sent::WouldBlock);
         }
         // The notice: which grant, where, how much, and the caller's immediate.
@@ -337,27 +339,47 @@ impl Backend for RdmaBackend {
         // them: a send or put told to wait, control messages queued, a note owed.
         let mut fresh = false;
         for p in self.peers.values_mut() {
-            if p.starved || p.note_owed.is_some() || !p.unsent.is_empty() {
+            if p.starved > 0 || p.note_owed.is_some() || !p.unsent.is_empty() {
                 let word = super::wire::credit_word(p);
                 if word > p.returned {
                     p.returned = word;
-                    p.starved = false;
                     fresh = true;
                 }
             }
         }
-        if fresh {
+        // A send or put told to wait whose room came back while this side was busy (its own
+        // progress took the completions or the count): nothing is left to wake a sleep, so it
+        // tries again now.
+        let sends = !self.free_sends.is_empty();
+        let retry: Vec<u32> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.starved > 0 && sends && self.room(p, p.starved, true, false))
+            .map(|(k, _)| *k)
+            .collect();
+        for id in &retry {
+            if let Some(p) = self.peers.get_mut(id) {
+                p.starved = 0;
+            }
+        }
+        if fresh || !retry.is_empty() {
             return Ok(false);
         }
         // A peer this side could not wake may be waiting for this side's credits too, its own
         // count in flight to here by a plain WRITE: a short spin sees it land, where a sleep
         // would miss it.
-        if self
+        let owed = self
             .peers
             .values()
-            .any(|p| p.note_owed.is_some_and(|t| t.elapsed() < super::NOTE_SPIN))
-        {
+            .filter_map(|p| p.note_owed.map(|t| t.elapsed()))
+            .max();
+        if owed.is_some_and(|t| t < super::NOTE_SPIN) {
             return Ok(false);
+        }
+        // Past the spin, a sleep ends now and then to look again.
+        if let Some(t) = owed {
+            let (least, most) = super::NOTE_POLL;
+            self.wake_after((t / 4).clamp(least, most))?;
         }
         self.cq.arm()?;
         // What completed before the arm raises no event: look once more.

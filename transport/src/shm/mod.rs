@@ -180,6 +180,9 @@ pub struct ShmBackend {
     lost: VecDeque<(PeerId, TransportError)>,
     /// Whether `arm` marked the rings asleep since the last progress.
     armed: bool,
+    /// The bytes a send could not stage for want of free pages: a sleep does not happen while
+    /// they could be had (the pages came back while this side was busy).
+    pool_starved: Option<usize>,
     /// When the sockets, doorbells and listener were last polled.
     last_poll: Instant,
     /// Reused list of peers to visit.
@@ -227,6 +230,7 @@ impl ShmBackend {
             done: VecDeque::new(),
             lost: VecDeque::new(),
             armed: false,
+            pool_starved: None,
             last_poll: Instant::now(),
             ids: Vec::new(),
             calls: 0,
@@ -368,7 +372,7 @@ impl ShmBackend {
     fn post_control(&mut self, peer: PeerId, d: [u8; SLOT]) {
         if let Some(p) = self.peers.get_mut(&peer.0) {
             p.unsent.push_back(d);
-            let _ = push_unsent(p);
+            let _ = ops::push_unsent(p);
         }
     }
 
@@ -419,7 +423,10 @@ impl ShmBackend {
     fn stage(&mut self, src: *const u8, len: usize) -> Result<Option<Region>, TransportError> {
         let region = match self.pool.alloc(len) {
             Ok(r) => r,
-            Err(e) if shm_full(&e) && len <= self.pool.capacity() => return Ok(None),
+            Err(e) if shm_full(&e) && len <= self.pool.capacity() => {
+                self.pool_starved = Some(len);
+                return Ok(None);
+            }
             Err(e) => return Err(e.into()),
         };
         let pages = Arc::new(PoolPages {
@@ -578,18 +585,6 @@ impl ShmBackend {
             }
         }
     }
-}
-
-/// Posts queued control descriptors while the ring has room.
-fn push_unsent(p: &mut Peer) -> Result<(), TransportError> {
-    while let Some(d) = p.unsent.front() {
-        if !p.chan.try_post(d)? {
-            break;
-        }
-        p.unsent.pop_front();
-        p.posted = true;
-    }
-    Ok(())
 }
 
 mod ops;

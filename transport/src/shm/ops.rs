@@ -435,6 +435,15 @@ impl Backend for ShmBackend {
         if !self.done.is_empty() || !self.lost.is_empty() {
             return Ok(false);
         }
+        // Pages a send was told to wait for, freed since by this side's own progress (the
+        // peer's releases it took): no wake-up is left for them, so it tries again now.
+        if let Some(len) = self.pool_starved {
+            if let Ok(r) = self.pool.alloc(len) {
+                let _ = self.pool.free(r);
+                self.pool_starved = None;
+                return Ok(false);
+            }
+        }
         self.armed = true;
         for (_, p) in self.peers.iter_mut() {
             // Descriptors waiting for room, or a caller told to wait for it: the peer rings
@@ -570,4 +579,16 @@ impl Drop for ShmBackend {
         std::mem::forget(keep);
         std::mem::forget(live);
     }
+}
+
+/// Posts queued control descriptors while the ring has room.
+pub(super) fn push_unsent(p: &mut Peer) -> Result<(), TransportError> {
+    while let Some(d) = p.unsent.front() {
+        if !p.chan.try_post(d)? {
+            break;
+        }
+        p.unsent.pop_front();
+        p.posted = true;
+    }
+    Ok(())
 }
