@@ -258,13 +258,17 @@ impl Channel {
     /// wake it when it next takes descriptors ([`Channel::took`]). Returns whether the ring has
     /// room already, in which case no wake-up may come: post now instead of sleeping.
     pub fn want_room(&self) -> Result<bool, ShmError> {
-        self.seg
-            .atomic_u32(self.tx_room)?
-            .store(1, Ordering::Relaxed);
+        let room = self.seg.atomic_u32(self.tx_room)?;
+        room.store(1, Ordering::Relaxed);
         // Pairs with the fence in `took`: either this sees the slot the peer freed, or the
         // peer sees the request.
         fence(Ordering::SeqCst);
-        Ok(!self.tx.is_full())
+        if self.tx.is_full() {
+            return Ok(false);
+        }
+        // Room already, and nobody sleeps on the request: withdrawn, so no ring comes for it.
+        room.store(0, Ordering::Relaxed);
+        Ok(true)
     }
 
     /// After taking descriptors off the ring from the peer: wakes the peer if it asked for

@@ -285,6 +285,8 @@ impl Backend for RdmaBackend {
             // one message where a write and a notice would be two (fewer packets, one post).
             head.flags = EAGER;
             let Some((w, slot)) = self.send_wr(peer.0, head, &[], Some((src, range))) else {
+                // No send buffer free: they come back as sends complete.
+                self.peer(peer)?.starved = writes + 2;
                 return Ok(Sent::WouldBlock);
             };
             // The data was copied: the source is the caller's again at once.
@@ -307,6 +309,7 @@ impl Backend for RdmaBackend {
             chain.push((w, None, None));
         }
         let Some((w, slot)) = self.send_wr(peer.0, head, &[], None) else {
+            self.peer(peer)?.starved = writes + 2;
             return Ok(Sent::WouldBlock);
         };
         chain.push((w, slot, None));

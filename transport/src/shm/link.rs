@@ -175,6 +175,21 @@ impl Drop for PoolPages {
     }
 }
 
+/// Whether regions of each of `sizes` (0: none) could be had from `pool` at once: each is
+/// allocated, held while the next is, then all are freed.
+pub(super) fn pool_has(pool: &Pool, sizes: [usize; 2]) -> bool {
+    let got: Vec<_> = sizes
+        .iter()
+        .filter(|&&n| n > 0)
+        .map(|&n| pool.alloc(n))
+        .collect();
+    let room = got.iter().all(Result::is_ok);
+    for r in got.into_iter().flatten() {
+        let _ = pool.free(r);
+    }
+    room
+}
+
 /// The abstract socket address of a listener named `name`.
 pub(super) fn addr(name: &str) -> Result<UnixAddr, TransportError> {
     Ok(UnixAddr::from_abstract_name(format!("kvstore-shm.{name}"))?)

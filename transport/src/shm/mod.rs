@@ -180,9 +180,10 @@ pub struct ShmBackend {
     lost: VecDeque<(PeerId, TransportError)>,
     /// Whether `arm` marked the rings asleep since the last progress.
     armed: bool,
-    /// The bytes a send could not stage for want of free pages: a sleep does not happen while
-    /// they could be had (the pages came back while this side was busy).
-    pool_starved: Option<usize>,
+    /// The bytes a send had to stage (its body's and its data's) when it could not for want
+    /// of free pages: a sleep does not happen while they could be had (the pages came back
+    /// while this side was busy).
+    pool_starved: Option<[usize; 2]>,
     /// When the sockets, doorbells and listener were last polled.
     last_poll: Instant,
     /// Reused list of peers to visit.
@@ -372,7 +373,7 @@ impl ShmBackend {
     fn post_control(&mut self, peer: PeerId, d: [u8; SLOT]) {
         if let Some(p) = self.peers.get_mut(&peer.0) {
             p.unsent.push_back(d);
-            let _ = ops::push_unsent(p);
+            let _ = recv::push_unsent(p);
         }
     }
 
@@ -423,10 +424,7 @@ impl ShmBackend {
     fn stage(&mut self, src: *const u8, len: usize) -> Result<Option<Region>, TransportError> {
         let region = match self.pool.alloc(len) {
             Ok(r) => r,
-            Err(e) if shm_full(&e) && len <= self.pool.capacity() => {
-                self.pool_starved = Some(len);
-                return Ok(None);
-            }
+            Err(e) if shm_full(&e) && len <= self.pool.capacity() => return Ok(None),
             Err(e) => return Err(e.into()),
         };
         let pages = Arc::new(PoolPages {

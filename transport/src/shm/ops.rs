@@ -1,6 +1,7 @@
 //! The shared-memory backend's operations: posting, and taking descriptors off the rings.
 
-use super::recv::recv_msg;
+use super::link::pool_has;
+use super::recv::{push_unsent, recv_msg};
 use super::*;
 
 impl ShmBackend {
@@ -265,12 +266,26 @@ impl Backend for ShmBackend {
             word: body.len() as u32,
             ..Desc::default()
         };
+        // What has to be staged in pool pages: a large body, data in other memory that does
+        // not ride in the descriptor.
+        let body_pages = if body.len() > INLINE { body.len() } else { 0 };
+        let data_pages = match &data {
+            Some((r, range, _))
+                if matches!(r.place, Place::Local | Place::Landing(_))
+                    && !(body_pages == 0 && body.len() + range.len() <= INLINE) =>
+            {
+                range.len()
+            }
+            _ => 0,
+        };
+        let needs = Some([body_pages, data_pages]);
         // What rides in the descriptor: a small body, and after it small data.
         let mut inline = [0u8; INLINE];
         let mut inline_len = 0;
         let mut hold = Vec::new();
         if body.len() > INLINE {
             let Some(b) = self.stage(body.as_ptr(), body.len())? else {
+                self.pool_starved = needs;
                 return Ok(Sent::WouldBlock);
             };
             d.flags |= BODY_IN_POOL;
@@ -306,6 +321,7 @@ impl Backend for ShmBackend {
                         // SAFETY: the range was checked; the caller does not write it meanwhile.
                         let src = unsafe { r.mem.ptr().add(range.start) };
                         let Some(s) = self.stage(src, range.len())? else {
+                            self.pool_starved = needs;
                             return Ok(Sent::WouldBlock);
                         };
                         self.copies.0 += 1;
@@ -326,6 +342,7 @@ impl Backend for ShmBackend {
             return Ok(Sent::WouldBlock);
         }
         p.posted = true;
+        p.starved = false;
         if !hold.is_empty() {
             p.next_seq += 1;
             p.refs.insert(d.id, RefOut { token, _hold: hold });
@@ -437,12 +454,9 @@ impl Backend for ShmBackend {
         }
         // Pages a send was told to wait for, freed since by this side's own progress (the
         // peer's releases it took): no wake-up is left for them, so it tries again now.
-        if let Some(len) = self.pool_starved {
-            if let Ok(r) = self.pool.alloc(len) {
-                let _ = self.pool.free(r);
-                self.pool_starved = None;
-                return Ok(false);
-            }
+        if self.pool_starved.is_some_and(|n| pool_has(&self.pool, n)) {
+            self.pool_starved = None;
+            return Ok(false);
         }
         self.armed = true;
         for (_, p) in self.peers.iter_mut() {
@@ -579,16 +593,4 @@ impl Drop for ShmBackend {
         std::mem::forget(keep);
         std::mem::forget(live);
     }
-}
-
-/// Posts queued control descriptors while the ring has room.
-pub(super) fn push_unsent(p: &mut Peer) -> Result<(), TransportError> {
-    while let Some(d) = p.unsent.front() {
-        if !p.chan.try_post(d)? {
-            break;
-        }
-        p.unsent.pop_front();
-        p.posted = true;
-    }
-    Ok(())
 }

@@ -65,3 +65,15 @@ pub(super) fn recv_msg(
     }
     Ok(())
 }
+
+/// Posts queued control descriptors while the ring has room.
+pub(super) fn push_unsent(p: &mut Peer) -> Result<(), TransportError> {
+    while let Some(d) = p.unsent.front() {
+        if !p.chan.try_post(d)? {
+            break;
+        }
+        p.unsent.pop_front();
+        p.posted = true;
+    }
+    Ok(())
+}

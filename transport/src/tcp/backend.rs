@@ -204,6 +204,7 @@ impl TcpBackend {
             return Ok(Sent::WouldBlock);
         }
         p.out.push(hdr.encode(), o);
+        p.starved = false;
         Ok(Sent::Posted)
     }
 
