@@ -104,6 +104,8 @@ fn sender_wakes(kind: Kind, what: What, busy: bool) {
         std::thread::sleep(Duration::from_millis(1));
         assert!(start.elapsed() < Duration::from_secs(30), "never taken");
     }
+    // (Busy: whatever the receiver sent back on the way is taken now, by this side's own
+    // progress, before it waits.)
     for _ in 0..busy as usize * 100 {
         a.pump();
     }
