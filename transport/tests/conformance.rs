@@ -498,6 +498,7 @@ suite!(
     a_sender_whose_room_came_back_while_busy_does_not_sleep,
     two_peers_each_out_of_the_others_room_both_go_on,
     random_traffic_both_ways_never_sleeps_through_work,
+    random_traffic_with_two_peers_on_one_loop,
     many_peers_one_loop_and_no_missed_wakeup,
     a_lost_peer_is_reported_and_fails_what_it_had,
     a_revoked_grant_is_never_written,

@@ -273,87 +273,100 @@ struct Way {
     salt: u8,
 }
 
-/// Sends `w.mine` in order, as fast as the link takes it, and takes everything the peer sends,
-/// sleeping in `wait` between; then checks what came.
-fn both_ways(mut s: Side, w: Way, done: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> Side {
-    let Way {
-        to,
-        src,
-        grant,
-        mine,
-        theirs,
-        salt,
-    } = w;
+/// Sends each way's `mine` in order, as fast as its link takes it, and takes everything the
+/// peers send, sleeping in `wait` between; once `parties` sides (this one included) are done,
+/// checks what came from each peer.
+fn both_ways(
+    mut s: Side,
+    ways: Vec<Way>,
+    done: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    parties: usize,
+) -> Side {
     use std::sync::atomic::Ordering::SeqCst;
     let start = Instant::now();
-    let (mut next, mut finished) = (0usize, false);
-    let taken = |s: &Side| {
-        s.log
-            .iter()
-            .filter(|e| matches!(e, Ev::Recv(..) | Ev::Put(..)))
-            .count()
+    let mut next = vec![0usize; ways.len()];
+    let mut finished = false;
+    let from = |e: &Ev| match e {
+        Ev::Recv(p, ..) | Ev::Put(p, ..) => Some(*p),
+        _ => None,
     };
+    let taken = |s: &Side, to: PeerId| s.log.iter().filter(|e| from(e) == Some(to)).count();
     loop {
         s.pump();
-        while next < mine.len() {
-            let (t, tag) = (Token(next as u64), (next as u32).to_le_bytes());
-            // SAFETY: `src` is never written.
-            let sent = unsafe {
-                match mine[next] {
-                    Item::Body => s.b.send(to, &tag, None),
-                    Item::Data(n) => s.b.send(to, &tag, Some((&src, 0..n, t))),
-                    Item::Put(n) => s.b.put(to, &src, 0..n, &grant, 0, next as u32, t),
+        for (w, next) in ways.iter().zip(next.iter_mut()) {
+            while *next < w.mine.len() {
+                let (t, tag) = (Token(*next as u64), (*next as u32).to_le_bytes());
+                let (to, src) = (w.to, &w.src);
+                // SAFETY: `src` is never written.
+                let sent = unsafe {
+                    match w.mine[*next] {
+                        Item::Body => s.b.send(to, &tag, None),
+                        Item::Data(n) => s.b.send(to, &tag, Some((src, 0..n, t))),
+                        Item::Put(n) => s.b.put(to, src, 0..n, &w.grant, 0, *next as u32, t),
+                    }
+                };
+                if sent.unwrap() == Sent::WouldBlock {
+                    break;
                 }
-            };
-            if sent.unwrap() == Sent::WouldBlock {
-                break;
+                *next += 1;
             }
-            next += 1;
         }
         s.pump();
-        if !finished && next == mine.len() && taken(&s) == theirs.len() {
+        let all = |s: &Side| {
+            ways.iter()
+                .zip(&next)
+                .all(|(w, n)| *n == w.mine.len() && taken(s, w.to) == w.theirs.len())
+        };
+        if !finished && all(&s) {
             finished = true;
             done.fetch_add(1, SeqCst);
         }
-        if done.load(SeqCst) == 2 {
+        if done.load(SeqCst) == parties {
             break;
         }
         let t0 = Instant::now();
         let nap = Duration::from_millis(if finished { 5 } else { 10_000 });
         kvstore_transport::wait(&mut [s.b.as_mut()], nap).unwrap();
-        assert!(
-            finished || t0.elapsed() < Duration::from_secs(9),
-            "slept through work: {next} of {} sent, {} of {} taken",
-            mine.len(),
-            taken(&s),
-            theirs.len()
-        );
+        if !finished && t0.elapsed() >= Duration::from_secs(9) {
+            let state: Vec<String> = ways
+                .iter()
+                .zip(&next)
+                .map(|(w, n)| {
+                    let (sent, want) = (n, w.mine.len());
+                    let (got, of) = (taken(&s, w.to), w.theirs.len());
+                    format!("{}: {sent} of {want} sent, {got} of {of} taken", w.to)
+                })
+                .collect();
+            panic!("slept through work: {}", state.join("; "));
+        }
         assert!(start.elapsed() < Duration::from_secs(120), "hung");
     }
-    // What came: the messages in order, and the puts in order.
-    let data = pattern(BIG, salt);
+    // What came from each peer: its messages in order, and its puts in order.
     let log = s.take();
-    let msgs: Vec<&Ev> = log.iter().filter(|e| matches!(e, Ev::Recv(..))).collect();
-    let puts: Vec<&Ev> = log.iter().filter(|e| matches!(e, Ev::Put(..))).collect();
-    let (mut m, mut p) = (msgs.iter(), puts.iter());
-    for (i, item) in theirs.iter().enumerate() {
-        let tag = (i as u32).to_le_bytes();
-        match *item {
-            Item::Body => assert!(
-                matches!(m.next(), Some(Ev::Recv(_, b, None)) if *b == tag),
-                "message {i}"
-            ),
-            Item::Data(n) => assert!(
-                matches!(m.next(), Some(Ev::Recv(_, b, Some(d))) if *b == tag && d[..] == data[..n]),
-                "message {i} with {n} bytes"
-            ),
-            Item::Put(n) => assert!(
-                matches!(p.next(), Some(Ev::Put(_, _, 0, len, imm)) if *len == n && *imm == i as u32),
-                "put {i} of {n} bytes"
-            ),
+    for w in &ways {
+        let data = pattern(BIG, w.salt);
+        let mine: Vec<&Ev> = log.iter().filter(|e| from(e) == Some(w.to)).collect();
+        let mut m = mine.iter().filter(|e| matches!(e, Ev::Recv(..)));
+        let mut p = mine.iter().filter(|e| matches!(e, Ev::Put(..)));
+        for (i, item) in w.theirs.iter().enumerate() {
+            let tag = (i as u32).to_le_bytes();
+            match *item {
+                Item::Body => assert!(
+                    matches!(m.next(), Some(Ev::Recv(_, b, None)) if *b == tag),
+                    "message {i}"
+                ),
+                Item::Data(n) => assert!(
+                    matches!(m.next(), Some(Ev::Recv(_, b, Some(d))) if *b == tag && d[..] == data[..n]),
+                    "message {i} with {n} bytes"
+                ),
+                Item::Put(n) => assert!(
+                    matches!(p.next(), Some(Ev::Put(_, _, 0, len, imm)) if *len == n && *imm == i as u32),
+                    "put {i} of {n} bytes"
+                ),
+            }
         }
+        assert!(m.next().is_none() && p.next().is_none());
     }
-    assert!(m.next().is_none() && p.next().is_none());
     s
 }
 
@@ -390,8 +403,52 @@ pub(crate) fn random_traffic_both_ways_never_sleeps_through_work(kind: Kind) {
         salt: 11,
     };
     let d = done.clone();
-    let ta = std::thread::spawn(move || both_ways(a, way_a, d));
-    let tb = std::thread::spawn(move || both_ways(b, way_b, done));
+    let ta = std::thread::spawn(move || both_ways(a, vec![way_a], d, 2));
+    let tb = std::thread::spawn(move || both_ways(b, vec![way_b], done, 2));
     let (a, b) = (ta.join().unwrap(), tb.join().unwrap());
     drop((a, b, into_a, into_b));
+}
+
+/// The same with one side serving two peers from one loop, as a server does: each link both
+/// ways at once, and the serving side sleeps through no peer's work.
+pub(crate) fn random_traffic_with_two_peers_on_one_loop(kind: Kind) {
+    let (mut s, at) = server(kind);
+    let (mut a, a_to_s, s_to_a) = connect(kind, &mut s, &at);
+    let (mut b, b_to_s, s_to_b) = connect(kind, &mut s, &at);
+    let src_s = heap(&mut s, &pattern(BIG, 13));
+    let (src_a, src_b) = (
+        heap(&mut a, &pattern(BIG, 11)),
+        heap(&mut b, &pattern(BIG, 12)),
+    );
+    let (s_for_a, s_for_b) = (heap(&mut s, &[0u8; BIG]), heap(&mut s, &[0u8; BIG]));
+    let (a_for_s, b_for_s) = (heap(&mut a, &[0u8; BIG]), heap(&mut b, &[0u8; BIG]));
+    let grants = [
+        grant_to(&mut s, s_to_a, &s_for_a, 0..BIG),
+        grant_to(&mut s, s_to_b, &s_for_b, 0..BIG),
+        grant_to(&mut a, a_to_s, &a_for_s, 0..BIG),
+        grant_to(&mut b, b_to_s, &b_for_s, 0..BIG),
+    ];
+    let [into_s_from_a, into_s_from_b, into_a, into_b] = grants;
+    let plans: Vec<Vec<Item>> = (1..=4).map(|seed| plan(seed, 200)).collect();
+    let way = |to, src: &Region, grant, mine: usize, theirs: usize, salt| Way {
+        to,
+        src: src.clone(),
+        grant,
+        mine: plans[mine].clone(),
+        theirs: plans[theirs].clone(),
+        salt,
+    };
+    let ways_s = vec![
+        way(s_to_a, &src_s, into_a, 0, 1, 11),
+        way(s_to_b, &src_s, into_b, 2, 3, 12),
+    ];
+    let way_a = way(a_to_s, &src_a, into_s_from_a, 1, 0, 13);
+    let way_b = way(b_to_s, &src_b, into_s_from_b, 3, 2, 13);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (d1, d2) = (done.clone(), done.clone());
+    let ts = std::thread::spawn(move || both_ways(s, ways_s, done, 3));
+    let ta = std::thread::spawn(move || both_ways(a, vec![way_a], d1, 3));
+    let tb = std::thread::spawn(move || both_ways(b, vec![way_b], d2, 3));
+    let sides = (ts.join().unwrap(), ta.join().unwrap(), tb.join().unwrap());
+    drop((sides, s_for_a, s_for_b, a_for_s, b_for_s));
 }
