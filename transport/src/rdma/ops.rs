@@ -245,6 +245,8 @@ impl Backend for RdmaBackend {
         let len = range.len();
         let step = self.lim.max_msg;
         let writes = len.div_ceil(step);
+        // Work requests: the writes, the notice, and one to spare.
+        let need = writes + 2;
         let p = self.peer(peer)?;
         if p.revoked.contains(&dst.id) {
             return Err(TransportError::Refused(format!("{dst:?} was revoked")));
@@ -252,12 +254,12 @@ impl Backend for RdmaBackend {
         if !p.unsent.is_empty()
             || !self.room(
                 self.peers.get(&peer.0).ok_or(TransportError::Closed)?,
-                writes + 2,
+                need,
                 true,
                 false,
             )
         {
-            self.peer(peer)?.starved = writes + 2;
+            self.peer(peer)?.starved = need;
             return Ok(Sent::WouldBlock);
         }
         // The notice: which grant, where, how much, and the caller's immediate.
@@ -286,7 +288,7 @@ impl Backend for RdmaBackend {
             head.flags = EAGER;
             let Some((w, slot)) = self.send_wr(peer.0, head, &[], Some((src, range))) else {
                 // No send buffer free: they come back as sends complete.
-                self.peer(peer)?.starved = writes + 2;
+                self.peer(peer)?.starved = need;
                 return Ok(Sent::WouldBlock);
             };
             // The data was copied: the source is the caller's again at once.
@@ -309,7 +311,7 @@ impl Backend for RdmaBackend {
             chain.push((w, None, None));
         }
         let Some((w, slot)) = self.send_wr(peer.0, head, &[], None) else {
-            self.peer(peer)?.starved = writes + 2;
+            self.peer(peer)?.starved = need;
             return Ok(Sent::WouldBlock);
         };
         chain.push((w, slot, None));

@@ -135,6 +135,16 @@ struct Peer {
     paused: bool,
 }
 
+impl Peer {
+    /// Whether the link is full (control descriptors wait, or the ring has no slot), marking
+    /// the caller so told as starved.
+    fn full(&mut self) -> bool {
+        let full = !self.unsent.is_empty() || self.chan.tx_full();
+        self.starved |= full;
+        full
+    }
+}
+
 struct Grant {
     peer: PeerId,
     region: Region,

@@ -257,8 +257,7 @@ impl Backend for ShmBackend {
         crate::backend::check_body(body.len(), MAX_BODY)?;
         // A full link is found before any staging copy, so a retry never copies twice.
         let p = self.peer(peer)?;
-        if !p.unsent.is_empty() || p.chan.tx_full() {
-            p.starved = true;
+        if p.full() {
             return Ok(Sent::WouldBlock);
         }
         let mut d = Desc {
@@ -266,26 +265,14 @@ impl Backend for ShmBackend {
             word: body.len() as u32,
             ..Desc::default()
         };
-        // What has to be staged in pool pages: a large body, data in other memory that does
-        // not ride in the descriptor.
-        let body_pages = if body.len() > INLINE { body.len() } else { 0 };
-        let data_pages = match &data {
-            Some((r, range, _))
-                if matches!(r.place, Place::Local | Place::Landing(_))
-                    && !(body_pages == 0 && body.len() + range.len() <= INLINE) =>
-            {
-                range.len()
-            }
-            _ => 0,
-        };
-        let needs = Some([body_pages, data_pages]);
         // What rides in the descriptor: a small body, and after it small data.
         let mut inline = [0u8; INLINE];
         let mut inline_len = 0;
         let mut hold = Vec::new();
         if body.len() > INLINE {
             let Some(b) = self.stage(body.as_ptr(), body.len())? else {
-                self.pool_starved = needs;
+                // (Data to stage as well is found, and added, by the retry.)
+                self.pool_starved = Some([body.len(), 0]);
                 return Ok(Sent::WouldBlock);
             };
             d.flags |= BODY_IN_POOL;
@@ -321,7 +308,12 @@ impl Backend for ShmBackend {
                         // SAFETY: the range was checked; the caller does not write it meanwhile.
                         let src = unsafe { r.mem.ptr().add(range.start) };
                         let Some(s) = self.stage(src, range.len())? else {
-                            self.pool_starved = needs;
+                            let staged = if d.flags & BODY_IN_POOL != 0 {
+                                body.len()
+                            } else {
+                                0
+                            };
+                            self.pool_starved = Some([staged, range.len()]);
                             return Ok(Sent::WouldBlock);
                         };
                         self.copies.0 += 1;
@@ -370,8 +362,7 @@ impl Backend for ShmBackend {
             return Err(TransportError::Refused(format!("{dst:?} was revoked")));
         }
         // A full link is found before the copy, so a retry never copies twice.
-        if !p.unsent.is_empty() || p.chan.tx_full() {
-            p.starved = true;
+        if p.full() {
             return Ok(Sent::WouldBlock);
         }
         // SAFETY: the range was checked; the caller does not write it until the token completes

@@ -56,6 +56,9 @@ pub struct TcpBackend {
     accepted_max: u64,
     /// Peers resumed after a pause: read at the next progress (their readiness came and went).
     resumed: Vec<u32>,
+    /// Whether some peer's caller was told "would block" ([`Peer::starved`]): `arm` looks at
+    /// the peers only then.
+    starved: bool,
     accept_retry: crate::backend::AcceptRetry,
     /// Judges each message with data by its body before the data is read.
     admission: Option<Box<Admission>>,
@@ -89,6 +92,7 @@ impl TcpBackend {
             max_payload,
             accepted_max: max_payload,
             resumed: Vec::new(),
+            starved: false,
             accept_retry: Default::default(),
             admission: None,
         })
@@ -201,6 +205,7 @@ impl TcpBackend {
         let p = self.peer(peer)?;
         if p.out.pending_bytes() >= MAX_QUEUED {
             p.starved = true;
+            self.starved = true;
             return Ok(Sent::WouldBlock);
         }
         p.out.push(hdr.encode(), o);
@@ -395,10 +400,13 @@ impl Backend for TcpBackend {
         // A caller told to wait for room whose queue drained since (its own flush or progress
         // wrote it out, so no readiness will come): it retries instead of sleeping.
         let mut room = false;
-        for (_, p) in self.peers.iter_mut() {
-            if p.starved && p.out.pending_bytes() < MAX_QUEUED {
-                p.starved = false;
-                room = true;
+        if std::mem::take(&mut self.starved) {
+            for (_, p) in self.peers.iter_mut() {
+                if p.starved && p.out.pending_bytes() < MAX_QUEUED {
+                    p.starved = false;
+                    room = true;
+                }
+                self.starved |= p.starved;
             }
         }
         Ok(!room)

@@ -3,16 +3,70 @@
 
 use std::time::{Duration, Instant};
 
-use kvstore_transport::{PeerId, Region, Sent, Token};
+use kvstore_transport::{PeerId, Region, RemoteRegion, Sent, Token};
 
 use super::harness::*;
+
+/// What a sender sends: a message with or without data, or a put.
+#[derive(Clone, Copy, Debug)]
+enum Item {
+    /// A message with a body alone.
+    Body,
+    /// A message with this many bytes of data.
+    Data(usize),
+    /// A put of this many bytes into the peer's grant.
+    Put(usize),
+}
+
+/// Posts `item` with `body`: number `i` is its token, and a put's immediate.
+fn post(
+    s: &mut Side,
+    to: PeerId,
+    item: Item,
+    body: &[u8],
+    i: u64,
+    src: &Region,
+    grant: Option<&RemoteRegion>,
+) -> Sent {
+    let t = Token(i);
+    // SAFETY: `src` is never written.
+    let sent = unsafe {
+        match item {
+            Item::Body => s.b.send(to, body, None),
+            Item::Data(n) => s.b.send(to, body, Some((src, 0..n, t))),
+            Item::Put(n) => {
+                let g = grant.expect("a grant to put into");
+                s.b.put(to, src, 0..n, g, 0, i as u32, t)
+            }
+        }
+    };
+    sent.unwrap()
+}
+
+/// Posts `item` with `body` until the link to `to` is full; how many went.
+fn fill(
+    s: &mut Side,
+    to: PeerId,
+    item: Item,
+    body: &[u8],
+    src: &Region,
+    grant: Option<&RemoteRegion>,
+) -> u64 {
+    let mut posted = 0u64;
+    while post(s, to, item, body, posted, src, grant) == Sent::Posted {
+        posted += 1;
+        // (Small messages fill a TCP link's socket buffers.)
+        assert!(posted < 1_000_000, "a link that never fills");
+    }
+    posted
+}
 
 /// A sender that was told "would block" and then sleeps as a caller does (`wait`) is woken
 /// once the receiver has taken what filled the link: no sleep outlasts the lack of room. With
 /// eager-sized data, with bodies alone, and with small puts (the last two the receiver takes
 /// without a word back).
 pub(crate) fn a_sender_told_to_wait_wakes_when_room_comes_back(kind: Kind) {
-    for what in [What::Data(EAGER), What::Bodies, What::Puts] {
+    for what in [Item::Data(EAGER), Item::Body, Item::Put(64)] {
         sender_wakes(kind, what, false);
     }
 }
@@ -22,51 +76,28 @@ pub(crate) fn a_sender_told_to_wait_wakes_when_room_comes_back(kind: Kind) {
 /// a sleep, does not sleep when it next waits: it has not tried again since.
 pub(crate) fn a_sender_whose_room_came_back_while_busy_does_not_sleep(kind: Kind) {
     // (Over shared memory, large data fills the pool that stages it before the ring.)
-    for what in [What::Data(EAGER), What::Data(BIG), What::Bodies, What::Puts] {
+    for what in [
+        Item::Data(EAGER),
+        Item::Data(BIG),
+        Item::Body,
+        Item::Put(64),
+    ] {
         sender_wakes(kind, what, true);
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum What {
-    /// Messages with this many bytes of data.
-    Data(usize),
-    /// Messages with a body alone.
-    Bodies,
-    /// Puts of 64 bytes into one grant, each with its number as the immediate.
-    Puts,
-}
-
 /// `busy`: the receiver takes everything while the sender never sleeps, and then the sender
 /// waits; else the sender sleeps first.
-fn sender_wakes(kind: Kind, what: What, busy: bool) {
+fn sender_wakes(kind: Kind, what: Item, busy: bool) {
     let (mut a, to_b, mut b, to_a) = pair(kind);
     let n = match what {
-        What::Data(n) => n,
-        What::Bodies => 0,
-        What::Puts => 64,
+        Item::Data(n) | Item::Put(n) => n,
+        Item::Body => 0,
     };
     let src = heap(&mut a, &pattern(n.max(1), 9));
     let target = heap(&mut b, &[0u8; 64]);
     let grant = grant_to(&mut b, to_a, &target, 0..64);
-    let mut posted = 0u64;
-    loop {
-        let t = Token(posted);
-        // SAFETY: `src` is never written.
-        let sent = unsafe {
-            match what {
-                What::Data(_) => a.b.send(to_b, b"y", Some((&src, 0..n, t))),
-                What::Bodies => a.b.send(to_b, b"y", None),
-                What::Puts => a.b.put(to_b, &src, 0..n, &grant, 0, posted as u32, t),
-            }
-        };
-        if sent.unwrap() == Sent::WouldBlock {
-            break;
-        }
-        posted += 1;
-        // (Small messages fill a TCP link's socket buffers.)
-        assert!(posted < 1_000_000, "a link that never fills");
-    }
+    let posted = fill(&mut a, to_b, what, b"y", &src, Some(&grant));
     // The sender has nothing left to do but wait for room: what it posted has completed
     // (a wait of 300 ms passes with nothing to wake it).
     let start = Instant::now();
@@ -139,12 +170,12 @@ fn sender_wakes(kind: Kind, what: What, busy: bool) {
     let want = (n > 0).then(|| pattern(n, 9));
     for (i, e) in got[..posted as usize].iter().enumerate() {
         let ok = match what {
-            What::Puts => *e == Ev::Put(to_a, grant.id(), 0, n, i as u32),
+            Item::Put(_) => *e == Ev::Put(to_a, grant.id(), 0, n, i as u32),
             _ => matches!(e, Ev::Recv(_, body, d) if body == b"y" && *d == want),
         };
         assert!(ok, "{what:?}: {e:?}");
     }
-    if what == What::Puts {
+    if matches!(what, Item::Put(_)) {
         assert_eq!(read(&target), want.unwrap());
     }
     assert!(matches!(&got[posted as usize], Ev::Recv(_, body, None) if body == b"last"));
@@ -152,20 +183,6 @@ fn sender_wakes(kind: Kind, what: What, busy: bool) {
 
 /// Eager-sized data (one receive buffer over RDMA), so that a link fills soon.
 const EAGER: usize = 60_000;
-
-/// Sends `EAGER` bytes of `src` with a small body until the link to `to` is full; how many
-/// went.
-fn fill(s: &mut Side, to: PeerId, src: &Region) -> u64 {
-    let mut posted = 0u64;
-    // SAFETY: `src` is never written.
-    while unsafe { s.b.send(to, b"z", Some((src, 0..EAGER, Token(posted)))) }.unwrap()
-        == Sent::Posted
-    {
-        posted += 1;
-        assert!(posted < 10_000, "a link that never fills");
-    }
-    posted
-}
 
 /// Two peers that each filled the link to the other before reading anything both go on, each
 /// on its own thread sleeping as a caller does: each takes what the other sent, room comes back
@@ -177,8 +194,8 @@ pub(crate) fn two_peers_each_out_of_the_others_room_both_go_on(kind: Kind) {
         heap(&mut a, &pattern(EAGER, 3)),
         heap(&mut b, &pattern(EAGER, 5)),
     );
-    let from_a = fill(&mut a, to_b, &src_a);
-    let from_b = fill(&mut b, to_a, &src_b);
+    let from_a = fill(&mut a, to_b, Item::Data(EAGER), b"z", &src_a, None);
+    let from_b = fill(&mut b, to_a, Item::Data(EAGER), b"z", &src_b, None);
     assert!(from_a >= 1 && from_b >= 1);
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // Takes `expect` messages of `salt`'s pattern and a last one, and sends its own last one;
@@ -230,17 +247,6 @@ pub(crate) fn two_peers_each_out_of_the_others_room_both_go_on(kind: Kind) {
     drop((src_a, src_b, a, b));
 }
 
-/// What one side sends in [`random_traffic_both_ways_never_sleeps_through_work`].
-#[derive(Clone, Copy, Debug)]
-enum Item {
-    /// A message with a body alone.
-    Body,
-    /// A message with this many bytes of data.
-    Data(usize),
-    /// A put of this many bytes into the peer's grant.
-    Put(usize),
-}
-
 /// The most bytes of one item's data.
 const BIG: usize = 200_000;
 
@@ -266,7 +272,7 @@ fn plan(seed: u64, n: usize) -> Vec<Item> {
 struct Way {
     to: PeerId,
     src: Region,
-    grant: kvstore_transport::RemoteRegion,
+    grant: RemoteRegion,
     mine: Vec<Item>,
     theirs: Vec<Item>,
     /// The salt of the peer's data pattern.
@@ -295,17 +301,17 @@ fn both_ways(
         s.pump();
         for (w, next) in ways.iter().zip(next.iter_mut()) {
             while *next < w.mine.len() {
-                let (t, tag) = (Token(*next as u64), (*next as u32).to_le_bytes());
-                let (to, src) = (w.to, &w.src);
-                // SAFETY: `src` is never written.
-                let sent = unsafe {
-                    match w.mine[*next] {
-                        Item::Body => s.b.send(to, &tag, None),
-                        Item::Data(n) => s.b.send(to, &tag, Some((src, 0..n, t))),
-                        Item::Put(n) => s.b.put(to, src, 0..n, &w.grant, 0, *next as u32, t),
-                    }
-                };
-                if sent.unwrap() == Sent::WouldBlock {
+                let (item, tag) = (w.mine[*next], (*next as u32).to_le_bytes());
+                let sent = post(
+                    &mut s,
+                    w.to,
+                    item,
+                    &tag,
+                    *next as u64,
+                    &w.src,
+                    Some(&w.grant),
+                );
+                if sent == Sent::WouldBlock {
                     break;
                 }
                 *next += 1;
