@@ -153,9 +153,11 @@ impl Ring {
     }
 
     /// Whether a push would find no room (for the producer: only the consumer frees slots, so
-    /// room seen here stays until the producer pushes).
+    /// room seen here stays until the producer pushes). Indices that do not fit the ring are
+    /// not "full": a producer told so would wait for room that never comes, where its push
+    /// says at once that the ring is corrupt.
     pub fn is_full(&self) -> bool {
-        self.producer().map(|(_, n)| n == self.cap).unwrap_or(true)
+        self.producer().is_ok_and(|(_, n)| n == self.cap)
     }
 
     /// Whether nothing is waiting (for the consumer).
@@ -226,10 +228,8 @@ mod tests {
             assert!(tx.try_push(&[i]).unwrap());
         }
         assert!(matches!(tx.try_push(&[5]), Err(ShmError::Corrupt(_))));
-        assert!(
-            tx.is_full(),
-            "a ring it cannot read is full to the producer"
-        );
+        // Not a full ring to wait on (no room would ever come): a push says why.
+        assert!(!tx.is_full(), "a ring it cannot read is not full");
         // The consumer, at that garbage index, finds no slot due there.
         assert!(rx.is_empty());
         seg.atomic_u64(TAIL).unwrap().store(0, Ordering::SeqCst);
