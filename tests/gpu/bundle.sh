@@ -5,7 +5,7 @@
 #   tests/gpu/bundle.sh            -> target/gpu-bundle/ (run.sh, release/...)
 #   (on the GPU machine)  target/gpu-bundle/run.sh
 # run.sh prints nvidia-smi, then runs the ignored GPU tests, the other suites, and the
-# walkthrough on every GPU, then the GPU benchmarks.
+# walkthrough on every GPU, then the GPU benchmarks and the Python layer's cost.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=target/gpu-bundle
@@ -27,10 +27,25 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and t.get("name") in want and m.get("executable"):
         name = "kvstore-lib" if t["name"] == "kvstore" else t["name"]
         shutil.copy(m["executable"], sys.argv[1] + "/" + name)' "$out/release/deps"
+# The Python package, for the GPU machine's own interpreter (CPython 3.12 with numpy and
+# cloudpickle, by the device tool's notes; none here): PyO3 is told the version instead of
+# asking an interpreter, and the module is built as `pip install ./python` builds it.
+pyver=${GPU_PYTHON:-3.12}
+printf '%s\n' implementation=CPython "version=$pyver" shared=true abi3=false \
+    "lib_name=python$pyver" pointer_width=64 build_flags= \
+    suppress_build_script_link_lines=false > target/pyo3-gpu.cfg
+(cd python && PYO3_CONFIG_FILE=$PWD/../target/pyo3-gpu.cfg CARGO_TARGET_DIR=$PWD/target/gpu \
+    cargo build --release --lib)
+mkdir -p "$out/py/kvstore"
+cp python/kvstore/*.py python/kvstore/py.typed "$out/py/kvstore/"
+cp python/target/gpu/release/lib_native.so \
+    "$out/py/kvstore/_native.cpython-${pyver/./}-x86_64-linux-gnu.so"
+cp python/benches/layer_cost.py "$out/py/"
 cp target/release/kvrun target/release/kvperf "$out/release/"
 cp target/release/examples/dist_check target/release/examples/walkthrough \
     target/release/examples/train "$out/release/examples/"
-strip "$out/release/deps/"* "$out/release/kvrun" "$out/release/kvperf" "$out/release/examples/"*
+strip "$out/release/deps/"* "$out/release/kvrun" "$out/release/kvperf" "$out/release/examples/"* \
+    "$out/py/kvstore/"*.so
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # On a GPU machine: the GPU tests (tests/gpu.rs, ignored elsewhere), the library's unit tests,
@@ -60,6 +75,14 @@ done
 echo "push+pull, W=1 S=1 over shm, arrays in the pool's pages: host arrays, then GPU arrays"
 release/kvperf pushpull -n 1 -s 1 --transport shm --sizes 64K:64M --alloc
 release/kvperf pushpull -n 1 -s 1 --transport shm --sizes 64K:64M --alloc --gpu
+echo "the Python layer's cost on this machine's CPU, 4 KiB (python/benches/layer_cost.py), twice:"
+export PYTHONPATH=$PWD/py PATH=$PWD/release:$PATH
+python3 -c 'import sys, numpy; print("Python", sys.version.split()[0], "numpy", numpy.__version__)'
+for r in 1 2; do
+    LAYER_COST_SIZES=4096 timeout 60 python3 py/layer_cost.py
+    LAYER_COST_SIZES=4096 timeout 90 release/kvrun -n 1 -s 1 python3 py/layer_cost.py dist_sync 2>&1 |
+        grep '^\[worker'
+done
 RUN
 chmod +x "$out/run.sh"
 du -sh "$out"
