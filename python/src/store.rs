@@ -244,14 +244,11 @@ impl KVStore {
         let opt = crate::optimizer::of(optimizer)?;
         let runs = optimizer.clone().unbind();
         // As in `_set_updater`: said while the store is claimed.
-        me.control(slf.py(), 0, move |kv| {
+        let replaced = me.control(slf.py(), 0, move |kv| {
             kv.set_optimizer(opt)?;
-            if !me.dist {
-                *me.python_updater() = None;
-                *me.runs() = Some(runs);
-            }
-            Ok(())
+            Ok((!me.dist).then(|| me.replace_runs(Some(runs), Some(None))))
         })?;
+        drop(replaced);
         if !me.dist {
             optimizer.call_method1("_attached_to", (slf,))?;
         }
@@ -320,14 +317,14 @@ impl KVStore {
         let me = self.address();
         // What the store runs is said while the store is claimed, so that a set_optimizer on
         // another thread cannot come between.
-        self.control(py, 0, move |kv| {
+        let replaced = self.control(py, 0, move |kv| {
             kv.set_updater(move |k: &Key, i: &NDArray, s: &mut NDArray| {
                 updater::run_for(me, &f, k, i, s)
             })?;
-            *self.runs() = None;
-            *self.python_updater() = Some(kept);
-            Ok(())
-        })
+            Ok(self.replace_runs(None, Some(Some(kept))))
+        })?;
+        drop(replaced);
+        Ok(())
     }
 
     /// Waits until every worker reaches the barrier.
@@ -376,7 +373,7 @@ impl KVStore {
             }
         }
         if self.control(py, 0, move |kv| kv.load_optimizer_states(&fname))? {
-            *self.runs() = None;
+            drop(self.replace_runs(None, None));
         }
         Ok(())
     }

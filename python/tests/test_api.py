@@ -583,6 +583,41 @@ def test_a_forked_child_is_told_it_cannot_use_the_store(kv):
     kv.push(3, np.ones(SHAPE, dtype=np.float32))
 
 
+def test_an_updater_let_go_of_may_call_its_store(tmp_path):
+    # Letting go of the updater a store ran can run Python code (its __del__, a weak
+    # reference's callback) that calls the store again: it gets an answer, never a deadlock
+    # on a lock the replacing call still held. Run apart, so that a deadlock fails the test
+    # instead of hanging the suite.
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "replace.py"
+    script.write_text(textwrap.dedent(f"""\
+        import numpy as np
+        import kvstore
+        from kvstore import optimizer as opt
+        kv = kvstore.create()
+        kv.init(0, np.zeros(4, dtype=np.float32))
+        seen = []
+        class Old:
+            def __call__(self, key, value, stored):
+                stored[:] = value
+            def __del__(self):
+                try:
+                    kv.save_optimizer_states({str(tmp_path)!r} + "/s")
+                    seen.append("saved")
+                except Exception as e:
+                    seen.append(f"{{type(e).__name__}}: {{e}}")
+        kv._set_updater(Old())
+        kv.push(0, np.ones(4, dtype=np.float32))
+        kv._set_updater(opt.get_updater(opt.SGD()))
+        print(seen, flush=True)
+        """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "['saved']", out
+
+
 def test_threads_saving_a_python_updaters_states_do_not_deadlock(tmp_path):
     # Each save runs the updater's get_states (Python, which may hand the GIL to the other
     # thread) without holding the store's locks; run apart, so that a deadlock fails the

@@ -203,6 +203,22 @@ impl KVStore {
         self.updater.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Replaces what `runs` holds, and `python_updater` where `updater` is given, returning
+    /// what they held for the caller to let go of once the store is released: letting go of
+    /// a Python object can run Python code (its `__del__`, a weak reference's callback) that
+    /// calls this store, or hands the GIL to a thread that does.
+    #[must_use = "what was replaced is let go of after the store is released"]
+    pub(super) fn replace_runs(
+        &self,
+        runs: Option<Py<PyAny>>,
+        updater: Option<Option<Py<PyAny>>>,
+    ) -> Replaced {
+        Replaced(
+            std::mem::replace(&mut *self.runs(), runs),
+            updater.map(|u| std::mem::replace(&mut *self.python_updater(), u)),
+        )
+    }
+
     /// Where this store lives: what names it to its updater's calls.
     pub(super) fn address(&self) -> usize {
         self as *const KVStore as usize
@@ -426,3 +442,10 @@ pub(super) fn refs_mut(lists: &mut [Vec<Lent>]) -> Vec<Vec<&mut NDArray>> {
         .map(|l| l.iter_mut().map(|x| &mut x.array).collect())
         .collect()
 }
+
+/// What [`KVStore::replace_runs`] replaced, to be dropped with the GIL held and the store
+/// released.
+pub(super) struct Replaced(
+    #[allow(dead_code)] Option<Py<PyAny>>,
+    #[allow(dead_code)] Option<Option<Py<PyAny>>>,
+);
