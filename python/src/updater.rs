@@ -122,7 +122,9 @@ pub(crate) fn run(
     Python::attach(|py| {
         apply(py, f.bind(py), key, input, stored).map_err(|e| {
             let reason = e.to_string();
-            RAISED.with(|r| *r.borrow_mut() = Some(e));
+            // The exception it replaces is let go of after the borrow (its traceback's
+            // frames can run Python code that fails an updater again on this thread).
+            drop(RAISED.with(|r| r.replace(Some(e))));
             KvError::Updater {
                 key: key.clone(),
                 reason,

@@ -95,9 +95,9 @@ impl KVStore {
                 Python::attach(|py| match py.check_signals() {
                     Ok(()) => false,
                     Err(e) => {
-                        if let Ok(mut s) = SIGNAL.lock() {
-                            *s = Some(e);
-                        }
+                        // What it replaces is let go of after the lock, as in `replace_runs`.
+                        let old = SIGNAL.lock().ok().and_then(|mut s| s.replace(e));
+                        drop(old);
                         true
                     }
                 })
