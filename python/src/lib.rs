@@ -126,7 +126,12 @@ fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
     };
     if kind.starts_with("dist") {
         let sync = kind == "dist_sync";
-        match interruptible(py, move || kvstore::run_role(sync))? {
+        let role = interruptible(py, move || kvstore::run_role(sync)).inspect_err(|_| {
+            // The interpreter ends with the interrupt; the role's thread, left to end by
+            // itself, must not call into it meanwhile.
+            updater::stop_role_calls(py)
+        })?;
+        match role {
             Ok(None) => {}
             Ok(Some(_)) => return Err(PySystemExit::new_err(0)),
             Err(e) => {

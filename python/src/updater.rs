@@ -2,7 +2,9 @@
 //! local store, and on the servers of a distributed one (shipped pickled, by value).
 
 use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvstore::{DType, Key, KvError, NDArray, SharedUpdater};
 use pyo3::prelude::*;
@@ -119,23 +121,75 @@ pub(crate) fn run(
     input: &NDArray,
     stored: &mut NDArray,
 ) -> kvstore::Result<()> {
-    Python::attach(|py| {
-        apply(py, f.bind(py), key, input, stored).map_err(|e| {
-            let reason = e.to_string();
-            // The exception it replaces is let go of after the borrow (its traceback's
-            // frames can run Python code that fails an updater again on this thread).
-            drop(RAISED.with(|r| r.replace(Some(e))));
-            KvError::Updater {
-                key: key.clone(),
-                reason,
-            }
-        })
+    Python::attach(|py| attached(py, f, key, input, stored))
+}
+
+/// [`run`], with the GIL.
+fn attached(
+    py: Python<'_>,
+    f: &Py<PyAny>,
+    key: &Key,
+    input: &NDArray,
+    stored: &mut NDArray,
+) -> kvstore::Result<()> {
+    apply(py, f.bind(py), key, input, stored).map_err(|e| {
+        let reason = e.to_string();
+        // The exception it replaces is let go of after the borrow (its traceback's frames
+        // can run Python code that fails an updater again on this thread).
+        drop(RAISED.with(|r| r.replace(Some(e))));
+        KvError::Updater {
+            key: key.clone(),
+            reason,
+        }
     })
+}
+
+/// Whether Python called from a server role's thread is held off: this process's main
+/// thread was interrupted, and the interpreter ends. A thread that takes the GIL while it
+/// ends is ended by it (`pthread_exit`, which aborts a Rust thread, and the process with it).
+static STOPPING: AtomicBool = AtomicBool::new(false);
+/// Calls from a role's thread inside Python, or on their way in.
+static INSIDE: AtomicUsize = AtomicUsize::new(0);
+/// How long an interrupted main thread waits for a role's calls to leave Python.
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// Runs `f` with the GIL from a server role's thread (a shipped updater, its unpickling),
+/// unless the process stops ([`stop_role_calls`]).
+fn from_role<R>(f: impl FnOnce(Python<'_>) -> kvstore::Result<R>) -> kvstore::Result<R> {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            INSIDE.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    INSIDE.fetch_add(1, Ordering::SeqCst);
+    let _leave = Leave;
+    // SeqCst, as `stop_role_calls`'s store and load: either this call sees the stop, or the
+    // stop sees this call and waits for it.
+    if STOPPING.load(Ordering::SeqCst) {
+        return Err(KvError::Interrupted(
+            "this process was interrupted: its Python code runs no more".into(),
+        ));
+    }
+    Python::attach(f)
+}
+
+/// After the main thread was interrupted while this process runs a server's role: no call
+/// from the role's thread enters Python any more, and those inside have left (waited for
+/// with the GIL let go, for at most [`STOP_WAIT`]), so the interpreter may end.
+pub(crate) fn stop_role_calls(py: Python<'_>) {
+    STOPPING.store(true, Ordering::SeqCst);
+    py.detach(|| {
+        let t0 = Instant::now();
+        while INSIDE.load(Ordering::SeqCst) != 0 && t0.elapsed() < STOP_WAIT {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
 }
 
 /// Unpickles a shipped updater (on a worker, to check it, and on each server).
 fn unpickle(bytes: &[u8]) -> kvstore::Result<SharedUpdater> {
-    Python::attach(|py| {
+    from_role(|py| {
         let f = py
             .import(intern!(py, "pickle"))
             .and_then(|p| p.call_method1(intern!(py, "loads"), (PyBytes::new(py, bytes),)))
@@ -146,10 +200,9 @@ fn unpickle(bytes: &[u8]) -> kvstore::Result<SharedUpdater> {
             ));
         }
         let f = f.unbind();
-        Ok(
-            Arc::new(move |k: &Key, i: &NDArray, s: &mut NDArray| run(&f, k, i, s))
-                as SharedUpdater,
-        )
+        Ok(Arc::new(move |k: &Key, i: &NDArray, s: &mut NDArray| {
+            from_role(|py| attached(py, &f, k, i, s))
+        }) as SharedUpdater)
     })
 }
 

@@ -223,6 +223,45 @@ def test_a_dead_server_is_peer_lost(tmp_path):
     assert "no error" not in out, out
 
 
+def test_ctrl_c_on_a_server_running_a_python_updater_ends_it_by_the_signal(tmp_path):
+    # Ctrl-C reaches a server whose Python updater runs for every push: its main thread
+    # raises KeyboardInterrupt and the interpreter ends, and the thread serving the job must
+    # not take the GIL again then (the interpreter ends such a thread with pthread_exit,
+    # which aborts a Rust thread: SIGABRT, in about one run of three before). The server ends
+    # by the signal, as Python ends on an uncaught KeyboardInterrupt, every time.
+    for trial in range(4):
+        run = tmp_path / str(trial)
+        run.mkdir()
+        p = run_job(run, """
+            def add(key, value, stored):
+                time.sleep(0.001)  # the GIL let go and taken again inside the updater
+                stored += value
+            kv._set_updater(add)
+            kv.init(1, np.zeros(4))
+            open(os.path.join(DIR, "ready"), "w").close()
+            try:
+                while True:
+                    kv.push(1, np.ones(4))
+                    kv.pull(1, out=np.zeros(4))
+            except kvstore.KVStoreError as e:
+                print(f"stopped: {type(e).__name__}: {e}", flush=True)
+            """, workers=1, servers=1, wait=False)
+        wait_for(p, run / "ready")
+        time.sleep(0.2)
+        server = next(int(f.name.split(".")[1]) for f in run.iterdir()
+                      if f.name.startswith("server."))
+        os.kill(server, signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+        # The worker hears of it: the server lost, or its last round's update refused (and
+        # the updater named by its kind, not by the bytes of its pickle).
+        stopped = next(line for line in out.splitlines() if "stopped: " in line)
+        assert ("PeerLost" in stopped and "server 0" in stopped) or (
+            "the python updater shipped by value: interrupted: this process was interrupted"
+            in stopped), out
+        first = next(line for line in out.splitlines() if "first failure:" in line)
+        assert f"server 0 (pid {server}) was killed by signal 2 (SIGINT)" in first, out
+
+
 def test_the_python_training_example_reaches_its_known_answer():
     example = ROOT / "python" / "examples" / "train.py"
     cmd = [kvrun(), "-n", "2", "-s", "2", sys.executable, str(example)]

@@ -36,11 +36,32 @@ pub(super) fn apply(
                 // An updater that fails with an updater error says the key already: its
                 // reason is kept, not wrapped again.
                 reason: match e {
-                    KvError::Updater { reason, .. } => format!("{name}: {reason}"),
-                    other => format!("{name}: {other}"),
+                    KvError::Updater { reason, .. } => format!("{}: {reason}", shown(name)),
+                    other => format!("{}: {other}", shown(name)),
                 },
             })?;
             check_updater_kept_shape(&k, stored, &shape, dtype)
         }
+    }
+}
+
+/// How an updater's name is said in errors: one shipped by value (`scheme:<bytes>`, a
+/// Python updater's pickle in hex, say) by its scheme, not its bytes.
+fn shown(name: &str) -> std::borrow::Cow<'_, str> {
+    match name.split_once(':') {
+        Some((scheme, _)) => format!("the {scheme} updater shipped by value").into(),
+        None => name.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_updater_shipped_by_value_is_named_by_its_scheme() {
+        assert_eq!(
+            super::shown("python:8005950a"),
+            "the python updater shipped by value"
+        );
+        assert_eq!(super::shown("double_add"), "double_add");
     }
 }
