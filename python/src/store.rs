@@ -476,7 +476,10 @@ impl Drop for KVStore {
                 std::mem::forget(kv);
             }
         } else if let Some(kv) = inner.kv.as_mut() {
-            // The pushes no call waited for are carried out; one that failed is said.
+            // The pushes no call waited for are carried out; one that failed is said. The
+            // GIL, which a destructor holds, is let go if that takes long (a server that does
+            // not answer), as a call's wait lets it go: other threads run meanwhile.
+            let _holding = calls::Holding::start();
             if let Err(e) = inner.pushes.settle_all(kv) {
                 eprintln!("kvstore: a push that no later call waited for failed: {e}");
             }

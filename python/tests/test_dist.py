@@ -42,7 +42,7 @@ def run_job(tmp_path, body, workers=2, servers=2, env=None, timeout=120, wait=Tr
         """) + textwrap.dedent(body))
     cmd = [kvrun(), "-n", str(workers), "-s", str(servers), sys.executable, str(script),
            str(tmp_path)]
-    e = dict(os.environ, KVSTORE_TIMEOUT="30", **(env or {}))
+    e = {**os.environ, "KVSTORE_TIMEOUT": "30", **(env or {})}
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
     if not wait:
         return p
@@ -260,6 +260,39 @@ def test_ctrl_c_on_a_server_running_a_python_updater_ends_it_by_the_signal(tmp_p
             in stopped), out
         first = next(line for line in out.splitlines() if "first failure:" in line)
         assert f"server 0 (pid {server}) was killed by signal 2 (SIGINT)" in first, out
+
+
+def test_a_store_let_go_of_while_its_server_does_not_answer_lets_other_threads_run(tmp_path):
+    # A push returns before its server answers; the store's destructor waits for that answer
+    # (the server is stopped, so up to the job's bounds) with the GIL let go, as a call waits.
+    rc, out = run_job(tmp_path, """
+        import signal, threading
+        kv.init(1, np.zeros(4))
+        kv.barrier()
+        server = next(int(f.split(".")[1]) for f in os.listdir(DIR) if f.startswith("server."))
+        os.kill(server, signal.SIGSTOP)
+        kv.push(1, np.ones(4))
+        ticks, done = [0], [False]
+        def count():
+            while not done[0]:
+                ticks[0] += 1
+                time.sleep(0.005)
+        t = threading.Thread(target=count)
+        t.start()
+        time.sleep(0.1)
+        t0, before = time.time(), ticks[0]
+        del kv
+        waited, during = time.time() - t0, ticks[0] - before
+        done[0] = True
+        t.join()
+        print(f"let go of after {waited:.2f} s, {during} ticks meanwhile", flush=True)
+        os.kill(server, signal.SIGCONT)
+        """, workers=1, servers=1, env={"KVSTORE_TIMEOUT": "3"})
+    import re
+    m = re.search(r"let go of after ([0-9.]+) s, ([0-9]+) ticks", out)
+    assert m, out
+    waited, during = float(m.group(1)), int(m.group(2))
+    assert waited >= 0.5 and during >= 10 * waited, out
 
 
 def test_the_python_training_example_reaches_its_known_answer():

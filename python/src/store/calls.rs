@@ -41,10 +41,10 @@ thread_local! {
 
 /// Marks this thread's call as holding the GIL (`Gil::KeepThenRelease`) while it lives; then
 /// puts back what was there (a signal's handler, run by a call's check, may call a store).
-struct Holding(bool);
+pub(super) struct Holding(bool);
 
 impl Holding {
-    fn start() -> Holding {
+    pub(super) fn start() -> Holding {
         Holding(HOLDING.replace(true))
     }
 }
