@@ -37,6 +37,10 @@ use std::time::Duration;
 
 use crate::{KvError, Result};
 
+/// The longest timeout a job takes, in seconds (30 days): any blocking wait of the job is
+/// bounded by it, and deadlines computed from it stay far from the clock's limits.
+pub const MAX_TIMEOUT_S: f64 = 30.0 * 24.0 * 3600.0;
+
 /// A process role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -358,8 +362,10 @@ impl Config {
             Some(v) => parse("KVSTORE_TIMEOUT", &v)?,
             None => 120.0,
         };
-        if !(timeout_s > 0.0 && timeout_s.is_finite()) {
-            return Err(KvError::Config("KVSTORE_TIMEOUT must be positive".into()));
+        if !(timeout_s > 0.0 && timeout_s <= MAX_TIMEOUT_S) {
+            return Err(KvError::Config(format!(
+                "KVSTORE_TIMEOUT must be positive and at most {MAX_TIMEOUT_S} s (30 days)"
+            )));
         }
         let bound = match get(env, "KVSTORE_BIGARRAY_BOUND")
             .or_else(|| get(env, "MXNET_KVSTORE_BIGARRAY_BOUND"))

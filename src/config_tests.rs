@@ -161,3 +161,25 @@ fn slurm_node_lists() {
     assert_eq!(first_slurm_host("n[7]").as_deref(), Some("n7"));
     assert_eq!(first_slurm_host(""), None);
 }
+
+#[test]
+fn a_timeout_past_thirty_days_is_refused() {
+    let with = |t: &'static str| {
+        cfg(&[
+            ("DMLC_ROLE", "worker"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9091"),
+            ("DMLC_NUM_SERVER", "1"),
+            ("DMLC_NUM_WORKER", "1"),
+            ("KVSTORE_TIMEOUT", t),
+        ])
+    };
+    assert!(with("2592000").is_ok());
+    for t in ["2592001", "1e19", "1e20", "inf", "0", "-1"] {
+        let Err(e) = with(t) else {
+            panic!("KVSTORE_TIMEOUT={t} was taken")
+        };
+        let e = e.to_string();
+        assert!(e.contains("KVSTORE_TIMEOUT"), "{t}: {e}");
+    }
+}

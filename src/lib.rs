@@ -69,7 +69,7 @@ mod worker;
 
 pub use args::{Key, Keys, Outputs, Values};
 pub use compress::Compression;
-pub use config::{Config, RdmaSettings, Role, TransportChoice};
+pub use config::{Config, RdmaSettings, Role, TransportChoice, MAX_TIMEOUT_S};
 pub use dtype::{cpu, gpu, DType, Device, Element};
 pub use error::{KvError, Result};
 pub use gpu::{gpu_count, CUDA_BUILT};

@@ -90,10 +90,13 @@ pub(crate) fn parse_roster(text: &str, mask: &[u8; auth::MAC]) -> crate::Result<
     })
 }
 
+/// The longest time between a process's heartbeats.
+pub(crate) const MAX_HEARTBEAT: Duration = Duration::from_secs(5);
+
 /// How often a process tells the scheduler it lives: an eighth of the job's timeout, within
 /// 0.25 to 5 s.
 pub(crate) fn heartbeat_every(timeout: Duration) -> Duration {
-    (timeout / 8).clamp(Duration::from_millis(250), Duration::from_secs(5))
+    (timeout / 8).clamp(Duration::from_millis(250), MAX_HEARTBEAT)
 }
 
 /// How long the scheduler waits for a heartbeat before it takes the process for stopped or

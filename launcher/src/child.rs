@@ -338,7 +338,8 @@ pub fn stop_all(children: &mut [Child]) {
         std::thread::sleep(Duration::from_millis(10));
     }
     for c in children.iter_mut().filter(|c| !c.exited()) {
-        eprintln!(
+        let _ = writeln!(
+            std::io::stderr().lock(),
             "kvrun: {} did not end 5 s after SIGKILL (an uninterruptible sleep?); leaving it",
             c.name()
         );

@@ -32,6 +32,10 @@ impl fmt::Display for MapBy {
     }
 }
 
+/// The most slots a host takes, and the most processes a job has: more is a typo, and
+/// would be asked of memory before anything else is checked.
+pub const MAX_SLOTS: usize = 1 << 16;
+
 /// Parses `-H`'s list: `a,b:4,c` (one slot unless given).
 pub fn parse_host_list(list: &str) -> Result<Vec<Host>, String> {
     let mut hosts = Vec::new();
@@ -44,8 +48,10 @@ pub fn parse_host_list(list: &str) -> Result<Vec<Host>, String> {
             ),
             _ => (item, 1),
         };
-        if slots == 0 {
-            return Err(format!("-H {item}: a host needs at least one slot"));
+        if slots == 0 || slots > MAX_SLOTS {
+            return Err(format!(
+                "-H {item}: a host needs at least one slot, and takes at most {MAX_SLOTS}"
+            ));
         }
         hosts.push(Host {
             name: name.trim_matches(|c| c == '[' || c == ']').to_string(),
@@ -75,7 +81,7 @@ pub fn parse_hostfile(text: &str) -> Result<Vec<Host>, String> {
                     slots = v
                         .parse()
                         .ok()
-                        .filter(|&s: &usize| s > 0)
+                        .filter(|&s: &usize| s > 0 && s <= MAX_SLOTS)
                         .ok_or_else(|| format!("hostfile line {}: bad slots {v:?}", n + 1))?
                 }
                 Some(("max_slots" | "max-slots", _)) => {}
@@ -98,11 +104,16 @@ pub fn place(
     map_by: MapBy,
     oversubscribe: bool,
 ) -> Result<Vec<(RoleName, usize)>, String> {
+    if servers.saturating_add(workers) > MAX_SLOTS {
+        return Err(format!(
+            "{servers} servers and {workers} workers: a job has at most {MAX_SLOTS} processes"
+        ));
+    }
     let roles: Vec<RoleName> = (0..servers)
         .map(RoleName::Server)
         .chain((0..workers).map(RoleName::Worker))
         .collect();
-    let total: usize = hosts.iter().map(|h| h.slots).sum();
+    let total = hosts.iter().fold(0usize, |t, h| t.saturating_add(h.slots));
     if roles.len() > total && !oversubscribe {
         return Err(format!(
             "{} processes ({servers} servers, {workers} workers) but only {total} slots; \
@@ -110,17 +121,22 @@ pub fn place(
             roles.len()
         ));
     }
-    let mut order = Vec::with_capacity(total);
+    // The first slots in order, as many as there are processes (more would never be used).
+    let want = roles.len().min(total);
+    let mut order = Vec::with_capacity(want);
     match map_by {
         MapBy::Slot => {
             for (i, h) in hosts.iter().enumerate() {
-                order.extend(std::iter::repeat_n(i, h.slots));
+                order.extend(std::iter::repeat_n(i, h.slots.min(want - order.len())));
             }
         }
         MapBy::Node => {
             let max = hosts.iter().map(|h| h.slots).max().unwrap_or(0);
-            for round in 0..max {
+            'rounds: for round in 0..max {
                 for (i, h) in hosts.iter().enumerate() {
+                    if order.len() == want {
+                        break 'rounds;
+                    }
                     if round < h.slots {
                         order.push(i);
                     }
@@ -184,6 +200,24 @@ mod tests {
         let p = place(&hosts, 2, 3, MapBy::Slot, true).unwrap();
         assert_eq!(p.len(), 5);
         assert_eq!(p[4].1, 0, "oversubscription wraps around");
+    }
+
+    #[test]
+    fn counts_past_any_machine_are_refused_before_memory_is_asked_for() {
+        assert!(parse_host_list("a:65537").is_err());
+        assert!(parse_host_list("a:18446744073709551615").is_err());
+        assert!(parse_hostfile("n1 slots=1000000000000").is_err());
+        let many = parse_host_list("a:65536,b:65536,c:65536").unwrap();
+        assert!(place(&many, 1, usize::MAX, MapBy::Slot, true).is_err());
+        assert!(place(&many, 40_000, 40_000, MapBy::Slot, false).is_err());
+        // Only as many slots as there are processes are laid out.
+        let p = place(&many, 2, 3, MapBy::Node, false).unwrap();
+        assert_eq!(
+            p.iter().map(|x| x.1).collect::<Vec<_>>(),
+            vec![0, 1, 2, 0, 1]
+        );
+        let p = place(&many, 2, 3, MapBy::Slot, false).unwrap();
+        assert_eq!(p.iter().map(|x| x.1).collect::<Vec<_>>(), vec![0; 5]);
     }
 
     #[test]

@@ -10,7 +10,7 @@ pub mod hosts;
 pub mod shepherd;
 mod view;
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -160,7 +160,9 @@ fn count(n: u32, noun: &str) -> String {
 }
 
 fn say(msg: &str) {
-    eprintln!("kvrun: {msg}");
+    // Not `eprintln!`, which panics where stderr is closed (`kvrun ... 2>&1 | head -1`): a
+    // panic here would skip stopping the job's processes.
+    let _ = writeln!(std::io::stderr().lock(), "kvrun: {msg}");
 }
 
 /// Runs a job; returns the exit status kvrun should exit with.
@@ -184,8 +186,11 @@ fn timeout(opts: &Options) -> Result<f64, String> {
             .map_err(|_| format!("KVSTORE_TIMEOUT={v:?} is not a number of seconds"))?,
         _ => 120.0,
     };
-    if !(t > 0.0 && t.is_finite()) {
-        return Err("--timeout must be a positive number of seconds".into());
+    if !(t > 0.0 && t <= kvstore::MAX_TIMEOUT_S) {
+        return Err(format!(
+            "--timeout must be a positive number of seconds, at most {} (30 days)",
+            kvstore::MAX_TIMEOUT_S
+        ));
     }
     Ok(t)
 }
@@ -222,7 +227,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         }
         (None, None) => vec![Host {
             name: "localhost".into(),
-            slots: (opts.servers + opts.workers) as usize,
+            slots: (opts.servers as usize).saturating_add(opts.workers as usize),
         }],
     };
     let placement = hosts::place(
@@ -334,7 +339,11 @@ fn run_job(opts: &Options) -> Result<i32, String> {
                 child::stop_all(&mut children);
                 shepherd.done();
                 let what = match remote[h] {
-                    Some(host) => format!("{} on {host} via {}", opts.program().display(), ssh[0]),
+                    Some(host) => format!(
+                        "{} on {host} via {}",
+                        opts.program().display(),
+                        ssh.first().map_or("ssh", String::as_str)
+                    ),
                     None => opts.program().display().to_string(),
                 };
                 return Err(format!("cannot start {role} ({what}): {e}"));

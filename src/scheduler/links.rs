@@ -253,8 +253,10 @@ pub(super) fn reader(p: Proven, tx: mpsc::Sender<Event>, _live: Live, liveness: 
     // A server answers each of its beats with one of the scheduler's: the server's loop,
     // which waits on nothing else of the scheduler's, so learns that it lives.
     let beats_back = (msg.key == crate::protocol::role::SERVER).then(|| writer.clone());
-    // The node's own beat period, which its hello said: its silence is judged by it.
-    let liveness = liveness.max(Duration::from_millis(3 * u64::from(beat)));
+    // The node's own beat period, which its hello said: its silence is judged by it (no
+    // node beats more seldom than every 5 s: a hello that says more is not believed).
+    let beat = Duration::from_millis(u64::from(beat)).min(crate::roles::MAX_HEARTBEAT);
+    let liveness = liveness.max(3 * beat);
     let node = Node {
         role: msg.key,
         hint: (msg.sender != u32::MAX).then_some(msg.sender),

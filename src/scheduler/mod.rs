@@ -365,7 +365,8 @@ fn serve(
                             }
                         }
                     }
-                    Op::Finish if n.role == role::WORKER => {
+                    // (Said again by a worker, it is nothing new: the servers were told.)
+                    Op::Finish if n.role == role::WORKER && !n.done => {
                         n.done = true;
                         finished.push(id);
                         // The others waiting at a barrier wait for it in vain.
