@@ -418,27 +418,32 @@ impl Links {
         }
         body.extend_from_slice(&r.text);
         let data = match &r.data {
-            Some((v, range)) if !in_slot => Some((region_of(b, v)?, range.clone())),
+            Some((v, range)) if !in_slot => Some(region_of(b, v).map(|g| (g, range.clone()))),
             _ => None,
-        };
-        let d = data
-            .as_ref()
-            .map(|(g, range)| (g, range.clone(), Token(token)));
-        // SAFETY: the value is only read, and stays alive: the call holds a clone of it until
-        // the token completes. A write by the caller goes to a copy, except into memory it
-        // lent (`NDArray::from_raw_parts`), whose owner keeps it alive; a send of it that
-        // outlives a failed call may then carry what the caller wrote since (reads only).
-        match unsafe { b.send(addr.peer, body, d) }? {
-            Sent::Posted => {
+        }
+        .transpose();
+        let sent = data.and_then(|data| {
+            let d = data
+                .as_ref()
+                .map(|(g, range)| (g, range.clone(), Token(token)));
+            // SAFETY: the value is only read, and stays alive: the call holds a clone of it
+            // until the token completes. A write by the caller goes to a copy, except into
+            // memory it lent (`NDArray::from_raw_parts`), whose owner keeps it alive; a send
+            // of it that outlives a failed call may carry what the caller wrote since.
+            unsafe { b.send(addr.peer, body, d) }
+        });
+        match sent {
+            Ok(Sent::Posted) => {
                 self.calls.on_sent(call, req, grant, token);
                 Ok(Posted::Yes)
             }
-            Sent::WouldBlock => {
-                // Nothing was sent, so the peer never heard of the grant.
+            not_sent => {
+                // Not sent (refused, or failed): the peer never heard of the grant, and the
+                // call's end would not revoke it. Forgotten, it grants nothing any more.
                 if let Some(g) = grant {
                     b.forget(addr.peer, &g);
                 }
-                Ok(Posted::Full)
+                Ok(not_sent.map(|_| Posted::Full)?)
             }
         }
     }
