@@ -384,3 +384,27 @@ fn many_processes_on_one_host_all_start_over_ssh() {
     assert!(r.stdout.contains("up server 0\n"), "{}", r.all());
     hosts.assert_clean();
 }
+
+#[test]
+fn a_remote_program_that_leaves_a_process_behind_ends_with_its_job() {
+    // A worker whose program starts a process in the background, which holds the output the
+    // ssh session carries, and ends: the session ends with the program (what it left is
+    // stopped, as kvrun stops a local program's process group), so kvrun returns, and
+    // nothing of the job is left on the host.
+    let Some(hosts) = Hosts::up_or_skip() else {
+        return;
+    };
+    let first = hosts.addrs()[0].clone();
+    let list = format!("{first}:2");
+    let r = hosts.kvrun(
+        &["-H", &list],
+        1,
+        1,
+        Path::new("/bin/sh"),
+        &["-c", "sleep 600 & echo \"up $DMLC_ROLE\""],
+    );
+    assert_eq!(r.code, Some(0), "{}", r.all());
+    assert!(r.stdout.contains("up worker\n"), "{}", r.all());
+    assert!(r.elapsed < Duration::from_secs(60), "{:?}", r.elapsed);
+    hosts.assert_clean();
+}

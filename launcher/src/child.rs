@@ -61,7 +61,9 @@ pub fn shell_quote(s: &str) -> String {
 /// goes to the directory given first (as kvrun's own), takes the job's secret from the first
 /// line of stdin (never from the command line, which `ps` shows to every user), runs the
 /// program in a session of its own (setsid) with stdin from /dev/null, and kills that whole
-/// process group when the ssh session's stdin closes (kvrun stopped the job, or died). A
+/// process group when the ssh session's stdin closes (kvrun stopped the job, or died), or
+/// when the program ends (what it left running would hold the session open, as kvrun stops
+/// a local program's group). A
 /// login shell's own descriptors are closed first (csh leaves copies of the session's output
 /// open in what it runs, which would keep it open after the program ends).
 const REMOTE_WRAPPER: &str = "exec 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; cd \"$1\" 2>/dev/null; shift; \
@@ -71,7 +73,8 @@ const REMOTE_WRAPPER: &str = "exec 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; cd \"$1\" 2>/d
     else \"$@\" </dev/null & fi; c=$!; \
     ( cat <&3 >/dev/null 2>&1; kill -TERM -$c $c 2>/dev/null; sleep 2; \
     kill -KILL -$c $c 2>/dev/null ) >/dev/null 2>&1 & w=$!; \
-    exec 3<&-; wait $c; s=$?; kill $w 2>/dev/null; exit $s";
+    exec 3<&-; wait $c; s=$?; kill $w 2>/dev/null; kill -TERM -$c 2>/dev/null && \
+    { ( sleep 2; kill -KILL -$c 2>/dev/null ) </dev/null >/dev/null 2>&1 & }; exit $s";
 
 /// The wrapper's first line on stderr: the ssh session is logged in (kvrun keeps few of a
 /// host's sessions in their login at once, see [`Child::logging_in`]).
