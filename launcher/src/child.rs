@@ -43,6 +43,8 @@ pub struct Child {
     forwarders: Vec<std::thread::JoinHandle<()>>,
     /// Whether it runs: a local one at once, a remote one once its wrapper said so.
     started: Arc<AtomicBool>,
+    /// Whether its process group was seen empty after it ended (its id may then be reused).
+    group_gone: bool,
 }
 
 /// Quotes a word for a POSIX shell.
@@ -273,6 +275,7 @@ impl Child {
             status: None,
             forwarders,
             started,
+            group_gone: false,
         })
     }
 
@@ -289,6 +292,14 @@ impl Child {
                 self.status = Some(s);
             }
         }
+        // Once the leader is reaped and the last process of its group has ended, the group's
+        // id is free for the kernel to give another group: it is never signalled again.
+        if self.status.is_some() && !self.group_gone {
+            // SAFETY: a signal of 0 only checks that the group exists.
+            let r = unsafe { libc::killpg(self.pid as libc::pid_t, 0) };
+            self.group_gone =
+                r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        }
         self.status
     }
 
@@ -300,16 +311,21 @@ impl Child {
     /// Whether its process group still has a process (its leader reaped if it ended).
     fn group_lives(&mut self) -> bool {
         self.poll();
-        // SAFETY: a signal of 0 only checks that the group exists (see `signal_group`).
-        unsafe { libc::killpg(self.pid as libc::pid_t, 0) == 0 }
+        !self.group_gone
+            // SAFETY: a signal of 0 only checks that the group exists (see `signal_group`).
+            && unsafe { libc::killpg(self.pid as libc::pid_t, 0) == 0 }
     }
 
     fn signal_group(&self, sig: libc::c_int) {
+        if self.group_gone {
+            return;
+        }
         // SAFETY: killpg only sends a signal. The group id is our child's pid, which it leads
         // (process_group(0)); after the leader is reaped the group lives on while any of its
-        // processes does, and the id could name another group only if the kernel reused the
-        // pid for a new group leader after all of them ended (the shepherd takes the same
-        // risk, as every launcher that kills process groups does).
+        // processes does, and is signalled no more once seen empty (`poll`). The id could
+        // name another group only if the kernel reused the pid for a new group leader between
+        // that look and this signal (the shepherd takes that risk for longer, as every
+        // launcher that kills process groups does).
         unsafe {
             libc::killpg(self.pid as libc::pid_t, sig);
         }
@@ -442,6 +458,31 @@ impl Child {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_group_seen_empty_after_its_leader_ended_is_not_signalled_again() {
+        let spawn = |script: &str| {
+            let args = ["-c".to_string(), script.to_string()];
+            Child::spawn(RoleName::Worker(0), None, &[], Path::new("/bin/sh"), &args, &[])
+                .unwrap()
+        };
+        let wait = |c: &mut Child, gone: bool| {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !(c.poll().is_some() && c.group_gone == gone) {
+                assert!(Instant::now() < deadline, "gone={gone}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        // A leader that left a process behind: its group lives on after it (and is stopped
+        // with it); once empty, it is gone for good.
+        let mut c = spawn("sleep 1 & exit 0");
+        wait(&mut c, false);
+        assert!(c.group_lives());
+        wait(&mut c, true);
+        assert!(!c.group_lives());
+        let mut c = spawn("exit 0");
+        wait(&mut c, true);
+    }
 
     #[test]
     fn output_goes_out_by_lines_redraws_and_bounded_pieces() {
