@@ -463,8 +463,15 @@ mod tests {
     fn a_group_seen_empty_after_its_leader_ended_is_not_signalled_again() {
         let spawn = |script: &str| {
             let args = ["-c".to_string(), script.to_string()];
-            Child::spawn(RoleName::Worker(0), None, &[], Path::new("/bin/sh"), &args, &[])
-                .unwrap()
+            Child::spawn(
+                RoleName::Worker(0),
+                None,
+                &[],
+                Path::new("/bin/sh"),
+                &args,
+                &[],
+            )
+            .unwrap()
         };
         let wait = |c: &mut Child, gone: bool| {
             let deadline = Instant::now() + Duration::from_secs(20);

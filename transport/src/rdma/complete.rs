@@ -250,6 +250,8 @@ impl RdmaBackend {
             PUT => {
                 let (off, len) = (h.off as usize, h.len as usize);
                 match self.grants.get(&h.id) {
+                    // Being revoked: the owner takes no more puts into it (none is copied in).
+                    Some(g) if g.peer == PeerId(peer) && g.revoking.is_some() => {}
                     Some(g) if g.peer == PeerId(peer) => {
                         if off.checked_add(len).is_none_or(|e| e > g.len) {
                             return Err(TransportError::Refused(format!(
@@ -382,6 +384,10 @@ impl RdmaBackend {
             return Ok(());
         };
         let len = match self.grants.get(&id) {
+            // Being revoked: what landed is not reported (the owner takes no more puts).
+            Some(g) if g.peer == PeerId(peer) && got <= g.len && g.revoking.is_some() => {
+                return Ok(())
+            }
             Some(g) if g.peer == PeerId(peer) && got <= g.len => g.len,
             _ => {
                 return Err(TransportError::Refused(format!(
