@@ -50,6 +50,12 @@ struct Joined {
 
 /// Joins a job as a worker over raw frames: the handshake with the scheduler, then the roster.
 fn raw_join(port: u16) -> Joined {
+    raw_join_saying(port, "-\n-\n-\n-", true)
+}
+
+/// [`raw_join`], with `rest` as the hello's lines after its nonce (address, host, RDMA, shared
+/// memory, beat period), beating every 200 ms if `beats`.
+fn raw_join_saying(port: u16, rest: &str, beats: bool) -> Joined {
     use kvstore::auth;
     use kvstore::protocol::{role, Msg, Op};
     use kvstore_transport::tcp::blocking::{read_frame, write_frame};
@@ -69,7 +75,6 @@ fn raw_join(port: u16) -> Joined {
     };
     // The scheduler speaks plain frames: the handshake, then the roster.
     let nonce = auth::random::<{ auth::NONCE }>().unwrap();
-    let rest = "-\n-\n-\n-";
     let payload = format!("{}\n{rest}", auth::hex(&nonce));
     write_frame(
         &mut sched,
@@ -106,13 +111,15 @@ fn raw_join(port: u16) -> Joined {
     let rank: usize = roster.split_whitespace().next().unwrap().parse().unwrap();
     // A live process beats: without it the scheduler takes this peer for stopped.
     let mut beat = sched.try_clone().unwrap();
-    std::thread::spawn(move || loop {
-        std::thread::sleep(Duration::from_millis(200));
-        let h = FrameHeader::new(Msg::new(Op::Heartbeat).encode(), 0);
-        if write_frame(&mut beat, &h, &[]).is_err() {
-            return;
-        }
-    });
+    if beats {
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let h = FrameHeader::new(Msg::new(Op::Heartbeat).encode(), 0);
+            if write_frame(&mut beat, &h, &[]).is_err() {
+                return;
+            }
+        });
+    }
     Joined {
         sched,
         server: addr.to_string(),
@@ -635,4 +642,25 @@ fn idle_connections_of_a_stranger_do_not_keep_a_node_from_joining() {
     let _s = raw_worker(job.port);
     drop(idle);
     job.kill_all();
+}
+
+#[test]
+fn a_hello_that_claims_a_beat_no_node_has_is_judged_by_the_longest_one() {
+    // Each node's hello says its beat period, and the scheduler judges its silence by three
+    // of them; a period past the longest any node beats (5 s) is not believed: a worker that
+    // claims 2^32-1 ms and never beats is lost within 15 s, not months, and the job ends
+    // naming it.
+    let mut job = util::ManualJob::start_some(1, 0, 1, &["seed", "dist_sync"], &[]);
+    let t0 = std::time::Instant::now();
+    let j = raw_join_saying(job.port, "-\n-\n-\n-\n4294967295", false);
+    let server = job.servers.remove(0);
+    let (code, out) = util::finish(server, Duration::from_secs(60));
+    drop(j);
+    job.kill_all();
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("worker 0 was lost (no heartbeat for 15.0 s"),
+        "{:?}: {out}",
+        t0.elapsed()
+    );
 }
