@@ -1,7 +1,7 @@
 //! One process of a job: spawned with its role, its output prefixed, stopped on demand.
 
 use std::fmt;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
@@ -80,7 +80,7 @@ const REMOTE_WRAPPER: &str = "exec 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; cd \"$1\" 2>/d
 
 /// The wrapper's first line on stderr: the ssh session is logged in (kvrun keeps few of a
 /// host's sessions in their login at once, see [`Child::logging_in`]).
-const STARTED: &[u8] = b"kvrun-remote-started\n";
+pub(crate) const STARTED: &[u8] = b"kvrun-remote-started\n";
 
 /// The variable that never goes on a command line: it is written to the remote side's stdin.
 pub const SECRET_VAR: &str = "KVSTORE_SECRET";
@@ -107,81 +107,6 @@ pub fn remote_command(program: &Path, args: &[String], env: &[(String, String)])
         cmd.push_str(&shell_quote(a));
     }
     cmd
-}
-
-/// The most of one line that is held before it is written out: a child's output with no line
-/// ends (a binary file, say) goes out in pieces of this size, each prefixed.
-const MAX_LINE: usize = 64 * 1024;
-
-/// The next piece of a child's output to write: up to and including a `\n` or a `\r` (a
-/// progress bar redraws its line with `\r`: each redraw goes out as it comes, prefixed, so the
-/// bar moves), or [`MAX_LINE`] bytes of a longer line. Appended to `piece`; `Ok(false)` at the
-/// end of the output.
-fn next_piece(r: &mut impl BufRead, piece: &mut Vec<u8>) -> std::io::Result<bool> {
-    loop {
-        let buf = match r.fill_buf() {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if buf.is_empty() {
-            return Ok(!piece.is_empty());
-        }
-        let room = MAX_LINE - piece.len();
-        let (n, ends) = match buf
-            .iter()
-            .take(room)
-            .position(|&b| b == b'\n' || b == b'\r')
-        {
-            // A `\r\n` seen whole is one line end.
-            Some(i) if buf[i] == b'\r' && buf.get(i + 1) == Some(&b'\n') => (i + 2, true),
-            Some(i) => (i + 1, true),
-            None => (buf.len().min(room), buf.len() >= room),
-        };
-        piece.extend_from_slice(&buf[..n]);
-        r.consume(n);
-        if ends {
-            return Ok(true);
-        }
-    }
-}
-
-fn forward(
-    prefix: String,
-    from: impl std::io::Read + Send + 'static,
-    to_stderr: bool,
-    mut started: Option<Arc<AtomicBool>>,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut r = BufReader::new(from);
-        let mut line = Vec::new();
-        loop {
-            line.clear();
-            match next_piece(&mut r, &mut line) {
-                Ok(false) | Err(_) => return,
-                // A remote wrapper's line that says it runs: taken, not shown (what a login
-                // prints on stderr, such as ssh's warnings, may come before it).
-                Ok(true) if started.is_some() && line == STARTED => {
-                    if let Some(s) = started.take() {
-                        s.store(true, Ordering::Relaxed);
-                    }
-                }
-                Ok(true) => {
-                    // The line's bytes as they came (not every program writes UTF-8), after
-                    // the prefix, in one write: lines of several processes never interleave.
-                    if !matches!(line.last(), Some(b'\n' | b'\r')) {
-                        line.push(b'\n');
-                    }
-                    line.splice(0..0, prefix.bytes());
-                    let _ = if to_stderr {
-                        std::io::stderr().lock().write_all(&line)
-                    } else {
-                        std::io::stdout().lock().write_all(&line)
-                    };
-                }
-            }
-        }
-    })
 }
 
 impl Child {
@@ -260,11 +185,11 @@ impl Child {
         let mut forwarders = Vec::new();
         let started = Arc::new(AtomicBool::new(host.is_none()));
         if let Some(out) = proc.stdout.take() {
-            forwarders.push(forward(prefix.clone(), out, false, None));
+            forwarders.push(crate::output::forward(prefix.clone(), out, false, None));
         }
         if let Some(err) = proc.stderr.take() {
             let watch = host.is_some().then(|| started.clone());
-            forwarders.push(forward(prefix, err, true, watch));
+            forwarders.push(crate::output::forward(prefix, err, true, watch));
         }
         Ok(Child {
             role,
@@ -489,36 +414,6 @@ mod tests {
         assert!(!c.group_lives());
         let mut c = spawn("exit 0");
         wait(&mut c, true);
-    }
-
-    #[test]
-    fn output_goes_out_by_lines_redraws_and_bounded_pieces() {
-        let mut out = Vec::new();
-        out.extend_from_slice(b"one\n 10%\r 20%\rtwo\r\n");
-        out.extend(std::iter::repeat_n(b'x', MAX_LINE + 5));
-        out.extend_from_slice(b"\nlast");
-        // A small buffer, so that pieces span refills (`two\r\n` lies within one).
-        let mut r = BufReader::with_capacity(7, &out[..]);
-        let mut pieces = Vec::new();
-        let mut piece = Vec::new();
-        while next_piece(&mut r, &mut piece).unwrap() {
-            pieces.push(std::mem::take(&mut piece));
-        }
-        let x = |n| vec![b'x'; n];
-        let mut tail = x(5);
-        tail.push(b'\n');
-        assert_eq!(
-            pieces,
-            [
-                b"one\n".to_vec(),
-                b" 10%\r".to_vec(),
-                b" 20%\r".to_vec(),
-                b"two\r\n".to_vec(),
-                x(MAX_LINE),
-                tail,
-                b"last".to_vec(),
-            ]
-        );
     }
 
     #[test]

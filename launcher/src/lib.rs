@@ -7,6 +7,7 @@
 mod child;
 pub mod doctor;
 pub mod hosts;
+mod output;
 pub mod shepherd;
 mod view;
 

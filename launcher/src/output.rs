@@ -1,0 +1,117 @@
+//! A child's output, copied to kvrun's own with each piece prefixed by who wrote it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::child::STARTED;
+
+/// The most of one line that is held before it is written out: a child's output with no line
+/// ends (a binary file, say) goes out in pieces of this size, each prefixed.
+const MAX_LINE: usize = 64 * 1024;
+
+/// The next piece of a child's output to write: up to and including a `\n` or a `\r` (a
+/// progress bar redraws its line with `\r`: each redraw goes out as it comes, prefixed, so the
+/// bar moves), or [`MAX_LINE`] bytes of a longer line. Appended to `piece`; `Ok(false)` at the
+/// end of the output.
+fn next_piece(r: &mut impl BufRead, piece: &mut Vec<u8>) -> std::io::Result<bool> {
+    loop {
+        let buf = match r.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            return Ok(!piece.is_empty());
+        }
+        let room = MAX_LINE - piece.len();
+        let (n, ends) = match buf
+            .iter()
+            .take(room)
+            .position(|&b| b == b'\n' || b == b'\r')
+        {
+            // A `\r\n` seen whole is one line end.
+            Some(i) if buf[i] == b'\r' && buf.get(i + 1) == Some(&b'\n') => (i + 2, true),
+            Some(i) => (i + 1, true),
+            None => (buf.len().min(room), buf.len() >= room),
+        };
+        piece.extend_from_slice(&buf[..n]);
+        r.consume(n);
+        if ends {
+            return Ok(true);
+        }
+    }
+}
+
+pub(crate) fn forward(
+    prefix: String,
+    from: impl std::io::Read + Send + 'static,
+    to_stderr: bool,
+    mut started: Option<Arc<AtomicBool>>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match next_piece(&mut r, &mut line) {
+                Ok(false) | Err(_) => return,
+                // A remote wrapper's line that says it runs: taken, not shown (what a login
+                // prints on stderr, such as ssh's warnings, may come before it).
+                Ok(true) if started.is_some() && line == STARTED => {
+                    if let Some(s) = started.take() {
+                        s.store(true, Ordering::Relaxed);
+                    }
+                }
+                Ok(true) => {
+                    // The line's bytes as they came (not every program writes UTF-8), after
+                    // the prefix, in one write: lines of several processes never interleave.
+                    if !matches!(line.last(), Some(b'\n' | b'\r')) {
+                        line.push(b'\n');
+                    }
+                    line.splice(0..0, prefix.bytes());
+                    let _ = if to_stderr {
+                        std::io::stderr().lock().write_all(&line)
+                    } else {
+                        std::io::stdout().lock().write_all(&line)
+                    };
+                }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_goes_out_by_lines_redraws_and_bounded_pieces() {
+        let mut out = Vec::new();
+        out.extend_from_slice(b"one\n 10%\r 20%\rtwo\r\n");
+        out.extend(std::iter::repeat_n(b'x', MAX_LINE + 5));
+        out.extend_from_slice(b"\nlast");
+        // A small buffer, so that pieces span refills (`two\r\n` lies within one).
+        let mut r = BufReader::with_capacity(7, &out[..]);
+        let mut pieces = Vec::new();
+        let mut piece = Vec::new();
+        while next_piece(&mut r, &mut piece).unwrap() {
+            pieces.push(std::mem::take(&mut piece));
+        }
+        let x = |n| vec![b'x'; n];
+        let mut tail = x(5);
+        tail.push(b'\n');
+        assert_eq!(
+            pieces,
+            [
+                b"one\n".to_vec(),
+                b" 10%\r".to_vec(),
+                b" 20%\r".to_vec(),
+                b"two\r\n".to_vec(),
+                x(MAX_LINE),
+                tail,
+                b"last".to_vec(),
+            ]
+        );
+    }
+}
