@@ -213,7 +213,7 @@ impl KVStore {
         runs: Option<Py<PyAny>>,
         updater: Option<Option<Py<PyAny>>>,
     ) -> Replaced {
-        Replaced(
+        (
             std::mem::replace(&mut *self.runs(), runs),
             updater.map(|u| std::mem::replace(&mut *self.python_updater(), u)),
         )
@@ -445,7 +445,4 @@ pub(super) fn refs_mut(lists: &mut [Vec<Lent>]) -> Vec<Vec<&mut NDArray>> {
 
 /// What [`KVStore::replace_runs`] replaced, to be dropped with the GIL held and the store
 /// released.
-pub(super) struct Replaced(
-    #[allow(dead_code)] Option<Py<PyAny>>,
-    #[allow(dead_code)] Option<Option<Py<PyAny>>>,
-);
+pub(super) type Replaced = (Option<Py<PyAny>>, Option<Option<Py<PyAny>>>);
