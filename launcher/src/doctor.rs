@@ -324,21 +324,72 @@ fn fail(why: &str) -> i32 {
     2
 }
 
-/// Runs `cmd` with `input` on its stdin, for at most `limit` (then it is killed): its output.
+/// Runs `cmd` with `input` on its stdin, for at most `limit` in all: its output. The command
+/// runs in a process group of its own, killed whole if the limit passes while it runs. Its
+/// output is read by threads as it comes, so a process it left behind holding the pipes open
+/// (an ssh master, a stray background job) holds the probe at most 2 s after the command
+/// ended: what was read by then is its output.
 fn run_bounded(cmd: &mut Command, input: &[u8], limit: Duration) -> std::io::Result<Output> {
-    use std::io::Write;
+    use std::io::{Read, Write};
+    use std::os::unix::process::CommandExt;
+    use std::sync::{mpsc, Arc, Mutex};
+
+    let deadline = Instant::now() + limit;
     let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .process_group(0)
         .spawn()?;
+    let (done, ended) = mpsc::channel();
+    let read = |pipe: Option<Box<dyn Read + Send>>| {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let (into, done) = (Arc::clone(&got), done.clone());
+        std::thread::spawn(move || {
+            if let Some(mut p) = pipe {
+                let mut buf = [0u8; 4096];
+                // Bounded: a probe's answer is a few lines.
+                while let Ok(n @ 1..) = p.read(&mut buf) {
+                    let mut v = into.lock().unwrap_or_else(|e| e.into_inner());
+                    if v.len() < 1 << 20 {
+                        v.extend_from_slice(&buf[..n]);
+                    }
+                }
+            }
+            let _ = done.send(());
+        });
+        got
+    };
+    let stdout = read(
+        child
+            .stdout
+            .take()
+            .map(|o| Box::new(o) as Box<dyn Read + Send>),
+    );
+    let stderr = read(
+        child
+            .stderr
+            .take()
+            .map(|e| Box::new(e) as Box<dyn Read + Send>),
+    );
     if let Some(mut i) = child.stdin.take() {
-        // A shell that exits early closes it: what it did not read does not matter.
-        let _ = i.write_all(input);
+        // Written from a thread of its own: a shell that never reads its input must not hold
+        // the probe past its limit. One that exits early closes it, and what it did not read
+        // does not matter.
+        let input = input.to_vec();
+        std::thread::spawn(move || {
+            let _ = i.write_all(&input);
+        });
     }
-    let deadline = Instant::now() + limit;
-    while child.try_wait()?.is_none() {
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
         if Instant::now() >= deadline {
+            // SAFETY: kill(2) with a negative pid signals the group the child leads (made by
+            // `process_group(0)` above), whose id cannot be reused: the child is not reaped
+            // yet. No memory is involved.
+            unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
             let _ = child.kill();
             let _ = child.wait();
             return Err(std::io::Error::other(format!(
@@ -347,6 +398,57 @@ fn run_bounded(cmd: &mut Command, input: &[u8], limit: Duration) -> std::io::Res
             )));
         }
         std::thread::sleep(Duration::from_millis(20));
+    };
+    let linger = Instant::now() + Duration::from_secs(2);
+    for _ in 0..2 {
+        if ended
+            .recv_timeout(linger.saturating_duration_since(Instant::now()))
+            .is_err()
+        {
+            break;
+        }
     }
-    child.wait_with_output()
+    let take =
+        |v: Arc<Mutex<Vec<u8>>>| std::mem::take(&mut *v.lock().unwrap_or_else(|e| e.into_inner()));
+    Ok(Output {
+        status,
+        stdout: take(stdout),
+        stderr: take(stderr),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_probe_is_bounded_by_what_its_command_leaves_behind() {
+        // The shell answers and ends, leaving a process that holds its output open for a
+        // minute: the probe returns the answer within the linger, not after the minute.
+        let t = Instant::now();
+        let out = run_bounded(
+            Command::new("sh")
+                .arg("-c")
+                .arg("read x; echo got $x; sleep 60 &"),
+            b"hello\n",
+            Duration::from_secs(30),
+        )
+        .unwrap();
+        assert!(out.status.success());
+        assert_eq!(out.stdout, b"got hello\n");
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_probe_that_never_answers_is_killed_with_its_group() {
+        // The shell neither reads its input (more than a pipe holds) nor ends.
+        let big = vec![b'x'; 1 << 20];
+        let err = run_bounded(
+            Command::new("sh").arg("-c").arg("sleep 60 & sleep 60"),
+            &big,
+            Duration::from_millis(500),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("no answer"), "{err}");
+    }
 }
