@@ -163,8 +163,15 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
         // all, and then what is wrong with it.
         if let Some(any) = export_with(obj, ffi::PyBUF_RECORDS_RO) {
             if !contiguous(&any) {
+                if !writable {
+                    // A value is only read: a contiguous copy of it goes in its place, as
+                    // MXNet's arrays are always contiguous (a transpose or a column slice is
+                    // a copy there). An output is written in place, so it cannot be one.
+                    drop(any);
+                    return lend(&aligned_copy(obj)?, writable, what);
+                }
                 return Err(PyValueError::new_err(format!(
-                    "{what} is not C-contiguous: the store reads and writes arrays in place \
+                    "{what} is not C-contiguous: the store writes it in place \
                      (np.ascontiguousarray makes a contiguous copy)"
                 )));
             }
@@ -253,6 +260,12 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
         )));
     }
     let addr = v.buf as usize;
+    if !writable && !addr.is_multiple_of(dtype.size().max(1)) {
+        // A value that is not aligned for its dtype (a view at an odd offset of a byte
+        // buffer) is read from an aligned copy, as a non-contiguous one is.
+        drop(e);
+        return lend(&aligned_copy(obj)?, writable, what);
+    }
     let ptr = v.buf.cast::<u8>();
     // SAFETY: the export names `len` bytes at `ptr`, C-contiguous, of `shape` and `dtype`,
     // valid while the export is held, which the array's owner does; the buffer protocol
@@ -262,6 +275,20 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
     let array = unsafe { NDArray::from_raw_parts(ptr, shape, dtype, e) }
         .map_err(|err| PyValueError::new_err(format!("{what}: {err}")))?;
     Ok(Lent { array, addr, len })
+}
+
+/// A C-contiguous, aligned copy of `obj` (numpy's `require`), for a value whose layout the
+/// store cannot read in place.
+fn aligned_copy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let c = numpy(py)?.call_method1(intern!(py, "require"), (obj, py.None(), "CA"))?;
+    if c.is(obj) {
+        // numpy found nothing to change: what the store refused is not the layout.
+        return Err(PyValueError::new_err(
+            "an array numpy calls contiguous and aligned was refused as neither",
+        ));
+    }
+    Ok(c)
 }
 
 /// A numpy array held alive (a strong reference, dropped with the GIL): what keeps its

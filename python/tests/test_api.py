@@ -216,7 +216,7 @@ def test_errors_are_python_exceptions(kv):
     with pytest.raises(ValueError, match="C-contiguous"):
         kv.pull(3, out=np.zeros((3, 2), dtype=np.float32).T)
     with pytest.raises(ValueError, match="C-contiguous"):
-        kv.push(3, np.ones((3, 2), dtype=np.float32).T)
+        kv.pushpull(3, np.ones((3, 2), dtype=np.float32).T)  # in place: written
     big = np.zeros(12, dtype=np.float32)
     with pytest.raises(ValueError, match="overlap"):
         kv.pull([3, 3], out=[big[:6].reshape(SHAPE), big[3:9].reshape(SHAPE)])
@@ -228,6 +228,36 @@ def test_errors_are_python_exceptions(kv):
     out = np.zeros(SHAPE, dtype=np.float32)
     kv.pull(3, out=out)
     assert (out == 1).all()
+
+
+def test_values_of_any_layout_are_read_as_mxnet_reads_them(kv):
+    # MXNet's arrays are contiguous, so a transpose or a column slice is a copy there; a numpy
+    # view of that kind is read through a contiguous copy, as is one that is not aligned.
+    # Outputs are written in place, so they must be contiguous (above).
+    grid = np.arange(12, dtype=np.float32).reshape(2, 6)
+    cols = grid[:, :3]
+    transposed = np.arange(6, dtype=np.float32).reshape(3, 2).T
+    raw = np.zeros(4 * 6 + 1, dtype=np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(SHAPE)
+    unaligned[:] = 7
+    assert not cols.flags.c_contiguous and not unaligned.flags.aligned
+    out = np.zeros(SHAPE, dtype=np.float32)
+    kv.init(5, transposed)
+    kv.pull(5, out=out)
+    assert (out == transposed).all()
+    kv.push(5, cols)
+    kv.pull(5, out=out)
+    assert (out == [[0, 1, 2], [6, 7, 8]]).all()
+    kv.push(5, [cols, transposed, unaligned, np.broadcast_to(np.float32(1), SHAPE)])
+    kv.pull(5, out=out)
+    assert (out == cols + transposed + 7 + 1).all()
+    # Converted as well as copied: float64 columns into the float32 key.
+    kv.pushpull(5, grid.astype(np.float64)[:, 3:], out=out)
+    assert (out == [[3, 4, 5], [9, 10, 11]]).all()
+    kv.broadcast(6, cols, out=out)
+    assert (out == cols).all()
+    # The views were only read.
+    assert (grid == np.arange(12).reshape(2, 6)).all() and (unaligned == 7).all()
 
 
 def test_updater_exceptions_propagate_as_themselves(kv):
