@@ -248,8 +248,9 @@ impl KVStore {
     /// Restores what [`KVStore::save_optimizer_states`] wrote into the built-in optimizer
     /// (MXNet's `load_optimizer_states`): it must be of the same kind, and for a distributed
     /// store the job must have as many servers and the same keys. Call it on one worker.
-    /// What [`KVStore::save_optimizer_and_states`] wrote replaces the optimizer too: then
-    /// `true`.
+    /// The update counts (each key's, Adam's step) stay the store's, as MXNet keeps them on
+    /// its optimizer. What [`KVStore::save_optimizer_and_states`] wrote replaces the optimizer
+    /// and its counts too: then `true`.
     pub fn load_optimizer_states(&mut self, path: impl AsRef<std::path::Path>) -> Result<bool> {
         let bytes = std::fs::read(path)?;
         match &mut self.inner {

@@ -494,14 +494,15 @@ fn nadam_steps_as_mxnets_nadam_with_one_schedule_over_every_key() {
             );
         }
     }
-    // Saved, with the optimizer or without, the schedule goes on where it stands, as the
-    // update counts do.
+    // Saved with the optimizer, the schedule goes on where it stands, as the update counts
+    // do; without it, both stay the loading optimizer's (MXNet keeps them on its optimizer
+    // object, which a file of states alone does not carry).
     let mut back = OptimizerUpdater::new(Optimizer::sgd(0.1));
     assert!(back.load_states(&u.save_states_and_optimizer()).unwrap());
     assert_eq!(back.m_schedule, u.m_schedule);
     let mut same = OptimizerUpdater::new(opt);
     assert!(!same.load_states(&u.save_states()).unwrap());
-    assert_eq!(same.m_schedule, u.m_schedule);
+    assert_eq!(same.m_schedule, 1.0);
     assert!(u.m_schedule < 0.5);
     assert_eq!(Optimizer::nadam(0.1).name(), "nadam");
 }

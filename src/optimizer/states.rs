@@ -87,9 +87,10 @@ impl OptimizerUpdater {
     }
 
     /// Replaces the per-key state with what [`OptimizerUpdater::save_states`] saved, which
-    /// must come from an optimizer of the same kind; and with what
-    /// [`OptimizerUpdater::save_states_and_optimizer`] saved, the optimizer too (its kind
-    /// and parameters): then `true`. A malformed or truncated input is an error and changes
+    /// must come from an optimizer of the same kind, keeping the update counts (Adam's step,
+    /// `num_update`, Nadam's schedule) as they are, as MXNet keeps them on its optimizer; and
+    /// with what [`OptimizerUpdater::save_states_and_optimizer`] saved, the optimizer too (its
+    /// kind, parameters and counts): then `true`. A malformed or truncated input is an error and changes
     /// nothing.
     pub fn load_states(&mut self, bytes: &[u8]) -> Result<bool> {
         let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
@@ -165,6 +166,14 @@ impl OptimizerUpdater {
                 };
             }
             let [m, v, d, master] = vecs;
+            // Without the optimizer, the update counts stay the store's, as MXNet's stay on
+            // the optimizer object (its `_index_update_count`) when only the states are
+            // loaded: a key's count goes on from where it is, or from `begin_num_update`.
+            let t = if dumped {
+                t
+            } else {
+                self.state.get(&key).map_or(self.begin_num_update, |s| s.t)
+            };
             state.insert(key, KeyState { m, v, d, master, t });
         }
         if !r.0.is_empty() {
@@ -178,13 +187,15 @@ impl OptimizerUpdater {
             self.begin_num_update = saved_begin;
             self.multi_precision = saved_mp;
         }
-        // Nadam's schedule goes with the update counts, which every load restores.
-        self.m_schedule = saved_schedule_m;
-        // The most updates a key has had, as the counts saved say.
-        self.num_update = state
-            .values()
-            .map(|s| s.t)
-            .fold(self.begin_num_update, u64::max);
+        if dumped {
+            // Nadam's schedule and the counts go with the optimizer, as in MXNet's pickle of
+            // it. The most updates a key has had, as the counts saved say.
+            self.m_schedule = saved_schedule_m;
+            self.num_update = state
+                .values()
+                .map(|s| s.t)
+                .fold(self.begin_num_update, u64::max);
+        }
         self.state = state;
         Ok(dumped)
     }
