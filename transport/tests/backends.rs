@@ -479,3 +479,88 @@ fn shm_connect_to_a_full_backlog_ends_at_its_deadline() {
         start.elapsed()
     );
 }
+
+/// A receiver with more receive credits than send-queue room, sent more large messages at
+/// once than that room (each's data read from the sender's memory by an RDMA READ), reads
+/// them all: the reads that find the queue full wait for completions to free it. Before, the
+/// reads past the room were posted anyway, and on a device whose queue is as long as asked
+/// the failed post lost the sender, an honest peer whose only fault was to be busy (rxe makes
+/// its queues longer than asked; a post past `send_depth` is now refused as such a device
+/// would refuse it, so this test fails here too without the wait).
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_reads_of_many_large_messages_wait_for_send_queue_room() {
+    use kvstore_transport::{RdmaBackend, RdmaConfig, Sent, Token};
+    const N: u64 = 48;
+    const LEN: usize = 96 << 10;
+    let cfg = RdmaConfig {
+        receives: 64,
+        send_depth: 16,
+        ..small_rdma()
+    };
+    let mut srv = RdmaBackend::new(cfg).unwrap();
+    let ip = *srv.addresses().first().expect("an RDMA device");
+    let at = srv.listen(SocketAddr::new(ip, 0)).unwrap();
+    let mut s = Side {
+        b: Box::new(srv),
+        log: vec![],
+    };
+    let t = std::thread::spawn(move || {
+        let mut b = RdmaBackend::new(small_rdma()).unwrap();
+        let p = b.connect(at, Duration::from_secs(5)).unwrap();
+        (b, p)
+    });
+    let start = Instant::now();
+    while !s.log.iter().any(|e| matches!(e, Ev::Connected(_))) {
+        s.pump();
+        assert!(start.elapsed() < Duration::from_secs(10), "no connection");
+    }
+    let (cb, to_srv) = t.join().unwrap();
+    let mut c = Side {
+        b: Box::new(cb),
+        log: vec![],
+    };
+    let data = pattern(N as usize * LEN, 3);
+    let src = heap(&mut c, &data);
+    for i in 0..N {
+        let at = i as usize * LEN;
+        loop {
+            // SAFETY: `src` is never written.
+            let sent = unsafe {
+                c.b.send(
+                    to_srv,
+                    &i.to_le_bytes(),
+                    Some((&src, at..at + LEN, Token(i))),
+                )
+            };
+            if sent.unwrap() == Sent::Posted {
+                break;
+            }
+            // The client's own queue: it frees as the device acknowledges, without the server.
+            c.pump();
+            assert!(start.elapsed() < Duration::from_secs(20), "{:?}", c.log);
+        }
+    }
+    // Every message is in the receiver's queue before it looks: its first look finds more
+    // than its send queue holds.
+    std::thread::sleep(Duration::from_secs(1));
+    drive(&mut c, &mut s, |c, s| {
+        let got = s.log.iter().filter(|e| matches!(e, Ev::Recv(..))).count();
+        let done = c.log.iter().filter(|e| matches!(e, Ev::Done(_))).count();
+        got == N as usize && done == N as usize
+            || s.log
+                .iter()
+                .chain(&c.log)
+                .any(|e| matches!(e, Ev::Lost(_) | Ev::Failed(_)))
+    });
+    let lost: Vec<&Ev> = (s.log.iter().chain(&c.log))
+        .filter(|e| matches!(e, Ev::Lost(_) | Ev::Failed(_)))
+        .collect();
+    assert!(lost.is_empty(), "{lost:?}");
+    for e in &s.log {
+        if let Ev::Recv(_, body, Some(got)) = e {
+            let i = u64::from_le_bytes(body[..8].try_into().unwrap()) as usize;
+            assert!(got == &data[i * LEN..(i + 1) * LEN], "message {i}");
+        }
+    }
+}

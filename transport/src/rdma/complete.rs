@@ -8,8 +8,8 @@ use rdma_sys as ffi;
 use super::ops::OwnedWc;
 use super::setup::HEAD;
 use super::verbs::Mr;
-use super::wire::{wr, Head, EAGER, INDEX, MSG, PUT, RELEASE, REVOKE, REVOKED, RNDV, WR_RECV};
-use super::{Arrival, Inbound, RdmaBackend};
+use super::wire::{Head, EAGER, INDEX, MSG, PUT, RELEASE, REVOKE, REVOKED, RNDV, WR_RECV};
+use super::{Arrival, Inbound, RdmaBackend, Read};
 use crate::{Completion, Lent, Mem, PeerId, Storage, TransportError};
 
 /// Why a work completion failed, in words.
@@ -446,22 +446,20 @@ impl RdmaBackend {
         })?;
         let s: Arc<dyn Storage> = mem.clone();
         let mr = Mr::new(&self.pd, &s, 0, len, super::verbs::LOCAL)?;
-        let mut chain = Vec::new();
         let step = self.lim.max_msg;
-        for at in (0..len).step_by(step) {
-            let k = step.min(len - at);
-            let sge = ffi::ibv_sge {
-                addr: mr.addr + at as u64,
-                length: k as u32,
-                lkey: mr.lkey,
-            };
-            let mut w = wr(ffi::ibv_wr_opcode::IBV_WR_RDMA_READ, sge, 0);
-            w.wr.wr.rdma.remote_addr = h.off.wrapping_add(at as u64);
-            w.wr.wr.rdma.rkey = h.key;
-            chain.push((w, None, Some(tag)));
-        }
-        let reads = chain.len();
         let p = self.peers.get_mut(&peer).ok_or(TransportError::Closed)?;
+        let before = p.unread.len();
+        for at in (0..len).step_by(step) {
+            p.unread.push_back(Read {
+                tag,
+                to: mr.addr + at as u64,
+                lkey: mr.lkey,
+                len: step.min(len - at) as u32,
+                from: h.off.wrapping_add(at as u64),
+                rkey: h.key,
+            });
+        }
+        let reads = p.unread.len() - before;
         if let Some(Inbound::Msg {
             data,
             reads: r,
@@ -475,10 +473,7 @@ impl RdmaBackend {
             *release = Some(h.id);
             *m = Some(mr);
         }
-        if reads > 0 {
-            self.post(peer, &mut chain, None, 0)?;
-        }
-        Ok(())
+        self.post_reads(peer)
     }
 
     /// Hands over what waited in the peers' inboxes, in order, as far as it is ready.

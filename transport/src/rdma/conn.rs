@@ -122,6 +122,7 @@ impl RdmaBackend {
             posted: VecDeque::new(),
             next_seq: 1,
             inbox: VecDeque::new(),
+            unread: VecDeque::new(),
             held: VecDeque::new(),
             holds: VecDeque::new(),
             next_tag: 1,

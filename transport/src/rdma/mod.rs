@@ -127,6 +127,19 @@ enum Inbound {
     },
 }
 
+/// An RDMA READ of a piece of a message's data, from the sender's memory into ours.
+struct Read {
+    /// The message it is for (its inbox entry's tag).
+    tag: u64,
+    /// Where it lands: address and key of our registration, and length.
+    to: u64,
+    lkey: u32,
+    len: u32,
+    /// Where it reads from in the sender's memory.
+    from: u64,
+    rkey: u32,
+}
+
 pub(crate) struct Peer {
     /// Its number (in the work request ids of its receives).
     id: u32,
@@ -160,6 +173,9 @@ pub(crate) struct Peer {
     posted: VecDeque<Posted>,
     next_seq: u64,
     inbox: VecDeque<Inbound>,
+    /// Reads of messages' data not yet posted for want of send-queue room: posted, in order,
+    /// as completions free it (a read takes room as a send does).
+    unread: VecDeque<Read>,
     next_tag: u64,
     paused: bool,
     /// Grants the peer revoked: never put into again.

@@ -325,6 +325,7 @@ impl Backend for RdmaBackend {
     }
 
     fn flush(&mut self) -> Result<(), TransportError> {
+        self.post_waiting_reads();
         self.push_unsent();
         Ok(())
     }
@@ -333,11 +334,11 @@ impl Backend for RdmaBackend {
         if !self.done.is_empty() || !self.lost.is_empty() {
             return Ok(false);
         }
-        if self
-            .peers
-            .values()
-            .any(|p| !p.paused && (!p.held.is_empty() || p.inbox.front().is_some_and(ready)))
-        {
+        let depth = self.cfg.send_depth;
+        if self.peers.values().any(|p| {
+            (!p.paused && (!p.held.is_empty() || p.inbox.front().is_some_and(ready)))
+                || (!p.unread.is_empty() && p.posted.len() < depth)
+        }) {
             return Ok(false);
         }
         // Credits that came back by a plain WRITE (no completion) to a side that waits for
@@ -421,6 +422,7 @@ impl Backend for RdmaBackend {
         for id in std::mem::take(&mut self.ended) {
             self.lose(PeerId(id), TransportError::Closed);
         }
+        self.post_waiting_reads();
         self.push_unsent();
         n += crate::backend::deliver(&mut self.done, &mut self.lost, on);
         Ok(n)

@@ -42,6 +42,17 @@ impl RdmaBackend {
             )));
         };
         let n = chain.len();
+        if p.posted.len() + n > self.cfg.send_depth {
+            // The queue was sized for `send_depth` requests: the device would refuse the
+            // post. Every caller checks room first; this one did not.
+            self.free_sends
+                .extend(chain.iter().filter_map(|(_, slot, _)| *slot));
+            return Err(TransportError::Refused(format!(
+                "{n} work requests posted with {} of {} in flight",
+                p.posted.len(),
+                self.cfg.send_depth
+            )));
+        }
         for (i, (w, _, read)) in chain.iter_mut().enumerate() {
             let seq = p.next_seq + i as u64;
             w.wr.wr_id = ((peer as u64) << 32) | WR_SEND | (seq & INDEX);
@@ -166,6 +177,54 @@ impl RdmaBackend {
             }
         } else if let Some(p) = self.peers.get_mut(&peer) {
             p.unsent.push_back(head.encode());
+        }
+    }
+
+    /// Posts the reads of messages' data that wait (`Peer::unread`), as many as the send queue
+    /// has room for: the rest wait for completions to free it. Posting past the room would
+    /// fail the post, and with it the peer.
+    pub(super) fn post_reads(&mut self, peer: u32) -> Result<(), TransportError> {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return Ok(());
+        };
+        let k = self
+            .cfg
+            .send_depth
+            .saturating_sub(p.posted.len())
+            .min(p.unread.len());
+        if k == 0 {
+            return Ok(());
+        }
+        let mut chain: Vec<_> = p
+            .unread
+            .drain(..k)
+            .map(|r| {
+                let sge = ffi::ibv_sge {
+                    addr: r.to,
+                    length: r.len,
+                    lkey: r.lkey,
+                };
+                let mut w = wr(ffi::ibv_wr_opcode::IBV_WR_RDMA_READ, sge, 0);
+                w.wr.wr.rdma.remote_addr = r.from;
+                w.wr.wr.rdma.rkey = r.rkey;
+                (w, None, Some(r.tag))
+            })
+            .collect();
+        self.post(peer, &mut chain, None, 0)
+    }
+
+    /// The reads that waited for room, for every peer that has room now.
+    pub(super) fn post_waiting_reads(&mut self) {
+        let ids: Vec<u32> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.unread.is_empty() && p.posted.len() < self.cfg.send_depth)
+            .map(|(k, _)| *k)
+            .collect();
+        for id in ids {
+            if let Err(e) = self.post_reads(id) {
+                self.lose(PeerId(id), e);
+            }
         }
     }
 
