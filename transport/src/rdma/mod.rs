@@ -472,10 +472,7 @@ impl RdmaBackend {
             }
         }
         self.registrations += 1;
-        if self.registrations % 64 == 0 {
-            // Registrations of storage that is gone are dropped now and then.
-            self.cache.retain(|_, (w, _)| w.strong_count() > 0);
-        }
+        self.sweep_registrations();
         let mr = Arc::new(Mr::new_unheld(
             &self.pd,
             &r.mem,
@@ -486,6 +483,14 @@ impl RdmaBackend {
         self.count_dmabuf(r, &mr);
         self.cache.insert(key, (Arc::downgrade(&r.mem), mr.clone()));
         Ok(mr)
+    }
+
+    /// Drops the cached registrations of storage that is gone: their pages are unpinned (a
+    /// registration pins them, and counts them against the locked-memory limit), and memory
+    /// the allocator hands out again is not left readable through an old key. Done at every
+    /// new registration and now and then as the backend progresses.
+    pub(super) fn sweep_registrations(&mut self) {
+        self.cache.retain(|_, (w, _)| w.strong_count() > 0);
     }
 
     /// Counts a registration of storage that names a dma-buf.
@@ -509,6 +514,12 @@ impl RdmaBackend {
     /// Registrations made so far (a cache hit makes none): for tests of the cache.
     pub fn registrations(&self) -> u64 {
         self.registrations
+    }
+
+    /// Registrations held in the cache now (those of storage that is gone are dropped at the
+    /// next registration, or within milliseconds of progress): for tests of the cache.
+    pub fn cached_registrations(&self) -> usize {
+        self.cache.len()
     }
 
     fn peer(&mut self, peer: PeerId) -> Result<&mut Peer, TransportError> {

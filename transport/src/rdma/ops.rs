@@ -411,6 +411,9 @@ impl Backend for RdmaBackend {
         if std::mem::take(&mut self.armed) || due || !self.handshakes.is_empty() {
             self.last_events = std::time::Instant::now();
             self.poll_events(on, &mut n)?;
+            if due {
+                self.sweep_registrations();
+            }
         }
         for w in std::mem::take(&mut self.early) {
             self.on_wc(&w.0, on, &mut n);
