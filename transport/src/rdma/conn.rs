@@ -40,6 +40,9 @@ impl RdmaBackend {
     ) -> Result<PeerId, TransportError> {
         let mut s = crate::tcp::connect_retry(addr, timeout)?;
         s.set_nodelay(true)?;
+        // The link's end is the peer's end: the kernel probes it, as a TCP backend's links,
+        // so a host that dies while nothing is in flight is seen.
+        crate::tcp::liveness(&s)?;
         let mut peer = self.new_peer()?;
         let mut setup = || -> Result<(), TransportError> {
             let ours = self.hello(&mut peer, s.local_addr()?.ip())?;
@@ -217,6 +220,7 @@ impl RdmaBackend {
                     // Beyond the handshakes already waiting, or not set up: dropped at once.
                     if self.handshakes.len() >= crate::backend::MAX_PENDING
                         || sock.set_nodelay(true).is_err()
+                        || crate::tcp::liveness(&sock).is_err()
                     {
                         continue;
                     }

@@ -543,8 +543,9 @@ impl AsFd for TcpBackend {
 /// and data left unacknowledged for `USER_TIMEOUT` ends the connection. So a worker computing
 /// between calls, or a server in a long updater, is never taken for dead, and needs no thread
 /// to answer heartbeats.
-fn liveness(s: &TcpStream) -> std::io::Result<()> {
+pub(crate) fn liveness(s: impl std::os::fd::AsFd) -> std::io::Result<()> {
     use rustix::net::sockopt;
+    let s = s.as_fd();
     sockopt::set_socket_keepalive(s, true)?;
     sockopt::set_tcp_keepidle(s, KEEPALIVE_IDLE)?;
     sockopt::set_tcp_keepintvl(s, KEEPALIVE_INTERVAL)?;

@@ -10,6 +10,8 @@ pub(crate) mod link;
 mod reader;
 mod writer;
 
+#[cfg(feature = "rdma")]
+pub(crate) use backend::liveness;
 pub use backend::{msg_frame_header, TcpBackend};
 pub use link::{Admission, MAX_BODY};
 pub use reader::{grow_into, FrameQueue, FrameReader, FrameSink};
