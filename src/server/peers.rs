@@ -359,7 +359,29 @@ impl Workers {
                     let p = unsafe { PeerData::new(d.as_ptr().add(r.start), n, dtype) };
                     state.handle(addr.id(), rank, &e.msg, Input::Peer(&p, None));
                 }
-                _ => self.control(state, addr, rank, &e.msg, &[])?,
+                (Some(r), None) => {
+                    // An entry of no bytes in a batch of none (its keys all empty): a push of
+                    // nothing, in its key's dtype, as if it had come alone. Never a control
+                    // request, whose scratch input is bytes.
+                    if !r.is_empty() {
+                        return Err("a batched push with data, in a batch with none".into());
+                    }
+                    let (n, dtype) = e.msg.payload_layout();
+                    if n != 0 {
+                        return Err(format!("a batched push of {n} elements and no bytes"));
+                    }
+                    // SAFETY: 0 elements: nothing is read, and a dangling pointer is
+                    // non-null and aligned for every dtype.
+                    let p = unsafe {
+                        PeerData::new(
+                            std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
+                            0,
+                            dtype,
+                        )
+                    };
+                    state.handle(addr.id(), rank, &e.msg, Input::Peer(&p, None));
+                }
+                (None, _) => self.control(state, addr, rank, &e.msg, &[])?,
             }
         }
         Ok(())

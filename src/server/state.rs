@@ -492,11 +492,16 @@ impl ServerState {
             // The round's second push, its first kept in a slot: one pass sums both.
             Some(merge) if slot.count > 1 && slot.first.is_some() => {
                 match unpin(merge, &mut slot.spare, false, &mut self.alloc) {
-                    Ok(()) => match slot.first.take() {
-                        Some(k) => {
-                            self.released.push(k.id);
-                            k.sum_with(&payload, merge)
+                    // The kept push is let go of only once it is summed: a failed sum leaves
+                    // it kept, and counted, for the round's next push.
+                    Ok(()) => match slot.first.as_ref().map(|k| k.sum_with(&payload, merge)) {
+                        Some(Ok(())) => {
+                            if let Some(k) = slot.first.take() {
+                                self.released.push(k.id);
+                            }
+                            Ok(())
                         }
+                        Some(Err(e)) => Err(e),
                         None => Ok(()),
                     },
                     Err(e) => Err(e),
