@@ -229,6 +229,8 @@ fn bad_input_is_refused_and_changes_nothing() {
                 "unknown key",
                 "double init",
                 "pull wrong shape",
+                "push of another init shape",
+                "pull of another init shape",
             ] {
                 assert!(
                     r.stdout.contains(&format!("refused {what}")),

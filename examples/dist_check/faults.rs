@@ -29,6 +29,29 @@ pub(crate) fn errors(kv: &mut KVStore) {
             Ok(()) => fail(format!("{what} was accepted")),
         }
     }
+    // A worker that initialises a key with another shape of the same size than rank 0's
+    // (whose value the store keeps) has its pushes and pulls of that shape refused by the
+    // servers, which hold rank 0's.
+    let other: &[usize] = if kv.rank() == 0 { &[2, 3] } else { &[3, 2] };
+    ok("init other shape", kv.init(4, &NDArray::ones(other)));
+    if kv.rank() > 0 {
+        for (what, r) in [
+            (
+                "push of another init shape",
+                kv.push(4, &NDArray::ones(other)),
+            ),
+            (
+                "pull of another init shape",
+                kv.pull(4, &mut NDArray::zeros(other)),
+            ),
+        ] {
+            match r {
+                Err(e) if e.to_string().contains("shape") => println!("refused {what}: {e}"),
+                Err(e) => fail(format!("{what}: {e}")),
+                Ok(()) => fail(format!("{what} was accepted")),
+            }
+        }
+    }
     expect_vals(
         "value intact after refusals",
         &pulled(kv, 3, &SHAPE, DType::F32),

@@ -60,6 +60,8 @@ struct Slot {
     behind: Vec<Held>,
     total: u64,
     start: u64,
+    /// The whole tensor's shape, as rank 0's init gave it: every request must name it.
+    shape: ([u64; crate::protocol::MAX_NDIM], u8),
     /// The other buffer of the double buffer: a value an answer's put still reads stays
     /// there, untouched, while the update writes this one.
     spare: Option<NDArray>,
@@ -351,6 +353,7 @@ impl ServerState {
                 behind: Vec::new(),
                 total: m.total,
                 start: m.start,
+                shape: (m.shape, m.ndim),
                 spare: None,
                 first: None,
                 next: Vec::new(),
@@ -380,6 +383,20 @@ impl ServerState {
                     m.start,
                     m.start.saturating_add(m.len),
                     m.total
+                ),
+            ));
+        }
+        let (shape, ndim) = (&s.shape.0[..s.shape.1.into()], usize::from(m.ndim));
+        if m.shape.get(..ndim) != Some(shape) {
+            // Of the same size, or the slice check above would have refused it: a worker
+            // that initialised the key with another shape than rank 0's, whose value the
+            // store kept (MXNet's servers check the size alone).
+            return Err((
+                status::MISMATCH,
+                format!(
+                    "key {}: of shape {shape:?}, the request names {:?}",
+                    m.key,
+                    m.shape.get(..ndim).unwrap_or_default()
                 ),
             ));
         }
