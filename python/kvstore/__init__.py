@@ -22,7 +22,8 @@ differences from MXNet, each documented in README.md:
   ``pushpull`` compresses its push too (MXNet's dist store refuses compressed pushpulls).
 * ``save_optimizer_states`` of a distributed store saves the servers' state (MXNet refuses
   it); call it on one worker. The file is kvstore's own (MXNet's is a pickle).
-* ``create`` refuses a name it does not know (MXNet makes a local store of it).
+* ``create`` refuses a name that contains none of 'dist', 'nccl', 'device' and 'local' (MXNet
+  makes a local store of it).
 * Errors are typed: ``pull`` without ``out`` is a ValueError (an AssertionError in MXNet), a
   bool key is a TypeError.
 * An updater gets a str key as ``str`` (MXNet gives ``bytes``) and a read-only ``input``.
@@ -78,7 +79,9 @@ def create(name: str = "local") -> Any:
     (aliases 'dist_device_sync', 'dist_sync_device') in a job started by kvrun. In a job's
     server and scheduler processes, create runs that role until the job ends and then raises
     SystemExit with the role's exit code, as MXNet's server role runs inside the user's
-    script. An unknown name is a ValueError (MXNet makes a local store of it)."""
+    script. Other names are read as MXNet reads them, by what they contain: 'dist' (sync
+    unless '_async'), 'nccl' or 'device', 'local'. A name with none of them is a ValueError
+    (MXNet makes a local store of it)."""
     if not isinstance(name, str):
         raise TypeError("name must be a string")
     name = name.lower()

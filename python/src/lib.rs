@@ -99,6 +99,25 @@ const NAMES: [(&str, &str); 10] = [
     ("dist_sync_device", "dist_sync"),
 ];
 
+/// The kvstore type of an MXNet store name (lower case): one of MXNet's names, or as MXNet's
+/// `KVStore::Create` reads any other, by what it contains: "dist" a distributed store (async
+/// with "_async"), "nccl" or "device" one that sums on the device, "local" a local one. `None`
+/// for a name with none of them, which MXNet would make a local store of (a typo, most
+/// likely).
+fn kind_of(name: &str) -> Option<&'static str> {
+    if let Some(&(_, kind)) = NAMES.iter().find(|(n, _)| *n == name) {
+        return Some(kind);
+    }
+    let has = |s: &str| name.contains(s);
+    match () {
+        _ if has("dist") && has("_async") => Some("dist_async"),
+        _ if has("dist") => Some("dist_sync"),
+        _ if has("nccl") || has("device") => Some("device"),
+        _ if has("local") => Some("local"),
+        _ => None,
+    }
+}
+
 /// create(name='local')
 /// --
 ///
@@ -107,20 +126,23 @@ const NAMES: [(&str, &str); 10] = [
 /// 'local_update_cpu' and 'nccl'), or 'dist_sync' and 'dist_async' (alias
 /// 'dist_device_sync', 'dist_sync_device') in a job started by kvrun. In a job's server and
 /// scheduler processes, create runs that role until the job ends and then raises SystemExit
-/// with the role's exit code, as MXNet's server role runs inside the user's script. An
-/// unknown name is a ValueError (MXNet makes a local store of it).
+/// with the role's exit code, as MXNet's server role runs inside the user's script. Other
+/// names are read as MXNet reads them, by what they contain: 'dist' (sync unless '_async'),
+/// 'nccl' or 'device', 'local'. A name with none of them is a ValueError (MXNet makes a local
+/// store of it).
 #[pyfunction]
 #[pyo3(signature = (name = "local"))]
 fn create(py: Python<'_>, name: &str) -> PyResult<store::KVStore> {
     let name = name.to_ascii_lowercase();
-    let Some(&(_, kind)) = NAMES.iter().find(|(n, _)| *n == name) else {
+    let Some(kind) = kind_of(&name) else {
         let valid: Vec<&str> = NAMES.iter().map(|(n, _)| *n).collect();
         let why = match name.as_str() {
             "horovod" => " (Horovod's store needs Horovod; kvrun starts a dist_sync job)",
             _ => "",
         };
         return Err(PyValueError::new_err(format!(
-            "unknown KVStore type {name:?}{why}; valid types are: {}",
+            "unknown KVStore type {name:?}{why}: it names none of dist, nccl, device and \
+             local; valid types are: {}",
             valid.join(", ")
         )));
     };

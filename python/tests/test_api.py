@@ -491,6 +491,13 @@ def test_a_local_store_runs_the_optimizer_object_it_was_given():
 def test_create_is_mxnet_s():
     assert kvstore.create("LOCAL").type == "local"
     assert kvstore.create("nccl").type == "nccl"
+    # Other names as MXNet's KVStore::Create reads them, by what they contain; the type is
+    # the name given, in lower case.
+    for name in ["local_device", "Local_Update_Device", "my_local"]:
+        kv = kvstore.create(name)
+        assert kv.type == name.lower() and kv.num_workers == 1
+    with pytest.raises(ValueError, match="none of"):
+        kvstore.create("lcoal")
     with pytest.raises(ValueError, match="Horovod"):
         kvstore.create("horovod")
     with pytest.raises(TypeError):

@@ -25,7 +25,8 @@ def kvrun():
     pytest.skip("kvrun is not built (cargo build --release -p kvstore-launcher)")
 
 
-def run_job(tmp_path, body, workers=2, servers=2, env=None, timeout=120, wait=True):
+def run_job(tmp_path, body, workers=2, servers=2, env=None, timeout=120, wait=True,
+            name="dist_sync"):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""\
         import os, sys, time
@@ -35,11 +36,11 @@ def run_job(tmp_path, body, workers=2, servers=2, env=None, timeout=120, wait=Tr
         DIR = sys.argv[1]
         open(os.path.join(DIR, f"{ROLE}.{os.getpid()}"), "w").close()
         try:
-            kv = kvstore.create("dist_sync")
+            kv = kvstore.create(NAME)
         except SystemExit as e:
             print(f"{ROLE} ends with SystemExit({e.code})", flush=True)
             raise
-        """) + textwrap.dedent(body))
+        """).replace("NAME", repr(name)) + textwrap.dedent(body))
     cmd = [kvrun(), "-n", str(workers), "-s", str(servers), sys.executable, str(script),
            str(tmp_path)]
     e = {**os.environ, "KVSTORE_TIMEOUT": "30", **(env or {})}
@@ -59,7 +60,9 @@ def wait_for(p, path, secs=60):
 
 
 def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
+    # Made by the name the tutorial gives ('dist'), which MXNet reads as dist_sync.
     code, out = run_job(tmp_path, """
+        assert kv.type == "dist", kv.type
         shape = (2, 3)
         big = (600, 1000)      # sliced over both servers (bound 100000)
         kv.init(3, np.ones(shape) * 2)
@@ -109,7 +112,7 @@ def test_python_updater_and_optimizer_run_on_the_servers(tmp_path):
             kv.load_optimizer_states(states)
             print(f"saved and loaded {os.path.getsize(states)} bytes of state", flush=True)
         print(f"worker {kv.rank} of {kv.num_workers} done", flush=True)
-        """, env={"KVSTORE_BIGARRAY_BOUND": "100000"})
+        """, env={"KVSTORE_BIGARRAY_BOUND": "100000"}, name="dist")
     assert code == 0, out
     for w in range(2):
         assert f"worker {w} of 2 done" in out, out
