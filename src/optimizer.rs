@@ -192,6 +192,14 @@ impl OptimizerUpdater {
                 });
             }
         }
+        // NAG's momentum state, as MXNet's: made at a key's first update where the momentum is
+        // not 0; a key without it runs sgd_update for good, one with it nag_mom_update, whatever
+        // the momentum later becomes.
+        let nag_state = match (&self.opt, self.state.get(key)) {
+            (Optimizer::Nag { .. }, Some(st)) => st.m.size() != 0 || weight.size() == 0,
+            (Optimizer::Nag { momentum, .. }, None) => *momentum != 0.0,
+            _ => false,
+        };
         // A master copy, as MXNet's create_state_multi_precision makes one: at the key's first
         // update, where the optimizer has multi_precision and the weight is a half type. One
         // of another size than the weight (loaded from elsewhere) is made afresh, as moments
@@ -213,7 +221,7 @@ impl OptimizerUpdater {
             self.num_update,
             self.m_schedule,
         );
-        let done = self.apply(key, grad, weight, copy, signum_state);
+        let done = self.apply(key, grad, weight, copy, signum_state || nag_state);
         if done.is_err() {
             let (t, num_update, m_schedule) = before;
             (self.num_update, self.m_schedule) = (num_update, m_schedule);
@@ -239,7 +247,8 @@ impl OptimizerUpdater {
         grad: &NDArray,
         weight: &mut NDArray,
         copy: Option<NDArray>,
-        signum_state: bool,
+        // Whether the key has (or now gets) Signum's or NAG's momentum state.
+        mom_state: bool,
     ) -> Result<()> {
         let n = weight.size();
         let half = master::applies(weight.dtype());
@@ -303,8 +312,8 @@ impl OptimizerUpdater {
             &scaled
         };
         match *opt {
-            Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. }
-                if momentum <= 0.0 => {}
+            Optimizer::Sgd { momentum, .. } if momentum <= 0.0 => {}
+            Optimizer::Nag { .. } if !mom_state => {}
             Optimizer::Sgd { .. } | Optimizer::Nag { .. } => place(&mut st.m, n, device)?,
             Optimizer::Adam {
                 lr, beta1, beta2, ..
@@ -318,7 +327,7 @@ impl OptimizerUpdater {
                 place(&mut st.v, n, device)?;
                 step.lr_t = adamax_lr(lr, beta1, st.t);
             }
-            Optimizer::Signum { .. } if !signum_state => {}
+            Optimizer::Signum { .. } if !mom_state => {}
             Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } | Optimizer::Signum { .. } => {
                 place(&mut st.m, n, device)?
             }

@@ -337,6 +337,32 @@ fn nag_steps_as_mxnets_nag_mom_update() {
             .unwrap();
     }
     assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    // As MXNet's NAG: a key whose momentum was 0 at its first update has no momentum state
+    // and runs sgd_update for good, even once a momentum is set; a key first updated after
+    // that gets the state and moves by nag_mom_update.
+    nag.retune(Optimizer::nag(0.1).wd(0.5).momentum(0.9))
+        .unwrap();
+    let mut fresh = NDArray::ones(&[2]);
+    for _ in 0..2 {
+        let one = NDArray::ones(&[2]);
+        nag.update(&Key::Int(0), &one, &mut a).unwrap();
+        sgd.update(&Key::Int(0), &one, &mut b).unwrap();
+        nag.update(&Key::Int(1), &one, &mut fresh).unwrap();
+    }
+    assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    assert_eq!(nag.state[&Key::Int(0)].m.size(), 0);
+    assert_eq!(nag.state[&Key::Int(1)].m.size(), 2);
+    // Step 1 from 1: m = -0.1 * (1 + 0.5), w = 1 - 0 + 1.9 * m; step 2 as the formula above.
+    let (mut w, mut m) = (1.0f64, 0.0f64);
+    for _ in 0..2 {
+        let w0 = w;
+        m *= 0.9;
+        w = w0 - m + 1.9 * (m - 0.1 * (1.0 + 0.5 * w0));
+        w = f64::from(w as f32);
+        m -= 0.1 * (1.0 + 0.5 * w);
+    }
+    let got = fresh.to_vec::<f32>().unwrap();
+    assert!((f64::from(got[0]) - w).abs() < 1e-6, "{got:?} against {w}");
     // Its state is saved, and only a NAG takes it.
     let saved = u.save_states();
     assert!(OptimizerUpdater::new(Optimizer::sgd(0.1))

@@ -381,7 +381,8 @@ class SGD(Optimizer):
 
 class NAG(Optimizer):
     """Nesterov accelerated gradient (MXNet's ``NAG(momentum=0.0, **kwargs)``, its
-    ``nag_mom_update``; without momentum, plain SGD). Its update runs on the host."""
+    ``nag_mom_update``; without momentum, plain SGD: as MXNet's, for good for a key whose
+    momentum was 0 at its first update). Its update runs on the host."""
 
     name = "nag"
 

@@ -77,12 +77,17 @@ pub(super) fn update_typed<T: Element>(
             rescale_grad,
             clip_gradient,
         } => {
-            // As MXNet's `SGD.update` and `NAG.update`: momentum is used only when it is
-            // positive. (MXNet's NAG without momentum runs `sgd_update`, whose kernel orders
-            // the step `(1 - lr * wd) * w - lr * g`, so the last bit may differ; with a
-            // negative momentum it also keeps `-step` as a state it never reads.)
-            let nesterov = matches!(opt, Optimizer::Nag { .. });
-            if momentum <= 0.0 {
+            // As MXNet's `SGD.update`: momentum is used only when it is positive. As its
+            // `NAG.update`: a key with a momentum state (made at its first update where the
+            // momentum was not 0) runs nag_mom_update with the momentum as it is, one without
+            // runs sgd_update (whose kernel orders the step `(1 - lr * wd) * w - lr * g`, so
+            // the last bit may differ).
+            let nesterov = matches!(opt, Optimizer::Nag { .. }) && m.len() == weight.len();
+            let plain = match opt {
+                Optimizer::Nag { .. } => !nesterov,
+                _ => momentum <= 0.0,
+            };
+            if plain {
                 for (w, g) in weight.iter_mut().zip(grad) {
                     let wf = w.to_f64();
                     let g = prep(g.to_f64(), rescale_grad, clip_gradient);
