@@ -133,6 +133,15 @@ class Optimizer:
         self.begin_num_update = begin_num_update
         self._num_update = begin_num_update
         self.multi_precision = bool(multi_precision)
+        # MXNet's other attributes, as its constructor sets them. aggregate_num is 0: an
+        # updater here calls an optimizer of your own key by key, never with lists. The counts
+        # of an optimizer of your own are kept here; a built-in one's, where it runs.
+        self.aggregate_num = 0
+        self.sym_info = ()
+        self.param_dict: Dict[Any, Any] = {}
+        self.allow_np_array = False
+        self._index_update_count: Dict[Any, int] = {}
+        self._all_index_update_counts = {0: self._index_update_count}
 
     @property
     def num_update(self) -> int:
@@ -170,6 +179,10 @@ class Optimizer:
         """Sets the learning rate's factor per key or parameter name (MXNet's
         ``set_lr_mult``), replacing the earlier ones."""
         self.lr_mult = _mults(args_lr_mult)
+
+    def set_lr_scale(self, args_lrscale: Any) -> None:
+        """Deprecated in MXNet, which raises DeprecationWarning (use ``set_lr_mult``)."""
+        raise DeprecationWarning
 
     def set_wd_mult(self, args_wd_mult: Dict[Any, float]) -> None:
         """Sets the weight decay's factor per key or parameter name (MXNet's ``set_wd_mult``),
@@ -363,324 +376,6 @@ class Optimizer:
         return f"{type(self).__name__}({args})"
 
 
-class SGD(Optimizer):
-    """Stochastic gradient descent, with momentum when ``momentum`` > 0 (MXNet's
-    ``SGD(momentum=0.0, lazy_update=True, **kwargs)``; ``lazy_update`` concerns sparse
-    gradients only, and changes nothing for dense ones)."""
-
-    name = "sgd"
-
-    def __init__(self, momentum: float = 0.0, lazy_update: bool = True, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.momentum = float(momentum)
-        self.lazy_update = lazy_update
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "momentum": self.momentum}
-
-
-class NAG(Optimizer):
-    """Nesterov accelerated gradient (MXNet's ``NAG(momentum=0.0, **kwargs)``, its
-    ``nag_mom_update``; without momentum, plain SGD: as MXNet's, for good for a key whose
-    momentum was 0 at its first update). Its update runs on the host."""
-
-    name = "nag"
-
-    def __init__(self, momentum: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.momentum = float(momentum)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "momentum": self.momentum}
-
-
-class Adam(Optimizer):
-    """Adam, with MXNet's bias-corrected learning rate (MXNet's ``Adam(learning_rate=0.001,
-    beta1=0.9, beta2=0.999, epsilon=1e-8, lazy_update=True, **kwargs)``)."""
-
-    name = "adam"
-    _default_lr = 0.001
-
-    def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
-                 epsilon: float = 1e-8, lazy_update: bool = True, **kwargs: Any) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.epsilon = float(epsilon)
-        self.lazy_update = lazy_update
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2,
-                "epsilon": self.epsilon}
-
-
-class AdaGrad(Optimizer):
-    """AdaGrad (MXNet's ``AdaGrad(eps=1e-7, **kwargs)``, its dense update): the squared
-    gradients summed into a history; ``weight += (grad / sqrt(history + eps) + wd * weight) *
-    -lr``. Its update runs on the host. A ``clip_gradient`` of 0 or less clips nothing, as in
-    MXNet's other optimizers (MXNet's AdaGrad would clip every gradient to 0)."""
-
-    name = "adagrad"
-
-    def __init__(self, eps: float = 1e-7, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.float_stable_eps = float(eps)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "eps": self.float_stable_eps}
-
-
-class RMSProp(Optimizer):
-    """RMSProp (MXNet's ``RMSProp(learning_rate=0.001, gamma1=0.9, gamma2=0.9, epsilon=1e-8,
-    centered=False, clip_weights=None, **kwargs)``): Tieleman and Hinton's
-    (``rmsprop_update``), or with ``centered=True`` Graves's (``rmspropalex_update``), which
-    alone uses ``gamma2``. A store running one version cannot take on the other's state:
-    ``centered`` changed on an optimizer a store runs is refused (``set_optimizer`` starts
-    afresh). Its update runs on the host."""
-
-    name = "rmsprop"
-    _default_lr = 0.001
-
-    def __init__(self, learning_rate: float = 0.001, gamma1: float = 0.9, gamma2: float = 0.9,
-                 epsilon: float = 1e-8, centered: bool = False,
-                 clip_weights: Optional[float] = None, **kwargs: Any) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.gamma1 = float(gamma1)
-        self.gamma2 = float(gamma2)
-        self.epsilon = float(epsilon)
-        self.centered = centered
-        self.clip_weights = None if clip_weights is None else float(clip_weights)
-
-    def _params(self) -> Dict[str, Any]:
-        return {**super()._params(), "gamma1": self.gamma1, "gamma2": self.gamma2,
-                "epsilon": self.epsilon, "centered": bool(self.centered),
-                "clip_weights": self.clip_weights}
-
-
-class AdaDelta(Optimizer):
-    """AdaDelta, Zeiler's (MXNet's ``AdaDelta(rho=0.90, epsilon=1e-5, **kwargs)``, its
-    update): ``acc_g = rho * acc_g + (1 - rho) * g * g``; ``delta = sqrt(acc_delta + epsilon)
-    / sqrt(acc_g + epsilon) * g``; ``acc_delta = rho * acc_delta + (1 - rho) * delta * delta``;
-    ``weight -= delta + wd * weight``, ``g`` being the rescaled, clipped gradient. Its rule has
-    no learning rate. A ``clip_gradient`` of 0 or less clips nothing, as in MXNet's other
-    optimizers (MXNet's AdaDelta would clip every gradient to 0). Its update runs on the
-    host."""
-
-    name = "adadelta"
-
-    def __init__(self, rho: float = 0.90, epsilon: float = 1e-5, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.rho = float(rho)
-        self.epsilon = float(epsilon)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "rho": self.rho, "epsilon": self.epsilon}
-
-
-class Adamax(Optimizer):
-    """Adamax, Adam with the infinity norm (MXNet's ``Adamax(learning_rate=0.002, beta1=0.9,
-    beta2=0.999, **kwargs)``, its update): ``u = max(beta2 * u, |g|)``, ``weight -= lr / (1 -
-    beta1**t) * m / u`` (a weight whose every gradient so far was 0 becomes NaN, as in MXNet).
-    A ``clip_gradient`` of 0 or less clips nothing (MXNet's Adamax would clip every gradient
-    to 0). Its update runs on the host."""
-
-    name = "adamax"
-    _default_lr = 0.002
-
-    def __init__(self, learning_rate: float = 0.002, beta1: float = 0.9, beta2: float = 0.999,
-                 **kwargs: Any) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2}
-
-
-class FTML(Optimizer):
-    """FTML, Follow the Moving Leader (MXNet's ``FTML(beta1=0.6, beta2=0.999, epsilon=1e-8,
-    **kwargs)``, its ``ftml_update``). Its update runs on the host."""
-
-    name = "ftml"
-
-    def __init__(self, beta1: float = 0.6, beta2: float = 0.999, epsilon: float = 1e-8,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.epsilon = float(epsilon)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2,
-                "epsilon": self.epsilon}
-
-
-class Nadam(Optimizer):
-    """Nadam, Adam with Nesterov momentum (MXNet's ``Nadam(learning_rate=0.001, beta1=0.9,
-    beta2=0.999, epsilon=1e-8, schedule_decay=0.004, **kwargs)``, its update). As in MXNet,
-    its momentum schedule (``m_schedule``) is one product over every update the store's
-    optimizer makes, whatever the key (a local store updates a call's keys in order of their
-    numbers, as MXNet's); it lives where the optimizer runs (a distributed store's servers
-    each keep their own, as MXNet's), not on this object. A ``clip_gradient`` of 0 or less
-    clips nothing (MXNet's Nadam would clip every gradient to 0). Its update runs on the
-    host."""
-
-    name = "nadam"
-    _default_lr = 0.001
-
-    def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
-                 epsilon: float = 1e-8, schedule_decay: float = 0.004, **kwargs: Any) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.epsilon = float(epsilon)
-        self.schedule_decay = float(schedule_decay)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "beta1": self.beta1, "beta2": self.beta2,
-                "epsilon": self.epsilon, "schedule_decay": self.schedule_decay}
-
-
-class Signum(Optimizer):
-    """Signum, the sign of a momentum (MXNet's ``Signum(learning_rate=0.01, momentum=0.9,
-    wd_lh=0.0, **kwargs)``, its ``signum_update``; with ``momentum=0``, ``signsgd_update``,
-    the sign of the gradient itself, without the rescale, the clip or ``wd_lh``). As in MXNet,
-    a key keeps a momentum state where the momentum was not 0 at its first update, and runs
-    ``signum_update`` from then on (a momentum of 0 or less is none in the kernel); a key
-    without runs ``signsgd_update``, which refuses a momentum or ``wd_lh`` (an error at
-    ``set_optimizer``, or at such a key's update after a change). Its update runs on the
-    host."""
-
-    name = "signum"
-
-    def __init__(self, learning_rate: float = 0.01, momentum: float = 0.9, wd_lh: float = 0.0,
-                 **kwargs: Any) -> None:
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self.momentum = float(momentum)
-        self.wd_lh = float(wd_lh)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "momentum": self.momentum, "wd_lh": self.wd_lh}
-
-
-class Ftrl(Optimizer):
-    """FTRL-proximal (MXNet's ``Ftrl(lamda1=0.01, learning_rate=0.1, beta=1, **kwargs)``, its
-    ``ftrl_update``). As in MXNet, ``learning_rate`` sets ``lr`` after the common parameters:
-    a scheduler's ``base_lr`` is not replaced by it. Its update runs on the host."""
-
-    name = "ftrl"
-
-    def __init__(self, lamda1: float = 0.01, learning_rate: float = 0.1, beta: float = 1,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.lamda1 = float(lamda1)
-        self.beta = float(beta)
-        self.lr = float(learning_rate)
-
-    def _params(self) -> Dict[str, Optional[float]]:
-        return {**super()._params(), "lamda1": self.lamda1, "beta": self.beta}
-
-
-class Updater:
-    """MXNet's ``Updater`` (``get_updater(optimizer)``): the optimizer run in this process on
-    numpy arrays, ``updater(index, grad, weight)`` updating ``weight`` in place (or lists of
-    them, as MXNet's), with a state per index. It is the engine of ``set_optimizer``, by the
-    same Rust code. As a store, it runs the optimizer object it was given: a change to its
-    parameters applies from the next update on.
-
-    ``kv._set_updater(get_updater(opt))`` runs it as the store's updater; in a distributed
-    store, on the servers (where MXNet ignores a worker's updater): it travels there by value,
-    its state fresh (the state of an updater that loaded states with their optimizer travels
-    with it). A pickled or copied updater is such a value.
-
-    ``get_states(dump_optimizer=False)`` and ``set_states(states)`` take kvstore's
-    saved-states format (MXNet's is a pickle); states that carry the optimizer replace this
-    updater's, and it no longer runs the object it was given: ``optimizer`` is then None."""
-
-    def __init__(self, optimizer: Optimizer) -> None:
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError("get_updater takes a kvstore.optimizer object, not "
-                            f"{type(optimizer).__name__}")
-        self.optimizer: Optional[Optimizer] = optimizer
-        if optimizer._custom():
-            # An optimizer of your own: its rule runs here, its state per index in
-            # ``states`` (MXNet's Updater), saved as MXNet saves it (a pickle).
-            self._runner = None
-            self.states: Dict[Any, Any] = {}
-            self.states_synced: Dict[Any, bool] = {}
-            return
-        from ._native import OptimizerRunner
-        self._runner = OptimizerRunner(optimizer)
-        optimizer._attached_to(self)
-
-    def __call__(self, index: Any, grad: Any, weight: Any) -> None:
-        if not isinstance(index, (list, tuple)):
-            index, grad, weight = [index], [grad], [weight]
-        for i, g, w in zip(index, grad, weight):
-            # MXNet's updaters may be given a str key as bytes.
-            i = i.decode() if isinstance(i, bytes) else i
-            if self._runner is not None:
-                self._runner.update(i, g, w)
-                continue
-            opt = self.optimizer
-            if i not in self.states:
-                self.states[i] = opt.create_state_multi_precision(i, w)
-                self.states_synced[i] = True
-            opt.update_multi_precision(i, w, g, self.states[i])
-
-    def get_states(self, dump_optimizer: bool = False) -> bytes:
-        """The state of every index (and the optimizer, with ``dump_optimizer``), as bytes."""
-        if self._runner is None:
-            import pickle
-            return pickle.dumps((self.states, self.optimizer) if dump_optimizer
-                                else self.states)
-        return self._runner.save_states(bool(dump_optimizer))
-
-    def set_states(self, states: bytes) -> None:
-        """Replaces the state with what ``get_states`` gave."""
-        if self._runner is None:
-            import pickle
-            got = pickle.loads(bytes(states))
-            if isinstance(got, tuple) and len(got) == 2:
-                self.states, self.optimizer = got
-            else:
-                self.states = got
-            self.states_synced = dict.fromkeys(self.states, False)
-            return
-        if self._runner.load_states(bytes(states)) and self.optimizer is not None:
-            self.optimizer._stores.discard(self)
-            self.optimizer = None
-
-    def _retune_optimizer(self, optimizer: Optimizer) -> None:
-        if self._runner is not None:
-            self._runner.retune(optimizer)
-
-    def _optimizer_num_update(self, optimizer: Optimizer) -> int:
-        return optimizer._num_update if self._runner is None else self._runner.num_update()
-
-    def __reduce__(self) -> Any:
-        # By value: the optimizer object, the state fresh (a distributed store's servers start
-        # their own); or, once it runs loaded states with their optimizer, those.
-        if self._runner is None:
-            return (Updater, (self.optimizer,))
-        if self.optimizer is None:
-            return (_updater_of_states, (self.get_states(dump_optimizer=True),))
-        return (Updater, (self.optimizer,))
-
-
-def _updater_of_states(states: bytes) -> Updater:
-    from ._native import OptimizerRunner
-    u = Updater.__new__(Updater)
-    u.optimizer = None
-    u._runner = OptimizerRunner.from_states(states)
-    return u
-
-
-def get_updater(optimizer: Optimizer) -> Updater:
-    """MXNet's ``get_updater``: an ``Updater`` running ``optimizer``."""
-    return Updater(optimizer)
-
-
 def _check_scheduler(s: Any) -> None:
     if s is not None and not _schedulers._runnable(s):
         raise TypeError("lr_scheduler is one of kvstore.lr_scheduler's schedulers "
@@ -695,7 +390,12 @@ def _mults(d: Dict[Any, float]) -> Dict[Any, float]:
     return {k: float(v) for k, v in d.items()}
 
 
-for _k in (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam):
+# MXNet's optimizers, whose rules kvstore runs (their constructors in _builtins.py).
+from ._builtins import (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax,  # noqa: E402
+                        Signum, Ftrl, FTML, Nadam, ccSGD, Test)
+
+for _k in (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam, ccSGD,
+           Test):
     Optimizer.opt_registry[_k.__name__.lower()] = _k
 
 register = Optimizer.register
@@ -708,3 +408,12 @@ def create(name: str, **kwargs: Any) -> Optimizer:
         raise ValueError(f"unknown optimizer {name!r}; kvstore runs "
                          f"{sorted(Optimizer.opt_registry)}")
     return Optimizer.create_optimizer(name, **kwargs)
+
+
+# MXNet's Updater and get_updater live in this module; their code, in _updater.py.
+from ._updater import Updater, get_updater  # noqa: E402
+
+# They read as this module's, where MXNet has them (and pickles name them by it).
+for _k in (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam, ccSGD,
+           Test, Updater):
+    _k.__module__ = __name__

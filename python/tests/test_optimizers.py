@@ -208,6 +208,33 @@ def test_constructors_are_mxnet_s():
         opt.create("lamb")
 
 
+def test_mxnet_s_other_attributes_and_names_are_there():
+    # What MXNet's constructor sets and code reads: aggregate_num (0: updates key by key),
+    # sym_info, param_dict, allow_np_array, the counts of an optimizer of one's own; the
+    # deprecated set_lr_scale raises as MXNet's does; ccsgd is SGD, test MXNet's Test.
+    o = opt.SGD(momentum=0.9)
+    assert (o.aggregate_num, o.sym_info, o.param_dict, o.allow_np_array) == (0, (), {}, False)
+    assert o._index_update_count == {} and o._all_index_update_counts == {0: {}}
+    with pytest.raises(DeprecationWarning):
+        o.set_lr_scale({0: 2.0})
+    cc = opt.create("ccSGD", learning_rate=0.5, momentum=0.9)
+    assert isinstance(cc, opt.SGD) and not cc._custom()
+    t = opt.create("test", rescale_grad=2.0)
+    out = np.zeros(3, dtype=np.float32)
+    for o, want in [(cc, 0.5), (t, 3.0)]:
+        kv = kvstore.create()
+        kv.init(0, np.ones(3, dtype=np.float32))
+        kv.set_optimizer(o)
+        kv.push(0, np.ones(3, dtype=np.float32))
+        kv.pull(0, out=out)
+        assert (out == want).all(), (o, out)
+    # Test's state is the weight after the update, as MXNet's.
+    u = opt.get_updater(opt.create("test"))
+    w = np.ones(2)
+    u(5, np.ones(2), w)
+    assert (u.states[5] == 2).all() and (w == 2).all()
+
+
 def test_a_store_running_centered_rmsprop_refuses_the_plain_one_s_state():
     # A local store running the centered version refuses a change to the plain one (the
     # object is left as the store runs it); set_optimizer with the plain one starts afresh.
