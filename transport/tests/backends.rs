@@ -577,3 +577,68 @@ fn rdma_reads_of_many_large_messages_wait_for_send_queue_room() {
         }
     }
 }
+
+/// The peer of `shm_a_lost_peers_memory_is_freed_once_its_process_exits`, run as a process of
+/// its own (this test binary again, with the listener's name in the environment): it connects,
+/// closes its link while it lives on, and exits 2 s later.
+#[test]
+fn shm_peer_process_that_leaves_then_exits() {
+    let Ok(at) = std::env::var("KVSTORE_TEST_SHM_AT") else {
+        return;
+    };
+    let mut b = ShmBackend::new("child", small_shm(true)).unwrap();
+    b.connect(&at, Duration::from_secs(5)).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    drop(b);
+    std::thread::sleep(Duration::from_secs(2));
+}
+
+/// Memory granted to a peer whose link closed while its process lived is kept (it may still
+/// write it), and freed once that process has exited: the backend looks as it progresses.
+/// Before, it was kept for good, and a process that closes its files before its pidfd says
+/// it exited (every exiting one) left its grants kept almost always.
+#[test]
+fn shm_a_lost_peers_memory_is_freed_once_its_process_exits() {
+    let name = format!("kept-{}", std::process::id());
+    let mut srv = ShmBackend::new("srv", small_shm(true)).unwrap();
+    srv.listen(&name).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "shm_peer_process_that_leaves_then_exits",
+            "--test-threads=1",
+        ])
+        .env("KVSTORE_TEST_SHM_AT", &name)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut s = Side {
+        b: Box::new(srv),
+        log: vec![],
+    };
+    let start = Instant::now();
+    let until = |s: &mut Side, what: &dyn Fn(&Side) -> bool| {
+        while !what(s) {
+            s.pump();
+            assert!(start.elapsed() < Duration::from_secs(20), "{:?}", s.log);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    until(&mut s, &|s| {
+        s.log.iter().any(|e| matches!(e, Ev::Connected(_)))
+    });
+    let Some(Ev::Connected(peer)) = s.log.first().cloned() else {
+        unreachable!()
+    };
+    let mem = heap(&mut s, &[0u8; 4096]);
+    let _g = grant_to(&mut s, peer, &mem, 0..4096);
+    until(&mut s, &|s| s.log.iter().any(|e| matches!(e, Ev::Lost(_))));
+    let kept = |s: &Side| {
+        // SAFETY: the box holds a `ShmBackend` (made above).
+        let b: &ShmBackend = unsafe { &*(s.b.as_ref() as *const dyn Backend as *const ShmBackend) };
+        b.kept_grants()
+    };
+    assert_eq!(kept(&s), 1, "the peer still runs: its grant is kept");
+    assert!(child.wait().unwrap().success());
+    until(&mut s, &|s| kept(s) == 0);
+}

@@ -160,6 +160,15 @@ struct Pending {
     deadline: Instant,
 }
 
+/// What a lost peer whose process lived may still write: its grants' memory, kept with the
+/// process until it exits.
+#[derive(Default)]
+struct Quarantined {
+    proc: Option<PeerProcess>,
+    ids: Vec<u64>,
+    regions: Vec<Region>,
+}
+
 /// Shared memory as a [`Backend`].
 pub struct ShmBackend {
     id: u64,
@@ -182,8 +191,9 @@ pub struct ShmBackend {
     next_peer: u32,
     grants: FxHashMap<u64, Grant>,
     next_grant: u64,
-    /// Memory a lost peer that still lives may write: kept for good.
-    quarantine: Vec<Region>,
+    /// Memory a lost peer that still lived may write, with that process: kept until it has
+    /// exited (looked at as the backend progresses), for good if it never does.
+    quarantine: Vec<Quarantined>,
     /// The grants of that memory: a revoke of one fails (the peer may still write it).
     kept: FxHashSet<u64>,
     done: VecDeque<(Token, Option<TransportError>)>,
@@ -396,6 +406,12 @@ impl ShmBackend {
         self.copies
     }
 
+    /// Grants kept for lost peers whose processes had not exited: their memory is freed once
+    /// they have. For tests of that.
+    pub fn kept_grants(&self) -> usize {
+        self.kept.len()
+    }
+
     /// Whether any peer is connected (a loop spins on the rings only when one is).
     pub fn has_peers(&self) -> bool {
         !self.peers.is_empty()
@@ -468,6 +484,7 @@ impl ShmBackend {
         }
         // Grants to it are fenced only if its process is gone; otherwise their memory is kept.
         let exited = p.proc.exited();
+        let mut held = Quarantined::default();
         let ids: Vec<u64> = self
             .grants
             .iter()
@@ -488,11 +505,35 @@ impl ShmBackend {
             }
             if !exited {
                 self.kept.insert(id);
-                self.quarantine.push(g.region);
-                self.quarantine.extend(g.bounce);
+                held.ids.push(id);
+                held.regions.push(g.region);
+                held.regions.extend(g.bounce);
             }
         }
+        if !held.ids.is_empty() {
+            // Its process may be between closing its files and exiting (its pidfd becomes
+            // readable last), or live on: what it may write is freed once it has exited.
+            held.proc = Some(p.proc);
+            self.quarantine.push(held);
+        }
         self.lost.push_back((peer, error));
+    }
+
+    /// Frees the memory kept for lost peers whose processes have exited since, and forgets
+    /// its grants (a revoke of one completes then, as for any peer that is gone).
+    fn release_quarantine(&mut self) {
+        if self.quarantine.is_empty() {
+            return;
+        }
+        let (gone, live): (Vec<_>, Vec<_>) = std::mem::take(&mut self.quarantine)
+            .into_iter()
+            .partition(|q| q.proc.as_ref().is_none_or(PeerProcess::exited));
+        self.quarantine = live;
+        for q in gone {
+            for id in &q.ids {
+                self.kept.remove(id);
+            }
+        }
     }
 
     fn accept_all(&mut self) -> Result<(), TransportError> {

@@ -485,6 +485,7 @@ impl Backend for ShmBackend {
             }
         }
         self.last_poll = Instant::now();
+        self.release_quarantine();
         if self.accept_retry.due() {
             self.accept_all()?;
         }
@@ -574,6 +575,7 @@ impl AsFd for ShmBackend {
 impl Drop for ShmBackend {
     fn drop(&mut self) {
         // Memory a living peer may still write is never given back to the allocator.
+        self.release_quarantine();
         let keep = std::mem::take(&mut self.quarantine);
         let live: Vec<Region> = self
             .grants
