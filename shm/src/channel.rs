@@ -297,10 +297,10 @@ impl Channel {
         self.rx.try_pop(slot)
     }
 
-    /// Rings `eventfd` too when the peer sleeps after this end sends (the peer waits on it in
-    /// its poll loop).
-    pub fn set_tx_doorbell(&mut self, eventfd: std::os::fd::OwnedFd) {
-        self.tx_wake.set_doorbell(eventfd);
+    /// Rings `doorbell` too (the ringing end of the peer's [`crate::doorbell`]) when the peer
+    /// sleeps after this end sends (it waits on the other end in its poll loop).
+    pub fn set_tx_doorbell(&mut self, doorbell: std::os::fd::OwnedFd) {
+        self.tx_wake.set_doorbell(doorbell);
     }
 
     /// Before sleeping elsewhere (on a doorbell): marks this end asleep. Returns `false` (and
@@ -412,13 +412,14 @@ mod tests {
     /// the consumer takes a descriptor; one that did not ask is not.
     #[test]
     fn a_producer_that_asked_for_room_is_rung_when_a_slot_frees() {
-        use rustix::event::{eventfd, EventfdFlags};
         let (a, mut b) = pair();
-        let bell = eventfd(0, EventfdFlags::NONBLOCK).unwrap();
-        b.set_tx_doorbell(bell.try_clone().unwrap());
+        let (bell, ring) = crate::doorbell().unwrap();
+        b.set_tx_doorbell(ring);
         let rung = || {
             let mut c = [0u8; 8];
-            rustix::io::read(&bell, &mut c).is_ok()
+            let got = rustix::net::recv(&bell, &mut c, rustix::net::RecvFlags::DONTWAIT).is_ok();
+            crate::drain_doorbell(&bell);
+            got
         };
         let mut slot = [0u8; SLOT];
         while a.try_post(b"x").unwrap() {}

@@ -29,4 +29,4 @@ pub use fdpass::{recv_fds, send_fds};
 pub use pool::{Pool, Region};
 pub use ring::{Ring, SLOT};
 pub use segment::Segment;
-pub use wake::Wake;
+pub use wake::{doorbell, drain_doorbell, Wake};

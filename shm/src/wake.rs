@@ -9,6 +9,32 @@ use rustix::thread::futex;
 
 use crate::{Segment, ShmError};
 
+/// A doorbell for a sleeper that waits in its poll loop: the end it reads (registered there,
+/// emptied by [`drain_doorbell`] when it wakes) and the end it gives the other side to ring,
+/// of a pair of Unix datagram sockets. Ringing sends with `MSG_DONTWAIT`, a flag of the call,
+/// not of the file: the side that gave the end cannot make a ring wait (as it could an
+/// eventfd's, by clearing `O_NONBLOCK` on the file they share and filling its counter).
+pub fn doorbell() -> std::io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
+    Ok(socketpair(
+        AddressFamily::UNIX,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )?)
+}
+
+/// Empties the reading end of a [`doorbell`] after a wake-up (at most what a full socket
+/// holds: rings coming meanwhile are for the next wake-up).
+pub fn drain_doorbell(fd: &std::os::fd::OwnedFd) {
+    let mut b = [0u8; 8];
+    for _ in 0..4096 {
+        if rustix::net::recv(fd, &mut b, rustix::net::RecvFlags::DONTWAIT).is_err() {
+            break;
+        }
+    }
+}
+
 /// A wake-up word pair (`seq`, `sleeping`) in a segment, at an 8-aligned offset; optionally
 /// also a doorbell (an eventfd the sleeper waits on in its poll loop, with its sockets).
 pub struct Wake {
@@ -29,9 +55,10 @@ impl Wake {
         })
     }
 
-    /// Also rings `eventfd` when the other side sleeps (for a sleeper that waits in epoll).
-    pub fn set_doorbell(&mut self, eventfd: std::os::fd::OwnedFd) {
-        self.doorbell = Some(eventfd);
+    /// Also rings `doorbell` when the other side sleeps (for a sleeper that waits in epoll):
+    /// the ringing end of the other side's [`doorbell`] pair.
+    pub fn set_doorbell(&mut self, doorbell: std::os::fd::OwnedFd) {
+        self.doorbell = Some(doorbell);
     }
 
     /// The sleeper, before it blocks elsewhere (epoll on a doorbell): says it sleeps. The caller
@@ -71,8 +98,14 @@ impl Wake {
         seq.fetch_add(1, Ordering::Release);
         futex::wake(seq, futex::Flags::empty(), u32::MAX)?;
         if let Some(fd) = &self.doorbell {
-            // An eventfd counter: 8 bytes; a full counter (EAGAIN) is already rung.
-            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+            // Never waits, whatever the other side did to the socket it shares with this one
+            // (a file's O_NONBLOCK is the other side's to change): a full socket is rung
+            // already, a closed one is a peer that left.
+            let _ = rustix::net::send(
+                fd,
+                &[1],
+                rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+            );
         }
         Ok(())
     }

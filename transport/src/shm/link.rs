@@ -228,33 +228,25 @@ pub(super) fn take_fd(fds: &mut Vec<OwnedFd>, what: &str) -> Result<OwnedFd, Tra
         .ok_or_else(|| TransportError::Refused(format!("no {what}")))
 }
 
-/// The peer's doorbell, refused unless it is a non-blocking eventfd: ringing it must never
-/// block this process (a blocking eventfd at its limit, or a full pipe, would).
+/// The peer's doorbell, refused unless it is a Unix datagram socket (the ringing end of its
+/// [`kvstore_shm::doorbell`]): rings are sent with `MSG_DONTWAIT`, which no flag the peer sets
+/// on the file can undo, so ringing it never blocks this process.
 pub(super) fn take_bell(fds: &mut Vec<OwnedFd>) -> Result<OwnedFd, TransportError> {
-    use std::os::fd::AsRawFd;
+    use rustix::net::{sockopt, AddressFamily, SocketType};
     let fd = take_fd(fds, "doorbell")?;
-    let what = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
-    let nonblocking = rustix::fs::fcntl_getfl(&fd)
-        .map_err(std::io::Error::from)?
-        .contains(rustix::fs::OFlags::NONBLOCK);
-    if what.as_os_str() != "anon_inode:[eventfd]" || !nonblocking {
-        return Err(TransportError::Refused(format!(
-            "a doorbell that is not a non-blocking eventfd ({})",
-            what.display()
-        )));
+    let kind = sockopt::socket_type(&fd).ok();
+    let domain = sockopt::socket_domain(&fd).ok();
+    if kind != Some(SocketType::DGRAM) || domain != Some(AddressFamily::UNIX) {
+        return Err(TransportError::Refused(
+            "a doorbell that is not a Unix datagram socket".into(),
+        ));
     }
     Ok(fd)
 }
 
-pub(super) fn eventfd() -> Result<OwnedFd, TransportError> {
-    use rustix::event::{eventfd, EventfdFlags};
-    Ok(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(std::io::Error::from)?)
-}
-
 /// Empties a doorbell after a wake-up.
 pub(super) fn drain(fd: &OwnedFd) {
-    let mut b = [0u8; 8];
-    let _ = rustix::io::read(fd, &mut b);
+    kvstore_shm::drain_doorbell(fd);
 }
 
 /// What one side tells the other in the handshake.
@@ -387,14 +379,14 @@ pub(super) fn accept_parts(
     let (their_seg, their_pool) = attach_pool(pool_fd, false)?;
     let (their_landing_seg, their_landing) = attach_pool(landing_fd, true)?;
     let i_write_peer = cross_memory && proc.probe(hello.canary);
-    let bell = eventfd()?;
+    let (bell, ring) = kvstore_shm::doorbell()?;
     send_hello(
         &sock,
         &Hello {
             canary: my_canary,
             wrote: i_write_peer,
         },
-        &[my_pools[0].fd(), my_pools[1].fd(), bell.as_fd()],
+        &[my_pools[0].fd(), my_pools[1].fd(), ring.as_fd()],
     )?;
     Ok(Parts {
         chan,
@@ -428,19 +420,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_doorbell_must_be_a_nonblocking_eventfd() {
-        use rustix::event::EventfdFlags;
-        let good = eventfd().unwrap();
+    fn a_doorbell_must_be_a_unix_datagram_socket() {
+        let (_keep, good) = kvstore_shm::doorbell().unwrap();
         assert!(take_bell(&mut vec![good]).is_ok());
-        // A blocking eventfd (a write at its limit waits), a socket (a write to a full one
-        // waits), a file: refused, so a peer cannot make a wake-up block this process.
-        let blocking = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
+        // An eventfd (whose O_NONBLOCK the peer could clear on the file it shares, and then
+        // fill its counter: a ring would wait), a stream socket, a file: refused.
+        let eventfd = rustix::event::eventfd(0, rustix::event::EventfdFlags::NONBLOCK).unwrap();
         let (a, _b) = UnixStream::pair().unwrap();
-        a.set_nonblocking(true).unwrap();
         let file = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
-        for fd in [blocking, OwnedFd::from(a), file] {
+        for fd in [eventfd, OwnedFd::from(a), file] {
             match take_bell(&mut vec![fd]) {
-                Err(TransportError::Refused(why)) => assert!(why.contains("eventfd"), "{why}"),
+                Err(TransportError::Refused(why)) => assert!(why.contains("datagram"), "{why}"),
                 other => panic!("{other:?}"),
             }
         }
@@ -448,5 +438,20 @@ mod tests {
             take_bell(&mut vec![]),
             Err(TransportError::Refused(_))
         ));
+        // A ring never waits, even once the peer made its end of the socket blocking and
+        // filled it: the ring is dropped (the sleeper has plenty to wake it already).
+        let (keep, ring) = kvstore_shm::doorbell().unwrap();
+        rustix::fs::fcntl_setfl(&keep, rustix::fs::OFlags::empty()).unwrap();
+        rustix::fs::fcntl_setfl(&ring, rustix::fs::OFlags::empty()).unwrap();
+        let mut w = kvstore_shm::Wake::new(
+            std::sync::Arc::new(kvstore_shm::Segment::create("bell-test", 4096).unwrap()),
+            0,
+        )
+        .unwrap();
+        w.set_doorbell(ring);
+        for _ in 0..100_000 {
+            w.ring().unwrap();
+        }
+        kvstore_shm::drain_doorbell(&keep);
     }
 }

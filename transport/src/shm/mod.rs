@@ -290,7 +290,7 @@ impl ShmBackend {
                 pages: 1,
             },
         )?;
-        let bell = eventfd()?;
+        let (bell, ring) = kvstore_shm::doorbell()?;
         let me = Hello {
             canary: self.canary.as_ptr() as u64,
             wrote: false,
@@ -302,7 +302,7 @@ impl ShmBackend {
                 chan.segment().fd(),
                 self.pool_seg.fd(),
                 self.landing_seg.fd(),
-                bell.as_fd(),
+                ring.as_fd(),
             ],
         )?;
         let (reply, mut fds) = recv_hello(&sock, 3).map_err(|e| match e {
