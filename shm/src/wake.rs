@@ -36,7 +36,7 @@ pub fn drain_doorbell(fd: &std::os::fd::OwnedFd) {
 }
 
 /// A wake-up word pair (`seq`, `sleeping`) in a segment, at an 8-aligned offset; optionally
-/// also a doorbell (an eventfd the sleeper waits on in its poll loop, with its sockets).
+/// also a doorbell (a [`doorbell`] the sleeper waits on in its poll loop, with its sockets).
 pub struct Wake {
     seg: Arc<Segment>,
     off: usize,

@@ -7,7 +7,7 @@
 //! writing it. Its landing pool holds what peers are granted to write (receive slots, bounce
 //! pages), mapped read-write. Each link has a channel segment (two descriptor rings and their
 //! wake words) made by the connecting side. The handshake passes the pools, the channel and
-//! two eventfd doorbells, and each side tries one cross-memory write into the other (a canary)
+//! the ringing ends of two doorbells (datagram sockets), and each side tries one cross-memory write into the other (a canary)
 //! to learn whether the host lets it write there.
 
 use std::os::fd::{AsFd, OwnedFd};
