@@ -36,6 +36,7 @@ mod events;
 mod ops;
 mod post;
 mod queues;
+mod regs;
 mod setup;
 mod verbs;
 mod wire;
@@ -55,7 +56,7 @@ use crate::backend::fresh_id;
 use crate::{Mem, PeerId, Region, Storage, Token, TransportError};
 pub use setup::RdmaConfig;
 use setup::HEAD;
-use verbs::{Channel, Context, Cq, Mr, Pd, Qp, Srq, LOCAL, REMOTE_READ};
+use verbs::{Channel, Context, Cq, Mr, Pd, Qp, Srq, LOCAL};
 
 /// The [`RemoteRegion`] kind of a grant of this backend.
 const KIND_RDMA: u32 = 3;
@@ -457,69 +458,6 @@ impl RdmaBackend {
     /// The largest message the device takes (puts and reads are split at it).
     pub fn max_message(&self) -> usize {
         self.lim.max_msg
-    }
-
-    /// The registration of `r`'s storage: cached by the storage's identity (a live `Arc`
-    /// with the same address and length), registered anew when the cached one is stale.
-    fn mr_of(&mut self, r: &Region) -> Result<Arc<Mr>, TransportError> {
-        r.check_owner(self.id)?;
-        let key = (r.mem.ptr() as usize, r.len());
-        if let Some((w, mr)) = self.cache.get(&key) {
-            if w.upgrade()
-                .is_some_and(|m| Arc::as_ptr(&m).cast::<u8>() == Arc::as_ptr(&r.mem).cast::<u8>())
-            {
-                return Ok(mr.clone());
-            }
-        }
-        self.registrations += 1;
-        self.sweep_registrations();
-        let mr = Arc::new(Mr::new_unheld(
-            &self.pd,
-            &r.mem,
-            0,
-            r.len(),
-            LOCAL | REMOTE_READ,
-        )?);
-        self.count_dmabuf(r, &mr);
-        self.cache.insert(key, (Arc::downgrade(&r.mem), mr.clone()));
-        Ok(mr)
-    }
-
-    /// Drops the cached registrations of storage that is gone: their pages are unpinned (a
-    /// registration pins them, and counts them against the locked-memory limit), and memory
-    /// the allocator hands out again is not left readable through an old key. Done at every
-    /// new registration and now and then as the backend progresses.
-    pub(super) fn sweep_registrations(&mut self) {
-        self.cache.retain(|_, (w, _)| w.strong_count() > 0);
-    }
-
-    /// Counts a registration of storage that names a dma-buf.
-    fn count_dmabuf(&mut self, r: &Region, mr: &Mr) {
-        if r.mem.dmabuf().is_some() {
-            self.dmabuf.0 += 1;
-            self.dmabuf.1 += u64::from(mr.on_device);
-            if let Some(why) = &mr.dmabuf_refused {
-                self.dmabuf.2 = Some(why.clone());
-            }
-        }
-    }
-
-    /// Registrations of storage that names a dma-buf ([`crate::Storage::dmabuf`]): how many
-    /// were tried, how many the device took (the rest registered the host bytes), and why it
-    /// refused the last one it refused.
-    pub fn dmabuf_registrations(&self) -> (u64, u64, Option<&str>) {
-        (self.dmabuf.0, self.dmabuf.1, self.dmabuf.2.as_deref())
-    }
-
-    /// Registrations made so far (a cache hit makes none): for tests of the cache.
-    pub fn registrations(&self) -> u64 {
-        self.registrations
-    }
-
-    /// Registrations held in the cache now (those of storage that is gone are dropped at the
-    /// next registration, or within milliseconds of progress): for tests of the cache.
-    pub fn cached_registrations(&self) -> usize {
-        self.cache.len()
     }
 
     fn peer(&mut self, peer: PeerId) -> Result<&mut Peer, TransportError> {
