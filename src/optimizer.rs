@@ -464,6 +464,10 @@ pub(crate) use states::{is_dumped, mark_dumped};
 #[path = "optimizer_tests.rs"]
 mod tests;
 
+#[cfg(test)]
+#[path = "optimizer/steps_tests.rs"]
+mod steps_tests;
+
 #[cfg(all(test, feature = "cuda"))]
 #[path = "optimizer/gpu_tests.rs"]
 mod gpu_tests;
