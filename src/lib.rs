@@ -44,6 +44,12 @@ mod logging;
 pub mod metrics;
 mod ndarray;
 mod net;
+#[cfg(not(feature = "internals"))]
+mod ops;
+/// The aggregation kernels, for their benchmark only (feature `internals`): not an API (they
+/// take lengths on trust).
+#[cfg(feature = "internals")]
+#[doc(hidden)]
 pub mod ops;
 mod optimizer;
 #[cfg(test)]

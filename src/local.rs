@@ -38,6 +38,18 @@ pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) -> Result<()> {
         return Ok(());
     }
     let dtype = dst.dtype();
+    if let Some(v) = values
+        .iter()
+        .find(|v| v.dtype() != dtype || v.nbytes() != dst.nbytes())
+    {
+        // The callers check; the kernels take lengths on trust.
+        return Err(KvError::Incompatible(format!(
+            "a sum into {:?} {dtype} of {:?} {}",
+            dst.shape(),
+            v.shape(),
+            v.dtype()
+        )));
+    }
     let srcs: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
     with_dtype!(dtype, T => ops::sum_bytes_into::<T>(dst.as_bytes_mut(), &srcs));
     Ok(())
@@ -80,6 +92,10 @@ pub(crate) struct LocalStore {
     /// pushed) has not sent yet, as MXNet keeps a residual per key and device.
     compression: Option<Compression>,
     residuals: FxHashMap<(Key, usize), Vec<f32>>,
+    /// Keys whose value an updater replaced with one of another shape or dtype, and what it
+    /// was replaced with: the value is lost, so every call of the key fails saying so, until
+    /// the key is initialised again.
+    lost: FxHashMap<Key, String>,
 }
 
 impl LocalStore {
@@ -93,6 +109,7 @@ impl LocalStore {
             optimizer: None,
             compression: None,
             residuals: FxHashMap::default(),
+            lost: FxHashMap::default(),
         }
     }
 
@@ -186,6 +203,7 @@ impl LocalStore {
                 crate::Device::default()
             };
             let v = vs[0].copy_to(device)?;
+            self.lost.remove(k);
             self.store.insert(k.clone(), v);
             if let Key::Str(_) = k {
                 let n = self.numbers.len() as i64;
@@ -210,9 +228,19 @@ impl LocalStore {
     }
 
     fn stored(&self, k: &Key) -> Result<&NDArray> {
-        self.store
-            .get(k)
-            .ok_or_else(|| KvError::UnknownKey(k.clone()))
+        self.store.get(k).ok_or_else(|| self.missing(k))
+    }
+
+    /// The error for a key that has no value: unknown, or lost to an updater.
+    #[cold]
+    fn missing(&self, k: &Key) -> KvError {
+        match self.lost.get(k) {
+            Some(why) => KvError::Updater {
+                key: k.clone(),
+                reason: format!("{why}, so its value is lost: init the key again"),
+            },
+            None => KvError::UnknownKey(k.clone()),
+        }
     }
 
     pub(crate) fn push(&mut self, pairs: &[(Key, List<&NDArray>)]) -> Result<()> {
@@ -259,7 +287,7 @@ impl LocalStore {
     /// Merges the sum of `vs` into `k`'s stored value (checked to fit).
     fn update(&mut self, k: &Key, vs: &[&NDArray]) -> Result<()> {
         let Some(stored) = self.store.get_mut(k) else {
-            return Err(KvError::UnknownKey(k.clone()));
+            return Err(self.missing(k));
         };
         match &mut self.updater {
             None => sum_into(stored, vs)?,
@@ -278,7 +306,17 @@ impl LocalStore {
                     sum_into(merged, vs)?;
                     up(k, merged, stored)?;
                 }
-                check_updater_kept_shape(k, stored, &shape, dtype)?;
+                if let Err(e) = check_updater_kept_shape(k, stored, &shape, dtype) {
+                    // The value it replaced is gone: the key is taken out, with its merge
+                    // buffer (of the old shape), and says why from now on.
+                    self.store.remove(k);
+                    self.merge.remove(k);
+                    self.residuals.retain(|(key, _), _| key != k);
+                    if let KvError::Updater { reason, .. } = &e {
+                        self.lost.insert(k.clone(), reason.clone());
+                    }
+                    return Err(e);
+                }
             }
         }
         Ok(())

@@ -134,11 +134,6 @@ pub fn sum_bytes_into<T: Element>(dst: &mut [u8], srcs: &[&[u8]]) {
     sum_into::<T>(bytemuck::cast_slice_mut(dst), &typed);
 }
 
-/// `dst += src` over byte views of elements of type `T`.
-pub fn add_bytes_into<T: Element>(dst: &mut [u8], src: &[u8]) {
-    add_into::<T>(bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

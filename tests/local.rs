@@ -219,10 +219,30 @@ fn updater_errors_propagate_and_shape_changes_are_refused() {
         Ok(())
     })
     .unwrap();
-    assert!(matches!(
-        kv.push(3, &NDArray::ones(&SHAPE)),
-        Err(KvError::Updater { .. })
-    ));
+    // Pushed as a list, so the key has a merge buffer of its shape.
+    let two = [NDArray::ones(&SHAPE), NDArray::ones(&SHAPE)];
+    assert!(matches!(kv.push(3, &two), Err(KvError::Updater { .. })));
+    // The value the updater threw away is lost: every call of the key says so (before, the
+    // key held the [1] array, and a push of two [1] values panicked in the old-shape merge
+    // buffer), until the key is initialised again.
+    let ones1 = [NDArray::ones(&[1]), NDArray::ones(&[1])];
+    for r in [
+        kv.push(3, &ones1),
+        kv.push(3, &two),
+        kv.pull(3, &mut NDArray::zeros(&[1])),
+        kv.pull(3, &mut NDArray::zeros(&SHAPE)),
+    ] {
+        match r {
+            Err(KvError::Updater { reason, .. }) => assert!(reason.contains("lost"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    kv.set_updater(|_, input, stored| stored.copy_from(input))
+        .unwrap();
+    kv.init(3, &(NDArray::ones(&SHAPE) * 5.0)).unwrap();
+    assert_eq!(pull(&mut kv, 3), vec![5.0; 6]);
+    kv.push(3, &two).unwrap();
+    assert_eq!(pull(&mut kv, 3), vec![2.0; 6]);
 }
 
 #[test]
