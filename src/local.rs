@@ -253,6 +253,14 @@ impl LocalStore {
             if self.compression.is_some() {
                 Compression::check_dtype(k, stored.dtype())?;
             }
+            if self.optimizer.is_some() && !stored.dtype().is_float() {
+                // What the optimizer would refuse, refused before any key of the call is
+                // updated.
+                return Err(KvError::Updater {
+                    key: k.clone(),
+                    reason: format!("optimizers need a float dtype, not {}", stored.dtype()),
+                });
+            }
         }
         let Some(c) = self.compression else {
             if let [(k, vs)] = pairs {
@@ -293,8 +301,17 @@ impl LocalStore {
             None => sum_into(stored, vs)?,
             Some(up) => {
                 let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
+                // An updater's own error names its key, as a server's does (an interrupt
+                // stays one).
+                let keyed = |e: KvError| match e {
+                    e @ (KvError::Updater { .. } | KvError::Interrupted(_)) => e,
+                    other => KvError::Updater {
+                        key: k.clone(),
+                        reason: other.to_string(),
+                    },
+                };
                 if vs.len() == 1 {
-                    up(k, vs[0], stored)?;
+                    up(k, vs[0], stored).map_err(keyed)?;
                 } else {
                     if !self.merge.contains_key(k) {
                         let m = NDArray::zeros_dtype(&shape, dtype).on(stored.device())?;
@@ -304,7 +321,7 @@ impl LocalStore {
                         return Err(KvError::UnknownKey(k.clone()));
                     };
                     sum_into(merged, vs)?;
-                    up(k, merged, stored)?;
+                    up(k, merged, stored).map_err(keyed)?;
                 }
                 if let Err(e) = check_updater_kept_shape(k, stored, &shape, dtype) {
                     // The value it replaced is gone: the key is taken out, with its merge

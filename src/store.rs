@@ -168,8 +168,24 @@ impl KVStore {
         outs: impl Into<Outputs<'b>>,
     ) -> Result<()> {
         let keys = keys.into();
-        self.init(keys.clone(), values)?;
-        self.pull(keys, outs)
+        let values = values.into();
+        let outs = outs.into();
+        // The outputs are checked against the values first: a refused call stores nothing.
+        let pairs = group_values(keys.clone(), values.clone())?;
+        let mut out_pairs = group_outputs(keys.clone(), outs)?;
+        for (k, outs) in &out_pairs {
+            let Some((_, vs)) = pairs.iter().find(|(p, _)| p == k) else {
+                return Err(KvError::UnknownKey(k.clone()));
+            };
+            for o in outs {
+                crate::local::check_like(k, vs[0], o)?;
+            }
+        }
+        self.init(keys, values)?;
+        match &mut self.inner {
+            Inner::Local(s) => s.pull(&mut out_pairs),
+            Inner::Dist(d) => d.pull(&mut out_pairs),
+        }
     }
 
     /// Pulls `key`'s value into a slice of its element type, as long as the value (in
@@ -539,13 +555,25 @@ impl KVStore {
         values: impl Into<Values<'a>>,
         outs: Vec<NDArray>,
     ) -> Result<Pending> {
-        let pairs = group_values(keys.into(), values.into())?;
-        self.check_keys(pairs.iter().map(|(k, _)| k))?;
-        if outs.len() != pairs.len() {
+        let keys = keys.into();
+        let given = match &keys {
+            Keys::One(_) => 1,
+            Keys::Many(ks) => ks.len(),
+        };
+        if outs.len() != given {
             return Err(KvError::LengthMismatch {
-                keys: pairs.len(),
+                keys: given,
                 values: outs.len(),
             });
+        }
+        let pairs = group_values(keys, values.into())?;
+        self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        if pairs.len() != given {
+            // Its values are summed into one push, whose one result would go to one of its
+            // outputs: refused, where `pushpull` pulls it into each.
+            return Err(KvError::Unsupported(
+                "pushpull_async takes each key once (pushpull takes a key twice)".into(),
+            ));
         }
         Ok(Pending(match &mut self.inner {
             Inner::Local(s) => {

@@ -348,6 +348,14 @@ fn broadcast_priority_pull_into_and_scalars() {
         kv.broadcast(4, &NDArray::ones(&SHAPE), &mut out),
         Err(KvError::DoubleInit(_))
     ));
+    // An output that does not fit is refused before anything is stored: the key can be
+    // broadcast again, right.
+    assert!(matches!(
+        kv.broadcast(9, &NDArray::ones(&SHAPE), &mut NDArray::zeros(&[3])),
+        Err(KvError::ShapeMismatch { .. })
+    ));
+    kv.broadcast(9, &NDArray::ones(&SHAPE), &mut out).unwrap();
+    assert_eq!(out.to_vec::<f32>().unwrap(), [1.0; 6]);
     kv.with_priority(7)
         .push(4, &(NDArray::ones(&SHAPE) * 3))
         .unwrap();
@@ -468,4 +476,45 @@ fn a_device_store_compresses_each_value_with_its_own_residual() {
         .unwrap()
         .set_gradient_compression(Compression::two_bit(0.5).unwrap());
     assert!(matches!(e, Err(KvError::Unsupported(m)) if m.contains("local store")));
+}
+
+#[test]
+fn calls_in_flight_pair_their_outputs_with_the_keys_given() {
+    let mut kv = create("local").unwrap();
+    kv.init([3, 5], &[NDArray::zeros(&SHAPE), NDArray::zeros(&SHAPE)])
+        .unwrap();
+    let v = |x: f32| NDArray::ones(&SHAPE) * x;
+    let p = kv
+        .pushpull_async([3, 5], &[v(2.0), v(7.0)], vec![NDArray::zeros(&SHAPE); 2])
+        .unwrap();
+    let got: Vec<Vec<f32>> = kv
+        .wait(p)
+        .unwrap()
+        .iter()
+        .map(|o| o.to_vec().unwrap())
+        .collect();
+    assert_eq!(got, [vec![2.0; 6], vec![7.0; 6]]);
+    // One output per key given: a key twice (its values summed into one push, one result)
+    // is refused, and so is a count of outputs that is not the keys'; before, the first was
+    // refused as "1 keys but 2 values" and the second accepted, its outputs paired wrongly.
+    assert!(matches!(
+        kv.pushpull_async([3, 3], &[v(1.0), v(1.0)], vec![NDArray::zeros(&SHAPE); 2]),
+        Err(KvError::Unsupported(_))
+    ));
+    assert!(matches!(
+        kv.pushpull_async(
+            [3, 3, 5],
+            &[v(1.0), v(1.0), v(1.0)],
+            vec![NDArray::zeros(&SHAPE); 2]
+        ),
+        Err(KvError::LengthMismatch { keys: 3, values: 2 })
+    ));
+    assert_eq!(pull(&mut kv, 3), vec![2.0; 6], "nothing was pushed");
+    // A pull in flight takes a key twice, one output each.
+    let p = kv
+        .pull_async([5, 5], vec![NDArray::zeros(&SHAPE); 2])
+        .unwrap();
+    for o in kv.wait(p).unwrap() {
+        assert_eq!(o.to_vec::<f32>().unwrap(), vec![7.0; 6]);
+    }
 }
