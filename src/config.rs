@@ -69,6 +69,9 @@ pub struct Config {
     pub rank_hint: Option<u32>,
     /// The address this node advertises to its peers, if set.
     pub node_host: Option<String>,
+    /// Whether the job's processes span several hosts, where the launcher says (mpirun,
+    /// srun); `None` where it does not.
+    pub spans_hosts: Option<bool>,
     /// The bound of every blocking wait.
     pub timeout: Duration,
     /// Tensors with more elements are sliced over all servers.
@@ -127,6 +130,12 @@ pub enum TransportChoice {
 /// Where variables come from: the process environment, or a table in tests.
 type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
+/// A variable of the process environment; one that is not UTF-8 is read lossily (so that its
+/// parse fails naming it, where it would pass for unset).
+fn env_var(name: &str) -> Option<String> {
+    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+}
+
 fn get(env: Lookup, name: &str) -> Option<String> {
     env(name).filter(|v| !v.is_empty())
 }
@@ -154,7 +163,8 @@ fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
 /// A process's rank among `size`, as an external launcher gave it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LauncherRank {
-    /// Which launcher: `"openmpi"`, `"pmi"` (MPICH's hydra and others) or `"slurm"`.
+    /// Which launcher: `"openmpi"`, `"pmi"` (MPICH's hydra and others), `"mvapich"` or
+    /// `"slurm"`.
     pub launcher: &'static str,
     /// This process's rank.
     pub rank: usize,
@@ -164,47 +174,142 @@ pub struct LauncherRank {
     pub all_local: Option<bool>,
     /// An identifier of the job, when the launcher gives one.
     pub job_id: Option<String>,
+    /// The variables the rank and the size came from (for errors).
+    pub vars: (&'static str, &'static str),
 }
 
+/// The most processes a job may have (as kvrun's).
+const MAX_PROCESSES: usize = 65536;
+
 fn launcher_rank(env: Lookup) -> Result<Option<LauncherRank>> {
-    let pair = |r: &str, s: &str| -> Result<Option<(usize, usize)>> {
+    let pair = |r: &'static str, s: &'static str| -> Result<Option<(usize, usize, _)>> {
         match (get(env, r), get(env, s)) {
-            (Some(a), Some(b)) => Ok(Some((parse(r, &a)?, parse(s, &b)?))),
+            (Some(a), Some(b)) => Ok(Some((parse(r, &a)?, parse(s, &b)?, (r, s)))),
             _ => Ok(None),
         }
     };
-    if let Some((rank, size)) = pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")? {
-        let local = get(env, "OMPI_COMM_WORLD_LOCAL_SIZE").and_then(|v| v.parse::<usize>().ok());
-        return Ok(Some(LauncherRank {
+    let count = |name: &str| get(env, name).and_then(|v| v.trim().parse::<usize>().ok());
+    // Slurm's job and step, where a launcher inside an allocation gives no id of its own.
+    let slurm_job = || {
+        get(env, "SLURM_JOB_ID")
+            .or_else(|| get(env, "SLURM_JOBID"))
+            .map(|j| format!("{j}.{}", get(env, "SLURM_STEP_ID").unwrap_or_default()))
+    };
+    let found = if let Some((rank, size, vars)) =
+        pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")?
+    {
+        LauncherRank {
             launcher: "openmpi",
             rank,
             size,
-            all_local: local.map(|l| l == size),
+            all_local: count("OMPI_COMM_WORLD_LOCAL_SIZE").map(|l| l == size),
             job_id: get(env, "OMPI_MCA_ess_base_jobid").or_else(|| get(env, "PMIX_NAMESPACE")),
-        }));
-    }
-    if let Some((rank, size)) = pair("PMI_RANK", "PMI_SIZE")? {
-        let local = get(env, "MPI_LOCALNRANKS").and_then(|v| v.parse::<usize>().ok());
-        return Ok(Some(LauncherRank {
+            vars,
+        }
+    } else if let Some((rank, size, vars)) = match pair("PMI_RANK", "PMI_SIZE")? {
+        Some(p) => Some(p),
+        None => pair("PMI_ID", "PMI_SIZE")?,
+    } {
+        // MPICH's hydra (PMI_ID where it gives the PMI port), Intel MPI, and Slurm's pmi2,
+        // which name the job PMI_KVSNAME, PMIX_NAMESPACE or PMI_JOBID, or not at all.
+        LauncherRank {
             launcher: "pmi",
             rank,
             size,
-            all_local: local.map(|l| l == size),
-            job_id: get(env, "PMI_KVSNAME").or_else(|| get(env, "PMIX_NAMESPACE")),
-        }));
-    }
-    if let Some((rank, size)) = pair("SLURM_PROCID", "SLURM_NTASKS")? {
-        let nodes = get(env, "SLURM_NNODES").or_else(|| get(env, "SLURM_JOB_NUM_NODES"));
-        let job = get(env, "SLURM_JOB_ID").or_else(|| get(env, "SLURM_JOBID"));
-        return Ok(Some(LauncherRank {
+            all_local: count("MPI_LOCALNRANKS").map(|l| l == size),
+            job_id: get(env, "PMI_KVSNAME")
+                .or_else(|| get(env, "PMIX_NAMESPACE"))
+                .or_else(|| get(env, "PMI_JOBID"))
+                .or_else(slurm_job),
+            vars,
+        }
+    } else if let Some((rank, size, vars)) = pair("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")? {
+        LauncherRank {
+            launcher: "mvapich",
+            rank,
+            size,
+            all_local: count("MV2_COMM_WORLD_LOCAL_SIZE").map(|l| l == size),
+            job_id: slurm_job(),
+            vars,
+        }
+    } else if let Some((rank, size, vars)) = pair("SLURM_PROCID", "SLURM_NTASKS")? {
+        // The step's nodes: srun may run a step on some of the job's.
+        let nodes = get(env, "SLURM_STEP_NUM_NODES")
+            .or_else(|| get(env, "SLURM_NNODES"))
+            .or_else(|| get(env, "SLURM_JOB_NUM_NODES"));
+        LauncherRank {
             launcher: "slurm",
             rank,
             size,
             all_local: nodes.map(|n| n.trim() == "1"),
-            job_id: job.map(|j| format!("{j}.{}", get(env, "SLURM_STEP_ID").unwrap_or_default())),
-        }));
+            job_id: slurm_job(),
+            vars,
+        }
+    } else {
+        return Ok(None);
+    };
+    let (rv, sv) = found.vars;
+    if found.size == 0 || found.size > MAX_PROCESSES {
+        return Err(KvError::Config(format!(
+            "{sv}={}: a job has 1 to {MAX_PROCESSES} processes",
+            found.size
+        )));
     }
-    Ok(None)
+    if found.rank >= found.size {
+        return Err(KvError::Config(format!(
+            "{rv}={} is not a rank of {sv}={} processes",
+            found.rank, found.size
+        )));
+    }
+    Ok(Some(found))
+}
+
+/// The role an external launcher's rank gives (rank 0 the scheduler, 1..=S the servers, the
+/// rest the workers) and its rank among its kind, with the launcher's rank and S.
+fn launched(env: Lookup) -> Result<Option<(LauncherRank, usize, Role, usize)>> {
+    let Some(l) = launcher_rank(env)? else {
+        return Ok(None);
+    };
+    let s: usize = match get(env, "KVSTORE_NUM_SERVERS") {
+        Some(v) => parse("KVSTORE_NUM_SERVERS", &v)?,
+        None => 1,
+    };
+    if s == 0 || s.checked_add(2).is_none_or(|need| l.size < need) {
+        return Err(KvError::Config(format!(
+            "{} started {} processes; a job with {s} server(s) needs at least {} (scheduler, \
+             servers, one worker): set KVSTORE_NUM_SERVERS or start more ranks",
+            l.launcher,
+            l.size,
+            s.saturating_add(2)
+        )));
+    }
+    let (role, hint) = match l.rank {
+        0 => (Role::Scheduler, 0),
+        r if r <= s => (Role::Server, r - 1),
+        r => (Role::Worker, r - 1 - s),
+    };
+    Ok(Some((l, s, role, hint)))
+}
+
+/// A port, from `name`: 1 to 65535.
+fn port(name: &str, v: &str) -> Result<u16> {
+    match v.trim().parse::<u16>() {
+        Ok(p) if p > 0 => Ok(p),
+        _ => Err(KvError::Config(format!(
+            "{name}={v:?} is not a port (1 to 65535)"
+        ))),
+    }
+}
+
+/// A count of processes, from `name`: at most [`MAX_PROCESSES`].
+fn processes(name: &str, v: &str) -> Result<usize> {
+    let n: usize = parse(name, v)?;
+    if n > MAX_PROCESSES {
+        return Err(KvError::Config(format!(
+            "{name}={n}: a job has at most {MAX_PROCESSES} processes"
+        )));
+    }
+    Ok(n)
 }
 
 /// The first host of a Slurm node list: `node[03-05,9],gpu1` gives `node03`.
@@ -245,64 +350,48 @@ struct Place {
     num_servers: usize,
     num_workers: usize,
     rank_hint: Option<u32>,
+    spans_hosts: Option<bool>,
 }
 
 fn place(env: Lookup) -> Result<Place> {
     if let Some(role) = get(env, "DMLC_ROLE") {
-        let role = match role.as_str() {
-            "worker" => Role::Worker,
-            "server" => Role::Server,
-            "scheduler" => Role::Scheduler,
-            other => {
-                return Err(KvError::Config(format!(
-                    "DMLC_ROLE={other:?}; expected worker, server or scheduler"
-                )))
-            }
-        };
+        let role = dmlc_role(&role)?;
         let host = need(env, "DMLC_PS_ROOT_URI")?;
-        let port: u16 = parse("DMLC_PS_ROOT_PORT", &need(env, "DMLC_PS_ROOT_PORT")?)?;
+        let port = port("DMLC_PS_ROOT_PORT", &need(env, "DMLC_PS_ROOT_PORT")?)?;
         return Ok(Place {
             role,
             root: resolve(&host, port, "DMLC_PS_ROOT_URI")?,
-            num_servers: parse("DMLC_NUM_SERVER", &need(env, "DMLC_NUM_SERVER")?)?,
-            num_workers: parse("DMLC_NUM_WORKER", &need(env, "DMLC_NUM_WORKER")?)?,
+            num_servers: processes("DMLC_NUM_SERVER", &need(env, "DMLC_NUM_SERVER")?)?,
+            num_workers: processes("DMLC_NUM_WORKER", &need(env, "DMLC_NUM_WORKER")?)?,
             rank_hint: get(env, "KVSTORE_RANK")
                 .map(|v| parse("KVSTORE_RANK", &v))
                 .transpose()?,
+            spans_hosts: None,
         });
     }
-    let Some(l) = launcher_rank(env)? else {
+    let Some((l, s, role, hint)) = launched(env)? else {
         return Err(need(env, "DMLC_ROLE")
             .err()
             .unwrap_or(KvError::Config("DMLC_ROLE".into())));
     };
-    let s: usize = match get(env, "KVSTORE_NUM_SERVERS") {
-        Some(v) => parse("KVSTORE_NUM_SERVERS", &v)?,
-        None => 1,
-    };
-    if s == 0 || l.size < s + 2 {
-        return Err(KvError::Config(format!(
-            "{} started {} processes; a job with {s} server(s) needs at least {} (scheduler, \
-             servers, one worker): set KVSTORE_NUM_SERVERS or start more ranks",
-            l.launcher,
-            l.size,
-            s + 2
-        )));
+    let named = |name: &'static str| get(env, name).map(|v| (v, name));
+    // Slurm's own ranks run on the step's nodes; another launcher inside an allocation runs
+    // on the job's (its own step's variables are its daemons').
+    let list = match l.launcher {
+        "slurm" => named("SLURM_STEP_NODELIST").or_else(|| named("SLURM_JOB_NODELIST")),
+        _ => named("SLURM_JOB_NODELIST"),
     }
-    let (role, hint) = match l.rank {
-        0 => (Role::Scheduler, 0),
-        r if r <= s => (Role::Server, r - 1),
-        r => (Role::Worker, r - 1 - s),
-    };
-    let host = match get(env, "KVSTORE_ROOT_URI").or_else(|| get(env, "DMLC_PS_ROOT_URI")) {
+    .or_else(|| named("SLURM_NODELIST"));
+    let (host, from) = match named("KVSTORE_ROOT_URI").or_else(|| named("DMLC_PS_ROOT_URI")) {
         Some(h) => h,
-        None => match get(env, "SLURM_JOB_NODELIST").or_else(|| get(env, "SLURM_NODELIST")) {
-            Some(list) if l.all_local != Some(true) => {
-                first_slurm_host(&list).ok_or_else(|| {
-                    KvError::Config(format!("cannot read the Slurm node list {list:?}"))
-                })?
+        None => match list {
+            Some((list, name)) if l.all_local != Some(true) => {
+                let first = first_slurm_host(&list).ok_or_else(|| {
+                    KvError::Config(format!("cannot read the Slurm node list {name}={list:?}"))
+                })?;
+                (first, name)
             }
-            _ if l.all_local == Some(true) => "127.0.0.1".to_string(),
+            _ if l.all_local == Some(true) => ("127.0.0.1".to_string(), "the launcher"),
             _ => {
                 return Err(KvError::Config(format!(
                     "{} ranks span several hosts: set KVSTORE_ROOT_URI to rank 0's host \
@@ -312,13 +401,14 @@ fn place(env: Lookup) -> Result<Place> {
             }
         },
     };
-    let port = match get(env, "KVSTORE_ROOT_PORT").or_else(|| get(env, "DMLC_PS_ROOT_PORT")) {
-        Some(p) => parse("KVSTORE_ROOT_PORT", &p)?,
+    let port = match named("KVSTORE_ROOT_PORT").or_else(|| named("DMLC_PS_ROOT_PORT")) {
+        Some((p, name)) => port(name, &p)?,
         None => match &l.job_id {
             Some(j) => port_from_job(j),
             None => {
                 return Err(KvError::Config(format!(
-                    "{} gives no job id: set KVSTORE_ROOT_PORT",
+                    "{} gives no job id to derive the scheduler's port from: set \
+                     KVSTORE_ROOT_PORT (the same in every rank)",
                     l.launcher
                 )))
             }
@@ -326,28 +416,42 @@ fn place(env: Lookup) -> Result<Place> {
     };
     Ok(Place {
         role,
-        root: resolve(&host, port, "KVSTORE_ROOT_URI")?,
+        root: resolve(&host, port, from)?,
         num_servers: s,
         num_workers: l.size - 1 - s,
         rank_hint: Some(hint as u32),
+        spans_hosts: l.all_local.map(|local| !local),
     })
+}
+
+/// A role by `DMLC_ROLE`'s name for it.
+fn dmlc_role(v: &str) -> Result<Role> {
+    match v.trim() {
+        "worker" => Ok(Role::Worker),
+        "server" => Ok(Role::Server),
+        "scheduler" => Ok(Role::Scheduler),
+        other => Err(KvError::Config(format!(
+            "DMLC_ROLE={other:?}; expected worker, server or scheduler"
+        ))),
+    }
 }
 
 impl Config {
     /// Reads the configuration from the environment.
-    /// The role `DMLC_ROLE` names, without reading the rest (`None` if unset or unknown).
+    /// This process's role, as `DMLC_ROLE` names it or an external launcher's rank gives it
+    /// (mpirun, srun), without reading the rest (`None` if neither says, or says wrongly:
+    /// [`Config::from_env`] says what).
     pub fn role_from_env() -> Option<Role> {
-        match std::env::var("DMLC_ROLE").as_deref() {
-            Ok("server") => Some(Role::Server),
-            Ok("scheduler") => Some(Role::Scheduler),
-            Ok("worker") => Some(Role::Worker),
-            _ => None,
+        let env: Lookup = &env_var;
+        match get(env, "DMLC_ROLE") {
+            Some(r) => dmlc_role(&r).ok(),
+            None => launched(env).ok().flatten().map(|(_, _, role, _)| role),
         }
     }
 
     /// Reads the configuration from the process environment.
     pub fn from_env() -> Result<Config> {
-        Config::from_lookup(&|name| std::env::var(name).ok())
+        Config::from_lookup(&env_var)
     }
 
     /// Reads the configuration from `env` (a name-to-value lookup).
@@ -434,6 +538,7 @@ impl Config {
             )?,
             rank_hint: p.rank_hint,
             node_host: get(env, "DMLC_NODE_HOST"),
+            spans_hosts: p.spans_hosts,
             timeout: Duration::from_secs_f64(timeout_s),
             bigarray_bound: bound,
             max_message,

@@ -183,3 +183,131 @@ fn a_timeout_past_thirty_days_is_refused() {
         assert!(e.contains("KVSTORE_TIMEOUT"), "{t}: {e}");
     }
 }
+
+#[test]
+fn srun_ranks_find_rank_0_on_the_steps_first_node() {
+    // A step on some of the job's nodes: rank 0 runs on the step's first node, not the job's
+    // (which need not even resolve here).
+    let c = cfg(&[
+        ("SLURM_PROCID", "2"),
+        ("SLURM_NTASKS", "3"),
+        ("SLURM_JOB_ID", "9"),
+        ("SLURM_STEP_ID", "1"),
+        ("SLURM_NNODES", "4"),
+        ("SLURM_STEP_NUM_NODES", "2"),
+        ("SLURM_JOB_NODELIST", "no-such-host-[7-10]"),
+        ("SLURM_STEP_NODELIST", "localhost,no-such-host-10"),
+    ])
+    .unwrap();
+    assert!(c.root.ip().is_loopback());
+    assert_eq!((c.role, c.spans_hosts), (Role::Worker, Some(true)));
+    // A host that does not resolve is named with the variable it came from.
+    let e = cfg(&[
+        ("SLURM_PROCID", "2"),
+        ("SLURM_NTASKS", "3"),
+        ("SLURM_JOB_ID", "9"),
+        ("SLURM_NNODES", "4"),
+        ("SLURM_JOB_NODELIST", "no-such-host-[7-10]"),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("SLURM_JOB_NODELIST"), "{e}");
+}
+
+#[test]
+fn mpich_pmi2_and_mvapich_launches_are_read() {
+    let pmi = |extra: &[(&'static str, &'static str)]| {
+        let mut v = vec![("PMI_SIZE", "3"), ("MPI_LOCALNRANKS", "3")];
+        v.extend_from_slice(extra);
+        cfg(&v)
+    };
+    // Hydra names no job (no PMI_KVSNAME): PMI_JOBID (Slurm's pmi2), else Slurm's job and
+    // step, give the port; PMI_ID is hydra's rank where it gives a PMI port.
+    let a = pmi(&[("PMI_RANK", "0"), ("PMI_JOBID", "55")]).unwrap();
+    let b = pmi(&[("PMI_ID", "2"), ("PMI_JOBID", "55")]).unwrap();
+    assert_eq!((a.role, b.role), (Role::Scheduler, Role::Worker));
+    assert_eq!(a.root, b.root);
+    let c = pmi(&[
+        ("PMI_RANK", "1"),
+        ("SLURM_JOB_ID", "8"),
+        ("SLURM_STEP_ID", "0"),
+    ])
+    .unwrap();
+    assert_eq!(c.role, Role::Server);
+    let e = pmi(&[("PMI_RANK", "1")]).unwrap_err().to_string();
+    assert!(e.contains("KVSTORE_ROOT_PORT"), "{e}");
+    let m = cfg(&[
+        ("MV2_COMM_WORLD_RANK", "1"),
+        ("MV2_COMM_WORLD_SIZE", "3"),
+        ("MV2_COMM_WORLD_LOCAL_SIZE", "3"),
+        ("KVSTORE_ROOT_PORT", "7100"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (m.role, m.root.port(), m.spans_hosts),
+        (Role::Server, 7100, Some(false))
+    );
+}
+
+#[test]
+fn launchers_roles_are_read_without_the_rest() {
+    let env: HashMap<&str, &str> = [
+        ("OMPI_COMM_WORLD_RANK", "1"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("KVSTORE_NUM_SERVERS", "2"),
+    ]
+    .into();
+    let lookup = |k: &str| env.get(k).map(|v| v.to_string());
+    let (_, s, role, hint) = launched(&lookup).unwrap().unwrap();
+    assert_eq!((s, role, hint), (2, Role::Server, 0));
+}
+
+#[test]
+fn hostile_counts_ranks_and_ports_are_refused_naming_their_variable() {
+    let slurm =
+        |procid: &'static str, ntasks: &'static str, extra: &[(&'static str, &'static str)]| {
+            let mut v = vec![
+                ("SLURM_PROCID", procid),
+                ("SLURM_NTASKS", ntasks),
+                ("SLURM_JOB_ID", "1"),
+                ("SLURM_NNODES", "1"),
+            ];
+            v.extend_from_slice(extra);
+            cfg(&v).unwrap_err().to_string()
+        };
+    for (e, var) in [
+        (
+            slurm("0", "4", &[("KVSTORE_NUM_SERVERS", "18446744073709551615")]),
+            "servers",
+        ),
+        (slurm("9", "4", &[]), "SLURM_PROCID"),
+        (slurm("0", "0", &[]), "SLURM_NTASKS"),
+        (slurm("0", "100000", &[]), "SLURM_NTASKS"),
+        (
+            slurm("0", "4", &[("DMLC_PS_ROOT_PORT", "0")]),
+            "DMLC_PS_ROOT_PORT",
+        ),
+        (
+            slurm("0", "4", &[("KVSTORE_ROOT_PORT", "70000")]),
+            "KVSTORE_ROOT_PORT",
+        ),
+    ] {
+        assert!(e.contains(var), "{var}: {e}");
+    }
+    let dmlc = |n: &'static str, port: &'static str| {
+        cfg(&[
+            ("DMLC_ROLE", "worker"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", port),
+            ("DMLC_NUM_SERVER", "1"),
+            ("DMLC_NUM_WORKER", n),
+        ])
+    };
+    assert!(dmlc("2", "9000").is_ok());
+    let e = dmlc("18446744073709551615", "9000")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("DMLC_NUM_WORKER"), "{e}");
+    let e = dmlc("2", "0").unwrap_err().to_string();
+    assert!(e.contains("DMLC_PS_ROOT_PORT"), "{e}");
+}

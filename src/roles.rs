@@ -322,14 +322,26 @@ fn run_other_role(cfg: &Config, sync: bool) -> crate::Result<()> {
         Role::Worker => Ok(()),
         Role::Server => server::run_server(cfg, sync),
         Role::Scheduler => {
-            // The root address names this host; if it is not one of its own addresses (a name
-            // that resolves elsewhere, NAT), listen on every address at that port.
-            let listener = match TcpListener::bind(cfg.root) {
-                Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
-                    TcpListener::bind(SocketAddr::new([0, 0, 0, 0].into(), cfg.root.port()))?
-                }
-                other => other?,
+            // A job on this host alone names it 127.0.0.1 (or ::1): listened on there. Any
+            // other root is listened on at every address, as ps-lite's scheduler does: the
+            // name may resolve here to an address other hosts cannot reach (Debian maps a
+            // host's own name to 127.0.1.1), or to none of this host's (NAT).
+            let local_only = cfg.root.ip() == std::net::Ipv4Addr::LOCALHOST
+                || cfg.root.ip() == std::net::Ipv6Addr::LOCALHOST;
+            let any: std::net::IpAddr = match cfg.root {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
             };
+            let at = match local_only {
+                true => cfg.root,
+                false => SocketAddr::new(any, cfg.root.port()),
+            };
+            let listener = TcpListener::bind(at).map_err(|e| {
+                crate::KvError::Config(format!(
+                    "the scheduler cannot listen at {at}: {e} (another job's, or a port in \
+                     use: set KVSTORE_ROOT_PORT)"
+                ))
+            })?;
             let opts = scheduler::SchedulerOptions {
                 num_workers: cfg.num_workers,
                 num_servers: cfg.num_servers,

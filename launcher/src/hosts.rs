@@ -40,23 +40,15 @@ pub const MAX_SLOTS: usize = 1 << 16;
 pub fn parse_host_list(list: &str) -> Result<Vec<Host>, String> {
     let mut hosts = Vec::new();
     for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (name, slots) = match item.rsplit_once(':') {
-            Some((n, s)) if !n.contains(':') || n.starts_with('[') => (
-                n,
-                s.parse()
-                    .map_err(|_| format!("-H {item}: slots must be a number"))?,
-            ),
-            _ => (item, 1),
-        };
+        let (name, slots) =
+            host_and_slots(item).ok_or_else(|| format!("-H {item}: slots must be a number"))?;
+        let slots = slots.unwrap_or(1);
         if slots == 0 || slots > MAX_SLOTS {
             return Err(format!(
                 "-H {item}: a host needs at least one slot, and takes at most {MAX_SLOTS}"
             ));
         }
-        hosts.push(Host {
-            name: name.trim_matches(|c| c == '[' || c == ']').to_string(),
-            slots,
-        });
+        add_host(&mut hosts, name, slots);
     }
     if hosts.is_empty() {
         return Err("-H: no hosts given".into());
@@ -64,7 +56,36 @@ pub fn parse_host_list(list: &str) -> Result<Vec<Host>, String> {
     Ok(hosts)
 }
 
-/// Parses a hostfile: `host [slots=N] [max_slots=M]` per line, `#` comments.
+/// `host`, `host:slots`, `[v6]` or `[v6]:slots` (a bare IPv6 address, of several colons, is a
+/// host): the host and its slots if given; `None` where the slots are not a number.
+fn host_and_slots(item: &str) -> Option<(&str, Option<usize>)> {
+    if let Some(rest) = item.strip_prefix('[') {
+        let (name, after) = rest.split_once(']')?;
+        return match after {
+            "" => Some((name, None)),
+            a => Some((name, Some(a.strip_prefix(':')?.parse().ok()?))),
+        };
+    }
+    match item.split_once(':') {
+        Some((name, slots)) if !slots.contains(':') => Some((name, Some(slots.parse().ok()?))),
+        _ => Some((item, None)),
+    }
+}
+
+/// Adds `slots` on `name`: a host named again gets them added to its own, as Open MPI sums a
+/// host's repeated lines.
+fn add_host(hosts: &mut Vec<Host>, name: &str, slots: usize) {
+    match hosts.iter_mut().find(|h| h.name == name) {
+        Some(h) => h.slots = h.slots.saturating_add(slots).min(MAX_SLOTS),
+        None => hosts.push(Host {
+            name: name.to_string(),
+            slots,
+        }),
+    }
+}
+
+/// Parses a hostfile: `host [slots=N] [max_slots=M]` (Open MPI's) or `host:N` (MPICH's) per
+/// line, `#` comments; a host named on several lines has their slots.
 pub fn parse_hostfile(text: &str) -> Result<Vec<Host>, String> {
     let mut hosts = Vec::new();
     for (n, line) in text.lines().enumerate() {
@@ -73,8 +94,14 @@ pub fn parse_hostfile(text: &str) -> Result<Vec<Host>, String> {
             continue;
         }
         let mut words = line.split_whitespace();
-        let name = words.next().unwrap_or_default().to_string();
-        let mut slots = 1;
+        let first = words.next().unwrap_or_default();
+        // MPICH's and Intel MPI's form, `host:slots`, as well as Open MPI's `slots=`.
+        let (name, given) = host_and_slots(first)
+            .ok_or_else(|| format!("hostfile line {}: cannot read {first:?}", n + 1))?;
+        let mut slots = given.unwrap_or(1);
+        if slots == 0 || slots > MAX_SLOTS {
+            return Err(format!("hostfile line {}: bad slots in {first:?}", n + 1));
+        }
         for w in words {
             match w.split_once('=') {
                 Some(("slots", v)) => {
@@ -88,7 +115,7 @@ pub fn parse_hostfile(text: &str) -> Result<Vec<Host>, String> {
                 _ => return Err(format!("hostfile line {}: cannot read {w:?}", n + 1)),
             }
         }
-        hosts.push(Host { name, slots });
+        add_host(&mut hosts, name, slots);
     }
     if hosts.is_empty() {
         return Err("the hostfile names no hosts".into());
@@ -186,6 +213,23 @@ mod tests {
         assert!(parse_hostfile("n1 slots=x").is_err());
         assert!(parse_hostfile("n1 colour=red").is_err());
         assert!(parse_hostfile("# nothing").is_err());
+        // MPICH's `host:slots`, and a host on several lines (its slots summed, as Open MPI's).
+        let f = parse_hostfile("node1:4\nnode2\nnode1 slots=2\n").unwrap();
+        let got: Vec<(&str, usize)> = f.iter().map(|h| (h.name.as_str(), h.slots)).collect();
+        assert_eq!(got, [("node1", 6), ("node2", 1)]);
+        assert!(parse_hostfile("node1:x").is_err());
+        assert!(parse_hostfile("node1:0").is_err());
+        // IPv6 addresses, bracketed with or without slots, or bare.
+        let v6: Vec<(String, usize)> = parse_host_list("[::1],[fe80::2]:3,::5")
+            .unwrap()
+            .into_iter()
+            .map(|h| (h.name, h.slots))
+            .collect();
+        assert_eq!(
+            v6,
+            [("::1".into(), 1), ("fe80::2".into(), 3), ("::5".into(), 1)]
+        );
+        assert!(parse_host_list("[::1]:x").is_err());
     }
 
     #[test]

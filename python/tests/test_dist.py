@@ -554,3 +554,44 @@ def test_an_optimizer_of_ones_own_runs_on_the_servers(tmp_path):
         """)
     assert code == 0, out
     assert "worker 0 done" in out and "worker 1 done" in out, out
+
+
+def test_a_job_started_by_mpirun_takes_its_roles_from_the_ranks(tmp_path):
+    # As mpirun starts a program: three copies, told only their rank (Open MPI's variables),
+    # no DMLC_ROLE. Rank 0 runs the scheduler and rank 1 a server inside create, each ending
+    # with SystemExit(0) as under kvrun; rank 2 is the worker.
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""\
+        import os
+        import numpy as np
+        import kvstore
+        rank = os.environ["OMPI_COMM_WORLD_RANK"]
+        try:
+            kv = kvstore.create("dist_sync")
+        except SystemExit as e:
+            print(f"rank {rank} ends with SystemExit({e.code})", flush=True)
+            raise
+        kv.init(3, np.ones((2, 3)))
+        kv.push(3, np.ones((2, 3)) * 4)
+        out = np.zeros((2, 3))
+        kv.pull(3, out=out)
+        print(f"rank {rank} is worker {kv.rank} of {kv.num_workers}: {out.sum()}", flush=True)
+        """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "OMPI_", "PMI_",
+                                                                       "SLURM_"))}
+    env.update({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+                "KVSTORE_ROOT_PORT": str(port), "KVSTORE_SECRET": "a-secret-of-the-mpirun-test",
+                "KVSTORE_TIMEOUT": "30"})
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**env, "OMPI_COMM_WORLD_RANK": str(r)})
+             for r in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert "rank 0 ends with SystemExit(0)" in outs[0], outs
+    assert "rank 1 ends with SystemExit(0)" in outs[1], outs
+    assert "rank 2 is worker 0 of 1: 24.0" in outs[2], outs

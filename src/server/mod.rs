@@ -52,10 +52,33 @@ fn sched_event(frame: &(FrameHeader, Vec<u8>)) -> std::result::Result<Option<Res
 pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut sched = kvstore_transport::tcp::connect_retry(cfg.root, cfg.timeout)?;
     let ip = match &cfg.node_host {
-        Some(h) => h
-            .parse()
-            .map_err(|_| KvError::Config(format!("DMLC_NODE_HOST={h:?} is not an IP address")))?,
-        None => sched.local_addr()?.ip(),
+        Some(h) => match h.parse() {
+            Ok(ip) => ip,
+            // A host name, as ps-lite takes one: its first address.
+            Err(_) => std::net::ToSocketAddrs::to_socket_addrs(&(h.as_str(), 0))
+                .ok()
+                .and_then(|mut a| a.next())
+                .map(|a| a.ip())
+                .ok_or_else(|| {
+                    KvError::Config(format!("DMLC_NODE_HOST={h:?} is not an address or host"))
+                })?,
+        },
+        None => {
+            let ip = sched.local_addr()?.ip();
+            if ip.is_loopback() && cfg.spans_hosts == Some(true) {
+                // This host reached the scheduler over loopback (its name for rank 0's host,
+                // its own, resolves to a loopback address here), and workers on other hosts
+                // could not reach that.
+                return Err(KvError::Config(format!(
+                    "this server would give workers on other hosts the address {ip}: the \
+                     scheduler's host {} is a loopback address here. Set DMLC_NODE_HOST to \
+                     this host's address on the job's network, or KVSTORE_ROOT_URI to rank \
+                     0's",
+                    cfg.root.ip()
+                )));
+            }
+            ip
+        }
     };
     // Stored values live in the send pool, which workers on this host read answers from in
     // place (and can never write); receive slots in the landing pool, which a worker's put
