@@ -66,7 +66,7 @@ pub enum KvError {
         len: usize,
     },
     /// A shape whose size in bytes does not fit in memory's address range.
-    #[error("shape {shape:?} of {dtype} is too large: its size in bytes overflows")]
+    #[error("shape {shape:?} of {dtype} is too large: its size in bytes overflows, or no memory can be had for it")]
     TooLarge {
         /// The shape asked for.
         shape: Vec<usize>,

@@ -79,8 +79,8 @@ impl NDArray {
     /// An array of zeros of the given dtype.
     ///
     /// # Panics
-    /// Where the shape's size in bytes overflows the address range, as `vec!` does, in every
-    /// build ([`NDArray::try_zeros_dtype`] returns the error instead).
+    /// Where the shape's size in bytes overflows the address range, or cannot be allocated,
+    /// in every build ([`NDArray::try_zeros_dtype`] returns the error instead).
     pub fn zeros_dtype(shape: &[usize], dtype: DType) -> NDArray {
         match NDArray::try_zeros_dtype(shape, dtype) {
             Ok(a) => a,
@@ -106,11 +106,12 @@ impl NDArray {
     /// (`zeros_dtype` panics there, as `vec!` does).
     pub fn try_zeros_dtype(shape: &[usize], dtype: DType) -> Result<NDArray> {
         let bytes = checked_bytes(shape, dtype)?;
+        let buf = AlignedBuf::try_zeroed(bytes).ok_or_else(|| too_large(shape, dtype))?;
         Ok(NDArray {
             shape: Shape::from_slice(shape),
             dtype,
             device: Device::default(),
-            buf: Arc::new(Storage::Heap(AlignedBuf::zeroed(bytes))),
+            buf: Arc::new(Storage::Heap(buf)),
         })
     }
 

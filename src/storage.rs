@@ -283,28 +283,47 @@ impl AlignedBuf {
     }
 
     fn zeroed_aligned(len: usize, align: usize) -> Self {
+        match AlignedBuf::try_zeroed_aligned(len, align) {
+            Ok(b) => b,
+            // As `vec!` does.
+            Err(None) => panic!("capacity overflow: {len} bytes"),
+            Err(Some(layout)) => std::alloc::handle_alloc_error(layout),
+        }
+    }
+
+    /// `len` zero bytes at `align`, or why not: a size no layout has (`None`), or memory the
+    /// allocator did not give (the layout asked for).
+    fn try_zeroed_aligned(len: usize, align: usize) -> Result<Self, Option<std::alloc::Layout>> {
         let words = len.div_ceil(8);
-        let size = words.saturating_mul(8);
-        let ptr = match std::alloc::Layout::from_size_align(size, align) {
-            Ok(layout) if words > 0 => {
-                // SAFETY: the layout has a non-zero size.
-                let p = unsafe { std::alloc::alloc_zeroed(layout) };
-                match std::ptr::NonNull::new(p.cast::<u64>()) {
-                    Some(p) => p,
-                    None => std::alloc::handle_alloc_error(layout),
-                }
-            }
-            Ok(_) => std::ptr::NonNull::dangling(),
-            // As `vec!` does (the fallible constructors check sizes before they get here).
-            Err(_) => panic!("capacity overflow: {len} bytes"),
+        let size = words.checked_mul(8).ok_or(None)?;
+        let layout = std::alloc::Layout::from_size_align(size, align).map_err(|_| None)?;
+        let ptr = if words > 0 {
+            // SAFETY: the layout has a non-zero size.
+            let p = unsafe { std::alloc::alloc_zeroed(layout) };
+            std::ptr::NonNull::new(p.cast::<u64>()).ok_or(Some(layout))?
+        } else {
+            std::ptr::NonNull::dangling()
         };
-        AlignedBuf {
+        Ok(AlignedBuf {
             ptr,
             words,
             len,
             align,
             pin: None,
-        }
+        })
+    }
+
+    /// `len` zero bytes, or `None` where the size has no layout or the allocator gives none:
+    /// for the fallible constructors, which answer [`crate::KvError::TooLarge`] then.
+    pub(crate) fn try_zeroed(len: usize) -> Option<Self> {
+        AlignedBuf::try_zeroed_aligned(len, 8).ok()
+    }
+
+    /// [`AlignedBuf::zeroed_pinned`], or `None` as [`AlignedBuf::try_zeroed`].
+    pub(crate) fn try_zeroed_pinned(len: usize) -> Option<Self> {
+        let mut b = AlignedBuf::try_zeroed_aligned(len, PAGE).ok()?;
+        b.pin = Pin::new(b.as_mut_ptr(), b.words * 8);
+        Some(b)
     }
 
     /// Makes the buffer `len` bytes long, keeping its allocation when it is big enough.

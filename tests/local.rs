@@ -384,6 +384,20 @@ fn broadcast_priority_pull_into_and_scalars() {
         Err(KvError::TooLarge { .. })
     ));
     assert_eq!(NDArray::try_zeros(&[2, 2]).unwrap().size(), 4);
+    // Sizes within the address range that no layout takes, or no allocator gives, are refused
+    // as well (they panicked making the layout, or aborted the process).
+    assert!(matches!(
+        NDArray::try_zeros(&[(1 << 61) - 1]),
+        Err(KvError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        NDArray::try_zeros(&[1 << 60]),
+        Err(KvError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        kv.alloc_on(&[isize::MAX as usize], DType::U8, kvstore::Device::Cpu(0)),
+        Err(KvError::TooLarge { .. })
+    ));
     // Shapes whose element count wraps (to 0 here) are refused by every constructor, in
     // every build: none makes an array whose storage is smaller than its shape says.
     let huge = [1usize << 32, 1 << 32];

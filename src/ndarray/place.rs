@@ -23,7 +23,10 @@ impl NDArray {
         crate::gpu::check(device)?;
         let host = match region {
             Some(region) => Storage::pinned_region(region),
-            None => Storage::Heap(AlignedBuf::zeroed_pinned(bytes)),
+            None => Storage::Heap(
+                AlignedBuf::try_zeroed_pinned(bytes)
+                    .ok_or_else(|| super::too_large(shape, dtype))?,
+            ),
         };
         let storage = match device {
             Device::Cpu(_) => host,
