@@ -36,10 +36,10 @@ mod verbs {
             ..d
         }
     }
-    /// Opens the RDMA device the job's variables name (or the first one listed, whose port must be
-    /// active), or says why there is none: no device, no driver, the port down, the locked-memory
-    /// limit.
-    /// why there is none: no device, no driver, the port down, the locked-memory limit.
+
+    /// Opens the RDMA device the job's variables name (or the first one listed, whose port must
+    /// be active), or says why there is none: no device, no driver, the port down, the
+    /// locked-memory limit.
     pub(crate) fn open(cfg: &Config) -> Result<RdmaBackend, String> {
         RdmaBackend::new(settings(cfg)).map_err(|e| e.to_string())
     }
