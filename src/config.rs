@@ -207,6 +207,17 @@ fn launcher_rank(env: Lookup) -> Result<Option<LauncherRank>> {
             vars,
         }
     } else if let Some((rank, size, vars)) = match pair("PMI_RANK", "PMI_SIZE")? {
+        // srun's own tasks under Slurm's pmi2 plugin have PMI's variables too, the same as
+        // Slurm's: read as srun's (the step's nodes), below.
+        Some(p)
+            if pair("SLURM_PROCID", "SLURM_NTASKS")
+                .ok()
+                .flatten()
+                .map(|s| (s.0, s.1))
+                == Some((p.0, p.1)) =>
+        {
+            None
+        }
         Some(p) => Some(p),
         None => pair("PMI_ID", "PMI_SIZE")?,
     } {

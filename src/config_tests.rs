@@ -212,6 +212,22 @@ fn srun_ranks_find_rank_0_on_the_steps_first_node() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("SLURM_JOB_NODELIST"), "{e}");
+    // srun's tasks under Slurm's pmi2 plugin, which sets PMI's variables the same as
+    // Slurm's: still the step's nodes.
+    let c = cfg(&[
+        ("SLURM_PROCID", "2"),
+        ("SLURM_NTASKS", "3"),
+        ("PMI_RANK", "2"),
+        ("PMI_SIZE", "3"),
+        ("PMI_JOBID", "55"),
+        ("SLURM_JOB_ID", "9"),
+        ("SLURM_STEP_NUM_NODES", "2"),
+        ("SLURM_JOB_NODELIST", "no-such-host-[7-10]"),
+        ("SLURM_STEP_NODELIST", "localhost,no-such-host-10"),
+    ])
+    .unwrap();
+    assert!(c.root.ip().is_loopback());
+    assert_eq!((c.role, c.spans_hosts), (Role::Worker, Some(true)));
 }
 
 #[test]

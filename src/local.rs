@@ -206,8 +206,9 @@ impl LocalStore {
             self.lost.remove(k);
             self.store.insert(k.clone(), v);
             if let Key::Str(_) = k {
+                // A key initialised again (its value lost to an updater) keeps its number.
                 let n = self.numbers.len() as i64;
-                self.numbers.insert(k.clone(), n);
+                self.numbers.entry(k.clone()).or_insert(n);
             }
         }
         Ok(())

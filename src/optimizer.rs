@@ -61,6 +61,10 @@ pub struct OptimizerUpdater {
     /// Whether MXNet's warning of float16 weights updated without `multi_precision` was given.
     warned_f16: bool,
     state: FxHashMap<Key, KeyState>,
+    /// The update counts of keys whose state a load without the optimizer took away (the file
+    /// had none for them): MXNet keeps every key's count on its optimizer, so the next update
+    /// of such a key makes a fresh state and goes on counting from here.
+    counts: FxHashMap<Key, u64>,
 }
 
 /// Makes `m` hold `n` moments on `device`: zeros where it has none of that size yet, and
@@ -95,6 +99,7 @@ impl OptimizerUpdater {
             warned_f16: false,
             num_update: begin_num_update,
             state: FxHashMap::default(),
+            counts: FxHashMap::default(),
         }
     }
 
@@ -267,8 +272,9 @@ impl OptimizerUpdater {
             );
         }
         let begin = self.begin_num_update;
+        let counts = &mut self.counts;
         let st = self.state.entry(key.clone()).or_insert_with(|| KeyState {
-            t: begin,
+            t: counts.remove(key).unwrap_or(begin),
             ..KeyState::default()
         });
         // Every key's count, and the most of them, as MXNet's `_update_count`; then the rate,

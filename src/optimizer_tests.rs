@@ -157,8 +157,14 @@ fn states_round_trip_and_continue_exactly() {
     for _ in 0..3 {
         own.update(&Key::Int(1), &g, &mut wa.clone()).unwrap();
     }
+    own.update(&Key::Int(9), &g, &mut wa.clone()).unwrap();
     assert!(!own.load_states(&saved).unwrap());
     assert_eq!(own.state[&Key::Int(1)].t, 3);
+    // A key the file has no state for loses it (as MXNet's states are replaced whole) but
+    // keeps its count: its next update makes a fresh state, counted on.
+    assert!(!own.state.contains_key(&Key::Int(9)));
+    own.update(&Key::Int(9), &g, &mut wa.clone()).unwrap();
+    assert_eq!(own.state[&Key::Int(9)].t, 2);
     // With the optimizer, the counts come too: the state goes on exactly.
     let mut b = OptimizerUpdater::new(Optimizer::adam(0.01));
     assert!(b.load_states(&a.save_states_and_optimizer()).unwrap());

@@ -77,7 +77,8 @@ done
 
 /// Runs the probe on `host` (locally when it is this host).
 fn probe(host: &str, ssh: &[String], program: &str) -> Facts {
-    let (mut cmd, script) = if hosts::is_local(host) {
+    let local = hosts::is_local(host);
+    let (mut cmd, script) = if local {
         let mut c = Command::new("sh");
         c.args(["-c", PROBE, "kvrun-doctor", program]);
         (c, String::new())
@@ -95,7 +96,10 @@ fn probe(host: &str, ssh: &[String], program: &str) -> Facts {
         ));
         (c, format!("cd \"$1\" 2>/dev/null; shift\n{PROBE}"))
     };
-    let out = run_bounded(&mut cmd, script.as_bytes(), Duration::from_secs(60));
+    // The local probe runs in a group of its own, killed whole at the limit; ssh stays in
+    // kvrun's, where it can ask at the terminal (a host key, a password: from a background
+    // group it would be stopped), and its remote side ends with the connection.
+    let out = run_bounded(&mut cmd, script.as_bytes(), Duration::from_secs(60), local);
     let mut f = Facts::default();
     let out = match out {
         Ok(o) if o.status.success() => o,
@@ -324,23 +328,30 @@ fn fail(why: &str) -> i32 {
     2
 }
 
-/// Runs `cmd` with `input` on its stdin, for at most `limit` in all: its output. The command
-/// runs in a process group of its own, killed whole if the limit passes while it runs. Its
+/// Runs `cmd` with `input` on its stdin, for at most `limit` in all: its output. With
+/// `own_group` the command runs in a process group of its own, killed whole if the limit
+/// passes while it runs (else the command alone is killed). Its
 /// output is read by threads as it comes, so a process it left behind holding the pipes open
 /// (an ssh master, a stray background job) holds the probe at most 2 s after the command
 /// ended: what was read by then is its output.
-fn run_bounded(cmd: &mut Command, input: &[u8], limit: Duration) -> std::io::Result<Output> {
+fn run_bounded(
+    cmd: &mut Command,
+    input: &[u8],
+    limit: Duration,
+    own_group: bool,
+) -> std::io::Result<Output> {
     use std::io::{Read, Write};
     use std::os::unix::process::CommandExt;
     use std::sync::{mpsc, Arc, Mutex};
 
     let deadline = Instant::now() + limit;
-    let mut child = cmd
-        .stdin(Stdio::piped())
+    cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()?;
+        .stderr(Stdio::piped());
+    if own_group {
+        cmd.process_group(0);
+    }
+    let mut child = cmd.spawn()?;
     let (done, ended) = mpsc::channel();
     let read = |pipe: Option<Box<dyn Read + Send>>| {
         let got = Arc::new(Mutex::new(Vec::new()));
@@ -386,10 +397,12 @@ fn run_bounded(cmd: &mut Command, input: &[u8], limit: Duration) -> std::io::Res
             break s;
         }
         if Instant::now() >= deadline {
-            // SAFETY: kill(2) with a negative pid signals the group the child leads (made by
-            // `process_group(0)` above), whose id cannot be reused: the child is not reaped
-            // yet. No memory is involved.
-            unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+            if own_group {
+                // SAFETY: kill(2) with a negative pid signals the group the child leads (made
+                // by `process_group(0)` above), whose id cannot be reused: the child is not
+                // reaped yet. No memory is involved.
+                unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+            }
             let _ = child.kill();
             let _ = child.wait();
             return Err(std::io::Error::other(format!(
@@ -432,6 +445,7 @@ mod tests {
                 .arg("read x; echo got $x; sleep 60 &"),
             b"hello\n",
             Duration::from_secs(30),
+            true,
         )
         .unwrap();
         assert!(out.status.success());
@@ -441,14 +455,27 @@ mod tests {
 
     #[test]
     fn a_probe_that_never_answers_is_killed_with_its_group() {
-        // The shell neither reads its input (more than a pipe holds) nor ends.
+        // The shell neither reads its input (more than a pipe holds) nor ends, and has a
+        // process in the background, which is killed with it.
         let big = vec![b'x'; 1 << 20];
+        let file = std::env::temp_dir().join(format!("kvrun-doctor-test-{}", std::process::id()));
+        let script = format!("sleep 60 & echo $! > {}; sleep 60", file.display());
         let err = run_bounded(
-            Command::new("sh").arg("-c").arg("sleep 60 & sleep 60"),
+            Command::new("sh").arg("-c").arg(script),
             &big,
             Duration::from_millis(500),
+            true,
         )
         .unwrap_err();
         assert!(err.to_string().contains("no answer"), "{err}");
+        let pid = std::fs::read_to_string(&file).unwrap();
+        let _ = std::fs::remove_file(&file);
+        let stat = format!("/proc/{}/stat", pid.trim());
+        let start = Instant::now();
+        // Gone, or a zombie waiting for whoever inherited it to reap it.
+        while std::fs::read_to_string(&stat).is_ok_and(|s| !s.contains(") Z ")) {
+            assert!(start.elapsed() < Duration::from_secs(5), "{pid} lives on");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }

@@ -411,9 +411,9 @@ def create(name: str, **kwargs: Any) -> Optimizer:
 
 
 # MXNet's Updater and get_updater live in this module; their code, in _updater.py.
-from ._updater import Updater, get_updater  # noqa: E402
+from ._updater import Updater, _updater_of_states, get_updater  # noqa: E402
 
 # They read as this module's, where MXNet has them (and pickles name them by it).
 for _k in (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam, ccSGD,
-           Test, Updater):
+           Test, Updater, _updater_of_states, get_updater):
     _k.__module__ = __name__

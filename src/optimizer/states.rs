@@ -195,6 +195,16 @@ impl OptimizerUpdater {
                 .values()
                 .map(|s| s.t)
                 .fold(self.begin_num_update, u64::max);
+            self.counts.clear();
+        } else {
+            // A key the file has no state for loses its state, as in MXNet (whose states are
+            // replaced whole), but not its count.
+            for (k, st) in &self.state {
+                if !state.contains_key(k) {
+                    self.counts.insert(k.clone(), st.t);
+                }
+            }
+            self.counts.retain(|k, _| !state.contains_key(k));
         }
         self.state = state;
         Ok(dumped)

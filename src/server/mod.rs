@@ -54,14 +54,31 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let ip = match &cfg.node_host {
         Some(h) => match h.parse() {
             Ok(ip) => ip,
-            // A host name, as ps-lite takes one: its first address.
-            Err(_) => std::net::ToSocketAddrs::to_socket_addrs(&(h.as_str(), 0))
-                .ok()
-                .and_then(|mut a| a.next())
-                .map(|a| a.ip())
-                .ok_or_else(|| {
-                    KvError::Config(format!("DMLC_NODE_HOST={h:?} is not an address or host"))
-                })?,
+            // A host name, as ps-lite takes one: its first address other hosts can reach (a
+            // host's own name may resolve to 127.0.1.1 first).
+            Err(_) => {
+                let ips: Vec<std::net::IpAddr> =
+                    std::net::ToSocketAddrs::to_socket_addrs(&(h.as_str(), 0))
+                        .map(|a| a.map(|a| a.ip()).collect())
+                        .unwrap_or_default();
+                let root_local = cfg.root.ip() == std::net::Ipv4Addr::LOCALHOST
+                    || cfg.root.ip() == std::net::Ipv6Addr::LOCALHOST;
+                match ips.iter().find(|ip| !ip.is_loopback()).or(ips.first()) {
+                    Some(ip) if !ip.is_loopback() || root_local => *ip,
+                    Some(ip) => {
+                        return Err(KvError::Config(format!(
+                            "DMLC_NODE_HOST={h:?} is {ip} here, a loopback address that \
+                             workers on other hosts cannot reach: give this host's address \
+                             on the job's network"
+                        )))
+                    }
+                    None => {
+                        return Err(KvError::Config(format!(
+                            "DMLC_NODE_HOST={h:?} is not an address or host"
+                        )))
+                    }
+                }
+            }
         },
         None => {
             let ip = sched.local_addr()?.ip();
