@@ -271,7 +271,9 @@ struct Grant {
     /// Where the granted range begins in `region`, and its length.
     start: usize,
     len: usize,
-    _mr: Mr,
+    /// Its registration; none for an empty range (nothing to write, and an empty region's
+    /// address may be no memory at all).
+    _mr: Option<Mr>,
     /// The region granted, held alive with the registration.
     region: Region,
     revoking: Option<Token>,

@@ -31,7 +31,11 @@ impl Backend for RdmaBackend {
 
     fn register(&mut self, mem: Arc<dyn Storage>) -> Result<Region, TransportError> {
         let r = Region::new(self.id, mem, Place::Local);
-        self.mr_of(&r)?;
+        if !r.is_empty() {
+            // (Empty memory is never read or written: nothing to register, and its address
+            // may be no memory at all, which the device refuses.)
+            self.mr_of(&r)?;
+        }
         Ok(r)
     }
 
@@ -56,14 +60,20 @@ impl Backend for RdmaBackend {
                     .into(),
             ));
         }
-        let mr = Mr::new(
-            &self.pd,
-            &r.mem,
-            range.start,
-            range.len(),
-            LOCAL | REMOTE_WRITE,
-        )?;
-        self.count_dmabuf(r, &mr);
+        let mr = match range.is_empty() {
+            // An empty grant is put into by an eager notice carrying no bytes: no key.
+            true => None,
+            false => Some(Mr::new(
+                &self.pd,
+                &r.mem,
+                range.start,
+                range.len(),
+                LOCAL | REMOTE_WRITE,
+            )?),
+        };
+        if let Some(mr) = &mr {
+            self.count_dmabuf(r, mr);
+        }
         // A slot with the peer, while there is one: a put that fills the grant is then one
         // WRITE_WITH_IMM naming it.
         let seq = self.next_grant;
@@ -83,9 +93,9 @@ impl Backend for RdmaBackend {
         self.next_grant += 1;
         let rr = RemoteRegion {
             kind: KIND_RDMA,
-            key: mr.rkey,
+            key: mr.as_ref().map_or(0, |m| m.rkey),
             id,
-            addr: mr.addr,
+            addr: mr.as_ref().map_or(0, |m| m.addr),
             len: range.len() as u64,
         };
         self.grants.insert(
@@ -272,7 +282,7 @@ impl Backend for RdmaBackend {
             ..Head::default()
         };
         let slot = (dst.id >> SLOT_SHIFT) as u32 & SLOTS;
-        if self.cfg.write_imm && slot != 0 && offset == 0 && len as u64 == dst.len {
+        if self.cfg.write_imm && slot != 0 && offset == 0 && len > 0 && len as u64 == dst.len {
             return self.put_write_imm(
                 peer.0,
                 src,
