@@ -180,7 +180,6 @@ pub(crate) fn join(
     // its shared-memory socket, and its heartbeat period in ms (the scheduler judges its
     // silence by it).
     let dash = |a: Option<SocketAddr>| a.map_or_else(|| "-".to_string(), |a| a.to_string());
-    let nonce = auth::random::<{ auth::NONCE }>()?;
     let rest = format!(
         "{}\n{}\n{}\n{}\n{}",
         dash(addr),
@@ -190,12 +189,6 @@ pub(crate) fn join(
         heartbeat_every(cfg.timeout).as_millis()
     );
     let claim = auth::hello_claim(role, hello.sender, &rest);
-    let payload = format!("{}\n{rest}", auth::hex(&nonce));
-    write_frame(
-        sched,
-        &FrameHeader::new(hello.encode(), payload.len() as u64),
-        payload.as_bytes(),
-    )?;
     // This process took its role: the launcher hears so (if it listens).
     crate::report::start(cfg.report, &cfg.secret);
     if let Some(rank) = cfg.rank_hint {
@@ -223,8 +216,33 @@ pub(crate) fn join(
             other => other.into(),
         })
     };
-    // The scheduler proves it knows the secret before this node proves it does.
-    let (h, text) = read(sched)?;
+    // The scheduler proves it knows the secret before this node proves it does. A connection
+    // it dropped before answering the hello (it makes room for new connections by dropping
+    // the oldest that said nothing yet: a flood of a stranger's can take this one, said but
+    // not yet read) is made again, until the job's timeout; what it drops later is final.
+    let (nonce, h, text) = loop {
+        let nonce = auth::random::<{ auth::NONCE }>()?;
+        let payload = format!("{}\n{rest}", auth::hex(&nonce));
+        let said = write_frame(
+            sched,
+            &FrameHeader::new(hello.encode(), payload.len() as u64),
+            payload.as_bytes(),
+        )
+        .map_err(crate::KvError::from)
+        .and_then(|()| read(sched));
+        match said {
+            Ok((h, text)) => break (nonce, h, text),
+            Err(crate::KvError::PeerLost(_) | crate::KvError::Transport(_))
+                if Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+                let left = deadline.saturating_duration_since(Instant::now());
+                *sched = kvstore_transport::tcp::connect_retry(cfg.root, left)?;
+                sched.set_nodelay(true)?;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     let m = Msg::decode(&h.meta)?;
     let text = String::from_utf8_lossy(&text).into_owned();
     let theirs = match m.op {
