@@ -532,3 +532,31 @@ fn calls_in_flight_pair_their_outputs_with_the_keys_given() {
         assert_eq!(o.to_vec::<f32>().unwrap(), vec![7.0; 6]);
     }
 }
+
+#[test]
+fn a_str_key_initialised_again_keeps_its_place_in_the_update_order() {
+    // A local store updates a call's str keys in the order of their first inits (MXNet's key
+    // numbers). "a", lost to an updater that replaced its value and initialised again, keeps
+    // its place before "b" and "c"; it took a number that "c" then took too.
+    let mut kv = create("local").unwrap();
+    let one = NDArray::ones(&[2]);
+    kv.init(["a", "b"], &[one.clone(), one.clone()]).unwrap();
+    kv.set_updater(|_, _, stored| {
+        *stored = NDArray::zeros(&[3]);
+        Ok(())
+    })
+    .unwrap();
+    assert!(kv.push("a", &one).is_err());
+    kv.init("a", &one).unwrap();
+    kv.init("c", &one).unwrap();
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = order.clone();
+    kv.set_updater(move |k, input, stored| {
+        seen.lock().unwrap().push(k.to_string());
+        stored.copy_from(input)
+    })
+    .unwrap();
+    kv.push(["c", "a", "b"], &[one.clone(), one.clone(), one.clone()])
+        .unwrap();
+    assert_eq!(*order.lock().unwrap(), ["a", "b", "c"]);
+}
