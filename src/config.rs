@@ -448,6 +448,14 @@ fn dmlc_role(v: &str) -> Result<Role> {
 }
 
 impl Config {
+    /// Whether the scheduler's address is 127.0.0.1 or ::1, as a job on this host alone names
+    /// it (a host's own name may resolve to another loopback address, 127.0.1.1 on Debian, in
+    /// a job across hosts).
+    pub fn root_is_this_host_alone(&self) -> bool {
+        self.root.ip() == std::net::Ipv4Addr::LOCALHOST
+            || self.root.ip() == std::net::Ipv6Addr::LOCALHOST
+    }
+
     /// Reads the configuration from the environment.
     /// This process's role, as `DMLC_ROLE` names it or an external launcher's rank gives it
     /// (mpirun, srun), without reading the rest (`None` if neither says, or says wrongly:

@@ -344,13 +344,11 @@ fn run_other_role(cfg: &Config, sync: bool) -> crate::Result<()> {
             // other root is listened on at every address, as ps-lite's scheduler does: the
             // name may resolve here to an address other hosts cannot reach (Debian maps a
             // host's own name to 127.0.1.1), or to none of this host's (NAT).
-            let local_only = cfg.root.ip() == std::net::Ipv4Addr::LOCALHOST
-                || cfg.root.ip() == std::net::Ipv6Addr::LOCALHOST;
             let any: std::net::IpAddr = match cfg.root {
                 SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
                 SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
             };
-            let at = match local_only {
+            let at = match cfg.root_is_this_host_alone() {
                 true => cfg.root,
                 false => SocketAddr::new(any, cfg.root.port()),
             };

@@ -168,12 +168,10 @@ impl KVStore {
         values: impl Into<Values<'a>>,
         outs: impl Into<Outputs<'b>>,
     ) -> Result<()> {
-        let keys = keys.into();
-        let values = values.into();
-        let outs = outs.into();
+        let (keys, values, outs) = (keys.into(), values.into(), outs.into());
         // The outputs are checked against the values first: a refused call stores nothing.
-        let pairs = group_values(keys.clone(), values.clone())?;
-        let mut out_pairs = group_outputs(keys.clone(), outs)?;
+        let pairs = group_values(keys.clone(), values)?;
+        let mut out_pairs = group_outputs(keys, outs)?;
         for (k, outs) in &out_pairs {
             let Some((_, vs)) = pairs.iter().find(|(p, _)| p == k) else {
                 return Err(KvError::UnknownKey(k.clone()));
@@ -182,7 +180,11 @@ impl KVStore {
                 crate::local::check_like(k, vs[0], o)?;
             }
         }
-        self.init(keys, values)?;
+        self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        match &mut self.inner {
+            Inner::Local(s) => s.init(&pairs)?,
+            Inner::Dist(d) => d.init(&pairs)?,
+        }
         match &mut self.inner {
             Inner::Local(s) => s.pull(&mut out_pairs),
             Inner::Dist(d) => d.pull(&mut out_pairs),

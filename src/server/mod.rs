@@ -61,10 +61,8 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
                     std::net::ToSocketAddrs::to_socket_addrs(&(h.as_str(), 0))
                         .map(|a| a.map(|a| a.ip()).collect())
                         .unwrap_or_default();
-                let root_local = cfg.root.ip() == std::net::Ipv4Addr::LOCALHOST
-                    || cfg.root.ip() == std::net::Ipv6Addr::LOCALHOST;
                 match ips.iter().find(|ip| !ip.is_loopback()).or(ips.first()) {
-                    Some(ip) if !ip.is_loopback() || root_local => *ip,
+                    Some(ip) if !ip.is_loopback() || cfg.root_is_this_host_alone() => *ip,
                     Some(ip) => {
                         return Err(KvError::Config(format!(
                             "DMLC_NODE_HOST={h:?} is {ip} here, a loopback address that \

@@ -162,11 +162,11 @@ struct Pending {
 
 /// What a lost peer whose process lived may still write: its grants' memory, kept with the
 /// process until it exits.
-#[derive(Default)]
 struct Quarantined {
-    proc: Option<PeerProcess>,
+    proc: PeerProcess,
     ids: Vec<u64>,
-    regions: Vec<Region>,
+    /// Held until then (and never given back if the backend goes first: `Drop`).
+    _regions: Vec<Region>,
 }
 
 /// Shared memory as a [`Backend`].
@@ -360,7 +360,7 @@ impl ShmBackend {
         }
         // Grants to it are fenced only if its process is gone; otherwise their memory is kept.
         let exited = p.proc.exited();
-        let mut held = Quarantined::default();
+        let (mut kept, mut regions): (Vec<u64>, Vec<Region>) = (Vec::new(), Vec::new());
         let ids: Vec<u64> = self
             .grants
             .iter()
@@ -381,16 +381,19 @@ impl ShmBackend {
             }
             if !exited {
                 self.kept.insert(id);
-                held.ids.push(id);
-                held.regions.push(g.region);
-                held.regions.extend(g.bounce);
+                kept.push(id);
+                regions.push(g.region);
+                regions.extend(g.bounce);
             }
         }
-        if !held.ids.is_empty() {
+        if !kept.is_empty() {
             // Its process may be between closing its files and exiting (its pidfd becomes
             // readable last), or live on: what it may write is freed once it has exited.
-            held.proc = Some(p.proc);
-            self.quarantine.push(held);
+            self.quarantine.push(Quarantined {
+                proc: p.proc,
+                ids: kept,
+                _regions: regions,
+            });
         }
         self.lost.push_back((peer, error));
     }
@@ -403,7 +406,7 @@ impl ShmBackend {
         }
         let (gone, live): (Vec<_>, Vec<_>) = std::mem::take(&mut self.quarantine)
             .into_iter()
-            .partition(|q| q.proc.as_ref().is_none_or(PeerProcess::exited));
+            .partition(|q| q.proc.exited());
         self.quarantine = live;
         for q in gone {
             for id in &q.ids {
