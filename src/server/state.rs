@@ -73,6 +73,9 @@ struct Slot {
     /// pushes in order; and the pulls that came after them, answered by that round.
     next: Vec<Deferred>,
     behind_next: Vec<Held>,
+    /// Why the value is gone, where an updater replaced it with another shape or dtype:
+    /// every later request of the key is refused, saying so.
+    lost: Option<String>,
 }
 
 /// A push held for the round after the one in progress, its value copied.
@@ -358,6 +361,7 @@ impl ServerState {
                 first: None,
                 next: Vec::new(),
                 behind_next: Vec::new(),
+                lost: None,
             },
         );
         self.ok(peer, m, Payload::None);
@@ -371,6 +375,10 @@ impl ServerState {
                 format!("key {} has not been initialised", m.key),
             ));
         };
+        if let Some(why) = &s.lost {
+            let text = format!("key {}: {why}, so its value is lost", m.key);
+            return Err((status::FAILED, text));
+        }
         if s.total != m.total || !rows::names(m, s.start, s.stored.size() as u64) {
             return Err((
                 status::MISMATCH,
@@ -461,8 +469,17 @@ impl ServerState {
                     Err(e) => return self.err(peer, m, status::FAILED, e.to_string()),
                 },
             };
-            let res = unpin(&mut slot.stored, &mut slot.spare, true, &mut self.alloc)
-                .and_then(|()| apply(&mut self.updater, false, key, input, &mut slot.stored));
+            let res =
+                unpin(&mut slot.stored, &mut slot.spare, true, &mut self.alloc).and_then(|()| {
+                    apply(
+                        &mut self.updater,
+                        false,
+                        key,
+                        input,
+                        &mut slot.stored,
+                        &mut slot.lost,
+                    )
+                });
             self.metrics.pushes += 1;
             self.metrics.rounds += 1;
             self.metrics.bytes_in += m.data_bytes().unwrap_or(0);

@@ -22,14 +22,14 @@ impl ServerState {
                 Ok(())
             }
             (up, Some(merge)) => unpin(&mut slot.stored, &mut slot.spare, true, &mut self.alloc)
-                .and_then(|()| apply(up, true, key, merge, &mut slot.stored)),
+                .and_then(|()| apply(up, true, key, merge, &mut slot.stored, &mut slot.lost)),
             (_, None) => Ok(()),
         };
         slot.count = 0;
         slot.pushed.iter_mut().for_each(|p| *p = false);
         let held = std::mem::take(&mut slot.held);
         let behind = std::mem::take(&mut slot.behind);
-        let (value, start) = (slot.stored.clone(), slot.start);
+        let (value, start, lost) = (slot.stored.clone(), slot.start, slot.lost.clone());
         for h in held {
             match &res {
                 Ok(()) if h.req.op == Op::PushPull => {
@@ -42,7 +42,11 @@ impl ServerState {
         // The pulls behind a push get the value, as a pull now would (the stored one, where
         // the update failed: the push's own answer says so).
         for h in behind {
-            match rows::pulled(&value, start, &h.req) {
+            let answer = match &lost {
+                Some(why) => Err(format!("key {key}: {why}, so its value is lost")),
+                None => rows::pulled(&value, start, &h.req),
+            };
+            match answer {
                 Ok(p) => self.ok(h.peer, &h.req, p),
                 Err(e) => self.err(h.peer, &h.req, status::FAILED, e),
             }

@@ -12,13 +12,15 @@ pub(super) enum Updater {
     Named(String, SharedUpdater),
 }
 
-/// Merges `input` into `stored` with the updater (ASSIGN only in sync mode).
+/// Merges `input` into `stored` with the updater (ASSIGN only in sync mode). An updater that
+/// replaced `stored` with another shape or dtype took the value with it: `lost` says why.
 pub(super) fn apply(
     up: &mut Updater,
     sync: bool,
     key: u64,
     input: &NDArray,
     stored: &mut NDArray,
+    lost: &mut Option<String>,
 ) -> crate::Result<()> {
     let k = Key::Int(key as i64);
     match up {
@@ -40,7 +42,11 @@ pub(super) fn apply(
                     other => format!("{}: {other}", shown(name)),
                 },
             })?;
-            check_updater_kept_shape(&k, stored, &shape, dtype)
+            check_updater_kept_shape(&k, stored, &shape, dtype).inspect_err(|e| {
+                if let KvError::Updater { reason, .. } = e {
+                    *lost = Some(reason.clone());
+                }
+            })
         }
     }
 }
