@@ -69,6 +69,9 @@ pub struct Config {
     pub rank_hint: Option<u32>,
     /// The address this node advertises to its peers, if set.
     pub node_host: Option<String>,
+    /// The network interface whose address this node advertises (MXNet's `DMLC_INTERFACE`),
+    /// where `node_host` does not name one.
+    pub interface: Option<String>,
     /// Whether the job's processes span several hosts, where the launcher says (mpirun,
     /// srun); `None` where it does not.
     pub spans_hosts: Option<bool>,
@@ -557,6 +560,7 @@ impl Config {
             )?,
             rank_hint: p.rank_hint,
             node_host: get(env, "DMLC_NODE_HOST"),
+            interface: get(env, "DMLC_INTERFACE"),
             spans_hosts: p.spans_hosts,
             timeout: Duration::from_secs_f64(timeout_s),
             bigarray_bound: bound,

@@ -525,3 +525,40 @@ fn kvrun_host_names_the_address_every_process_is_told_ipv6_too() {
         }
     }
 }
+
+#[test]
+fn dmlc_interface_names_the_address_servers_are_reached_at() {
+    // The scheduler on IPv6 loopback: a server would tell workers ::1, the address it reaches
+    // the scheduler from, but `DMLC_INTERFACE=lo` names lo's IPv4 address, as ps-lite takes it.
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("skipped: this host has no IPv6 loopback");
+        return;
+    }
+    let job = |interface: &str| {
+        let mut cmd = std::process::Command::new(util::bin("kvrun"));
+        cmd.args(["--host", "::1", "-n", "1", "-s", "2", "--timeout", "30"])
+            .args(["-x", &format!("DMLC_INTERFACE={interface}")])
+            .arg(util::bin("examples/dist_check"))
+            .args(["seed", "dist_sync"]);
+        util::run_limited(&mut cmd, Duration::from_secs(90))
+    };
+    let r = job("lo");
+    assert_job_ok(&r, 1, "seed");
+    for s in 0..2 {
+        let line = format!("rank 0 reaches server {s} at 127.0.0.1:");
+        assert!(
+            r.stdout.lines().any(|l| l.contains(&line)),
+            "{line}\n{}",
+            r.all()
+        );
+    }
+    // An interface this host lacks ends the job, the server saying which and why.
+    let r = job("nosuch0");
+    assert_ne!(r.code, Some(0), "{}", r.all());
+    assert!(
+        r.all()
+            .contains("DMLC_INTERFACE=\"nosuch0\": no such interface"),
+        "{}",
+        r.all()
+    );
+}

@@ -2,6 +2,7 @@
 //! [`ServerState`], and hears the scheduler.
 
 mod admission;
+mod advertise;
 mod answers;
 mod batch;
 mod peer_data;
@@ -51,50 +52,7 @@ fn sched_event(frame: &(FrameHeader, Vec<u8>)) -> std::result::Result<Option<Res
 /// job was aborted or a peer was lost.
 pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
     let mut sched = kvstore_transport::tcp::connect_retry(cfg.root, cfg.timeout)?;
-    let ip = match &cfg.node_host {
-        Some(h) => match h.parse() {
-            Ok(ip) => ip,
-            // A host name, as ps-lite takes one: its first address other hosts can reach (a
-            // host's own name may resolve to 127.0.1.1 first).
-            Err(_) => {
-                let ips: Vec<std::net::IpAddr> =
-                    std::net::ToSocketAddrs::to_socket_addrs(&(h.as_str(), 0))
-                        .map(|a| a.map(|a| a.ip()).collect())
-                        .unwrap_or_default();
-                match ips.iter().find(|ip| !ip.is_loopback()).or(ips.first()) {
-                    Some(ip) if !ip.is_loopback() || cfg.root_is_this_host_alone() => *ip,
-                    Some(ip) => {
-                        return Err(KvError::Config(format!(
-                            "DMLC_NODE_HOST={h:?} is {ip} here, a loopback address that \
-                             workers on other hosts cannot reach: give this host's address \
-                             on the job's network"
-                        )))
-                    }
-                    None => {
-                        return Err(KvError::Config(format!(
-                            "DMLC_NODE_HOST={h:?} is not an address or host"
-                        )))
-                    }
-                }
-            }
-        },
-        None => {
-            let ip = sched.local_addr()?.ip();
-            if ip.is_loopback() && cfg.spans_hosts == Some(true) {
-                // This host reached the scheduler over loopback (its name for rank 0's host,
-                // its own, resolves to a loopback address here), and workers on other hosts
-                // could not reach that.
-                return Err(KvError::Config(format!(
-                    "this server would give workers on other hosts the address {ip}: the \
-                     scheduler's host {} is a loopback address here. Set DMLC_NODE_HOST to \
-                     this host's address on the job's network, or KVSTORE_ROOT_URI to rank \
-                     0's",
-                    cfg.root.ip()
-                )));
-            }
-            ip
-        }
-    };
+    let ip = advertise::address(cfg, sched.local_addr()?.ip())?;
     // Stored values live in the send pool, which workers on this host read answers from in
     // place (and can never write); receive slots in the landing pool, which a worker's put
     // fills with a plain copy.
