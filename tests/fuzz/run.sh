@@ -10,7 +10,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 SECS=${1:-60}
 shift || true
 TARGETS=${*:-frames protocol shm}
-command -v cargo-afl >/dev/null || cargo install cargo-afl --locked
+command -v cargo-afl >/dev/null || cargo install cargo-afl --version 0.18.2 --locked
+# AFL++'s runtime for this toolchain, built once (cargo-afl refuses to build it again, and
+# `cargo afl build` below says plainly if it is still missing).
+cargo afl config --build >/dev/null 2>&1 || true
 cd "$HERE"
 cargo afl build --release
 export AFL_SKIP_CPUFREQ=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 AFL_NO_UI=1 AFL_BENCH_UNTIL_CRASH=1
