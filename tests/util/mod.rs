@@ -45,11 +45,14 @@ impl Run {
     }
 }
 
-/// Runs a command to completion; a command still running after `limit` is killed and the test
-/// fails (a hang is a bug).
+/// Runs a command to completion; a command still running after `limit` is killed, with its
+/// process group (what it started that holds its output open), and the test fails (a hang is
+/// a bug).
 pub fn run_limited(cmd: &mut Command, limit: Duration) -> Run {
+    use std::os::unix::process::CommandExt;
     let start = Instant::now();
     let child = cmd
+        .process_group(0)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -62,7 +65,9 @@ pub fn run_limited(cmd: &mut Command, limit: Duration) -> Run {
         out
     });
     if rx.recv_timeout(limit).is_err() {
-        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        let _ = Command::new("kill")
+            .args(["-9", "--", &format!("-{pid}")])
+            .status();
         let out = waiter.join().unwrap().unwrap();
         panic!(
             "hung for more than {limit:?}: {:?}\n{}\n{}",
@@ -284,7 +289,9 @@ pub fn finish(child: Child, limit: Duration) -> (Option<i32>, String) {
             ),
         ),
         _ => {
-            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            let _ = Command::new("kill")
+                .args(["-9", "--", &format!("-{pid}")])
+                .status();
             panic!("process {pid} did not end within {limit:?}");
         }
     }
