@@ -95,10 +95,20 @@ fn median_round(
                 let t0 = Instant::now();
                 bar.wait();
                 {
+                    // As ps_limit.c: the first two gradients summed in one pass (a copy where
+                    // there is one), the others added to it.
                     let mut dst = stored[k].write().map_err(|e| e.to_string())?;
                     let a = pool[0].read().map_err(|e| e.to_string())?;
-                    dst.copy_from_slice(&a[lo..hi]);
-                    for g in pool.iter().skip(1) {
+                    match pool.get(1) {
+                        None => dst.copy_from_slice(&a[lo..hi]),
+                        Some(b) => {
+                            let b = b.read().map_err(|e| e.to_string())?;
+                            for ((d, x), y) in dst.iter_mut().zip(&a[lo..hi]).zip(&b[lo..hi]) {
+                                *d = x + y;
+                            }
+                        }
+                    }
+                    for g in pool.iter().skip(2) {
                         let g = g.read().map_err(|e| e.to_string())?;
                         for (d, x) in dst.iter_mut().zip(&g[lo..hi]) {
                             *d += x;

@@ -103,7 +103,7 @@ struct RawArgs {
     /// Start the server side here too (a second process).
     #[arg(long)]
     local: bool,
-    /// The server's host (the client side; over shm any word, such as localhost). With no host
+    /// The server's host (the client side; over shm localhost, 127.0.0.1 or ::1). With no host
     /// and no --local, this is the server, as perftest's tools are.
     host: Option<String>,
     /// TCP port, or the shm rendezvous name.
@@ -411,7 +411,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                         Some(raw::memcpy_bandwidth(r.size, Duration::from_millis(200)))
                     }
                     (true, _) => Some(
-                        loopback_stream_bandwidth(r.size.max(4096), Duration::from_millis(300))
+                        loopback_stream_bandwidth(r.size.max(1), Duration::from_millis(300))
                             .map_err(|e| e.to_string())?,
                     ),
                 };

@@ -199,7 +199,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
                 _ => kv.push(keys.clone(), &vals),
             }
             .map_err(|e| e.to_string())?;
-            let _ = push_lat.record((t0.elapsed().as_nanos() as u64).max(1));
+            push_lat.saturating_record((t0.elapsed().as_nanos() as u64).max(1));
             if p.op == "push+pull" {
                 kv.pull(keys.clone(), &mut outs)
                     .map_err(|e| e.to_string())?;
@@ -213,7 +213,13 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
         }
         kv.barrier().map_err(|e| e.to_string())?;
-        // Every worker pushes ones: the pulled value is the number of workers (ASSIGN).
+        // Every worker pushes ones: the pulled value is the number of workers (ASSIGN). The
+        // outputs are spoiled first, so that a pull that wrote nothing cannot pass.
+        for o in &mut outs {
+            o.fill(f64::NAN);
+        }
+        kv.pull(keys.clone(), &mut outs)
+            .map_err(|e| e.to_string())?;
         let w = kv.num_workers() as f32;
         if outs.iter().any(|o| {
             o.as_slice::<f32>()
@@ -271,6 +277,16 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
     if p.keys == 0 {
         return Err("--keys must be at least 1".into());
     }
+    if p.reference && (p.hosts.is_some() || p.hostfile.is_some()) {
+        return Err(
+            "--reference measures this host's loopback and memory, no reference for a \
+                    job across hosts: run iperf3 or ib_write_bw between them"
+                .into(),
+        );
+    }
+    if p.iters == Some(0) {
+        return Err("--iters must be at least 1".into());
+    }
     if !(p.timeout > 0.0 && p.timeout.is_finite()) {
         return Err("--timeout must be a positive number of seconds".into());
     }
@@ -319,6 +335,14 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
     let _ = std::fs::remove_file(&out);
     if code != 0 {
         return Err(format!("the benchmark job failed (status {code})"));
+    }
+    if text.trim().is_empty() {
+        // Worker 0 writes the results on its own host.
+        return Err(format!(
+            "the job wrote no results at {}: worker 0 writes them on its own host, which must \
+             be this one",
+            out.display()
+        ));
     }
     let mut stdout = std::io::stdout().lock();
     print_header(p, &text, stream_ref, iperf_ref, &mut stdout);

@@ -293,6 +293,14 @@ fn bad_arguments_get_a_clear_message() {
         ),
         (vec!["lat", "--server", "--local"], "cannot be used with"),
         (vec!["pushpull", "--keys", "0"], "--keys"),
+        (
+            vec!["pushpull", "--iters", "0"],
+            "--iters must be at least 1",
+        ),
+        (
+            vec!["pushpull", "-H", "localhost:4", "--reference"],
+            "no reference for a job across hosts",
+        ),
     ] {
         let (code, _, err) = kvperf(&args);
         assert_ne!(code, Some(0), "{args:?}");
