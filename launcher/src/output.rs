@@ -70,10 +70,12 @@ pub(crate) fn forward(
                         line.push(b'\n');
                     }
                     line.splice(0..0, prefix.bytes());
+                    // Flushed: stdout holds what does not end in a newline (a redraw).
                     let _ = if to_stderr {
                         std::io::stderr().lock().write_all(&line)
                     } else {
-                        std::io::stdout().lock().write_all(&line)
+                        let mut out = std::io::stdout().lock();
+                        out.write_all(&line).and_then(|()| out.flush())
                     };
                 }
             }

@@ -304,3 +304,50 @@ fn what_a_process_left_running_gets_its_grace_period_before_the_kill() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_redraw_goes_out_as_it_comes() {
+    // The program waits (at most 30 s) for a file the test makes once it saw the redraw.
+    let dir = std::env::temp_dir().join(format!("kvrun-redraw-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let go = dir.join("go");
+    let script = format!(
+        "printf '10%%\\r'; i=0; while [ ! -e '{}' ] && [ $i -lt 600 ]; do sleep 0.05; \
+         i=$((i+1)); done; echo end",
+        go.display()
+    );
+    let mut child = kvrun()
+        .args(["-n", "1", "-s", "1", "--", "/bin/sh", "-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        use std::io::Read;
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = stdout.read(&mut buf) {
+            if tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !String::from_utf8_lossy(&seen).contains("10%\r") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(b) => seen.extend(b),
+            Err(_) => break,
+        }
+    }
+    let redrawn = String::from_utf8_lossy(&seen).into_owned();
+    std::fs::write(&go, b"").unwrap();
+    let status = child.wait().unwrap();
+    reader.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(redrawn.contains("] 10%\r"), "the redraw was held back: {redrawn:?}");
+    assert!(!redrawn.contains("end"), "{redrawn:?}");
+    assert_eq!(status.code(), Some(0));
+}
