@@ -58,6 +58,15 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
+/// POSIX `sh` that decodes the arguments [`remote_word`] marked, in place.
+macro_rules! decode_words {
+    () => {
+        "for a in \"$@\"; do shift; case $a in kvrun-b:*) a=$(printf '%bx' \"${a#kvrun-b:}\"); \
+         a=${a%x};; esac; set -- \"$@\" \"$a\"; done; "
+    };
+}
+pub(crate) use decode_words;
+
 /// The remote side of a process started over ssh, a POSIX `sh` script run by the login shell
 /// (whatever it is: one line, in single quotes, so that a csh-family shell passes it on too):
 /// goes to the directory given first (as kvrun's own), takes the job's secret from the first
@@ -67,8 +76,14 @@ pub fn shell_quote(s: &str) -> String {
 /// when the program ends (what it left running would hold the session open, as kvrun stops
 /// a local program's group). A
 /// login shell's own descriptors are closed first (csh leaves copies of the session's output
-/// open in what it runs, which would keep it open after the program ends).
-const REMOTE_WRAPPER: &str = "exec 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; cd \"$1\" 2>/dev/null; shift; \
+/// open in what it runs, which would keep it open after the program ends). Words marked
+/// `kvrun-b:` are decoded first ([`remote_word`]). A directory missing there is said, and the
+/// program runs where the login starts, as Open MPI's remote processes do.
+const REMOTE_WRAPPER: &str = concat!(
+    "exec 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; ",
+    decode_words!(),
+    "cd \"$1\" 2>/dev/null || printf 'kvrun: no directory %s here: running in %s\\n' \
+    \"$1\" \"$PWD\" >&2; shift; \
     printf '%s\\n' kvrun-remote-started >&2; \
     IFS= read -r KVSTORE_SECRET || exit 1; export KVSTORE_SECRET; exec 3<&0; \
     if command -v setsid >/dev/null 2>&1; then setsid \"$@\" </dev/null & \
@@ -76,7 +91,8 @@ const REMOTE_WRAPPER: &str = "exec 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; cd \"$1\" 2>/d
     ( cat <&3 >/dev/null 2>&1; kill -TERM -$c $c 2>/dev/null; sleep 2; \
     kill -KILL -$c $c 2>/dev/null ) >/dev/null 2>&1 & w=$!; \
     exec 3<&-; wait $c; s=$?; kill $w 2>/dev/null; kill -TERM -$c 2>/dev/null && \
-    { ( sleep 2; kill -KILL -$c 2>/dev/null ) </dev/null >/dev/null 2>&1 & }; exit $s";
+    { ( sleep 2; kill -KILL -$c 2>/dev/null ) </dev/null >/dev/null 2>&1 & }; exit $s"
+);
 
 /// The wrapper's first line on stderr: the ssh session is logged in (kvrun keeps few of a
 /// host's sessions in their login at once, see [`Child::logging_in`]).
@@ -95,18 +111,39 @@ pub fn remote_command(program: &Path, args: &[String], env: &[(String, String)])
     let mut cmd = format!(
         "exec sh -c {} kvrun-remote {} env",
         shell_quote(REMOTE_WRAPPER),
-        shell_quote(&cwd)
+        remote_word(&cwd)
     );
     for (k, v) in env.iter().filter(|(k, _)| k != SECRET_VAR) {
-        cmd.push_str(&format!(" {}", shell_quote(&format!("{k}={v}"))));
+        cmd.push_str(&format!(" {}", remote_word(&format!("{k}={v}"))));
     }
     cmd.push(' ');
-    cmd.push_str(&shell_quote(&program.to_string_lossy()));
+    cmd.push_str(&remote_word(&program.to_string_lossy()));
     for a in args {
         cmd.push(' ');
-        cmd.push_str(&shell_quote(a));
+        cmd.push_str(&remote_word(a));
     }
     cmd
+}
+
+/// A word of the remote command, quoted for a POSIX shell. One that a csh-family login shell
+/// would not pass on inside single quotes (a `!`, which it expands from its history; a line
+/// break, which ends its command), or that begins with the marker itself, goes as `kvrun-b:`
+/// and its bytes, letters and digits as they are and the others in `printf %b`'s octal
+/// escapes, which the wrapper decodes.
+pub(crate) fn remote_word(s: &str) -> String {
+    const MARK: &str = "kvrun-b:";
+    if !s.contains(['!', '\n', '\r']) && !s.starts_with(MARK) {
+        return shell_quote(s);
+    }
+    let mut w = String::from(MARK);
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() {
+            w.push(char::from(b));
+        } else {
+            w.push_str(&format!("\\0{b:03o}"));
+        }
+    }
+    shell_quote(&w)
 }
 
 impl Child {
@@ -180,7 +217,15 @@ impl Child {
                 .iter()
                 .find(|(k, _)| k == SECRET_VAR)
                 .map_or("", |(_, v)| v.as_str());
-            writeln!(pipe, "{secret}")?;
+            if let Err(e) = writeln!(pipe, "{secret}") {
+                // ssh closed its stdin (`ssh -n`, or it failed at once): it is not the job's.
+                let _ = proc.kill();
+                let _ = proc.wait();
+                return Err(std::io::Error::other(format!(
+                    "ssh did not take the job's secret on its stdin ({e}): --ssh must pass \
+                     stdin on (no -n)"
+                )));
+            }
         }
         let mut forwarders = Vec::new();
         let started = Arc::new(AtomicBool::new(host.is_none()));
@@ -459,16 +504,17 @@ mod tests {
     fn the_remote_command_runs_the_same_under_a_posix_or_a_csh_login_shell() {
         let env = vec![
             ("DMLC_ROLE".to_string(), "worker".to_string()),
-            ("ODD".to_string(), "it's $HOME; `x` !".to_string()),
+            ("ODD".to_string(), "it's $HOME; `x` ! !$ !!x".to_string()),
+            ("LINES".to_string(), "one\ntwo\\n\n".to_string()),
             (SECRET_VAR.to_string(), "0123456789abcdef-hush".to_string()),
         ];
         let script =
-            "printf '%s|%s|%s|%s|%s' \"$KVSTORE_SECRET\" \"$DMLC_ROLE\" \"$ODD\" \"$PWD\" \"$1\"";
-        let cmd = remote_command(
-            Path::new("/bin/sh"),
-            &["-c".into(), script.into(), "zero".into(), "a b'c".into()],
-            &env,
-        );
+            "printf '%s|%s|%s|%s|%s|%s|%s|%s' \"$KVSTORE_SECRET\" \"$DMLC_ROLE\" \"$ODD\" \
+             \"$LINES\" \"$PWD\" \"$1\" \"$2\" \"$3\"";
+        let odd_args = ["a b'c", "hi!there\r\n", "kvrun-b:\\0041\u{e9}"];
+        let mut args = vec!["-c".to_string(), script.to_string(), "zero".to_string()];
+        args.extend(odd_args.iter().map(|a| a.to_string()));
+        let cmd = remote_command(Path::new("/bin/sh"), &args, &env);
         assert!(!cmd.contains('\n'), "{cmd}");
         let cwd = std::env::current_dir().unwrap();
         // ssh runs the command with the user's login shell: `SHELL -c COMMAND`.
@@ -499,8 +545,9 @@ mod tests {
             assert_eq!(
                 out,
                 format!(
-                    "0123456789abcdef-hush|worker|it's $HOME; `x` !|{}|a b'c",
-                    cwd.display()
+                    "0123456789abcdef-hush|worker|it's $HOME; `x` ! !$ !!x|one\ntwo\\n\n|{}|{}",
+                    cwd.display(),
+                    odd_args.join("|")
                 ),
                 "{shell}: {}",
                 String::from_utf8_lossy(&done.stderr)

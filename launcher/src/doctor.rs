@@ -91,10 +91,11 @@ fn probe(host: &str, ssh: &[String], program: &str) -> Facts {
         let mut c = Command::new(&ssh[0]);
         c.args(&ssh[1..]).arg(host).arg(format!(
             "exec sh -s {} {}",
-            crate::shell_quote(&cwd),
-            crate::shell_quote(program)
+            crate::child::remote_word(&cwd),
+            crate::child::remote_word(program)
         ));
-        (c, format!("cd \"$1\" 2>/dev/null; shift\n{PROBE}"))
+        let decode = crate::child::decode_words!();
+        (c, format!("{decode}cd \"$1\" 2>/dev/null; shift\n{PROBE}"))
     };
     // The local probe runs in a group of its own, killed whole at the limit; ssh stays in
     // kvrun's, where it can ask at the terminal (a host key, a password: from a background

@@ -42,6 +42,7 @@ pub fn parse_host_list(list: &str) -> Result<Vec<Host>, String> {
     for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let (name, slots) =
             host_and_slots(item).ok_or_else(|| format!("-H {item}: slots must be a number"))?;
+        check_name(name).map_err(|e| format!("-H {item}: {e}"))?;
         let slots = slots.unwrap_or(1);
         if slots == 0 || slots > MAX_SLOTS {
             return Err(format!(
@@ -72,6 +73,22 @@ fn host_and_slots(item: &str) -> Option<(&str, Option<usize>)> {
     }
 }
 
+/// Refuses a host name that ssh would read as an option (or as nothing).
+fn check_name(name: &str) -> Result<(), String> {
+    match name.chars().next() {
+        None => Err("a host needs a name".into()),
+        Some('-') => Err(format!(
+            "{name:?} is not a host name (ssh would read it as an option)"
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
+/// The host part of `user@host`, as ssh takes it (the name itself where no user is given).
+pub fn without_user(name: &str) -> &str {
+    name.rsplit_once('@').map_or(name, |(_, h)| h)
+}
+
 /// Adds `slots` on `name`: a host named again gets them added to its own, as Open MPI sums a
 /// host's repeated lines.
 fn add_host(hosts: &mut Vec<Host>, name: &str, slots: usize) {
@@ -98,6 +115,7 @@ pub fn parse_hostfile(text: &str) -> Result<Vec<Host>, String> {
         // MPICH's and Intel MPI's form, `host:slots`, as well as Open MPI's `slots=`.
         let (name, given) = host_and_slots(first)
             .ok_or_else(|| format!("hostfile line {}: cannot read {first:?}", n + 1))?;
+        check_name(name).map_err(|e| format!("hostfile line {}: {e}", n + 1))?;
         let mut slots = given.unwrap_or(1);
         if slots == 0 || slots > MAX_SLOTS {
             return Err(format!("hostfile line {}: bad slots in {first:?}", n + 1));
@@ -191,6 +209,18 @@ pub fn is_local(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_ssh_would_take_as_an_option_is_refused_and_a_user_is_not_the_host() {
+        let e = parse_host_list("a,-oProxyCommand=x:2").unwrap_err();
+        assert!(e.contains("ssh would read it as an option"), "{e}");
+        let e = parse_hostfile("a\n-oProxyCommand=x slots=2\n").unwrap_err();
+        assert!(e.starts_with("hostfile line 2:"), "{e}");
+        assert!(parse_host_list(":2").is_err());
+        assert_eq!(without_user("alice@node1"), "node1");
+        assert_eq!(without_user("node1"), "node1");
+        assert_eq!(parse_host_list("alice@node1:2").unwrap()[0].name, "alice@node1");
+    }
 
     #[test]
     fn host_lists_and_hostfiles() {

@@ -209,6 +209,7 @@ fn log_filter() -> Option<(&'static str, String)> {
 
 fn run_job(opts: &Options) -> Result<i32, String> {
     let job_timeout = timeout(opts)?;
+    raise_open_files();
     let log = log_filter();
     kvstore::init_logging(log.as_ref().map(|(_, v)| v.as_str()));
     let stop = Arc::new(AtomicBool::new(false));
@@ -402,12 +403,32 @@ fn run_job(opts: &Options) -> Result<i32, String> {
     Ok(code)
 }
 
+/// Raises the soft limit of open files to the hard one, as mpirun does: kvrun holds two or
+/// three pipes a process (a soft limit of 1024 ran out near 300 remote processes), and the
+/// processes it starts inherit the room.
+fn raise_open_files() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut l = getrlimit(Resource::Nofile);
+    // An unlimited hard limit: Linux's most (nr_open's default).
+    let most = l.maximum.unwrap_or(1 << 20);
+    if l.current.is_some_and(|c| c < most) {
+        l.current = Some(most);
+        // Where it cannot be raised, it stays; running out is then an error that says so.
+        let _ = setrlimit(Resource::Nofile, l);
+    }
+}
+
 /// This host's address on the route to `host` (no packet is sent: a UDP socket is connected).
 fn route_to(host: &str) -> Result<IpAddr, String> {
     use std::net::{ToSocketAddrs, UdpSocket};
-    let target = (host, 22)
+    let target = (hosts::without_user(host), 22)
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .map_err(|e| {
+            format!(
+                "cannot resolve {host} ({e}) to find this host's address toward it: name that \
+                 address with --scheduler-host"
+            )
+        })?
         .next()
         .ok_or_else(|| format!("{host} has no address"))?;
     let any: SocketAddr = if target.is_ipv4() {

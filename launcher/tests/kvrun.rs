@@ -347,7 +347,35 @@ fn a_redraw_goes_out_as_it_comes() {
     let status = child.wait().unwrap();
     reader.join().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(redrawn.contains("] 10%\r"), "the redraw was held back: {redrawn:?}");
+    assert!(
+        redrawn.contains("] 10%\r"),
+        "the redraw was held back: {redrawn:?}"
+    );
     assert!(!redrawn.contains("end"), "{redrawn:?}");
     assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn the_open_file_limit_is_raised_to_the_hard_one() {
+    // kvrun holds pipes for each process: a low soft limit would cap the job's size.
+    let out = Command::new("/bin/sh")
+        .args([
+            "-c",
+            "hard=$(ulimit -Hn); ulimit -Sn 64 || exit 3; echo \"hard $hard\"; \
+             exec \"$0\" -n 1 -s 1 -- /bin/sh -c 'echo soft $(ulimit -Sn)'",
+            env!("CARGO_BIN_EXE_kvrun"),
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let hard = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("hard "))
+        .unwrap();
+    let want = if hard == "unlimited" { "1048576" } else { hard };
+    assert!(
+        stdout.contains(&format!("[worker 0] soft {want}")),
+        "{stdout}"
+    );
 }
