@@ -165,6 +165,30 @@ fn kvrun_warns_of_a_process_that_never_took_its_role() {
     );
 }
 
+#[test]
+fn kvrun_says_so_when_no_process_took_its_role() {
+    // Every process ends at once, status 0, before the 300 ms a report may take: a program
+    // that forgot `create` (or is no kvstore job's) is not said to be a job the scheduler saw.
+    let mut cmd = Command::new(util::bin("kvrun"));
+    cmd.args(["-n", "2", "-s", "1", "true"]);
+    let r = util::run_limited(&mut cmd, Duration::from_secs(60));
+    let out = r.all();
+    assert_eq!(
+        r.code,
+        Some(0),
+        "as mpirun, of programs that ended well: {out}"
+    );
+    for who in ["server 0", "worker 0", "worker 1"] {
+        let line = format!("kvrun: warning: {who} (pid ");
+        assert!(out.contains(&line), "{line}\n{out}");
+    }
+    assert!(
+        out.contains("1 server and 2 workers ended with status 0; the scheduler saw no job")
+            && !out.contains("the scheduler, "),
+        "{out}"
+    );
+}
+
 /// A `dist_check metrics` job (W=2, S=2) with `kvrun --stats FILE`; the file's text.
 fn stats(format: &str) -> String {
     let path = std::env::temp_dir().join(format!("kvstore-stats-{}-{format}", std::process::id()));

@@ -219,7 +219,10 @@ mod tests {
         assert!(parse_host_list(":2").is_err());
         assert_eq!(without_user("alice@node1"), "node1");
         assert_eq!(without_user("node1"), "node1");
-        assert_eq!(parse_host_list("alice@node1:2").unwrap()[0].name, "alice@node1");
+        assert_eq!(
+            parse_host_list("alice@node1:2").unwrap()[0].name,
+            "alice@node1"
+        );
     }
 
     #[test]

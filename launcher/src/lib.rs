@@ -389,14 +389,23 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             Err(e) => say(&format!("cannot write {}: {e}", path.display())),
         }
     }
-    if code == 0 {
+    // -1: every process ended well, but the scheduler saw no job (none took its role, as
+    // a program that is not a kvstore job's): what mpirun would say of it, status 0.
+    if code <= 0 {
+        let of = if code == 0 { "the scheduler, " } else { "" };
         say(&format!(
-            "done in {:.2} s: the scheduler, {} and {} ended with status 0",
+            "done in {:.2} s: {of}{} and {} ended with status 0{}",
             started.elapsed().as_secs_f64(),
             count(opts.servers, "server"),
-            count(opts.workers, "worker")
+            count(opts.workers, "worker"),
+            if code == 0 {
+                ""
+            } else {
+                "; the scheduler saw no job"
+            }
         ));
     }
+    let code = code.max(0);
     child::stop_all(&mut children);
     child::flush_output(&mut children);
     shepherd.done();
@@ -534,12 +543,23 @@ fn supervise(
         if workers_done {
             let t = *workers_done_at.get_or_insert_with(Instant::now);
             if children.iter().all(|c| c.exited()) {
+                if sched_result.is_none() {
+                    // The scheduler's end comes just after the processes' (or never, where
+                    // one never joined the job: a program that is not a kvstore job's).
+                    sched_result = sched_rx.recv_timeout(Duration::from_millis(500)).ok();
+                }
                 return match sched_result {
                     Some(Err(e)) => {
                         say(&format!("scheduler: {e}"));
                         1
                     }
-                    _ => 0,
+                    Some(Ok(())) => 0,
+                    None => {
+                        // Their last reports, then a warning for each that never joined.
+                        view.update(children, say);
+                        view.warn_unjoined(children, true, say);
+                        -1
+                    }
                 };
             }
             if t.elapsed() > Duration::from_secs_f64(opts.grace) {

@@ -214,13 +214,20 @@ impl View {
                 say(&self.heartbeat());
             }
         }
+        self.warn_unjoined(children, false, say);
+    }
+
+    /// Warns of each process that ended without taking its role: once it ended 300 ms ago
+    /// (its report of joining may come after its end), or at once where `now`.
+    pub(crate) fn warn_unjoined(&mut self, children: &[Child], now: bool, say: impl Fn(&str)) {
         for c in children {
             if !c.exited() || self.joined.contains(&key(&c.role)) {
                 continue;
             }
             let name = c.role.to_string();
             let seen = *self.ended.entry(name.clone()).or_insert_with(Instant::now);
-            if seen.elapsed() > Duration::from_millis(300) && self.warned.insert(name.clone()) {
+            let due = now || seen.elapsed() > Duration::from_millis(300);
+            if due && self.warned.insert(name.clone()) {
                 say(&format!(
                     "warning: {name} (pid {}) ended without taking its role: its program \
                      never created a dist_sync or dist_async store",
