@@ -316,21 +316,35 @@ fn run_job(opts: &Options) -> Result<i32, String> {
     let mut shepherd =
         shepherd::Shepherd::start().map_err(|e| format!("cannot start the shepherd: {e}"))?;
     let mut children: Vec<Child> = Vec::new();
+    // Starting the processes is bounded by the job's timeout, as everything after it is.
+    let start_deadline = Instant::now() + Duration::from_secs_f64(job_timeout);
     for (role, h) in placement {
         if let Some(host) = remote[h] {
             // sshd drops new connections at random beyond 10 not yet logged in (its
             // MaxStartups): at most 8 of a host's are let log in at once.
-            let deadline = Instant::now() + Duration::from_secs(60);
             let logging_in = |cs: &mut [Child]| {
                 let mine = cs.iter_mut().filter(|c| c.host.as_deref() == Some(host));
                 mine.map(|c| c.logging_in() as usize).sum::<usize>()
             };
-            while logging_in(&mut children) >= SSH_LOGINS
-                && Instant::now() < deadline
-                && !stop.load(Ordering::Relaxed)
-            {
+            while logging_in(&mut children) >= SSH_LOGINS && !stop.load(Ordering::Relaxed) {
+                if Instant::now() >= start_deadline {
+                    child::stop_all(&mut children);
+                    shepherd.done();
+                    return Err(format!(
+                        "{SSH_LOGINS} ssh sessions to {host} were still logging in when the \
+                         job's timeout ({job_timeout} s) ended: check ssh to it (kvrun doctor)"
+                    ));
+                }
                 std::thread::sleep(Duration::from_millis(10));
             }
+        }
+        if stop.load(Ordering::Relaxed) {
+            // Interrupted while starting: what started is stopped, nothing more starts.
+            say("interrupted: stopping every process");
+            child::stop_all(&mut children);
+            child::flush_output(&mut children);
+            shepherd.done();
+            return Ok(130);
         }
         match Child::spawn(role, remote[h], &ssh, opts.program(), opts.args(), &env) {
             Ok(c) => {

@@ -379,3 +379,37 @@ fn the_open_file_limit_is_raised_to_the_hard_one() {
         "{stdout}"
     );
 }
+
+#[test]
+fn ssh_logins_that_never_end_are_bounded_by_the_jobs_timeout() {
+    // An "ssh" that never logs in: with 8 sessions of a host logging in at once, the 9th
+    // waits, and the wait ends with the job's timeout, every session stopped.
+    let dir = std::env::temp_dir().join(format!("kvrun-logins-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ssh = dir.join("ssh");
+    std::fs::write(&ssh, "#!/bin/sh\nexec sleep 97\n").unwrap();
+    let mut perm = std::fs::metadata(&ssh).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&ssh, perm).unwrap();
+    let out = kvrun()
+        .args(["--ssh", ssh.to_str().unwrap(), "--timeout", "2"])
+        .args(["-H", "nohost:20", "--scheduler-host", "127.0.0.1"])
+        .args(["-n", "10", "-s", "2", "--", "true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("8 ssh sessions to nohost were still logging in when the job's timeout"),
+        "{err}"
+    );
+    // Every session was stopped (before, each process beyond the 8th waited 60 s, and an
+    // interrupt started them all at once).
+    let left = Command::new("pgrep")
+        .args(["-f", "sleep 97"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(left.trim().is_empty(), "left running: {left}");
+}
