@@ -86,6 +86,14 @@ def outputs(key: Any, obj: Any,
         arr, want = np.asarray(o), _dtype(dtypes[i])
         if want is None or arr.dtype == want or not _real(arr):
             return o
+        # The output must take the values in place, as one of the key's dtype must: refused
+        # now, before the call changes anything (a stand-in would let the call through).
+        if not arr.flags.writeable:
+            raise ValueError("out is read-only: a pull writes its output in place")
+        if not (arr.flags.c_contiguous and arr.flags.aligned):
+            raise ValueError(
+                "out is not C-contiguous and aligned: the store writes it in place "
+                "(np.ascontiguousarray makes a contiguous copy)")
         stand_in = np.empty(arr.shape, dtype=want)
         backs.append((arr, stand_in))
         return stand_in

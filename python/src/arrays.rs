@@ -185,12 +185,27 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
             // memory.
             let np = numpy(py)?;
             let converted = if obj.hasattr(intern!(py, "__dlpack__"))? {
-                Some(np.call_method1(intern!(py, "from_dlpack"), (obj,))?)
+                Some(np.call_method1(intern!(py, "from_dlpack"), (obj,)))
             } else if obj.hasattr(intern!(py, "__array_interface__"))? {
-                Some(np.call_method1(intern!(py, "asarray"), (obj,))?)
+                Some(np.call_method1(intern!(py, "asarray"), (obj,)))
             } else {
                 None
             };
+            // What numpy cannot take over the same memory (a datetime64 array, which has no
+            // buffer export and no DLPack dtype; another device's memory) is the store's
+            // refusal, as any dtype it does not keep.
+            let converted = converted.transpose().map_err(|e| {
+                if e.is_instance_of::<pyo3::exceptions::PyBufferError>(py) {
+                    crate::UnsupportedDType::new_err(format!(
+                        "{what} is in a dtype or memory the store cannot take ({}); the \
+                         store keeps float32, float64, float16, int32, int64 and uint8 in \
+                         host memory",
+                        e.value(py)
+                    ))
+                } else {
+                    e
+                }
+            })?;
             if let Some(c) = converted {
                 return lend(&c, writable, what);
             }

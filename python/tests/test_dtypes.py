@@ -125,6 +125,18 @@ def test_what_cannot_be_converted_is_refused_and_changes_nothing(kv):
         kv.pull(3, out=ro)
     with pytest.raises(TypeError, match="dtype"):
         kv.push(3, np.ones(SHAPE, dtype=np.complex64))   # a dtype the store lacks
+    # A pushpull whose value and output both need converting refuses an output it could not
+    # write before anything is pushed (the push went through, then the copy-back failed).
+    with pytest.raises(ValueError, match="read-only"):
+        kv.pushpull(3, np.full(SHAPE, 7, dtype=np.int8), out=ro)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kv.pushpull(3, np.full(SHAPE, 7, dtype=np.int8), out=np.zeros((2, 6))[:, ::2])
+    # Dtypes numpy can neither export nor hand over by DLPack are the store's refusal too.
+    for odd in (np.zeros(SHAPE, dtype="M8[s]"), np.zeros(SHAPE, dtype="m8[s]")):
+        with pytest.raises(kvstore.UnsupportedDType, match="dtype or memory"):
+            kv.push(3, odd)
+        with pytest.raises(TypeError):
+            kv.init(40, odd)
     out = f32(0)
     kv.pull(3, out=out)
     assert (out == 1).all()
