@@ -137,6 +137,17 @@ fn signal(pid: u32, sig: &str) {
     assert!(ok, "kill {sig} {pid}");
 }
 
+/// Seeds this test's random choices (its thread's generator) from `KVSTORE_CHAOS_SEED` or at
+/// random, and says the seed, which a failure's output then shows: a run can be replayed.
+fn seeded() {
+    let seed = std::env::var("KVSTORE_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| fastrand::u64(..));
+    fastrand::seed(seed);
+    eprintln!("KVSTORE_CHAOS_SEED={seed}");
+}
+
 fn dev_shm() -> Vec<String> {
     std::fs::read_dir("/dev/shm")
         .map(|d| {
@@ -178,6 +189,7 @@ fn survivors_name(out: &str, dead: &str) {
 
 #[test]
 fn kill_9_of_any_process_ends_the_job_at_once_naming_it() {
+    seeded();
     let shm_before = dev_shm();
     for t in TRANSPORTS {
         for (role, ranks) in [("server", 2), ("worker", 2)] {
@@ -209,6 +221,7 @@ fn kill_9_of_any_process_ends_the_job_at_once_naming_it() {
 
 #[test]
 fn a_stopped_server_ends_the_job_within_the_liveness_bound_naming_it() {
+    seeded();
     // A timeout of 8 s: a heartbeat every second, a silence of 3 s is a stopped process.
     for t in TRANSPORTS {
         let mut job = Job::start(t, 8);

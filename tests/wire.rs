@@ -604,7 +604,12 @@ fn a_server_whose_scheduler_stops_answering_ends_naming_it() {
         job.servers[0].try_wait().unwrap().is_none(),
         "the server ended early"
     );
-    let sched = job.scheduler.id().to_string();
+    let sched = job
+        .scheduler
+        .as_ref()
+        .expect("the scheduler")
+        .id()
+        .to_string();
     std::process::Command::new("kill")
         .args(["-STOP", &sched])
         .status()

@@ -137,7 +137,8 @@ pub fn free_port() -> u16 {
 pub struct ManualJob {
     /// The scheduler's port on 127.0.0.1 (the job secret is [`SECRET`]).
     pub port: u16,
-    pub scheduler: Child,
+    /// Taken by a test that waits for its end.
+    pub scheduler: Option<Child>,
     pub servers: Vec<Child>,
     pub workers: Vec<Child>,
 }
@@ -167,6 +168,14 @@ fn role_cmd(
         c.env(k, v);
     }
     c
+}
+
+/// A test that fails midway leaves no process of its job running (one stopped by SIGSTOP
+/// would hold its peers until their timeouts).
+impl Drop for ManualJob {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
 }
 
 impl ManualJob {
@@ -216,7 +225,7 @@ impl ManualJob {
             .collect();
         ManualJob {
             port,
-            scheduler,
+            scheduler: Some(scheduler),
             servers,
             workers,
         }
@@ -264,7 +273,7 @@ impl ManualJob {
             .workers
             .iter_mut()
             .chain(self.servers.iter_mut())
-            .chain(std::iter::once(&mut self.scheduler))
+            .chain(self.scheduler.iter_mut())
         {
             let _ = c.kill();
             let _ = c.wait();
@@ -314,6 +323,9 @@ pub fn killed_worker(env: &[(&str, &str)]) {
         assert_eq!(code, Some(1), "a server stops with an error: {out}");
         assert!(out.contains("worker 1") || out.contains("aborted"), "{out}");
     }
-    let (code, _) = finish(job.scheduler, Duration::from_secs(40));
+    let (code, _) = finish(
+        job.scheduler.take().expect("the scheduler"),
+        Duration::from_secs(40),
+    );
     assert_eq!(code, Some(1));
 }
