@@ -7,16 +7,48 @@ fn kvrun() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvrun"))
 }
 
+/// `Command::output` with a bound: a command still running after 120 s is killed with its
+/// process group, and the test fails (a hang is a bug, never a test that waits for good).
+trait Bounded {
+    fn bounded_output(&mut self) -> std::io::Result<std::process::Output>;
+}
+
+impl Bounded for Command {
+    fn bounded_output(&mut self) -> std::io::Result<std::process::Output> {
+        use std::os::unix::process::CommandExt;
+        let child = self
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let pid = child.id();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait_with_output());
+        });
+        match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(out) => out,
+            Err(_) => {
+                let _ = Command::new("kill")
+                    .args(["-9", "--", &format!("-{pid}")])
+                    .status();
+                panic!("still running after 120 s: {self:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_arguments_get_a_clear_message() {
-    let out = kvrun().output().unwrap();
+    let out = kvrun().bounded_output().unwrap();
     assert_ne!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stderr).contains("Usage"));
-    let out = kvrun().args(["-n", "0", "true"]).output().unwrap();
+    let out = kvrun().args(["-n", "0", "true"]).bounded_output().unwrap();
     assert_ne!(out.status.code(), Some(0));
     let out = kvrun()
         .args(["-n", "1", "/no/such/program"])
-        .output()
+        .bounded_output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -33,7 +65,7 @@ fn output_is_prefixed_and_a_failure_stops_the_job() {
     let start = Instant::now();
     let out = kvrun()
         .args(["-n", "2", "-s", "1", "--", "/bin/sh", "-c", script])
-        .output()
+        .bounded_output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -63,7 +95,7 @@ fn the_timeout_in_kvruns_environment_reaches_every_process() {
     let out = kvrun()
         .args(["-n", "1", "-s", "1", "--", "/bin/sh", "-c", script])
         .env("KVSTORE_TIMEOUT", "7.5")
-        .output()
+        .bounded_output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("[worker 0] timeout 7.5"), "{stdout}");
@@ -83,7 +115,7 @@ fn the_timeout_in_kvruns_environment_reaches_every_process() {
             script,
         ])
         .env("KVSTORE_TIMEOUT", "7.5")
-        .output()
+        .bounded_output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("[worker 0] timeout 9"), "{stdout}");
@@ -198,7 +230,7 @@ fn what_a_failed_or_finished_process_started_does_not_outlive_the_job() {
         let out = kvrun()
             .env("KVRUN_TEST_MARKER", &marker)
             .args(["-n", "2", "-s", "1", "--", "/bin/sh", "-c", script])
-            .output()
+            .bounded_output()
             .unwrap();
         assert_eq!(out.status.code(), Some(code), "{out:?}");
         assert_eq!(left_after(&marker), Vec::<u32>::new(), "left behind");
@@ -223,7 +255,7 @@ fn everything_after_the_program_is_the_programs() {
             "--timeout",
             "3",
         ])
-        .output()
+        .bounded_output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -238,7 +270,7 @@ fn x_cannot_set_what_kvrun_gives_every_process() {
         let out = kvrun()
             .env("DMLC_NUM_WORKER", "3")
             .args(["-n", "1", "-x", var, "--", "true"])
-            .output()
+            .bounded_output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         let name = var.split('=').next().unwrap();
@@ -255,7 +287,7 @@ fn output_bytes_pass_through_as_they_are() {
     // A line that is not UTF-8, and a last line without its newline.
     let out = kvrun()
         .args(["-n", "1", "--", "/bin/sh", "-c", r"printf 'a\377b\nend'"])
-        .output()
+        .bounded_output()
         .unwrap();
     let want: &[u8] = b"[worker 0] a\xffb\n";
     assert!(
@@ -277,7 +309,7 @@ fn output_bytes_pass_through_as_they_are() {
             .args(["-n", "1"])
             .args(bad)
             .arg("true")
-            .output()
+            .bounded_output()
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{out:?}");
     }
@@ -295,7 +327,7 @@ fn what_a_process_left_running_gets_its_grace_period_before_the_kill() {
     let out = kvrun()
         .env("MARK", dir.join("m"))
         .args(["-n", "1", "-s", "1", "--", "/bin/sh", "-c", script])
-        .output()
+        .bounded_output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{out:?}");
     for who in ["worker0", "server0"] {
@@ -365,7 +397,7 @@ fn the_open_file_limit_is_raised_to_the_hard_one() {
              exec \"$0\" -n 1 -s 1 -- /bin/sh -c 'echo soft $(ulimit -Sn)'",
             env!("CARGO_BIN_EXE_kvrun"),
         ])
-        .output()
+        .bounded_output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}");
@@ -395,7 +427,7 @@ fn ssh_logins_that_never_end_are_bounded_by_the_jobs_timeout() {
         .args(["--ssh", ssh.to_str().unwrap(), "--timeout", "2"])
         .args(["-H", "nohost:20", "--scheduler-host", "127.0.0.1"])
         .args(["-n", "10", "-s", "2", "--", "true"])
-        .output()
+        .bounded_output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
@@ -407,7 +439,7 @@ fn ssh_logins_that_never_end_are_bounded_by_the_jobs_timeout() {
     // interrupt started them all at once).
     let left = Command::new("pgrep")
         .args(["-f", "sleep 97"])
-        .output()
+        .bounded_output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);

@@ -5,6 +5,8 @@
 /// The secret of the jobs the tests start by hand.
 pub const SECRET: &str = "the-test-suite-job-secret";
 
+pub mod raw;
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::PathBuf;
