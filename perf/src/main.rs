@@ -388,9 +388,16 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
         }
         Results::Bw(rows) => {
             if !a.json {
+                // Write mode's slots are one region of at most 256 of them and 256 MiB: the
+                // window of a large message is smaller than the one asked for.
+                let cap = if mode == "write" {
+                    " (at most 256 and 256 MiB of messages in write mode)"
+                } else {
+                    ""
+                };
                 let _ = writeln!(
                     out,
-                    "kvperf bw  transport={name} mode={mode} window={}",
+                    "kvperf bw  transport={name} mode={mode} window={}{cap}",
                     a.window
                 );
                 let refcols = if a.reference {
