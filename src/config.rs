@@ -365,6 +365,8 @@ struct Place {
     num_workers: usize,
     rank_hint: Option<u32>,
     spans_hosts: Option<bool>,
+    /// The launcher's id of the job, where it gives one.
+    job: Option<String>,
 }
 
 fn place(env: Lookup) -> Result<Place> {
@@ -381,6 +383,7 @@ fn place(env: Lookup) -> Result<Place> {
                 .map(|v| parse("KVSTORE_RANK", &v))
                 .transpose()?,
             spans_hosts: None,
+            job: None,
         });
     }
     let Some((l, s, role, hint)) = launched(env)? else {
@@ -435,6 +438,7 @@ fn place(env: Lookup) -> Result<Place> {
         num_workers: l.size - 1 - s,
         rank_hint: Some(hint as u32),
         spans_hosts: l.all_local.map(|local| !local),
+        job: l.job_id,
     })
 }
 
@@ -553,11 +557,20 @@ impl Config {
             root: p.root,
             num_servers: p.num_servers,
             num_workers: p.num_workers,
-            secret: crate::secret::resolve(
-                get(env, "KVSTORE_SECRET"),
-                get(env, "KVSTORE_SECRET_FILE"),
-                get(env, "HOME"),
-            )?,
+            // Under a launcher that names the job, the job's id goes into the secret every
+            // connection proves: a process of another of the user's jobs (whose derived port
+            // collides) fails to join, as one with another secret does.
+            secret: {
+                let s = crate::secret::resolve(
+                    get(env, "KVSTORE_SECRET"),
+                    get(env, "KVSTORE_SECRET_FILE"),
+                    get(env, "HOME"),
+                )?;
+                match &p.job {
+                    Some(j) => format!("{s}\njob {j}"),
+                    None => s,
+                }
+            },
             rank_hint: p.rank_hint,
             node_host: get(env, "DMLC_NODE_HOST"),
             interface: get(env, "DMLC_INTERFACE"),

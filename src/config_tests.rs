@@ -113,6 +113,39 @@ fn slurm_ranks_follow_the_documented_rule() {
 }
 
 #[test]
+fn a_launchers_job_id_is_part_of_the_secret_so_two_jobs_never_meet() {
+    // Two of a user's jobs on one host, one secret (~/.kvstore's), the same port (set, or
+    // derived from ids that collide): their processes prove different secrets.
+    let rank = |job: &str, rank: &str| {
+        cfg(&[
+            ("OMPI_COMM_WORLD_RANK", rank),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("OMPI_MCA_ess_base_jobid", job),
+            ("KVSTORE_ROOT_PORT", "7001"),
+        ])
+        .unwrap()
+    };
+    let (a0, a3, b3) = (rank("77", "0"), rank("77", "3"), rank("78", "3"));
+    assert_eq!(a0.secret, a3.secret, "one job's ranks agree");
+    assert_ne!(
+        a3.secret, b3.secret,
+        "another job's rank proves another secret"
+    );
+    assert_eq!(a0.root, b3.root);
+    // kvrun's jobs have a secret of their own each: theirs is taken as it is.
+    let k = cfg(&[
+        ("DMLC_ROLE", "worker"),
+        ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+        ("DMLC_PS_ROOT_PORT", "9000"),
+        ("DMLC_NUM_SERVER", "1"),
+        ("DMLC_NUM_WORKER", "1"),
+    ])
+    .unwrap();
+    assert_eq!(k.secret, "a-test-secret-of-24-bytes");
+}
+
+#[test]
 fn open_mpi_and_pmi_ranks() {
     let c = cfg(&[
         ("OMPI_COMM_WORLD_RANK", "1"),
