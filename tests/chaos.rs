@@ -246,6 +246,13 @@ fn a_stopped_server_ends_the_job_within_the_liveness_bound_naming_it() {
             out.contains(&format!("{name} was lost (no heartbeat")),
             "{t}: the stopped server is named\n{out}"
         );
+        // kvrun says the scheduler's verdict too, which names the cause (the first failure
+        // is a survivor).
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("kvrun: scheduler:") && l.contains(&name)),
+            "{t}: kvrun gives the scheduler's verdict\n{out}"
+        );
         survivors_name(&out, &name);
         assert!(
             took < Duration::from_secs(7),

@@ -547,6 +547,14 @@ fn supervise(
                 format!("; then {}", then.join("; "))
             };
             say(&format!("first failure: {first}{then}; stopping the job"));
+            // The scheduler's own verdict, where it reached one: it can name the cause the
+            // failures above only follow from (a process stopped, not exited, say).
+            if sched_result.is_none() {
+                sched_result = sched_rx.recv_timeout(Duration::from_millis(300)).ok();
+            }
+            if let Some(Err(e)) = &sched_result {
+                say(&format!("scheduler: {e}"));
+            }
             // As mpirun: the job's status is the first failure's own.
             return code;
         }
