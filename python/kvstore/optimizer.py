@@ -32,9 +32,10 @@ a scheduler of your own (one that overrides ``__call__``) is a ``TypeError``.
 
 import math
 import numbers
+import os
 import warnings
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import lr_scheduler as _schedulers
 
@@ -148,7 +149,7 @@ class Optimizer:
         """The most updates any key has had (MXNet's ``num_update``): from a local store that
         runs this optimizer, as it counts them; otherwise ``begin_num_update`` (a distributed
         store's servers count their own, as MXNet's do)."""
-        counts = [store._optimizer_num_update(self) for store in list(self._stores)]
+        counts = [store._optimizer_num_update(self) for store in self._live_stores()]
         return max([self._num_update, *counts])
 
     @num_update.setter
@@ -219,12 +220,12 @@ class Optimizer:
         """One of the watched dicts changed in place: the stores running this optimizer take
         it, or the change is undone and the error raised."""
         try:
-            for store in list(self._stores):
+            for store in self._live_stores():
                 store._retune_optimizer(self)
         except BaseException:
             dict.clear(d)
             dict.update(d, old)
-            for store in list(self._stores):
+            for store in self._live_stores():
                 store._retune_optimizer(self)
             raise
 
@@ -243,7 +244,7 @@ class Optimizer:
         old = self.__dict__.get(name, _UNSET)
         object.__setattr__(self, name, value)
         try:
-            for store in list(self._stores):
+            for store in self._live_stores():
                 store._retune_optimizer(self)
         except BaseException:
             # A value the stores refuse is not kept: the object stays what they run.
@@ -251,14 +252,14 @@ class Optimizer:
                 object.__delattr__(self, name)
             else:
                 object.__setattr__(self, name, old)
-                for store in list(self._stores):
+                for store in self._live_stores():
                     store._retune_optimizer(self)
             raise
 
     def __getstate__(self) -> Dict[str, Any]:
         # A copy (copy, deepcopy, pickle) runs in no store, and its dicts are its own.
         return {k: (dict(v) if k in _WATCHED else v) for k, v in self.__dict__.items()
-                if k != "_stores"}
+                if k not in ("_stores", "_stores_pid")}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         object.__setattr__(self, "_stores", weakref.WeakSet())
@@ -354,7 +355,18 @@ class Optimizer:
 
     def _attached_to(self, store: Any) -> None:
         """Called by a local store's ``set_optimizer``: the store runs this optimizer."""
+        if self.__dict__.get("_stores_pid") != os.getpid():
+            # The stores a parent attached are no child's (made by fork): forgotten here.
+            object.__setattr__(self, "_stores", weakref.WeakSet())
+            object.__setattr__(self, "_stores_pid", os.getpid())
         self._stores.add(store)
+
+    def _live_stores(self) -> List[Any]:
+        """The stores that run this optimizer in this process: none in a child made by fork,
+        where its parent's refuse every call (the child reads and sets the object alone)."""
+        if self.__dict__.get("_stores_pid") != os.getpid():
+            return []
+        return list(self._stores)
 
     def _params(self) -> Dict[str, Optional[float]]:
         return {"learning_rate": self.lr, "wd": self.wd,

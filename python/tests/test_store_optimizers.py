@@ -261,3 +261,37 @@ def test_states_saved_with_the_optimizer_bring_it_back(tmp_path):
     c.push(0, np.ones(2))  # m = 0.9 * -0.1 - 0.1 = -0.19
     c.pull(0, out=out)
     assert np.allclose(out, -0.19), out
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
+def test_a_forked_child_reads_and_sets_its_optimizer_alone():
+    # A child made by fork (a DataLoader worker, say) may read and set the optimizer its
+    # parent's store runs; the parent's store refuses the child, so the child's object is its
+    # own, and the parent's store is unchanged.
+    import os
+    kv = kvstore.create()
+    kv.init(0, np.ones(4))
+    o = opt.SGD(learning_rate=0.5, lr_scheduler=kvstore.lr_scheduler.FactorScheduler(step=1,
+                                                                                      factor=0.5))
+    kv.set_optimizer(o)
+    kv.push(0, np.ones(4))
+    assert o.num_update == 1
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            msg = f"{o.num_update} {o.learning_rate}"
+            o.wd = 0.25
+            msg += f" {o.wd}"
+        except BaseException as e:  # noqa: BLE001 - said to the parent, which fails
+            msg = f"{type(e).__name__}: {e}"
+        os.write(w, msg.encode())
+        os._exit(0)
+    os.close(w)
+    msg = os.read(r, 4096).decode()
+    os.waitpid(pid, 0)
+    # In the child: its own count (begin_num_update), as a fresh object's.
+    assert msg == f"0 {o.lr_scheduler(0)} 0.25", msg
+    kv.push(0, np.ones(4))
+    assert o.num_update == 2 and o.wd == 0.0
