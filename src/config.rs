@@ -365,7 +365,7 @@ struct Place {
     num_workers: usize,
     rank_hint: Option<u32>,
     spans_hosts: Option<bool>,
-    /// The launcher's id of the job, where it gives one.
+    /// The launcher's id of the job, where the scheduler's port was derived from it.
     job: Option<String>,
 }
 
@@ -418,6 +418,9 @@ fn place(env: Lookup) -> Result<Place> {
             }
         },
     };
+    let port_given = named("KVSTORE_ROOT_PORT")
+        .or_else(|| named("DMLC_PS_ROOT_PORT"))
+        .is_some();
     let port = match named("KVSTORE_ROOT_PORT").or_else(|| named("DMLC_PS_ROOT_PORT")) {
         Some((p, name)) => port(name, &p)?,
         None => match &l.job_id {
@@ -438,7 +441,7 @@ fn place(env: Lookup) -> Result<Place> {
         num_workers: l.size - 1 - s,
         rank_hint: Some(hint as u32),
         spans_hosts: l.all_local.map(|local| !local),
-        job: l.job_id,
+        job: if port_given { None } else { l.job_id },
     })
 }
 
@@ -557,9 +560,11 @@ impl Config {
             root: p.root,
             num_servers: p.num_servers,
             num_workers: p.num_workers,
-            // Under a launcher that names the job, the job's id goes into the secret every
-            // connection proves: a process of another of the user's jobs (whose derived port
-            // collides) fails to join, as one with another secret does.
+            // Where the scheduler's port was derived from the launcher's job id, the id goes
+            // into the secret every connection proves: a process of another of the user's
+            // jobs whose derived port collides fails to join, as one with another secret does.
+            // (A port that is set leaves the secret as it is: ranks a launcher gave different
+            // ids, such as those an ssh launcher starts outside Slurm's step, still meet.)
             secret: {
                 let s = crate::secret::resolve(
                     get(env, "KVSTORE_SECRET"),

@@ -114,25 +114,33 @@ fn slurm_ranks_follow_the_documented_rule() {
 
 #[test]
 fn a_launchers_job_id_is_part_of_the_secret_so_two_jobs_never_meet() {
-    // Two of a user's jobs on one host, one secret (~/.kvstore's), the same port (set, or
-    // derived from ids that collide): their processes prove different secrets.
-    let rank = |job: &str, rank: &str| {
-        cfg(&[
+    // Two of a user's jobs on one host, one secret (~/.kvstore's), ports derived from their
+    // ids: where the ports collide, their processes still prove different secrets.
+    let rank = |job: &str, rank: &str, port: Option<&str>| {
+        let mut vars = vec![
             ("OMPI_COMM_WORLD_RANK", rank),
             ("OMPI_COMM_WORLD_SIZE", "4"),
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
             ("OMPI_MCA_ess_base_jobid", job),
-            ("KVSTORE_ROOT_PORT", "7001"),
-        ])
-        .unwrap()
+        ];
+        vars.extend(port.map(|p| ("KVSTORE_ROOT_PORT", p)));
+        cfg(&vars).unwrap()
     };
-    let (a0, a3, b3) = (rank("77", "0"), rank("77", "3"), rank("78", "3"));
+    let (a0, a3, b3) = (
+        rank("77", "0", None),
+        rank("77", "3", None),
+        rank("78", "3", None),
+    );
     assert_eq!(a0.secret, a3.secret, "one job's ranks agree");
     assert_ne!(
         a3.secret, b3.secret,
         "another job's rank proves another secret"
     );
-    assert_eq!(a0.root, b3.root);
+    // A port that is set is the user's to keep apart: the secret is as given, so ranks a
+    // launcher gave different ids still meet.
+    let (c0, d3) = (rank("77", "0", Some("7001")), rank("78", "3", Some("7001")));
+    assert_eq!(c0.secret, d3.secret);
+    assert_eq!(c0.secret, "a-test-secret-of-24-bytes");
     // kvrun's jobs have a secret of their own each: theirs is taken as it is.
     let k = cfg(&[
         ("DMLC_ROLE", "worker"),

@@ -25,7 +25,10 @@ struct Job {
 
 impl Job {
     fn start(transport: &str, timeout: u32) -> Job {
-        let marker = format!("chaos-{}-{}", std::process::id(), fastrand::u64(..));
+        // Unique in this process whatever the seed (the two tests may replay one seed at once).
+        static JOBS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let marker = format!("chaos-{}-{n}", std::process::id());
         let mut kvrun = Command::new(util::bin("kvrun"))
             .args(["-n", "2", "-s", "2", "--timeout", &timeout.to_string()])
             .args(["-x", &format!("KVSTORE_TRANSPORT={transport}")])

@@ -329,6 +329,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             while logging_in(&mut children) >= SSH_LOGINS && !stop.load(Ordering::Relaxed) {
                 if Instant::now() >= start_deadline {
                     child::stop_all(&mut children);
+                    child::flush_output(&mut children);
                     shepherd.done();
                     return Err(format!(
                         "{SSH_LOGINS} ssh sessions to {host} were still logging in when the \
@@ -403,20 +404,21 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             Err(e) => say(&format!("cannot write {}: {e}", path.display())),
         }
     }
-    // -1: every process ended well, but the scheduler saw no job (none took its role, as
-    // a program that is not a kvstore job's): what mpirun would say of it, status 0.
+    // Every process ended well (status 0, as mpirun would say of them); but where the
+    // scheduler had not ended, -1 where none of them joined the job (a program that is no
+    // kvstore job's, or forgot `create`), -2 where some did.
     if code <= 0 {
         let of = if code == 0 { "the scheduler, " } else { "" };
+        let then = match code {
+            -1 => "; the scheduler saw no job",
+            -2 => "; the scheduler had not seen the job end",
+            _ => "",
+        };
         say(&format!(
-            "done in {:.2} s: {of}{} and {} ended with status 0{}",
+            "done in {:.2} s: {of}{} and {} ended with status 0{then}",
             started.elapsed().as_secs_f64(),
             count(opts.servers, "server"),
             count(opts.workers, "worker"),
-            if code == 0 {
-                ""
-            } else {
-                "; the scheduler saw no job"
-            }
         ));
     }
     let code = code.max(0);
@@ -580,7 +582,11 @@ fn supervise(
                         // Their last reports, then a warning for each that never joined.
                         view.update(children, say);
                         view.warn_unjoined(children, true, say);
-                        -1
+                        if view.any_joined() {
+                            -2
+                        } else {
+                            -1
+                        }
                     }
                 };
             }

@@ -219,6 +219,11 @@ impl View {
 
     /// Warns of each process that ended without taking its role: once it ended 300 ms ago
     /// (its report of joining may come after its end), or at once where `now`.
+    /// Whether any process said it joined the job.
+    pub(crate) fn any_joined(&self) -> bool {
+        !self.joined.is_empty()
+    }
+
     pub(crate) fn warn_unjoined(&mut self, children: &[Child], now: bool, say: impl Fn(&str)) {
         for c in children {
             if !c.exited() || self.joined.contains(&key(&c.role)) {

@@ -277,7 +277,20 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
     if p.keys == 0 {
         return Err("--keys must be at least 1".into());
     }
-    if p.reference && (p.hosts.is_some() || p.hostfile.is_some()) {
+    let remote = |names: &[kvstore_launcher::Host]| {
+        names
+            .iter()
+            .any(|h| !kvstore_launcher::hosts::is_local(&h.name))
+    };
+    let across = match (&p.hosts, &p.hostfile) {
+        (Some(h), _) => remote(&kvstore_launcher::hosts::parse_host_list(h)?),
+        (None, Some(f)) => {
+            let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
+            remote(&kvstore_launcher::hosts::parse_hostfile(&text)?)
+        }
+        (None, None) => false,
+    };
+    if p.reference && across {
         return Err(
             "--reference measures this host's loopback and memory, no reference for a \
                     job across hosts: run iperf3 or ib_write_bw between them"

@@ -298,7 +298,7 @@ fn bad_arguments_get_a_clear_message() {
             "--iters must be at least 1",
         ),
         (
-            vec!["pushpull", "-H", "localhost:4", "--reference"],
+            vec!["pushpull", "-H", "localhost:2,elsewhere:4", "--reference"],
             "no reference for a job across hosts",
         ),
     ] {

@@ -88,11 +88,12 @@ def outputs(key: Any, obj: Any,
             return o
         # The output must take the values in place, as one of the key's dtype must: refused
         # now, before the call changes anything (a stand-in would let the call through).
+        # (In a pushpull without out, the output is the value itself.)
         if not arr.flags.writeable:
-            raise ValueError("out is read-only: a pull writes its output in place")
+            raise ValueError("an output is read-only: the store writes it in place")
         if not (arr.flags.c_contiguous and arr.flags.aligned):
             raise ValueError(
-                "out is not C-contiguous and aligned: the store writes it in place "
+                "an output is not C-contiguous and aligned: the store writes it in place "
                 "(np.ascontiguousarray makes a contiguous copy)")
         stand_in = np.empty(arr.shape, dtype=want)
         backs.append((arr, stand_in))

@@ -161,6 +161,29 @@ fn a_value_an_updater_replaced_with_another_shape_is_lost_and_never_served() {
             (7, status::FAILED, why.to_string())
         ]
     );
+    // A worker that pushed twice (the second held for the next round) and then pulled: when
+    // the round loses the value, the held push is refused and the pull behind it answered.
+    let mut name = NDArray::from_slice(&[13], b"test_reshapes").unwrap();
+    s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 8), &mut name);
+    s.handle(0, 0, &req(Op::Init, 6, 4, 9), &mut data(2.0, 4));
+    s.handle(0, 0, &req(Op::Push, 6, 4, 10), &mut data(1.0, 4));
+    s.handle(0, 0, &req(Op::Push, 6, 4, 11), &mut data(1.0, 4));
+    s.handle(0, 0, &req(Op::Pull, 6, 4, 12), &mut empty());
+    s.handle(1, 1, &req(Op::Push, 6, 4, 13), &mut data(1.0, 4));
+    let mut codes: Vec<(u64, u16)> = replies(&mut s).iter().map(|r| (r.1, r.2)).collect();
+    codes.sort();
+    let failed = status::FAILED;
+    assert_eq!(
+        codes,
+        [
+            (8, 0),
+            (9, 0),
+            (10, failed),
+            (11, failed),
+            (12, failed),
+            (13, failed)
+        ]
+    );
 }
 
 #[test]

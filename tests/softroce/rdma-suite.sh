@@ -29,9 +29,10 @@ for t in "$CONF" "$BACK" "$DIST"; do
     [ -x "$t" ] || { echo "rdma-suite: a test executable is missing" >&2; exit 1; }
 done
 
-# Runs a test executable and fails where it ran no test (a filter that a rename left
-# matching nothing passes silently otherwise). Also defined in the VM's command below.
-RAN='ran() { rc=0; out=$("$@" 2>&1) || rc=$?; printf "%s\n" "$out"; [ $rc = 0 ] || return $rc; printf "%s\n" "$out" | grep -q "test result: ok\. [1-9]" || { echo "ran no test: $*" >&2; return 1; }; }'
+# Runs a test executable, its output shown as it comes, and fails where it ran no test (a
+# filter that a rename left matching nothing passes silently otherwise). Also defined in the
+# VM's command below.
+RAN='ran() { f=$(mktemp); { "$@" && echo kvstore-ran-rc=0 || echo "kvstore-ran-rc=$?"; } 2>&1 | tee "$f"; rc=$(sed -n "s/^kvstore-ran-rc=//p" "$f"); n=$(grep -c "test result: ok\. [1-9]" "$f" || true); rm -f "$f"; [ "$rc" = 0 ] || return "${rc:-1}"; [ "${n:-0}" -gt 0 ] || { echo "ran no test: $*" >&2; return 1; }; }'
 eval "$RAN"
 
 # On this host (no device): clean errors, and a job that runs over TCP and says why.

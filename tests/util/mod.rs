@@ -300,8 +300,9 @@ pub fn finish(child: Child, limit: Duration) -> (Option<i32>, String) {
             ),
         ),
         _ => {
+            // The process, and its group where it leads one.
             let _ = Command::new("kill")
-                .args(["-9", "--", &format!("-{pid}")])
+                .args(["-9", "--", &format!("-{pid}"), &pid.to_string()])
                 .status();
             panic!("process {pid} did not end within {limit:?}");
         }

@@ -122,7 +122,10 @@ fn shm_connect_to_a_full_backlog_ends_at_its_deadline() {
 #[test]
 #[ignore = "a peer process that shm_a_lost_peers_memory_is_freed_once_its_process_exits runs"]
 fn shm_peer_process_that_leaves_then_exits() {
-    let at = std::env::var("KVSTORE_TEST_SHM_AT").expect("run by the test that needs a peer");
+    let Ok(at) = std::env::var("KVSTORE_TEST_SHM_AT") else {
+        // Run by `--include-ignored`, not by the test that needs a peer: nothing to do.
+        return;
+    };
     let mut b = ShmBackend::new("child", small_shm(true)).unwrap();
     b.connect(&at, Duration::from_secs(5)).unwrap();
     std::thread::sleep(Duration::from_millis(500));

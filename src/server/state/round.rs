@@ -61,5 +61,16 @@ impl ServerState {
             let input = Input::Owned(&mut d.value);
             self.push_value(d.held.peer, d.worker, &d.held.req, input);
         }
+        // A key whose value is lost starts no round: the pulls that came behind its refused
+        // pushes would wait for one for good.
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        if let Some(why) = slot.lost.clone() {
+            for h in std::mem::take(&mut slot.behind) {
+                let text = format!("key {key}: {why}, so its value is lost");
+                self.err(h.peer, &h.req, status::FAILED, text);
+            }
+        }
     }
 }
