@@ -81,14 +81,31 @@ pub fn run(a: &CompressArgs) -> Result<(), String> {
         }
         let gb = |x: f64| x / 1e9;
         if a.json {
-            println!(
-                "{{\"test\":\"compress\",\"size\":{bytes},\"memcpy_gbps\":{:.3},\"quantize_gbps\":{:.3},\"dequantize_gbps\":{:.3},\"quantize_x_memcpy\":{:.3},\"dequantize_x_memcpy\":{:.3}}}",
-                gb(memcpy),
-                gb(q),
-                gb(d),
-                q / memcpy,
-                d / memcpy
-            );
+            // Strict JSON as the other subcommands' rows: a figure that is not a number (a
+            // rate of nothing measured) is null.
+            let num = |x: f64| {
+                serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into)
+            };
+            let row = serde_json::json!({
+                "test": "compress",
+                "op": "compress",
+                "transport": "none",
+                "workers": 1,
+                "servers": 0,
+                "size": bytes,
+                "memcpy_gbps": num(gb(memcpy)),
+                "quantize_gbps": num(gb(q)),
+                "dequantize_gbps": num(gb(d)),
+                "quantize_x_memcpy": num(q / memcpy),
+                "dequantize_x_memcpy": num(d / memcpy),
+                "units": {
+                    "bytes": "size",
+                    "10^9 bytes of f32 values per second, one core":
+                        "memcpy_gbps quantize_gbps dequantize_gbps",
+                    "ratio to memcpy of the same bytes": "quantize_x_memcpy dequantize_x_memcpy",
+                },
+            });
+            println!("{row}");
         } else {
             println!(
                 "{:>8} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2}",

@@ -465,3 +465,21 @@ fn pushpull_takes_a_duration_a_timeout_and_a_chart_and_explains_rdma() {
         );
     }
 }
+
+#[test]
+fn compress_rows_are_strict_json_with_their_units() {
+    let (code, out, err) = kvperf(&["compress", "--sizes", "4K:64K", "--secs", "0.02", "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let rows = json_lines(&out);
+    assert_eq!(rows.len(), 5, "4K, 8K, 16K, 32K, 64K: {out}");
+    for r in rows {
+        for f in [
+            "memcpy_gbps",
+            "quantize_gbps",
+            "dequantize_gbps",
+            "quantize_x_memcpy",
+        ] {
+            assert!(field(r, f) > 0.0, "{f} in {r}");
+        }
+    }
+}
