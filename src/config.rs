@@ -418,10 +418,9 @@ fn place(env: Lookup) -> Result<Place> {
             }
         },
     };
-    let port_given = named("KVSTORE_ROOT_PORT")
-        .or_else(|| named("DMLC_PS_ROOT_PORT"))
-        .is_some();
-    let port = match named("KVSTORE_ROOT_PORT").or_else(|| named("DMLC_PS_ROOT_PORT")) {
+    let given = named("KVSTORE_ROOT_PORT").or_else(|| named("DMLC_PS_ROOT_PORT"));
+    let port_given = given.is_some();
+    let port = match given {
         Some((p, name)) => port(name, &p)?,
         None => match &l.job_id {
             Some(j) => port_from_job(j),

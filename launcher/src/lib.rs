@@ -389,7 +389,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         places_once.join(", ")
     ));
     let started = Instant::now();
-    let code = supervise(&mut children, &stop, &sched_rx, opts, &mut view);
+    let ended = supervise(&mut children, &stop, &sched_rx, opts, &mut view);
     if let Some(path) = &opts.stats {
         // The last reports come as the processes end.
         std::thread::sleep(Duration::from_millis(100));
@@ -404,15 +404,21 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             Err(e) => say(&format!("cannot write {}: {e}", path.display())),
         }
     }
-    // Every process ended well (status 0, as mpirun would say of them); but where the
-    // scheduler had not ended, -1 where none of them joined the job (a program that is no
-    // kvstore job's, or forgot `create`), -2 where some did.
-    if code <= 0 {
-        let of = if code == 0 { "the scheduler, " } else { "" };
-        let then = match code {
-            -1 => "; the scheduler saw no job",
-            -2 => "; the scheduler had not seen the job end",
-            _ => "",
+    // Every process ended with status 0: the job's status is 0, as mpirun's would be, and
+    // the last line says whether the scheduler saw the job through.
+    let then = match ended {
+        Ended::Status(0) => Some(""),
+        Ended::Status(_) => None,
+        Ended::SchedulerWaiting { any_joined: false } => Some("; the scheduler saw no job"),
+        Ended::SchedulerWaiting { any_joined: true } => {
+            Some("; the scheduler had not seen the job end")
+        }
+    };
+    if let Some(then) = then {
+        let of = if then.is_empty() {
+            "the scheduler, "
+        } else {
+            ""
         };
         say(&format!(
             "done in {:.2} s: {of}{} and {} ended with status 0{then}",
@@ -421,7 +427,10 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             count(opts.workers, "worker"),
         ));
     }
-    let code = code.max(0);
+    let code = match ended {
+        Ended::Status(c) => c,
+        Ended::SchedulerWaiting { .. } => 0,
+    };
     child::stop_all(&mut children);
     child::flush_output(&mut children);
     shepherd.done();
@@ -501,19 +510,28 @@ impl Failure {
 }
 
 /// Watches the processes until the job ends; returns the exit status.
+/// How a job ended, as `supervise` saw it.
+enum Ended {
+    /// With this status (0: every process, and the scheduler, ended well).
+    Status(i32),
+    /// Every process ended with status 0, but the scheduler had not ended: none of them
+    /// joined the job (a program that is no kvstore job's, or forgot `create`), or some did.
+    SchedulerWaiting { any_joined: bool },
+}
+
 fn supervise(
     children: &mut [Child],
     stop: &AtomicBool,
     sched_rx: &mpsc::Receiver<kvstore::Result<()>>,
     opts: &Options,
     view: &mut view::View,
-) -> i32 {
+) -> Ended {
     let mut workers_done_at: Option<Instant> = None;
     let mut sched_result: Option<kvstore::Result<()>> = None;
     loop {
         if stop.load(Ordering::Relaxed) {
             say("interrupted: stopping every process");
-            return 130;
+            return Ended::Status(130);
         }
         if sched_result.is_none() {
             if let Ok(r) = sched_rx.try_recv() {
@@ -558,7 +576,7 @@ fn supervise(
                 say(&format!("scheduler: {e}"));
             }
             // As mpirun: the job's status is the first failure's own.
-            return code;
+            return Ended::Status(code);
         }
         let workers_done = children
             .iter()
@@ -575,24 +593,22 @@ fn supervise(
                 return match sched_result {
                     Some(Err(e)) => {
                         say(&format!("scheduler: {e}"));
-                        1
+                        Ended::Status(1)
                     }
-                    Some(Ok(())) => 0,
+                    Some(Ok(())) => Ended::Status(0),
                     None => {
                         // Their last reports, then a warning for each that never joined.
                         view.update(children, say);
                         view.warn_unjoined(children, true, say);
-                        if view.any_joined() {
-                            -2
-                        } else {
-                            -1
+                        Ended::SchedulerWaiting {
+                            any_joined: view.any_joined(),
                         }
                     }
                 };
             }
             if t.elapsed() > Duration::from_secs_f64(opts.grace) {
                 say("the workers are done but the servers did not exit in time; stopping them");
-                return 1;
+                return Ended::Status(1);
             }
         }
         if let Some(Err(e)) = &sched_result {
@@ -600,7 +616,7 @@ fn supervise(
             let t = *workers_done_at.get_or_insert_with(Instant::now);
             if t.elapsed() > Duration::from_secs(5) {
                 say(&format!("scheduler: {e}"));
-                return 1;
+                return Ended::Status(1);
             }
         }
         std::thread::sleep(Duration::from_millis(20));
