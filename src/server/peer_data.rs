@@ -11,6 +11,8 @@ pub struct PeerData<'a> {
     ptr: *const u8,
     len: usize,
     dtype: DType,
+    /// The backend's loan it is, where the data may be held past the message.
+    lent: Option<&'a kvstore_transport::Lent<'a>>,
     _lent: PhantomData<&'a [u8]>,
 }
 
@@ -22,8 +24,24 @@ impl<'a> PeerData<'a> {
             ptr,
             len,
             dtype,
+            lent: None,
             _lent: PhantomData,
         }
+    }
+
+    /// The same data, which is all of what `lent` lends: it may be held past the message
+    /// ([`PeerData::hold`]).
+    pub(crate) fn of_whole(self, lent: &'a kvstore_transport::Lent<'a>) -> PeerData<'a> {
+        PeerData {
+            lent: Some(lent),
+            ..self
+        }
+    }
+
+    /// Keeps the data past the message, where its backend can
+    /// ([`kvstore_transport::Lent::hold`]).
+    pub(crate) fn hold(&self) -> Option<kvstore_transport::Held> {
+        self.lent?.hold()
     }
 
     fn nbytes(&self) -> usize {

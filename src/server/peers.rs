@@ -289,7 +289,8 @@ impl Workers {
             // SAFETY: the backend lends `d.len()` bytes at `d.as_ptr()` for this callback, which
             // the state machine's call does not outlive; they are `n` elements of `dtype`
             // (`data_bytes`, checked above).
-            let p = unsafe { PeerData::new(d.as_ptr(), n, dtype) };
+            // All of `d`: the state machine may hold it past this message.
+            let p = unsafe { PeerData::new(d.as_ptr(), n, dtype) }.of_whole(&d);
             state.handle(addr.id(), rank, &m, Input::Peer(&p, None));
         } else {
             self.control(state, addr, rank, &m, rest)?;
@@ -469,6 +470,12 @@ impl Workers {
     pub(super) fn route(&mut self, state: &mut ServerState, net: &mut Net) {
         for id in state.take_released() {
             self.slots.give_back(id);
+        }
+        for (peer, held) in state.take_released_held() {
+            let addr = Addr::from_id(peer);
+            if let Ok(b) = net.backend(addr.medium) {
+                b.release(addr.peer, held);
+            }
         }
         self.fence(net);
         // Drained in place, so that the outbox keeps its memory from turn to turn.

@@ -147,6 +147,8 @@ pub struct ServerState {
     kept: Option<usize>,
     /// Receive slots kept earlier whose data was consumed ([`ServerState::take_released`]).
     released: Vec<usize>,
+    /// Messages' data held earlier and consumed ([`ServerState::take_released_held`]).
+    released_held: Vec<(PeerId, kvstore_transport::Held)>,
     /// Frames to send, in order.
     pub outbox: Vec<Out>,
     /// Where packed pushes are unpacked.
@@ -180,6 +182,7 @@ impl ServerState {
             snapshots: FxHashMap::default(),
             kept: None,
             released: Vec::new(),
+            released_held: Vec::new(),
             outbox: Vec::new(),
             unpacked: Unpacked::default(),
         }
@@ -205,6 +208,20 @@ impl ServerState {
     /// Receive slots kept earlier whose data is consumed (summed, or its round failed): free.
     pub fn take_released(&mut self) -> std::vec::Drain<'_, usize> {
         self.released.drain(..)
+    }
+
+    /// Messages' data held earlier ([`kvstore_transport::Lent::hold`]) and consumed: for the
+    /// loop to give back to their backends ([`kvstore_transport::Backend::release`]).
+    pub fn take_released_held(&mut self) -> std::vec::Drain<'_, (PeerId, kvstore_transport::Held)> {
+        self.released_held.drain(..)
+    }
+
+    /// Lets go of a kept push: its slot back to the pool, or its held data to its backend.
+    fn release_kept(&mut self, k: Kept) {
+        match k.from {
+            kept::From::Slot(id) => self.released.push(id),
+            kept::From::Held(peer, h) => self.released_held.push((peer, h)),
+        }
     }
 
     /// What this server counted: rounds, pushes, pulls, bytes, and pushes that waited for
@@ -522,6 +539,12 @@ impl ServerState {
         // Shapes and dtypes were checked against the slot, so these cannot fail but for a
         // payload region the pool refused, which fails the request.
         let keep_first = self.num_workers > 1;
+        // A round's first push in the worker's own pages: held there by its backend, where it
+        // can be, until the next push is summed with it (as one in a receive slot is kept).
+        let held = match &payload {
+            Input::Peer(p, None) if keep_first && slot.count == 1 => Kept::held(p, peer),
+            _ => None,
+        };
         let res = match &mut slot.merge {
             // The round's second push, its first kept in a slot: one pass sums both.
             Some(merge) if slot.count > 1 && slot.first.is_some() => {
@@ -530,8 +553,11 @@ impl ServerState {
                     // it kept, and counted, for the round's next push.
                     Ok(()) => match slot.first.as_ref().map(|k| k.sum_with(&payload, merge)) {
                         Some(Ok(())) => {
-                            if let Some(k) = slot.first.take() {
-                                self.released.push(k.id);
+                            // (`release_kept`, its fields apart from the slot's.)
+                            match slot.first.take().map(|k| k.from) {
+                                Some(kept::From::Slot(id)) => self.released.push(id),
+                                Some(kept::From::Held(p, h)) => self.released_held.push((p, h)),
+                                None => {}
                             }
                             Ok(())
                         }
@@ -557,6 +583,10 @@ impl ServerState {
                     self.kept = Some(id);
                     Ok(())
                 }
+                Input::Peer(..) if held.is_some() => {
+                    slot.first = held;
+                    Ok(())
+                }
                 Input::Peer(p, _) => unpin(merge, &mut slot.spare, false, &mut self.alloc)
                     .and_then(|()| p.copy_into(merge)),
             },
@@ -568,6 +598,11 @@ impl ServerState {
                     slot.merge = Some(new_array(&mut self.alloc, &[m.len as usize], m.dtype));
                     slot.first = Some(Kept::of(p, id));
                     self.kept = Some(id);
+                    Ok(())
+                }
+                Input::Peer(..) if held.is_some() => {
+                    slot.merge = Some(new_array(&mut self.alloc, &[m.len as usize], m.dtype));
+                    slot.first = held;
                     Ok(())
                 }
                 Input::Peer(p, _) => {

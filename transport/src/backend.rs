@@ -114,7 +114,48 @@ pub use crate::region::{Access, Region, RemoteRegion, REMOTE_LEN};
 pub struct Lent<'a> {
     ptr: *const u8,
     len: usize,
+    hold: Option<&'a HoldSlot>,
     _life: std::marker::PhantomData<&'a [u8]>,
+}
+
+/// What lets a callback keep a message's data past the callback ([`Lent::hold`]): the
+/// message's number, what keeps its memory mapped, and whether the callback took it.
+pub(crate) struct HoldSlot {
+    pub(crate) id: u64,
+    pub(crate) keep: Arc<dyn std::any::Any + Send + Sync>,
+    pub(crate) taken: std::cell::Cell<bool>,
+}
+
+/// A received message's data kept past its callback ([`Lent::hold`]): its memory stays mapped
+/// while this lives, and the sender does not get it back (nor write it, by the send's
+/// contract) until the backend is given this back ([`Backend::release`]) or the peer is gone.
+/// The sender's pages: read by copy or through the raw pointer only, as [`Lent`]'s.
+pub struct Held {
+    id: u64,
+    ptr: usize,
+    len: usize,
+    _keep: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl Held {
+    /// The first byte, valid for reads of [`Held::len`] bytes while this lives.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr as *const u8
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
 }
 
 impl<'a> Lent<'a> {
@@ -122,8 +163,36 @@ impl<'a> Lent<'a> {
         Lent {
             ptr,
             len,
+            hold: None,
             _life: std::marker::PhantomData,
         }
+    }
+
+    /// Data that a callback may keep past itself ([`Lent::hold`]).
+    pub(crate) fn holdable(ptr: *const u8, len: usize, slot: &'a HoldSlot) -> Lent<'a> {
+        Lent {
+            ptr,
+            len,
+            hold: Some(slot),
+            _life: std::marker::PhantomData,
+        }
+    }
+
+    /// Keeps the data past the callback, where the backend can (the sender's pages over shared
+    /// memory; not a buffer the backend reuses for the next message): the sender gets the
+    /// memory back only once the [`Held`] is given to [`Backend::release`]. `None` where it
+    /// cannot, or the data is held already.
+    pub fn hold(&self) -> Option<Held> {
+        let slot = self.hold?;
+        if slot.taken.replace(true) {
+            return None;
+        }
+        Some(Held {
+            id: slot.id,
+            ptr: self.ptr as usize,
+            len: self.len,
+            _keep: slot.keep.clone(),
+        })
     }
 
     /// Its length in bytes.
@@ -328,6 +397,13 @@ pub trait Backend: Send {
     /// Drops a grant without a fence, for a protocol in which the peer puts into it once and
     /// that put has been seen.
     fn forget(&mut self, peer: PeerId, grant: &RemoteRegion);
+
+    /// Gives back a message's data a callback held ([`Lent::hold`]): its sender gets the
+    /// memory back. Nothing where the peer is gone. (A backend that lends nothing to hold has
+    /// nothing to give back.)
+    fn release(&mut self, peer: PeerId, held: Held) {
+        let _ = (peer, held);
+    }
 
     /// Sends `body` (at most [`Backend::max_body`] bytes) and, optionally, `data` with a token
     /// that completes when the data's memory is the caller's again.

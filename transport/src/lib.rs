@@ -28,7 +28,7 @@ mod table;
 pub mod tcp;
 
 pub use backend::{
-    wait, Access, Backend, Completion, DmaBuf, Lent, Mem, PeerId, Region, RemoteRegion, Sent,
+    wait, Access, Backend, Completion, DmaBuf, Held, Lent, Mem, PeerId, Region, RemoteRegion, Sent,
     Storage, Token, IMM_BITS, REMOTE_LEN,
 };
 pub use error::TransportError;

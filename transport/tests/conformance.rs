@@ -12,6 +12,9 @@ use harness::*;
 #[path = "conformance/room.rs"]
 mod room;
 use room::*;
+#[path = "conformance/hold.rs"]
+mod hold;
+use hold::*;
 
 fn messages_and_data_of_every_size_arrive_in_order(kind: Kind) {
     let (mut a, to_b, mut b, _) = pair(kind);
@@ -504,5 +507,6 @@ suite!(
     a_revoked_grant_is_never_written,
     garbage_closes_only_its_own_link,
     a_handle_of_another_kind_or_size_is_refused,
-    a_paused_peer_is_not_read_until_resumed
+    a_paused_peer_is_not_read_until_resumed,
+    held_data_is_the_senders_until_released
 );

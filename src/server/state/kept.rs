@@ -1,13 +1,25 @@
-//! A sync round's first push, kept where it lies in a receive slot.
+//! A sync round's first push, kept where it lies: in a receive slot, or in the worker's own
+//! pages, held past its message ([`kvstore_transport::Lent::hold`]).
 
-use super::{Input, PeerData};
+use kvstore_transport::Held;
+
+use super::{Input, PeerData, PeerId};
 use crate::{DType, NDArray};
 
-/// A push's data kept in receive slot `id` of the loop's pool: the loop keeps that slot's
-/// memory alive and out of the pool (no worker is credited with it) until the state machine
-/// names it in [`super::ServerState::take_released`].
+/// What keeps a kept push's memory: the loop, or the backend.
+pub(super) enum From {
+    /// Receive slot `id` of the loop's pool: the loop keeps that slot's memory alive and out
+    /// of the pool (no worker is credited with it) until the state machine names it in
+    /// [`super::ServerState::take_released`].
+    Slot(usize),
+    /// A message's data in the worker's pages, held (its mapping alive) until the loop gives
+    /// it back to its backend ([`super::ServerState::take_released_held`]).
+    Held(PeerId, Held),
+}
+
+/// A push's data kept where it lies, `len` elements of `dtype` at `ptr`.
 pub(super) struct Kept {
-    pub(super) id: usize,
+    pub(super) from: From,
     ptr: usize,
     len: usize,
     dtype: DType,
@@ -17,18 +29,33 @@ impl Kept {
     pub(super) fn of(p: &PeerData<'_>, id: usize) -> Kept {
         let (ptr, len, dtype) = p.raw();
         Kept {
-            id,
+            from: From::Slot(id),
             ptr: ptr as usize,
             len,
             dtype,
         }
     }
 
+    /// `p`'s data, held by its backend for `peer` (`None` where it cannot be held).
+    pub(super) fn held(p: &PeerData<'_>, peer: PeerId) -> Option<Kept> {
+        let (ptr, len, dtype) = p.raw();
+        let h = p.hold()?;
+        // The whole message's data, as lent: what `p` names.
+        let whole = h.as_ptr() == ptr && Some(h.len()) == len.checked_mul(dtype.size());
+        whole.then_some(Kept {
+            from: From::Held(peer, h),
+            ptr: ptr as usize,
+            len,
+            dtype,
+        })
+    }
+
     /// `dst = kept + next`.
     pub(super) fn sum_with(&self, next: &Input<'_>, dst: &mut NDArray) -> crate::Result<()> {
-        // SAFETY: the loop keeps the slot's memory, `len` elements of `dtype` at `ptr`, alive
-        // and uncredited until this machine releases it (`Kept`'s contract); it is read only
-        // through copies and sums, since a peer could still write it.
+        // SAFETY: the loop (a slot) or the backend (held data) keeps the memory, `len` elements
+        // of `dtype` at `ptr`, alive, and its worker uncredited or unanswered, until this
+        // machine releases it (`From`'s contract); it is read only through copies and sums,
+        // since a peer could still write it.
         let first = unsafe { PeerData::new(self.ptr as *const u8, self.len, self.dtype) };
         match next {
             Input::Peer(p, _) => first.sum_with(p, dst),

@@ -20,11 +20,12 @@ impl ServerState {
         }
         let mut failed = Vec::new();
         let mut served = Vec::new();
+        let mut kept = Vec::new();
         for (key, slot) in self.slots.iter_mut() {
             if slot.count > 0 && !slot.pushed[rank] {
                 slot.count = 0;
                 slot.pushed.iter_mut().for_each(|p| *p = false);
-                self.released.extend(slot.first.take().map(|k| k.id));
+                kept.extend(slot.first.take());
                 failed.extend(slot.held.drain(..).map(|h| (*key, h)));
                 failed.extend(slot.next.drain(..).map(|d| (*key, d.held)));
                 slot.behind.append(&mut slot.behind_next);
@@ -37,6 +38,9 @@ impl ServerState {
                     (h, answer)
                 }));
             }
+        }
+        for k in kept {
+            self.release_kept(k);
         }
         for (key, h) in failed {
             let text = format!("the round of key {key} cannot complete: worker {rank} {why}");
@@ -56,6 +60,7 @@ impl ServerState {
             self.failed = Some(reason.to_string());
         }
         let mut held = Vec::new();
+        let mut kept = Vec::new();
         for slot in self.slots.values_mut() {
             held.append(&mut slot.held);
             held.append(&mut slot.behind);
@@ -63,7 +68,10 @@ impl ServerState {
             held.append(&mut slot.behind_next);
             slot.count = 0;
             slot.pushed.iter_mut().for_each(|p| *p = false);
-            self.released.extend(slot.first.take().map(|k| k.id));
+            kept.extend(slot.first.take());
+        }
+        for k in kept {
+            self.release_kept(k);
         }
         for h in held {
             self.err(h.peer, &h.req, status::PEER_LOST, reason.to_string());

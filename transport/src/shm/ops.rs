@@ -237,6 +237,22 @@ impl Backend for ShmBackend {
         Ok(())
     }
 
+    fn release(&mut self, peer: PeerId, held: crate::Held) {
+        if let Some(p) = self.peers.get_mut(&peer.0) {
+            if let Some(len) = p.held.remove(&held.id()) {
+                p.held_bytes -= len;
+                let r = Desc {
+                    kind: RELEASE,
+                    id: held.id(),
+                    ..Desc::default()
+                };
+                p.unsent.push_back(r.encode(&[]));
+            }
+        }
+        // The mapping it kept alive may go now (the peer's, where it is gone).
+        drop(held);
+    }
+
     fn forget(&mut self, peer: PeerId, grant: &RemoteRegion) {
         // A grant being revoked stays until its revoke completes (its token with it).
         if self

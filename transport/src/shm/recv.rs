@@ -24,6 +24,15 @@ pub(super) fn recv_msg(
         p.rxbuf.resize(blen, 0);
         p.their_seg.read(r.offset, &mut p.rxbuf)?;
     }
+    // Data in the sender's pages may be held past the callback: the peer's mapping stays
+    // alive with it, and the pages' release waits for it.
+    let in_pages = d.flags & DATA_INLINE == 0 && d.flags & HAS_DATA != 0 && d.len != 0;
+    let room = (d.len as usize) <= (p.their_pool.capacity() / 2).saturating_sub(p.held_bytes);
+    let hold = (in_pages && room).then(|| crate::backend::HoldSlot {
+        id: d.id,
+        keep: p.their_seg.clone(),
+        taken: std::cell::Cell::new(false),
+    });
     let data = if d.flags & DATA_INLINE != 0 {
         let len = d.len as usize;
         if d.flags & BODY_IN_POOL != 0 || blen.checked_add(len).is_none_or(|e| e > INLINE) {
@@ -44,7 +53,11 @@ pub(super) fn recv_msg(
             };
             // Pages outside the peer's pool, or not allocated, are refused.
             p.their_pool.check_span(r.offset, len)?;
-            Some(Lent::new(p.their_seg.ptr(r.offset, len)?, len))
+            let at = p.their_seg.ptr(r.offset, len)?;
+            Some(match &hold {
+                Some(h) => Lent::holdable(at, len, h),
+                None => Lent::new(at, len),
+            })
         }
     } else {
         None
@@ -55,7 +68,10 @@ pub(super) fn recv_msg(
         &slot[HEAD..HEAD + blen]
     };
     on(Completion::Recv { peer, body, data });
-    if d.flags & DATA_INLINE == 0 && d.flags & (HAS_DATA | BODY_IN_POOL) != 0 {
+    if hold.as_ref().is_some_and(|h| h.taken.get()) {
+        p.held.insert(d.id, d.len as usize);
+        p.held_bytes += d.len as usize;
+    } else if d.flags & DATA_INLINE == 0 && d.flags & (HAS_DATA | BODY_IN_POOL) != 0 {
         let r = Desc {
             kind: RELEASE,
             id: d.id,

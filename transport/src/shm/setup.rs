@@ -117,6 +117,8 @@ impl ShmBackend {
                 refs: FxHashMap::default(),
                 next_seq: 1,
                 revoked: FxHashSet::default(),
+                held: FxHashMap::default(),
+                held_bytes: 0,
                 unsent: VecDeque::new(),
                 starved: false,
                 posted: false,
