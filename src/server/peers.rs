@@ -412,6 +412,8 @@ impl Workers {
                     other => format!("lost its link ({other})"),
                 };
                 state.worker_gone(r, &why);
+            } else {
+                state.worker_left(r);
             }
         }
         let id = addr.id();

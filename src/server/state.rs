@@ -220,7 +220,7 @@ impl ServerState {
     fn release_kept(&mut self, k: Kept) {
         match k.from {
             kept::From::Slot(id) => self.released.push(id),
-            kept::From::Held(peer, h) => self.released_held.push((peer, h)),
+            kept::From::Held { peer, held, .. } => self.released_held.push((peer, held)),
         }
     }
 
@@ -542,7 +542,7 @@ impl ServerState {
         // A round's first push in the worker's own pages: held there by its backend, where it
         // can be, until the next push is summed with it (as one in a receive slot is kept).
         let held = match &payload {
-            Input::Peer(p, None) if keep_first && slot.count == 1 => Kept::held(p, peer),
+            Input::Peer(p, None) if keep_first && slot.count == 1 => Kept::held(p, peer, worker),
             _ => None,
         };
         let res = match &mut slot.merge {
@@ -556,7 +556,9 @@ impl ServerState {
                             // (`release_kept`, its fields apart from the slot's.)
                             match slot.first.take().map(|k| k.from) {
                                 Some(kept::From::Slot(id)) => self.released.push(id),
-                                Some(kept::From::Held(p, h)) => self.released_held.push((p, h)),
+                                Some(kept::From::Held { peer, held, .. }) => {
+                                    self.released_held.push((peer, held))
+                                }
                                 None => {}
                             }
                             Ok(())

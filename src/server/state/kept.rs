@@ -12,9 +12,13 @@ pub(super) enum From {
     /// of the pool (no worker is credited with it) until the state machine names it in
     /// [`super::ServerState::take_released`].
     Slot(usize),
-    /// A message's data in the worker's pages, held (its mapping alive) until the loop gives
-    /// it back to its backend ([`super::ServerState::take_released_held`]).
-    Held(PeerId, Held),
+    /// A message's data in worker `worker`'s pages, held (its mapping alive) until the loop
+    /// gives it back to its backend ([`super::ServerState::take_released_held`]).
+    Held {
+        peer: PeerId,
+        worker: usize,
+        held: Held,
+    },
 }
 
 /// A push's data kept where it lies, `len` elements of `dtype` at `ptr`.
@@ -36,18 +40,28 @@ impl Kept {
         }
     }
 
-    /// `p`'s data, held by its backend for `peer` (`None` where it cannot be held).
-    pub(super) fn held(p: &PeerData<'_>, peer: PeerId) -> Option<Kept> {
+    /// `p`'s data, from worker `worker` on `peer`, held by its backend (`None` where it
+    /// cannot be held).
+    pub(super) fn held(p: &PeerData<'_>, peer: PeerId, worker: usize) -> Option<Kept> {
         let (ptr, len, dtype) = p.raw();
         let h = p.hold()?;
         // The whole message's data, as lent: what `p` names.
         let whole = h.as_ptr() == ptr && Some(h.len()) == len.checked_mul(dtype.size());
         whole.then_some(Kept {
-            from: From::Held(peer, h),
+            from: From::Held {
+                peer,
+                worker,
+                held: h,
+            },
             ptr: ptr as usize,
             len,
             dtype,
         })
+    }
+
+    /// Whether it lies in the pages of worker `rank` (held there).
+    pub(super) fn held_from(&self, rank: usize) -> bool {
+        matches!(self.from, From::Held { worker, .. } if worker == rank)
     }
 
     /// `dst = kept + next`.

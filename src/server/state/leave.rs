@@ -15,14 +15,35 @@ impl ServerState {
             return;
         }
         self.gone.push((rank, why.to_string()));
-        if !self.sync {
-            return;
+        if self.sync {
+            self.fail_rounds(rank, why, true);
         }
+    }
+
+    /// Worker `rank` said goodbye and left: a round whose first push is still held in its
+    /// pages fails (its push never finished, and its process may reuse them); other rounds
+    /// are as they were.
+    pub fn worker_left(&mut self, rank: usize) {
+        if rank < self.num_workers && self.sync {
+            self.fail_rounds(
+                rank,
+                "left the job before its push of the round finished",
+                false,
+            );
+        }
+    }
+
+    /// Fails the sync rounds that wait on worker `rank` (`unpushed`: those it has not pushed)
+    /// or hold its first push in its pages; the pulls behind them get the stored value.
+    fn fail_rounds(&mut self, rank: usize, why: &str, unpushed: bool) {
         let mut failed = Vec::new();
         let mut served = Vec::new();
         let mut kept = Vec::new();
         for (key, slot) in self.slots.iter_mut() {
-            if slot.count > 0 && !slot.pushed[rank] {
+            // Also a round whose first push it made is held in its pages: a process whose link
+            // closed may reuse them (it was not done with them before), so it cannot count.
+            let its_held = slot.first.as_ref().is_some_and(|k| k.held_from(rank));
+            if slot.count > 0 && ((unpushed && !slot.pushed[rank]) || its_held) {
                 slot.count = 0;
                 slot.pushed.iter_mut().for_each(|p| *p = false);
                 kept.extend(slot.first.take());

@@ -40,6 +40,10 @@ pub(super) const HAS_DATA: u8 = 1;
 pub(super) const BODY_IN_POOL: u8 = 2;
 /// Small data rides in the descriptor, after the body (no release needed).
 pub(super) const DATA_INLINE: u8 = 4;
+/// The data is the sender's caller's own pool memory (a `kv.alloc` array), sent in place, not
+/// a copy staged for the send: a receiver may hold it (its release waits) at no cost of room
+/// in the sender's pool.
+pub(super) const IN_PLACE: u8 = 8;
 /// The descriptor's fixed part; the rest of the slot carries a small body.
 pub(super) const HEAD: usize = 64;
 /// The largest body carried inside a descriptor.

@@ -124,12 +124,9 @@ struct Peer {
     next_seq: u64,
     /// Grants of the peer's that it revoked: never written again.
     revoked: FxHashSet<u64>,
-    /// Its messages whose data a callback held ([`crate::Lent::hold`]), and their bytes:
-    /// released (their pages given back) when [`Backend::release`] gets them.
-    held: FxHashMap<u64, usize>,
-    /// The bytes of `held`: at most half the peer's pool, so that what this side holds (until
-    /// other peers' messages come) never keeps the peer from sending what it must.
-    held_bytes: usize,
+    /// Its messages whose data a callback held ([`crate::Lent::hold`]): released (their pages
+    /// given back) when [`Backend::release`] gets them.
+    held: FxHashSet<u64>,
     /// Control descriptors waiting for room on the ring, in order.
     unsent: VecDeque<[u8; SLOT]>,
     /// A caller was told "would block" for want of room on the ring, and has not been woken

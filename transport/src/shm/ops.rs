@@ -239,8 +239,7 @@ impl Backend for ShmBackend {
 
     fn release(&mut self, peer: PeerId, held: crate::Held) {
         if let Some(p) = self.peers.get_mut(&peer.0) {
-            if let Some(len) = p.held.remove(&held.id()) {
-                p.held_bytes -= len;
+            if p.held.remove(&held.id()) {
                 let r = Desc {
                     kind: RELEASE,
                     id: held.id(),
@@ -316,6 +315,7 @@ impl Backend for ShmBackend {
                 match r.place {
                     Place::Pool(off) => {
                         d.off = (off + range.start) as u64;
+                        d.flags |= IN_PLACE;
                         hold.push(r.clone());
                         token = Some(t);
                     }

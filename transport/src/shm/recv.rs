@@ -25,10 +25,12 @@ pub(super) fn recv_msg(
         p.their_seg.read(r.offset, &mut p.rxbuf)?;
     }
     // Data in the sender's pages may be held past the callback: the peer's mapping stays
-    // alive with it, and the pages' release waits for it.
-    let in_pages = d.flags & DATA_INLINE == 0 && d.flags & HAS_DATA != 0 && d.len != 0;
-    let room = (d.len as usize) <= (p.their_pool.capacity() / 2).saturating_sub(p.held_bytes);
-    let hold = (in_pages && room).then(|| crate::backend::HoldSlot {
+    // alive with it, and the pages' release waits for it. Only its caller's own memory sent in
+    // place, with no body staged in the pool: nothing held takes room the sender needs to
+    // send what a holder waits for.
+    let in_place = HAS_DATA | IN_PLACE;
+    let holdable = d.flags & (in_place | DATA_INLINE | BODY_IN_POOL) == in_place && d.len != 0;
+    let hold = holdable.then(|| crate::backend::HoldSlot {
         id: d.id,
         keep: p.their_seg.clone(),
         taken: std::cell::Cell::new(false),
@@ -69,8 +71,7 @@ pub(super) fn recv_msg(
     };
     on(Completion::Recv { peer, body, data });
     if hold.as_ref().is_some_and(|h| h.taken.get()) {
-        p.held.insert(d.id, d.len as usize);
-        p.held_bytes += d.len as usize;
+        p.held.insert(d.id);
     } else if d.flags & DATA_INLINE == 0 && d.flags & (HAS_DATA | BODY_IN_POOL) != 0 {
         let r = Desc {
             kind: RELEASE,
