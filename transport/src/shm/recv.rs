@@ -1,4 +1,5 @@
-//! A message taken off a peer's ring: its body copied out, its data lent where it lies.
+//! Taking messages off a peer's ring: a ring read, and each message's body copied out and
+//! its data lent where it lies.
 
 use super::*;
 
@@ -93,4 +94,128 @@ pub(super) fn push_unsent(p: &mut Peer) -> Result<(), TransportError> {
         p.posted = true;
     }
     Ok(())
+}
+
+impl ShmBackend {
+    /// Takes up to [`BATCH`] descriptors from `id`'s ring. An error is the peer's fault: the
+    /// link is closed.
+    pub(super) fn read_peer(
+        &mut self,
+        id: u32,
+        on: &mut dyn FnMut(Completion<'_>),
+        n: &mut usize,
+    ) -> Result<(), TransportError> {
+        let peer = PeerId(id);
+        let ShmBackend {
+            peers,
+            grants,
+            done,
+            next_grant,
+            copies,
+            ..
+        } = self;
+        let Some(p) = peers.get_mut(&id) else {
+            return Ok(());
+        };
+        if p.paused {
+            return Ok(());
+        }
+        let mut slot = [0u8; SLOT];
+        for i in 0..=BATCH {
+            if i == BATCH || p.unsent.len() >= UNSENT_MAX || !p.chan.try_recv(&mut slot)? {
+                if i > 0 {
+                    // Slots were freed: the peer may be waiting for one.
+                    p.chan.took()?;
+                }
+                break;
+            }
+            let d = Desc::decode(&slot);
+            match d.kind {
+                MSG => {
+                    recv_msg(p, peer, &d, &slot, on)?;
+                    *n += 1;
+                }
+                PUT => {
+                    let (off, len) = (d.off as usize, d.len as usize);
+                    match grants.get(&d.id) {
+                        Some(g) if g.peer == peer => {
+                            if off.checked_add(len).is_none_or(|e| e > g.range.len()) {
+                                return Err(TransportError::Refused(format!(
+                                    "a put of {len} bytes at {off} into a grant of {}",
+                                    g.range.len()
+                                )));
+                            }
+                            if g.revoking.is_some() {
+                                continue;
+                            }
+                            if let Some(b) = &g.bounce {
+                                copies.0 += 1;
+                                copies.1 += len as u64;
+                                // SAFETY: both ranges were checked against their regions; the
+                                // bounce pages are this process's, written by the peer before
+                                // it posted this descriptor; the destination is granted.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        b.mem.ptr().add(off),
+                                        g.region.mem.ptr().add(g.range.start + off),
+                                        len,
+                                    )
+                                };
+                            }
+                            on(Completion::Put {
+                                peer,
+                                grant: d.id,
+                                offset: off,
+                                len,
+                                imm: d.word,
+                            });
+                            *n += 1;
+                        }
+                        // Revoked or forgotten: the bytes are not wanted.
+                        None if d.id < *next_grant => {}
+                        _ => {
+                            return Err(TransportError::Refused(format!(
+                                "a put into grant {} it was never given",
+                                d.id
+                            )))
+                        }
+                    }
+                }
+                RELEASE => {
+                    if let Some(out) = p.refs.remove(&d.id) {
+                        if let Some(t) = out.token {
+                            done.push_back((t, None));
+                        }
+                    }
+                }
+                REVOKE => {
+                    if p.revoked.len() >= REVOKED_MAX {
+                        return Err(TransportError::Refused(format!(
+                            "more than {REVOKED_MAX} revocations"
+                        )));
+                    }
+                    p.revoked.insert(d.id);
+                    let ack = Desc {
+                        kind: REVOKED,
+                        id: d.id,
+                        ..Desc::default()
+                    };
+                    p.unsent.push_back(ack.encode(&[]));
+                }
+                REVOKED => {
+                    if let Some(g) = grants.get(&d.id) {
+                        if g.peer == peer {
+                            if let Some(t) = g.revoking {
+                                grants.remove(&d.id);
+                                done.push_back((t, None));
+                            }
+                        }
+                    }
+                }
+                CAPS => p.peer_writes_me = d.flags & 1 != 0,
+                k => return Err(TransportError::Refused(format!("a descriptor of kind {k}"))),
+            }
+        }
+        push_unsent(p)
+    }
 }

@@ -1,0 +1,73 @@
+//! A value an updater replaced with another shape or dtype: lost, and never served.
+
+use super::tests::{data, empty, replies, req};
+use super::*;
+
+#[test]
+fn a_value_an_updater_replaced_with_another_shape_is_lost_and_never_served() {
+    let mut s = ServerState::new(2, true);
+    // Of the same size: the server's own checks of a request would not catch it.
+    crate::register_updater("test_reshapes", |_, _, st| {
+        *st = NDArray::full(&[2, 2], 7.0);
+        Ok(())
+    });
+    let mut name = NDArray::from_slice(&[13], b"test_reshapes").unwrap();
+    s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 1), &mut name);
+    s.handle(0, 0, &req(Op::Init, 5, 4, 2), &mut data(2.0, 4));
+    s.handle(0, 0, &req(Op::Push, 5, 4, 3), &mut data(1.0, 4));
+    s.handle(0, 0, &req(Op::Pull, 5, 4, 4), &mut empty());
+    s.handle(1, 1, &req(Op::Push, 5, 4, 5), &mut data(1.0, 4));
+    let codes: Vec<(u64, u16)> = replies(&mut s).iter().map(|r| (r.1, r.2)).collect();
+    assert_eq!(
+        codes,
+        [
+            (1, 0),
+            (2, 0),
+            (3, status::FAILED),
+            (5, status::FAILED),
+            (4, status::FAILED)
+        ],
+        "the round's pushes and the pull behind them fail"
+    );
+    // Every later request of the key is refused, saying why; a pull never gets the 7s.
+    s.handle(1, 1, &req(Op::Pull, 5, 4, 6), &mut empty());
+    s.handle(1, 1, &req(Op::Push, 5, 4, 7), &mut data(1.0, 4));
+    let r: Vec<(u64, u16, String)> = (s.outbox.drain(..))
+        .map(|o| match o.payload {
+            Payload::Text(t) => (o.msg.req_id, o.msg.status, String::from_utf8(t).unwrap()),
+            _ => (o.msg.req_id, o.msg.status, String::new()),
+        })
+        .collect();
+    let why = "key 5: the updater replaced the stored [4] float32 with [2, 2] float32, so its \
+               value is lost";
+    assert_eq!(
+        r,
+        [
+            (6, status::FAILED, why.to_string()),
+            (7, status::FAILED, why.to_string())
+        ]
+    );
+    // A worker that pushed twice (the second held for the next round) and then pulled: when
+    // the round loses the value, the held push is refused and the pull behind it answered.
+    let mut name = NDArray::from_slice(&[13], b"test_reshapes").unwrap();
+    s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 8), &mut name);
+    s.handle(0, 0, &req(Op::Init, 6, 4, 9), &mut data(2.0, 4));
+    s.handle(0, 0, &req(Op::Push, 6, 4, 10), &mut data(1.0, 4));
+    s.handle(0, 0, &req(Op::Push, 6, 4, 11), &mut data(1.0, 4));
+    s.handle(0, 0, &req(Op::Pull, 6, 4, 12), &mut empty());
+    s.handle(1, 1, &req(Op::Push, 6, 4, 13), &mut data(1.0, 4));
+    let mut codes: Vec<(u64, u16)> = replies(&mut s).iter().map(|r| (r.1, r.2)).collect();
+    codes.sort();
+    let failed = status::FAILED;
+    assert_eq!(
+        codes,
+        [
+            (8, 0),
+            (9, 0),
+            (10, failed),
+            (11, failed),
+            (12, failed),
+            (13, failed)
+        ]
+    );
+}
