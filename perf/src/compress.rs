@@ -83,9 +83,7 @@ pub fn run(a: &CompressArgs) -> Result<(), String> {
         if a.json {
             // Strict JSON as the other subcommands' rows: a figure that is not a number (a
             // rate of nothing measured) is null.
-            let num = |x: f64| {
-                serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into)
-            };
+            let num = crate::json_num;
             let row = serde_json::json!({
                 "test": "compress",
                 "op": "compress",

@@ -50,6 +50,11 @@ pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
     Ok(v)
 }
 
+/// A JSON number, or null where there is none (JSON has no NaN).
+pub fn json_num(x: f64) -> serde_json::Value {
+    serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into)
+}
+
 /// `4096` → `4K`, `67108864` → `64M`.
 pub fn format_size(n: usize) -> String {
     match n {

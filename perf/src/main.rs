@@ -264,10 +264,7 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
     report(test, name, &a, &results)
 }
 
-/// A JSON number, or null where there is none (JSON has no NaN).
-fn num(x: f64) -> serde_json::Value {
-    serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into)
-}
+use kvstore_perf::json_num as num;
 
 /// One JSON row of `lat` or `bw`: what ran (the keys `pushpull`'s rows have too), then the
 /// row's `figures`.

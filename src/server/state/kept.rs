@@ -43,16 +43,11 @@ impl Kept {
     /// `p`'s data, from worker `worker` on `peer`, held by its backend (`None` where it
     /// cannot be held).
     pub(super) fn held(p: &PeerData<'_>, peer: PeerId, worker: usize) -> Option<Kept> {
+        // All of the message's data (`PeerData::of_whole`): what the hold keeps.
+        let held = p.hold()?;
         let (ptr, len, dtype) = p.raw();
-        let h = p.hold()?;
-        // The whole message's data, as lent: what `p` names.
-        let whole = h.as_ptr() == ptr && Some(h.len()) == len.checked_mul(dtype.size());
-        whole.then_some(Kept {
-            from: From::Held {
-                peer,
-                worker,
-                held: h,
-            },
+        Some(Kept {
+            from: From::Held { peer, worker, held },
             ptr: ptr as usize,
             len,
             dtype,

@@ -1,7 +1,7 @@
 //! A push's value taken into its key's round (dist_sync) or applied at once (dist_async):
 //! summed where it lies where it can be, a round's first push kept until the next.
 
-use super::{apply, kept, unpin, Deferred, Held, Input, Kept, ServerState};
+use super::{apply, unpin, Deferred, Held, Input, Kept, ServerState};
 use crate::protocol::{status, Msg, Op};
 use crate::server::state::{new_array, Payload, PeerId};
 use crate::NDArray;
@@ -91,6 +91,8 @@ impl ServerState {
             Input::Peer(p, None) if keep_first && slot.count == 1 => Kept::held(p, peer, worker),
             _ => None,
         };
+        // The kept push summed with this one, let go of once the slot is no longer in use.
+        let mut summed = None;
         let res = match &mut slot.merge {
             // The round's second push, its first kept in a slot: one pass sums both.
             Some(merge) if slot.count > 1 && slot.first.is_some() => {
@@ -99,14 +101,7 @@ impl ServerState {
                     // it kept, and counted, for the round's next push.
                     Ok(()) => match slot.first.as_ref().map(|k| k.sum_with(&payload, merge)) {
                         Some(Ok(())) => {
-                            // (`release_kept`, its fields apart from the slot's.)
-                            match slot.first.take().map(|k| k.from) {
-                                Some(kept::From::Slot(id)) => self.released.push(id),
-                                Some(kept::From::Held { peer, held, .. }) => {
-                                    self.released_held.push((peer, held))
-                                }
-                                None => {}
-                            }
+                            summed = slot.first.take();
                             Ok(())
                         }
                         Some(Err(e)) => Err(e),
@@ -165,9 +160,13 @@ impl ServerState {
             return self.err(peer, m, status::FAILED, e.to_string());
         }
         slot.held.push(Held { peer, req: *m });
+        let complete = slot.count == self.num_workers;
         self.metrics.pushes += 1;
         self.metrics.bytes_in += m.data_bytes().unwrap_or(0);
-        if slot.count == self.num_workers {
+        if let Some(k) = summed {
+            self.release_kept(k);
+        }
+        if complete {
             self.complete_round(key);
         }
     }
