@@ -233,17 +233,33 @@ fn optimizers_on_a_gpu_are_the_hosts_bit_for_bit_and_keep_their_state() {
             gpu_kv.save_optimizer_states(&b).unwrap();
             let saved = std::fs::read(&a).unwrap();
             assert_eq!(std::fs::read(&b).unwrap(), saved, "{what}: saved states");
-            // States loaded from a file go to the GPU on the next update: a fresh device
-            // store, given the host's weight and states, goes on as the host does (without
-            // the states, momentum and Adam's moments and step count would start afresh).
+            // States loaded from a file go to the GPU on the next update. With the optimizer
+            // and its counts (MXNet's `dump_optimizer=True`), a fresh device store given the
+            // host's weight goes on as the host does (without the states, momentum and Adam's
+            // moments and step count would start afresh).
+            let dumped = dir.join("dumped");
+            cpu_kv.save_optimizer_and_states(&dumped).unwrap();
             let mut now = NDArray::zeros_dtype(&[n], dtype);
             cpu_kv.pull(7, &mut now).unwrap();
-            let mut fresh = create("device").unwrap();
-            fresh.init(7, &now.on(gpus(1)[0]).unwrap()).unwrap();
-            fresh.set_optimizer(opt.clone()).unwrap();
-            fresh.load_optimizer_states(&a).unwrap();
+            let fresh = |kind: &str, path: &std::path::Path| {
+                let mut kv = create(kind).unwrap();
+                let w = match kind {
+                    "device" => now.copy_to(gpus(1)[0]).unwrap(),
+                    _ => now.clone(),
+                };
+                kv.init(7, &w).unwrap();
+                kv.set_optimizer(opt.clone()).unwrap();
+                kv.load_optimizer_states(path).unwrap();
+                kv
+            };
+            let mut resumed = fresh("device", &dumped);
+            // The states alone keep a fresh store's own counts, as MXNet keeps them on its
+            // optimizer object (Adam's bias correction starts again): a fresh host store
+            // loaded the same way is the reference.
+            let (mut host_states, mut gpu_states) = (fresh("local", &a), fresh("device", &a));
             for s in 3..5 {
-                step(&mut cpu_kv, &mut fresh, s);
+                step(&mut cpu_kv, &mut resumed, s);
+                step(&mut host_states, &mut gpu_states, s);
             }
         }
     }
