@@ -168,6 +168,31 @@ fn a_round_that_waits_on_a_departed_worker_fails_at_once_naming_it() {
 }
 
 #[test]
+fn a_round_held_in_the_pages_of_a_worker_that_left_fails_and_sums_none_of_them() {
+    // Worker 0's push from its kv.alloc pages times out (2 s) waiting on worker 1; worker 0
+    // leaves and writes NaN into those pages; then worker 1 pushes and pulls. Over shared
+    // memory the server held that push in worker 0's pages: the round fails at its goodbye
+    // and the stored value stays. Over TCP the push was copied whole and the round completes
+    // with it (checked by the scenario).
+    for t in TRANSPORTS {
+        let env = [("KVSTORE_TRANSPORT", t)];
+        let r = util::kvrun_check_timeout(2, 1, "leave_held", "dist_sync", &env, 2);
+        assert!(r.stdout.contains(&format!("via {t}")), "{}", r.all());
+        assert_eq!(r.code, Some(0), "{}", r.all());
+        assert!(
+            r.stdout.contains("[worker 1] leave_held ok rank 1 of 2"),
+            "{}",
+            r.all()
+        );
+        assert!(
+            r.stdout.contains("worker 0 left and wrote NaN"),
+            "{}",
+            r.all()
+        );
+    }
+}
+
+#[test]
 fn a_barrier_without_a_finished_worker_fails_at_once_naming_it() {
     for r in kvrun_check(3, 1, "skip_barrier", "dist_sync", &[]) {
         assert_ne!(r.code, Some(0), "{}", r.all());

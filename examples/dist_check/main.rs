@@ -9,6 +9,7 @@ mod batches;
 mod compress;
 mod faults;
 mod gpu;
+mod held;
 mod metrics;
 mod optimizers;
 mod states;
@@ -388,6 +389,7 @@ fn main() {
         "exit0" => faults::exit0(&mut kv),
         "leave_early" => faults::leave_early(&mut kv),
         "skip_barrier" => faults::skip_barrier(&mut kv),
+        "leave_held" => held::leave_held(&mut kv),
         "chaos" => faults::chaos(&mut kv),
         "async" => async_mode(&mut kv),
         "slow_wait" => slow_wait(&mut kv),
