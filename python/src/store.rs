@@ -58,6 +58,8 @@ struct State {
     /// Each key's result array for a one-array pushpull in place (`one_pushpull`), kept
     /// for the store's life as `pushes` keeps its staging arrays (at most 1 MiB each).
     results: rustc_hash::FxHashMap<Key, NDArray>,
+    /// Why the store was ended, where a call panicked (`calls::fence`).
+    closed: Option<String>,
 }
 
 /// A key-value store with MXNet's KVStore API (create one with `kvstore.create`).
@@ -390,6 +392,17 @@ impl KVStore {
     /// local store.
     fn placement_map(&self, py: Python<'_>) -> PyResult<String> {
         self.control(py, 0, |kv| Ok(kv.placement_map()))
+    }
+
+    /// For the test suite: starts a pull of `key` into the numpy array `out` and, while it is
+    /// in flight, panics, as a bug in a call would (see `calls::fence`).
+    fn _panic_in_a_call(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.panic_in_a_call(py, key, out)
     }
 
     /// Does nothing: the cost of an empty method call, the reference of `benches/layer_cost.py`.

@@ -22,7 +22,7 @@
 pub(crate) mod batch;
 pub mod shard;
 
-use kvstore_transport::META_LEN;
+use kvstore_transport::{RemoteRegion, META_LEN, REMOTE_LEN};
 
 use crate::{DType, KvError, Result};
 
@@ -224,6 +224,19 @@ pub struct Msg {
 }
 
 impl Msg {
+    /// The receive slot a reply carries (after its header, when flagged), and the text after
+    /// it; `None` if the flag promises a slot the body is too short to hold.
+    pub(crate) fn reply_slot<'a>(
+        &self,
+        rest: &'a [u8],
+    ) -> Option<(Option<RemoteRegion>, &'a [u8])> {
+        if self.flags & flags::SLOT == 0 {
+            return Some((None, rest));
+        }
+        let g = RemoteRegion::from_bytes(rest)?;
+        Some((Some(g), &rest[REMOTE_LEN..]))
+    }
+
     /// A message with every field but the op zero.
     pub fn new(op: Op) -> Msg {
         Msg {

@@ -122,4 +122,16 @@ impl KVStore {
             Inner::Dist(d) => d.wait_all(),
         }
     }
+
+    /// Ends the store at once, for a program that cannot go on with it (a binding after a
+    /// panic in a call, say): every call in flight fails, and the grants of their outputs are
+    /// revoked before this returns, so no answer lands in memory the program has back; then
+    /// the store is dropped (a worker says goodbye, and the rounds that wait on it fail,
+    /// naming it). Dropping it instead would first wait for the calls in flight, up to their
+    /// timeout.
+    pub fn abort(mut self, why: &str) {
+        if let Inner::Dist(d) = &mut self.inner {
+            d.abort(why);
+        }
+    }
 }

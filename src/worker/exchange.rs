@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvstore_transport::{Completion, RemoteRegion, Sent, Token, REMOTE_LEN};
+use kvstore_transport::{Completion, RemoteRegion, Sent, Token};
 
 use crate::auth;
 use crate::net::{region_of, Addr, Medium, Net};
@@ -172,7 +172,8 @@ impl Links {
         }
     }
 
-    /// Drives the backends until no call is in flight and every send is complete.
+    /// Drives the backends until no call is in flight and every send is complete; the grants
+    /// of calls that failed meanwhile (or before) are revoked before it returns.
     pub(crate) fn quiesce(&mut self) {
         while self.calls.in_flight() > 0 || self.calls.sending() > 0 {
             if self.calls.in_flight() == 0 {
@@ -185,6 +186,7 @@ impl Links {
                 self.calls.on_fatal(e);
             }
         }
+        let _ = self.post_actions();
     }
 
     /// One turn: post, take completions, look at the time, and wait a little if there is
@@ -268,7 +270,7 @@ impl Links {
                         return;
                     };
                     match Msg::from_body(body) {
-                        Ok((m, rest)) if m.op == Op::Reply => match reply_slot(&m, rest) {
+                        Ok((m, rest)) if m.op == Op::Reply => match m.reply_slot(rest) {
                             Some((slot, text)) if m.flags & flags::DATA != 0 => {
                                 let len = data.as_ref().map_or(0, |d| d.len());
                                 let fill = |dst: &mut [u8]| {
@@ -587,14 +589,4 @@ impl Links {
     pub(crate) fn media(&self) -> impl Iterator<Item = Medium> + '_ {
         self.servers.iter().map(|a| a.medium)
     }
-}
-
-/// The receive slot a reply carries (after its header, when flagged), and the text after it;
-/// `None` if the flag promises a slot the body is too short to hold.
-fn reply_slot<'a>(m: &Msg, rest: &'a [u8]) -> Option<(Option<RemoteRegion>, &'a [u8])> {
-    if m.flags & flags::SLOT == 0 {
-        return Some((None, rest));
-    }
-    let g = RemoteRegion::from_bytes(rest)?;
-    Some((Some(g), &rest[REMOTE_LEN..]))
 }

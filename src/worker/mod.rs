@@ -453,7 +453,6 @@ impl DistWorker {
             .ok_or_else(|| KvError::UnknownKey(k.clone()))
     }
 
-    /// Rank 0 selects a registered updater on every server; every worker waits for it.
     pub(crate) fn set_interrupt(&mut self, f: Box<dyn FnMut() -> bool + Send>) {
         self.net.interrupt = Some(f);
     }
@@ -462,6 +461,14 @@ impl DistWorker {
         self.net.slow = Some(slow);
     }
 
+    /// Fails every call in flight with `why` and revokes their grants: the store refuses
+    /// every later call.
+    pub(crate) fn abort(&mut self, why: &str) {
+        self.net.fail(KvError::Aborted(why.to_string()));
+        self.net.quiesce();
+    }
+
+    /// Rank 0 selects a registered updater on every server; every worker waits for it.
     pub(crate) fn set_server_updater(&mut self, name: &str) -> Result<()> {
         // Every process runs the same program: a name unknown here is unknown on the servers,
         // and every worker (not only rank 0) must hear so.

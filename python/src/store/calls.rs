@@ -2,6 +2,7 @@
 //! the GIL where a call may wait or copy much; the common call (one key, one numpy array)
 //! through reused shells; lists of arrays through lent arrays.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 
 use kvstore::{Key, Keys, NDArray, Outputs};
@@ -113,6 +114,7 @@ impl KVStore {
                 last_key: None,
                 pushes: Default::default(),
                 results: Default::default(),
+                closed: None,
             }),
             name: name.to_string(),
             pid: std::process::id(),
@@ -166,18 +168,28 @@ impl KVStore {
         }
         // Every other call comes after the pushes in flight, and says if one failed.
         let run = |g: &mut State| match g.kv.as_mut() {
-            Some(kv) => g.pushes.settle_all(kv).and_then(|()| f(kv)).map_err(Some),
+            Some(kv) => g
+                .pushes
+                .settle_all(kv)
+                .and_then(|()| f(kv))
+                .map_err(|e| Some(Ok(e))),
             None => Err(None),
         };
         let mut g = match self.inner.try_claim(py) {
             Some(g) => g,
             None => self.wait(py)?,
         };
-        let r = with_gil(py, gil, || run(&mut g));
+        let r = catch_unwind(AssertUnwindSafe(|| with_gil(py, gil, || run(&mut g))));
+        let r = r.unwrap_or_else(|panic| Err(Some(Err(fence(&mut g, panic)))));
+        let closed = g.closed.clone();
         drop(g);
         r.map_err(|e| match e {
-            Some(e) => to_py(e),
-            None => PyRuntimeError::new_err("this KVStore is closed"),
+            Some(Ok(e)) => to_py(e),
+            Some(Err(e)) => e,
+            None => PyRuntimeError::new_err(match closed {
+                Some(why) => format!("this KVStore is closed: {why}"),
+                None => "this KVStore is closed".into(),
+            }),
         })
     }
 
@@ -340,19 +352,42 @@ impl KVStore {
             last_key,
             pushes,
             results,
+            ..
         } = &mut *g;
         let kv = kv.as_mut()?;
         let key = match read_key(last_key, key)? {
             Ok(k) => k,
             Err(e) => return Some(Err(e)),
         };
-        f(One {
+        let one = One {
             kv,
             shells,
             pushes,
             results,
             key,
-        })
+        };
+        catch_unwind(AssertUnwindSafe(|| f(one))).unwrap_or_else(|p| Some(Err(fence(&mut g, p))))
+    }
+
+    /// `_panic_in_a_call`: a pull of `key` into `out` started, then a panic in the call.
+    pub(super) fn panic_in_a_call(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let r = self.one_key(py, key, |one| {
+            let out = match crate::arrays::lend(out, true, "out") {
+                Ok(l) => l,
+                Err(e) => return Some(Err(e)),
+            };
+            let pending = one.kv.pull_async(one.key.clone(), vec![out.array]);
+            panic!(
+                "_panic_in_a_call, as asked (a pull in flight: {})",
+                pending.is_ok()
+            );
+        });
+        r.unwrap_or_else(|| Err(PyRuntimeError::new_err("the store is busy or closed")))
     }
 
     /// Pulls into lent outputs, key by key where keys share an output (the last key's value is
@@ -391,6 +426,29 @@ struct One<'a> {
     pushes: &'a mut Pushes,
     results: &'a mut rustc_hash::FxHashMap<Key, NDArray>,
     key: &'a Key,
+}
+
+/// A call that panicked (a bug in kvstore or in this binding) leaves the store in a state no
+/// one can vouch for: it is ended, its calls in flight failed and the grants of their outputs
+/// revoked while the arrays they write are still the call's ([`kvstore::KVStore::abort`]),
+/// and every later call is refused, saying why. What it raises is the panic, as PyO3 raises
+/// any (`pyo3_runtime.PanicException`).
+#[cold]
+#[inline(never)]
+fn fence(state: &mut State, panic: Box<dyn std::any::Any + Send>) -> PyErr {
+    let what = match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => s.to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "(no message)".into(),
+    };
+    let why = format!("a call panicked, a bug in kvstore (please report it): {what}");
+    state.pushes = Default::default();
+    if let Some(kv) = state.kv.take() {
+        // A second panic, while it ends, leaves what it had not let go of unfreed.
+        let _ = catch_unwind(AssertUnwindSafe(|| kv.abort(&why)));
+    }
+    state.closed = Some(why.clone());
+    pyo3::panic::PanicException::new_err(why)
 }
 
 /// The key `key` names, read once for a loop over the same key object where that is an `int`
