@@ -52,7 +52,8 @@ pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -
         return Ok(false);
     }
     let n = dst.size();
-    let Some(d) = dst.device_buf_mut() else {
+    // The sum's first launch writes `dst` whole.
+    let Some(d) = dst.device_buf_mut(false)? else {
         return Ok(false);
     };
     let ordinal = d.ordinal();
@@ -74,6 +75,12 @@ pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -
         .zip(&moved)
         .filter_map(|(v, m)| m.as_ref().or(v.device_buf()))
         .collect();
+    // Every value's host writes go to the device before the first launch writes `dst`: a
+    // failure then leaves `dst` as it was, where past the first launch a sum of more than
+    // FUSED values would be left half done.
+    for s in &srcs {
+        s.device()?;
+    }
     // One pass over up to FUSED values; more are added to the result, FUSED at a time.
     for (i, chunk) in srcs.chunks(reduce::FUSED).enumerate() {
         reduce::sum(d, i > 0, chunk, dtype, n)?;
@@ -168,6 +175,25 @@ mod tests {
         }
         if !CUDA_BUILT {
             assert_eq!(n, 0);
+        }
+    }
+
+    /// A sum of GPU arrays runs the kernels, for every dtype they take (a GPU that cannot have
+    /// them sums on the host, through the mirrors, with the same results: the tests of values
+    /// alone would not see it).
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn sums_of_gpu_arrays_run_the_kernels() {
+        use crate::{DType, NDArray};
+        assert!(gpu_count() > 0, "this test needs a GPU");
+        assert!(reduce::ready(0).is_ok(), "{:?}", reduce::ready(0).err());
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let on = |v: f64| NDArray::full_dtype(&[1001], v, dtype).on(gpu(0)).unwrap();
+            let (a, b, c) = (on(1.5), on(2.0), on(-0.25));
+            let mut d = on(0.0);
+            assert!(sum_on_gpu(&mut d, &[&a, &b, &c]).unwrap(), "{dtype}");
+            assert_eq!(d.to_f64_vec(), vec![3.25; 1001], "{dtype}");
         }
     }
 }

@@ -33,22 +33,22 @@ pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) -> Result<()> {
     if let [only] = values {
         return dst.copy_from(only);
     }
-    #[cfg(feature = "cuda")]
-    if crate::gpu::sum_on_gpu(dst, values)? {
-        return Ok(());
-    }
     let dtype = dst.dtype();
     if let Some(v) = values
         .iter()
         .find(|v| v.dtype() != dtype || v.nbytes() != dst.nbytes())
     {
-        // The callers check; the kernels take lengths on trust.
+        // The callers check; the kernels, the host's and the GPU's, take lengths on trust.
         return Err(KvError::Incompatible(format!(
             "a sum into {:?} {dtype} of {:?} {}",
             dst.shape(),
             v.shape(),
             v.dtype()
         )));
+    }
+    #[cfg(feature = "cuda")]
+    if crate::gpu::sum_on_gpu(dst, values)? {
+        return Ok(());
     }
     let srcs: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
     with_dtype!(dtype, T => ops::sum_bytes_into::<T>(dst.as_bytes_mut(), &srcs));

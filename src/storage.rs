@@ -83,6 +83,15 @@ impl Clone for Storage {
 }
 
 impl Storage {
+    /// A copy, as `clone` makes one, where a GPU that cannot give the memory is an error.
+    pub(crate) fn try_clone(&self) -> crate::Result<Storage> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Storage::Device(d) => Ok(Storage::Device(d.copy_to(d.ordinal())?)),
+            other => Ok(other.clone()),
+        }
+    }
+
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Storage::Heap(b) => b.bytes(),
@@ -260,8 +269,12 @@ unsafe impl Send for AlignedBuf {}
 // SAFETY: as above.
 unsafe impl Sync for AlignedBuf {}
 
-/// The alignment of pinned buffers: a page, so that no two registered ranges share one.
-const PAGE: usize = 4096;
+/// The alignment of pinned buffers: a page of this machine (64 KiB on some ARM servers), so
+/// that no two registered ranges share one.
+fn page() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| rustix::param::page_size().max(4096))
+}
 
 impl AlignedBuf {
     pub(crate) fn zeroed(len: usize) -> Self {
@@ -272,7 +285,7 @@ impl AlignedBuf {
     /// from a GPU then go by DMA, with no bounce buffer), else plain memory.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn zeroed_pinned(len: usize) -> Self {
-        let mut b = AlignedBuf::zeroed_aligned(len, PAGE);
+        let mut b = AlignedBuf::zeroed_aligned(len, page());
         b.pin = Pin::new(b.as_mut_ptr(), b.words * 8);
         b
     }
@@ -321,7 +334,7 @@ impl AlignedBuf {
 
     /// [`AlignedBuf::zeroed_pinned`], or `None` as [`AlignedBuf::try_zeroed`].
     pub(crate) fn try_zeroed_pinned(len: usize) -> Option<Self> {
-        let mut b = AlignedBuf::try_zeroed_aligned(len, PAGE).ok()?;
+        let mut b = AlignedBuf::try_zeroed_aligned(len, page()).ok()?;
         b.pin = Pin::new(b.as_mut_ptr(), b.words * 8);
         Some(b)
     }
@@ -329,7 +342,7 @@ impl AlignedBuf {
     /// Makes the buffer `len` bytes long, keeping its allocation when it is big enough.
     pub(crate) fn set_len(&mut self, len: usize) {
         if len.div_ceil(8) > self.words {
-            *self = if self.align == PAGE {
+            *self = if self.align == page() {
                 AlignedBuf::zeroed_pinned(len)
             } else {
                 AlignedBuf::zeroed(len)
@@ -357,8 +370,12 @@ impl AlignedBuf {
 }
 
 impl Clone for AlignedBuf {
+    /// A copy, page-locked where this one is (a copy made on write keeps the DMA path).
     fn clone(&self) -> Self {
-        let mut b = AlignedBuf::zeroed(self.len);
+        let mut b = match self.is_pinned() {
+            true => AlignedBuf::zeroed_pinned(self.len),
+            false => AlignedBuf::zeroed(self.len),
+        };
         b.bytes_mut().copy_from_slice(self.bytes());
         b
     }

@@ -142,6 +142,38 @@ fn sums_on_a_gpu_are_the_host_sums_bit_for_bit() {
     }
 }
 
+#[test]
+#[ignore = "needs a GPU"]
+fn sums_with_infinities_and_nans_are_the_hosts_nan_for_nan() {
+    // inf + -inf, NaN + 1 and the like are NaN on both, though not the same NaN (a GPU makes
+    // the canonical one, an x86 CPU its default one or keeps an operand's); every other result
+    // is the host's, bit for bit (-0.0 + -0.0 included).
+    let specials = [f64::INFINITY, f64::NEG_INFINITY, f64::NAN, 1.0, -0.0, 0.0];
+    let n = specials.len() * specials.len();
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let a: Vec<f64> = (0..n).map(|i| specials[i % specials.len()]).collect();
+        let b: Vec<f64> = (0..n).map(|i| specials[i / specials.len()]).collect();
+        let host = [array_of(&[n], dtype, &a), array_of(&[n], dtype, &b)];
+        let dev = gpus(1)[0];
+        let on_gpu = [host[0].copy_to(dev).unwrap(), host[1].copy_to(dev).unwrap()];
+        let mut cpu_kv = create("local").unwrap();
+        let mut gpu_kv = create("device").unwrap();
+        cpu_kv.init(0, &NDArray::zeros_dtype(&[n], dtype)).unwrap();
+        let zeros = NDArray::zeros_dtype(&[n], dtype).on(dev).unwrap();
+        gpu_kv.init(0, &zeros).unwrap();
+        cpu_kv.push(0, &host[..]).unwrap();
+        gpu_kv.push(0, &on_gpu[..]).unwrap();
+        let mut want = NDArray::zeros_dtype(&[n], dtype);
+        let mut got = NDArray::zeros_dtype(&[n], dtype).on(dev).unwrap();
+        cpu_kv.pull(0, &mut want).unwrap();
+        gpu_kv.pull(0, &mut got).unwrap();
+        for (i, (g, w)) in got.to_f64_vec().into_iter().zip(want.to_f64_vec()).enumerate() {
+            let same = (g.is_nan() && w.is_nan()) || g.to_bits() == w.to_bits();
+            assert!(same, "{dtype}: {} + {} is {g} on the GPU, {w} on the host", a[i], b[i]);
+        }
+    }
+}
+
 fn sum_on_gpus_against_the_host(n: usize, count: usize, dtype: DType) {
     // Values that round differently in each type: (i * 0.37) mod 11 - 5, per device.
     let host: Vec<NDArray> = (0..count)
@@ -268,6 +300,44 @@ fn optimizers_on_a_gpu_are_the_hosts_bit_for_bit_and_keep_their_state() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn a_gpu_out_of_memory_for_an_arrays_own_memory_is_an_error() {
+    // An output that shares its memory (a clone of it is kept) needs memory of its own before
+    // it is written; where the GPU has none left, that is KvError::Device, and the clone keeps
+    // its value. Then, with memory again, the same calls work.
+    let d = gpus(1)[0];
+    let n = 64 << 20;
+    let mut kv = create("device").unwrap();
+    kv.init(0, &NDArray::full(&[n], 2.0).on(d).unwrap()).unwrap();
+    let src = NDArray::full(&[n], 3.0).on(d).unwrap();
+    let mut x = NDArray::zeros(&[n]).on(d).unwrap();
+    let keep = x.clone();
+    // The GPU filled by device copies of 1 GiB, then 64 MiB, then 1 MiB, until none is given.
+    let pieces: Vec<NDArray> = [256 << 20, 16 << 20, 256 << 10]
+        .iter()
+        .map(|&e| NDArray::zeros(&[e]).on(d).unwrap())
+        .collect();
+    let mut hog = Vec::new();
+    for p in &pieces {
+        while let Ok(a) = p.copy_to(d) {
+            hog.push(a);
+        }
+    }
+    let copied = x.copy_from(&src);
+    assert!(matches!(copied, Err(KvError::Device(_))), "{copied:?}");
+    let pulled = kv.pull(0, &mut x);
+    assert!(matches!(pulled, Err(KvError::Device(_))), "{pulled:?}");
+    drop(hog);
+    for i in [0, n - 1] {
+        assert_eq!(keep.get(&[i]).unwrap(), 0.0);
+    }
+    x.copy_from(&src).unwrap();
+    assert_eq!((x.get(&[0]).unwrap(), keep.get(&[n - 1]).unwrap()), (3.0, 0.0));
+    kv.pull(0, &mut x).unwrap();
+    assert_eq!(x.get(&[n - 1]).unwrap(), 2.0);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn every_dtype_goes_to_a_gpu_and_back_unchanged() {
     for dtype in DType::ALL {
         let v: Vec<f64> = (0..15).map(f64::from).collect();
@@ -287,6 +357,11 @@ fn every_dtype_goes_to_a_gpu_and_back_unchanged() {
                 back.is_pinned(),
                 "{dtype} back from {d}: a page-locked host copy"
             );
+            // A copy of it made on write stays page-locked.
+            let mut written = back.clone();
+            written.fill(1.0);
+            assert!(written.is_pinned(), "{dtype}: a copy made on write of a pinned array");
+            assert_eq!(back.as_bytes(), a.as_bytes(), "{dtype}: the original is unchanged");
             assert!(!a.is_pinned(), "a host array of its own is plain memory");
             // Host to GPU and back by copy_from, straight between host memory and the device.
             let mut g2 = NDArray::zeros_dtype(&[3, 5], dtype).on(d).unwrap();

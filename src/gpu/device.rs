@@ -79,7 +79,7 @@ pub(crate) fn pin(ptr: *mut u8, len: usize) -> bool {
     let Ok(g) = gpu(0) else {
         return false;
     };
-    if g.ctx.bind_to_thread().is_err() {
+    if !make_current(&g) {
         return false;
     }
     // SAFETY: `ptr` addresses `len` bytes the caller owns and keeps allocated until `unpin`;
@@ -94,10 +94,18 @@ pub(crate) fn pin(ptr: *mut u8, len: usize) -> bool {
     r == cudarc::driver::sys::CUresult::CUDA_SUCCESS
 }
 
+/// Makes `g`'s context the thread's: directly, not through cudarc's `bind_to_thread`, which
+/// first takes (and so hides from its owner) an error cudarc recorded earlier, a failed free
+/// or event say, and then fails: `unpin` would leave freed memory registered.
+fn make_current(g: &Gpu) -> bool {
+    // SAFETY: `g.ctx` is a live context (the registry holds it for the process's life).
+    unsafe { cudarc::driver::result::ctx::set_current(g.ctx.cu_ctx()) }.is_ok()
+}
+
 /// Undoes [`pin`] for the range starting at `ptr`, before it is freed.
 pub(crate) fn unpin(ptr: *mut u8) {
     if let Ok(g) = gpu(0) {
-        if g.ctx.bind_to_thread().is_ok() {
+        if make_current(&g) {
             // SAFETY: `ptr` starts a range that `pin` registered and that is still allocated;
             // unregistering only unlocks its pages. A failure leaves them locked until exit.
             unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr.cast()) };

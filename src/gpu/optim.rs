@@ -240,7 +240,8 @@ fn kernel_index(dtype: DType, kind: u32) -> Option<usize> {
 
 /// The kernel's `kind` of `opt`'s rule and its parameters, in the order the kernel reads
 /// them (the four every rule has, then the rule's own); `stateful` says whether the key has a
-/// momentum state (Signum: signum_update with, signsgd_update without).
+/// momentum state (Signum: signum_update with, signsgd_update without; NAG: nag_mom_update
+/// with, sgd_update without).
 fn params(opt: &Optimizer, step: Step, stateful: bool) -> (u32, [f64; 12]) {
     let Step { t, lr_t, nadam } = step;
     let mut p = [0.0; 12];
@@ -251,7 +252,10 @@ fn params(opt: &Optimizer, step: Step, stateful: bool) -> (u32, [f64; 12]) {
     }
     let mut own = |xs: &[f64]| p[4..4 + xs.len()].copy_from_slice(xs);
     let kind = match *opt {
-        Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. } if momentum <= 0.0 => 0,
+        // NAG as the host runs it: by whether the key has its momentum state (made at its
+        // first update where the momentum was not 0), not by the momentum's sign now.
+        Optimizer::Sgd { momentum, .. } if momentum <= 0.0 => 0,
+        Optimizer::Nag { .. } if !stateful => 0,
         Optimizer::Sgd { momentum, .. } => {
             own(&[momentum]);
             1
@@ -376,7 +380,7 @@ pub(crate) fn step(
 ) -> Result<()> {
     let n = weight.size();
     let dtype = weight.dtype();
-    let Some(w) = weight.device_buf_mut() else {
+    let Some(w) = weight.device_buf_mut(true)? else {
         return Err(KvError::Device("the weight is not on a GPU".into()));
     };
     let ordinal = w.ordinal();
@@ -439,7 +443,7 @@ pub(crate) fn step(
 
 /// A state's device memory, which must hold `n` elements of `size` bytes on device `ordinal`.
 fn state_of(a: &mut NDArray, ordinal: u32, n: usize, size: usize) -> Result<&mut CudaSlice<u8>> {
-    match a.device_buf_mut() {
+    match a.device_buf_mut(true)? {
         Some(b) if b.ordinal() == ordinal && n.checked_mul(size) == Some(b.len()) => b.device_mut(),
         _ => Err(KvError::Device(
             "the optimizer's state is not on the weight's GPU".into(),

@@ -82,7 +82,7 @@ impl NDArray {
         };
         if same_memory {
             // A clone shares the storage until written; a copy owns its own.
-            c.buf = Arc::new((*self.buf).clone());
+            c.buf = Arc::new(self.buf.try_clone()?);
         }
         c.on(device)
     }
@@ -96,26 +96,41 @@ impl NDArray {
         }
     }
 
-    /// The GPU memory the array lives in, for writing, if it does (copied first if shared).
+    /// The GPU memory the array lives in, for writing, if it does: copied first where it is
+    /// shared (a copy on write; `keep`), or made afresh for an array about to be overwritten
+    /// whole. A GPU that cannot give the memory is an error (`Arc::make_mut`'s clone, which
+    /// cannot return one, would stop the process).
     #[cfg(feature = "cuda")]
-    pub(crate) fn device_buf_mut(&mut self) -> Option<&mut crate::gpu::device::DeviceBuf> {
-        match Arc::make_mut(&mut self.buf) {
+    pub(crate) fn device_buf_mut(
+        &mut self,
+        keep: bool,
+    ) -> Result<Option<&mut crate::gpu::device::DeviceBuf>> {
+        if Arc::get_mut(&mut self.buf).is_none() {
+            if let Storage::Device(d) = &*self.buf {
+                let own = match keep {
+                    true => d.copy_to(d.ordinal())?,
+                    false => crate::gpu::device::DeviceBuf::zeroed(d.ordinal(), d.len())?,
+                };
+                self.buf = Arc::new(Storage::Device(own));
+            }
+        }
+        Ok(match Arc::make_mut(&mut self.buf) {
             Storage::Device(d) => Some(d),
             _ => None,
-        }
+        })
     }
 
     /// Readies the array to be overwritten whole (a pull's destination): as
     /// [`NDArray::as_bytes_mut`], except that a GPU array's host copy is not first brought up
-    /// to date from the device.
-    pub(crate) fn prepare_overwrite(&mut self) {
-        match Arc::make_mut(&mut self.buf) {
-            #[cfg(feature = "cuda")]
-            Storage::Device(d) => d.prepare_overwrite(),
-            b => {
-                b.bytes_mut();
-            }
+    /// to date from the device (and a shared GPU array gets fresh memory, not a copy).
+    pub(crate) fn prepare_overwrite(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device_buf_mut(false)? {
+            d.prepare_overwrite();
+            return Ok(());
         }
+        Arc::make_mut(&mut self.buf).bytes_mut();
+        Ok(())
     }
 
     /// Copies `other`'s elements into this array (same shape and dtype): device to device
@@ -129,14 +144,14 @@ impl NDArray {
         #[cfg(feature = "cuda")]
         match (other.device_buf(), self.device_buf().is_some()) {
             (Some(s), true) => {
-                if let Some(d) = self.device_buf_mut() {
+                if let Some(d) = self.device_buf_mut(false)? {
                     return d.copy_from(s);
                 }
             }
             // Host to GPU and GPU to host: one copy, straight between the host memory and
             // the device, never through the GPU array's mirror.
             (None, true) => {
-                if let Some(d) = self.device_buf_mut() {
+                if let Some(d) = self.device_buf_mut(false)? {
                     return d.write_from_host(other.as_bytes());
                 }
             }

@@ -202,3 +202,45 @@ fn a_key_moved_between_the_host_and_a_gpu_keeps_its_state() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn nag_on_a_gpu_runs_by_the_keys_state_as_the_host_whatever_its_momentum_becomes() {
+    // A key updated first with momentum 0 has no momentum state and runs sgd_update for good;
+    // one first updated with any other momentum (a negative one too) runs nag_mom_update, with
+    // the momentum as it is after a retune.
+    needs_a_gpu();
+    let dev = gpu(0);
+    let n = (1 << 12) + 3;
+    let key = Key::Int(5);
+    let nag = |m: f64| Optimizer::nag(0.05).momentum(m).wd(1e-3);
+    for (first, then) in [(0.0, 0.9), (0.9, 0.0), (-0.5, 0.5)] {
+        let what = format!("NAG, momentum {first} then {then}");
+        let w0: Vec<f64> = (0..n).map(|i| ((i as f64) * 0.011) % 3.0 - 1.5).collect();
+        let mut host_w = array(DType::F32, &w0);
+        let mut gpu_w = host_w.copy_to(dev).unwrap();
+        let mut host = OptimizerUpdater::new(nag(first));
+        let mut on_gpu = OptimizerUpdater::new(nag(first));
+        for s in 0..4 {
+            if s == 2 {
+                host.retune(nag(then)).unwrap();
+                on_gpu.retune(nag(then)).unwrap();
+            }
+            let g: Vec<f64> = (0..n)
+                .map(|i| ((i * (s + 2)) as f64 * 0.71) % 5.0 - 2.5)
+                .collect();
+            let g = array(DType::F32, &g);
+            host.update(&key, &g, &mut host_w).unwrap();
+            on_gpu
+                .update(&key, &g.copy_to(dev).unwrap(), &mut gpu_w)
+                .unwrap_or_else(|e| panic!("{what}, step {s}: {e}"));
+            let got = gpu_w.copy_to(crate::cpu(0)).unwrap();
+            assert_eq!(got.as_bytes(), host_w.as_bytes(), "{what}, step {s}");
+        }
+        assert_eq!(
+            on_gpu.save_states(),
+            host.save_states(),
+            "{what}: the states"
+        );
+    }
+}

@@ -189,13 +189,13 @@ impl<G: Clone> Calls<G> {
             }
             Ok(()) => None,
         };
+        // (A GPU out of memory for an output of its own refuses the call.)
+        let refused =
+            refused.or_else(|| outputs.iter_mut().try_for_each(NDArray::prepare_overwrite).err());
         if let Some(e) = refused {
             let result = Err(e);
             self.done.insert(id, Finished { result, outputs });
             return id;
-        }
-        for o in &mut outputs {
-            o.prepare_overwrite();
         }
         for (i, r) in reqs.iter_mut().enumerate() {
             r.msg.req_id = self.next_req;
