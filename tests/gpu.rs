@@ -167,9 +167,18 @@ fn sums_with_infinities_and_nans_are_the_hosts_nan_for_nan() {
         let mut got = NDArray::zeros_dtype(&[n], dtype).on(dev).unwrap();
         cpu_kv.pull(0, &mut want).unwrap();
         gpu_kv.pull(0, &mut got).unwrap();
-        for (i, (g, w)) in got.to_f64_vec().into_iter().zip(want.to_f64_vec()).enumerate() {
+        for (i, (g, w)) in got
+            .to_f64_vec()
+            .into_iter()
+            .zip(want.to_f64_vec())
+            .enumerate()
+        {
             let same = (g.is_nan() && w.is_nan()) || g.to_bits() == w.to_bits();
-            assert!(same, "{dtype}: {} + {} is {g} on the GPU, {w} on the host", a[i], b[i]);
+            assert!(
+                same,
+                "{dtype}: {} + {} is {g} on the GPU, {w} on the host",
+                a[i], b[i]
+            );
         }
     }
 }
@@ -307,7 +316,8 @@ fn a_gpu_out_of_memory_for_an_arrays_own_memory_is_an_error() {
     let d = gpus(1)[0];
     let n = 64 << 20;
     let mut kv = create("device").unwrap();
-    kv.init(0, &NDArray::full(&[n], 2.0).on(d).unwrap()).unwrap();
+    kv.init(0, &NDArray::full(&[n], 2.0).on(d).unwrap())
+        .unwrap();
     let src = NDArray::full(&[n], 3.0).on(d).unwrap();
     let mut x = NDArray::zeros(&[n]).on(d).unwrap();
     let keep = x.clone();
@@ -331,7 +341,10 @@ fn a_gpu_out_of_memory_for_an_arrays_own_memory_is_an_error() {
         assert_eq!(keep.get(&[i]).unwrap(), 0.0);
     }
     x.copy_from(&src).unwrap();
-    assert_eq!((x.get(&[0]).unwrap(), keep.get(&[n - 1]).unwrap()), (3.0, 0.0));
+    assert_eq!(
+        (x.get(&[0]).unwrap(), keep.get(&[n - 1]).unwrap()),
+        (3.0, 0.0)
+    );
     kv.pull(0, &mut x).unwrap();
     assert_eq!(x.get(&[n - 1]).unwrap(), 2.0);
 }
@@ -360,8 +373,15 @@ fn every_dtype_goes_to_a_gpu_and_back_unchanged() {
             // A copy of it made on write stays page-locked.
             let mut written = back.clone();
             written.fill(1.0);
-            assert!(written.is_pinned(), "{dtype}: a copy made on write of a pinned array");
-            assert_eq!(back.as_bytes(), a.as_bytes(), "{dtype}: the original is unchanged");
+            assert!(
+                written.is_pinned(),
+                "{dtype}: a copy made on write of a pinned array"
+            );
+            assert_eq!(
+                back.as_bytes(),
+                a.as_bytes(),
+                "{dtype}: the original is unchanged"
+            );
             assert!(!a.is_pinned(), "a host array of its own is plain memory");
             // Host to GPU and back by copy_from, straight between host memory and the device.
             let mut g2 = NDArray::zeros_dtype(&[3, 5], dtype).on(d).unwrap();

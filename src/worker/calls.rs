@@ -109,6 +109,8 @@ struct PerReq<G> {
     grant: Option<G>,
     answered: bool,
     put: bool,
+    /// The server's put filled the destination, and its reply follows.
+    filled: bool,
 }
 
 /// The calls of one worker.
@@ -190,8 +192,12 @@ impl<G: Clone> Calls<G> {
             Ok(()) => None,
         };
         // (A GPU out of memory for an output of its own refuses the call.)
-        let refused =
-            refused.or_else(|| outputs.iter_mut().try_for_each(NDArray::prepare_overwrite).err());
+        let refused = refused.or_else(|| {
+            outputs
+                .iter_mut()
+                .try_for_each(NDArray::prepare_overwrite)
+                .err()
+        });
         if let Some(e) = refused {
             let result = Err(e);
             self.done.insert(id, Finished { result, outputs });
@@ -223,6 +229,7 @@ impl<G: Clone> Calls<G> {
                     grant: None,
                     answered: false,
                     put: false,
+                    filled: false,
                 })
                 .collect(),
             remaining: n,
@@ -369,11 +376,24 @@ impl<G: Clone> Calls<G> {
         (!c.per[i].answered && c.reqs[i].server == server).then_some((id, i))
     }
 
-    /// Request `req_id`, sent to `server`, is answered with `status`.
+    /// Request `req_id`, sent to `server`, is answered with `status`, its value (if it has a
+    /// destination) put there before: an OK for a destination no put filled breaks the
+    /// protocol, and every call fails (the output would be taken as written).
     fn answer(&mut self, server: usize, req_id: u64, st: u16, text: &[u8], slot: Option<G>) {
-        if let Some((id, i)) = self.unanswered(server, req_id) {
-            self.answer_at(id, i, server, st, text, slot);
+        let Some((id, i)) = self.unanswered(server, req_id) else {
+            return;
+        };
+        let unfilled = self.live.get(&id).is_some_and(|c| {
+            let wants = c.reqs[i].dest.as_ref().is_some_and(|(_, r)| !r.is_empty());
+            wants && !c.per[i].filled
+        });
+        if st == status::OK && unfilled {
+            self.on_fatal(KvError::Protocol(format!(
+                "server {server} answered request {req_id} OK without its value"
+            )));
+            return;
         }
+        self.answer_at(id, i, server, st, text, slot);
     }
 
     /// Request `i` of call `id` (found by [`Calls::unanswered`]) is answered with `st`.
@@ -416,10 +436,8 @@ impl<G: Clone> Calls<G> {
         offset: usize,
         len: usize,
     ) {
-        if imm & IMM_FOLLOWS != 0 {
-            return;
-        }
-        let req_id = imm as u64;
+        let follows = imm & IMM_FOLLOWS != 0;
+        let req_id = (imm & !IMM_FOLLOWS) as u64;
         let Some(&(id, i)) = self.by_req.get(&req_id) else {
             return;
         };
@@ -438,7 +456,13 @@ impl<G: Clone> Calls<G> {
             )));
             return;
         }
-        self.answer(server, req_id, status::OK, &[], None);
+        if let Some(c) = self.live.get_mut(&id) {
+            c.per[i].filled = true;
+        }
+        // Where a reply follows, it answers the request.
+        if !follows {
+            self.answer(server, req_id, status::OK, &[], None);
+        }
     }
 
     /// A data send completed (`Ok`) or failed.

@@ -89,3 +89,46 @@ fn a_reply_carrying_its_value_fills_the_destination_or_fails_every_call() {
         assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
     }
 }
+
+#[test]
+fn an_ok_reply_for_a_destination_no_put_filled_fails_every_call() {
+    let reply = |id| {
+        let mut m = Msg::new(Op::Reply);
+        m.req_id = id;
+        m
+    };
+    // A plain OK for a pull, with no put before it and no value with it.
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    let (call, id) = one_pull(&mut calls);
+    calls.on_reply(0, &reply(id), &[], None);
+    let r = calls.take(call).expect("the call is over").result;
+    assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
+    assert!(calls.check().is_err());
+    // After a put that filled it (its reply following), the same reply answers it.
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    let (call, id) = one_pull(&mut calls);
+    calls.on_answer_put(0, slot_imm(id, true), |g| *g == 7, 0, 16);
+    assert!(!calls.is_done(call));
+    calls.on_reply(0, &reply(id), &[], None);
+    assert!(calls.take(call).expect("finished").result.is_ok());
+    // A put whose reply follows must fill the destination as a whole answer must.
+    for (grant, offset, len) in [(8, 0, 16), (7, 4, 12), (7, 0, 8)] {
+        let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+        let (call, id) = one_pull(&mut calls);
+        calls.on_answer_put(0, slot_imm(id, true), |g| *g == grant, offset, len);
+        let r = calls.take(call).expect("the call is over").result;
+        assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
+    }
+    // An error needs no value: the call fails with it, the store goes on.
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    let (call, id) = one_pull(&mut calls);
+    let mut m = reply(id);
+    m.status = status::FAILED;
+    calls.on_reply(0, &m, b"no", None);
+    let r = calls.take(call).expect("the call is over").result;
+    assert!(
+        r.is_err() && !matches!(r, Err(KvError::Protocol(_))),
+        "{r:?}"
+    );
+    assert!(calls.check().is_ok());
+}
