@@ -163,6 +163,9 @@ impl Drop for Heartbeat {
     }
 }
 
+/// The longest a write to the scheduler may block.
+const SCHEDULER_WRITES: Duration = Duration::from_secs(10);
+
 /// Says hello to the scheduler (a mutual challenge-response over the job's secret, which
 /// never travels: [`crate::auth`]) and waits for the roster.
 pub(crate) fn join(
@@ -173,6 +176,10 @@ pub(crate) fn join(
     rdma: Option<SocketAddr>,
     shm: Option<&str>,
 ) -> crate::Result<(Roster, Heartbeat)> {
+    // Writes to the scheduler (the hello, heartbeats, a barrier, the goodbye) give up once it
+    // has read nothing for a while: a stopped scheduler's buffers fill, and a write that
+    // blocked would hold the lock that every other write to it waits for.
+    sched.set_write_timeout(Some(cfg.timeout.min(SCHEDULER_WRITES)))?;
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
     hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);

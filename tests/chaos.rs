@@ -263,3 +263,31 @@ fn a_stopped_server_ends_the_job_within_the_liveness_bound_naming_it() {
         );
     }
 }
+
+#[test]
+fn a_server_stopped_before_a_worker_connects_costs_it_one_timeout() {
+    // The job's one server registers, then is stopped (SIGSTOP) before the worker joins. The
+    // worker's connections to the servers and its handshakes with them share one timeout
+    // (4 s), so it fails within about that; each step took a timeout of its own before (over
+    // shared memory, then the hello over TCP: 8 s). (The scheduler finds the server silent
+    // and aborts the job, but a worker that is connecting does not read it.)
+    let env = [("KVSTORE_TIMEOUT", "4")];
+    let args = ["seed", "dist_sync"];
+    let mut job = util::ManualJob::start_some(1, 0, 1, &args, &env);
+    // The server registers at once; two seconds are plenty.
+    std::thread::sleep(Duration::from_secs(2));
+    let stopped = job.servers[0].id().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill").args([sig, &stopped]).status();
+        assert!(ok.is_ok_and(|s| s.success()), "kill {sig} {stopped}");
+    };
+    signal("-STOP");
+    let start = Instant::now();
+    let worker = job.spawn_worker(0, &args, &env);
+    let (code, out) = util::finish(worker, Duration::from_secs(60));
+    let took = start.elapsed();
+    signal("-CONT");
+    job.kill_all();
+    assert!(code.is_some_and(|c| c != 0), "{code:?}\n{out}");
+    assert!(took < Duration::from_millis(6500), "took {took:?}\n{out}");
+}

@@ -468,7 +468,12 @@ impl Links {
     /// The handshake with every server ([`crate::auth`]): a hello with a nonce; the server's
     /// challenge, whose proof of the secret is checked; this worker's proof of the secret and
     /// of its rank's `token`; the server's acknowledgement.
-    pub(crate) fn hello(&mut self, secret: &str, token: &[u8; auth::MAC]) -> Result<()> {
+    pub(crate) fn hello(
+        &mut self,
+        secret: &str,
+        token: &[u8; auth::MAC],
+        deadline: Instant,
+    ) -> Result<()> {
         let mut m = Msg::new(Op::Hello);
         m.key = crate::protocol::role::WORKER;
         m.sender = self.rank;
@@ -487,7 +492,6 @@ impl Links {
         let mut step = vec![0u8; n];
         let mut proofs: Vec<Option<Vec<u8>>> = vec![None; n];
         let mut failure: Option<KvError> = None;
-        let deadline = Instant::now() + self.timeout;
         while step.iter().any(|&s| s < 2) {
             let servers = &self.servers;
             self.net.progress(&mut |medium, c| match c {

@@ -97,12 +97,14 @@ pub struct DistWorker {
 /// Connects to every server: over shared memory to those on this host, over RDMA to those on
 /// other hosts where both ends have an active device (feature `rdma`), over TCP to the others;
 /// `KVSTORE_TRANSPORT` forces one, and a pair that cannot use it is an error naming the
-/// reason. Prints the choice, one line.
+/// reason. Prints the choice, one line. Every connection is made by `deadline`, one for all.
 fn connect_servers(
     cfg: &Config,
     rank: usize,
     roster: &crate::roles::Roster,
+    deadline: Instant,
 ) -> Result<(Net, Vec<Addr>)> {
+    let left = || deadline.saturating_duration_since(Instant::now());
     let choice = cfg.transport;
     let me = net::host_id();
     let local: Vec<bool> = (0..roster.servers.len())
@@ -133,7 +135,7 @@ fn connect_servers(
         let mut link = None;
         let name = roster.server_shm.get(i).and_then(|n| n.as_deref());
         if let (true, Some(shm), Some(name)) = (local[i], &mut net.shm, name) {
-            match shm.connect(name, cfg.timeout) {
+            match shm.connect(name, left()) {
                 Ok(peer) => {
                     link = Some(Addr {
                         medium: Medium::Shm,
@@ -170,7 +172,7 @@ fn connect_servers(
             Some(l) => l,
             None => Addr {
                 medium: Medium::Tcp,
-                peer: net.tcp.connect(*addr, cfg.timeout)?,
+                peer: net.tcp.connect(*addr, left())?,
             },
         };
         links.push(link);
@@ -211,7 +213,10 @@ impl DistWorker {
     pub(crate) fn connect(cfg: Config) -> Result<DistWorker> {
         let mut sched = connect_retry(cfg.root, cfg.timeout)?;
         let (roster, beat) = join(&cfg, &mut sched, role::WORKER, None, None, None)?;
-        let (net, servers) = connect_servers(&cfg, roster.rank, &roster)?;
+        // Connecting to the servers and the handshakes with them: one timeout for all (a
+        // server that died after it registered costs it once, not once per step).
+        let deadline = Instant::now() + cfg.timeout;
+        let (net, servers) = connect_servers(&cfg, roster.rank, &roster, deadline)?;
         let mut links = Links::new(net, servers, roster.rank as u32, cfg.timeout);
         links.sched = Some(sched.try_clone()?);
         let exit_id = at_exit::keep(sched.try_clone()?, beat.lock());
@@ -220,7 +225,7 @@ impl DistWorker {
             .first()
             .copied()
             .ok_or_else(|| KvError::Protocol("the roster gave this worker no token".into()))?;
-        links.hello(&cfg.secret, &token)?;
+        links.hello(&cfg.secret, &token, deadline)?;
         Ok(DistWorker {
             rank: roster.rank,
             num_workers: roster.num_workers,

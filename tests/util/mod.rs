@@ -143,6 +143,7 @@ pub struct ManualJob {
     pub scheduler: Option<Child>,
     pub servers: Vec<Child>,
     pub workers: Vec<Child>,
+    num_workers: usize,
 }
 
 fn role_cmd(
@@ -230,7 +231,16 @@ impl ManualJob {
             scheduler: Some(scheduler),
             servers,
             workers,
+            num_workers: w,
         }
+    }
+
+    /// Starts worker `rank` of this job now (one `start_some` left to the test).
+    pub fn spawn_worker(&self, rank: usize, args: &[&str], env: &[(&str, &str)]) -> Child {
+        let (w, s) = (self.num_workers, self.servers.len());
+        role_cmd("worker", rank, self.port, w, s, args, env)
+            .spawn()
+            .unwrap()
     }
 
     /// Streams a process's stdout, line by line, until it ends.
