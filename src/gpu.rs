@@ -52,11 +52,9 @@ pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -
         return Ok(false);
     }
     let n = dst.size();
-    // The sum's first launch writes `dst` whole.
-    let Some(d) = dst.device_buf_mut(false)? else {
+    let Some(ordinal) = dst.device_buf().map(device::DeviceBuf::ordinal) else {
         return Ok(false);
     };
-    let ordinal = d.ordinal();
     // The kernels before any write: where they cannot be had (no NVRTC, a driver older than
     // the program), the host sums, through the arrays' mirrors.
     if reduce::ready(ordinal).is_err() {
@@ -81,6 +79,10 @@ pub(crate) fn sum_on_gpu(dst: &mut crate::NDArray, values: &[&crate::NDArray]) -
     for s in &srcs {
         s.device()?;
     }
+    // Then `dst`'s memory, its own (the first launch writes it whole).
+    let Some(d) = dst.device_buf_mut(false)? else {
+        return Ok(false);
+    };
     // One pass over up to FUSED values; more are added to the result, FUSED at a time.
     for (i, chunk) in srcs.chunks(reduce::FUSED).enumerate() {
         reduce::sum(d, i > 0, chunk, dtype, n)?;

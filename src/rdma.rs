@@ -88,13 +88,13 @@ mod verbs {
             Connector(wanted.then(|| open(cfg)))
         }
 
-        /// Connects to server `i` over RDMA: `Ok(None)` where RDMA is not wanted, an error with
-        /// the reason where it was and cannot be had.
+        /// Connects to server `i` over RDMA within `timeout`: `Ok(None)` where RDMA is not
+        /// wanted, an error with the reason where it was and cannot be had.
         pub(crate) fn connect(
             &mut self,
-            cfg: &Config,
             roster: &crate::roles::Roster,
             i: usize,
+            timeout: Duration,
         ) -> std::result::Result<Option<kvstore_transport::PeerId>, String> {
             let Some(dev) = &mut self.0 else {
                 return Ok(None);
@@ -105,7 +105,7 @@ mod verbs {
             let Some(at) = roster.server_rdma[i] else {
                 return Err("the server has no active RDMA device (its log says why)".into());
             };
-            connect(b, at, cfg.timeout).map(Some)
+            connect(b, at, timeout).map(Some)
         }
 
         /// Gives the device to `net` if some link uses it; returns its name.
@@ -171,9 +171,9 @@ mod without {
 
         pub(crate) fn connect(
             &mut self,
-            _: &Config,
             _: &crate::roles::Roster,
             _: usize,
+            _: std::time::Duration,
         ) -> std::result::Result<Option<kvstore_transport::PeerId>, String> {
             Ok(None)
         }

@@ -163,7 +163,10 @@ impl Drop for Heartbeat {
     }
 }
 
-/// The longest a write to the scheduler may block.
+/// The longest a write to the scheduler (the hello, heartbeats, a barrier, the goodbye) may
+/// block: a stopped scheduler's buffers fill, and a write that blocked for good would hold the
+/// lock every other write to it waits for. (One that times out halfway ends the heartbeat, and
+/// the scheduler then takes this process for lost: the scheduler did not read for 10 s.)
 const SCHEDULER_WRITES: Duration = Duration::from_secs(10);
 
 /// Says hello to the scheduler (a mutual challenge-response over the job's secret, which
@@ -176,10 +179,8 @@ pub(crate) fn join(
     rdma: Option<SocketAddr>,
     shm: Option<&str>,
 ) -> crate::Result<(Roster, Heartbeat)> {
-    // Writes to the scheduler (the hello, heartbeats, a barrier, the goodbye) give up once it
-    // has read nothing for a while: a stopped scheduler's buffers fill, and a write that
-    // blocked would hold the lock that every other write to it waits for.
-    sched.set_write_timeout(Some(cfg.timeout.min(SCHEDULER_WRITES)))?;
+    let bound_writes = |s: &TcpStream| s.set_write_timeout(Some(cfg.timeout.min(SCHEDULER_WRITES)));
+    bound_writes(sched)?;
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
     hello.sender = cfg.rank_hint.unwrap_or(u32::MAX);
@@ -246,6 +247,7 @@ pub(crate) fn join(
                 let left = deadline.saturating_duration_since(Instant::now());
                 *sched = kvstore_transport::tcp::connect_retry(cfg.root, left)?;
                 sched.set_nodelay(true)?;
+                bound_writes(sched)?;
             }
             Err(e) => return Err(e),
         }

@@ -289,5 +289,7 @@ fn a_server_stopped_before_a_worker_connects_costs_it_one_timeout() {
     signal("-CONT");
     job.kill_all();
     assert!(code.is_some_and(|c| c != 0), "{code:?}\n{out}");
+    // Its own wait ended it (not the scheduler's abort, which it would not hear).
+    assert!(out.contains("timed out"), "{out}");
     assert!(took < Duration::from_millis(6500), "took {took:?}\n{out}");
 }

@@ -1,7 +1,7 @@
 """Faults in distributed jobs of Python workers and servers under kvrun: Ctrl-C, a dead or
 silent server, a signal handler that calls the store, and a call that panics (a bug), which
-ends its store: every later call is refused, saying why, and the pull it had in flight never
-writes into the numpy array it was given, in a job that goes on without that worker."""
+ends its store: every later call is refused, saying why, in a job that goes on without that
+worker (and the numpy array its pull had in flight keeps what it held)."""
 
 import os
 import signal

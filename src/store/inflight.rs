@@ -123,13 +123,14 @@ impl KVStore {
         }
     }
 
-    /// Ends the store at once, for a program that cannot go on with it (a binding after a
-    /// panic in a call, say): every call in flight fails, and the grants of their outputs are
-    /// revoked before this returns, so no answer lands in memory the program has back; then
-    /// the store is dropped (a worker says goodbye, and the rounds that wait on it fail,
-    /// naming it). Dropping it instead would first wait for the calls in flight, up to their
-    /// timeout.
-    pub fn abort(mut self, why: &str) {
+    /// Fails every call in flight at once, for a program that cannot go on with the store (a
+    /// binding after a panic in a call, say): the grants of their outputs are revoked before
+    /// this returns, so no answer lands in memory the program has back, and a distributed
+    /// store refuses every later call, saying `why`. (A local store has no call in flight, and
+    /// is unchanged.) Dropping the store instead would first wait for the calls in flight, up
+    /// to their timeout; after this, dropping it says goodbye at once (the rounds that wait on
+    /// this worker fail, naming it).
+    pub fn abort(&mut self, why: &str) {
         if let Inner::Dist(d) = &mut self.inner {
             d.abort(why);
         }

@@ -151,7 +151,13 @@ fn connect_servers(
             )));
         }
         if link.is_none() && (choice == TransportChoice::Rdma || !local[i]) {
-            match rdma.connect(cfg, roster, i) {
+            // Where TCP may follow (an RDMA listener this worker cannot reach), half of what
+            // is left, so that it still has time.
+            let within = match choice {
+                TransportChoice::Rdma => left(),
+                _ => left() / 2,
+            };
+            match rdma.connect(roster, i, within) {
                 Ok(Some(peer)) => {
                     link = Some(Addr {
                         medium: Medium::Rdma,

@@ -444,8 +444,13 @@ fn fence(state: &mut State, panic: Box<dyn std::any::Any + Send>) -> PyErr {
     let why = format!("a call panicked, a bug in kvstore (please report it): {what}");
     state.pushes = Default::default();
     if let Some(kv) = state.kv.take() {
-        // A second panic, while it ends, leaves what it had not let go of unfreed.
-        let _ = catch_unwind(AssertUnwindSafe(|| kv.abort(&why)));
+        // Dropped once its calls are failed (a worker says goodbye); a second panic meanwhile
+        // leaves it as it is, never touched again (its memory not freed).
+        let mut kv = std::mem::ManuallyDrop::new(kv);
+        if catch_unwind(AssertUnwindSafe(|| kv.abort(&why))).is_ok() {
+            let kv = std::mem::ManuallyDrop::into_inner(kv);
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(kv)));
+        }
     }
     state.closed = Some(why.clone());
     pyo3::panic::PanicException::new_err(why)
