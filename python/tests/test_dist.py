@@ -24,6 +24,14 @@ def kvrun():
     pytest.skip("kvrun is not built (cargo build --release -p kvstore-launcher)")
 
 
+def free_port():
+    """A free TCP port on loopback (nothing listens there once this returns)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_job(tmp_path, body, workers=2, servers=2, env=None, timeout=120, wait=True,
             name="dist_sync"):
     script = tmp_path / "job.py"
@@ -377,10 +385,7 @@ def test_a_job_started_by_mpirun_takes_its_roles_from_the_ranks(tmp_path):
     # As mpirun starts a program: three copies, told only their rank (Open MPI's variables),
     # no DMLC_ROLE. Rank 0 runs the scheduler and rank 1 a server inside create, each ending
     # with SystemExit(0) as under kvrun; rank 2 is the worker.
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""\
         import os

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_dist import run_job, wait_for
+from test_dist import free_port, run_job, wait_for
 
 
 @pytest.mark.parametrize("call", [
@@ -178,10 +178,7 @@ def test_a_signal_handler_that_calls_the_store_it_interrupted_is_refused_not_hun
 def test_ctrl_c_interrupts_a_worker_waiting_to_join_its_job(tmp_path):
     # No scheduler ever listens: the worker's create waits (KVSTORE_TIMEOUT is long); Ctrl-C
     # raises KeyboardInterrupt at once.
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "join.py"
     script.write_text(textwrap.dedent("""\
         import kvstore
