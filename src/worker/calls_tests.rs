@@ -1,5 +1,5 @@
 use super::*;
-use crate::protocol::slot_imm;
+use crate::protocol::{slot_imm, status};
 
 /// A call with one pull of 16 bytes from server 0, posted with its destination granted
 /// as grant 7; returns the call and its request id.
