@@ -7,11 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use util::{bin, run_limited, Run};
-
-fn skip(why: &str) {
-    eprintln!("SKIPPED: {why}");
-}
+use util::{bin, run_limited, skip, Run};
 
 fn have(cmd: &str) -> bool {
     Command::new("sh")

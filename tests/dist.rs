@@ -528,8 +528,7 @@ fn kvrun_host_names_the_address_every_process_is_told_ipv6_too() {
     // `--host ::1`: the scheduler listens on IPv6 loopback, and the processes are told that
     // address (and reach the servers on it), over TCP and shared memory alike.
     if std::net::TcpListener::bind("[::1]:0").is_err() {
-        eprintln!("skipped: this host has no IPv6 loopback");
-        return;
+        return util::skip("this host has no IPv6 loopback");
     }
     for t in TRANSPORTS {
         let mut cmd = std::process::Command::new(util::bin("kvrun"));
@@ -560,8 +559,7 @@ fn dmlc_interface_names_the_address_servers_are_reached_at() {
     // The scheduler on IPv6 loopback: a server would tell workers ::1, the address it reaches
     // the scheduler from, but `DMLC_INTERFACE=lo` names lo's IPv4 address, as ps-lite takes it.
     if std::net::TcpListener::bind("[::1]:0").is_err() {
-        eprintln!("skipped: this host has no IPv6 loopback");
-        return;
+        return util::skip("this host has no IPv6 loopback");
     }
     let job = |interface: &str| {
         let mut cmd = std::process::Command::new(util::bin("kvrun"));
