@@ -197,14 +197,33 @@ impl OptimizerUpdater {
                 });
             }
         }
-        // NAG's momentum state, as MXNet's: made at a key's first update where the momentum is
-        // not 0; a key without it runs sgd_update for good, one with it nag_mom_update, whatever
-        // the momentum later becomes.
-        let nag_state = match (&self.opt, self.state.get(key)) {
-            (Optimizer::Nag { .. }, Some(st)) => st.m.size() != 0 || weight.size() == 0,
-            (Optimizer::Nag { momentum, .. }, None) => *momentum != 0.0,
+        // SGD's and NAG's momentum state, as MXNet's: made at a key's first update where the
+        // momentum is not 0 (a negative one too). A key with it runs sgd_mom_update or
+        // nag_mom_update from then on, whatever the momentum becomes (SGD a plain step while
+        // it is not positive, as MXNet's aggregated update); one without runs sgd_update,
+        // which takes no momentum: a positive one is refused, as MXNet's kernel refuses it.
+        let mom_state = match (&self.opt, self.state.get(key)) {
+            (Optimizer::Sgd { .. } | Optimizer::Nag { .. }, Some(st)) => {
+                st.m.size() != 0 || weight.size() == 0
+            }
+            (Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. }, None) => {
+                *momentum != 0.0
+            }
             _ => false,
         };
+        if let Optimizer::Sgd { momentum, .. } | Optimizer::Nag { momentum, .. } = self.opt {
+            if !mom_state && momentum > 0.0 {
+                return Err(KvError::Updater {
+                    key: key.clone(),
+                    reason: format!(
+                        "this key's {} has no momentum state (its momentum was 0 at its first \
+                         update): it runs sgd_update, which takes no momentum ({momentum}), as \
+                         MXNet's; set_optimizer with the momentum starts afresh",
+                        self.opt.label().to_uppercase()
+                    ),
+                });
+            }
+        }
         // A master copy, as MXNet's create_state_multi_precision makes one: at the key's first
         // update, where the optimizer has multi_precision and the weight is a half type. One
         // of another size than the weight (loaded from elsewhere) is made afresh, as moments
@@ -226,7 +245,7 @@ impl OptimizerUpdater {
             self.num_update,
             self.m_schedule,
         );
-        let done = self.apply(key, grad, weight, copy, signum_state || nag_state);
+        let done = self.apply(key, grad, weight, copy, signum_state || mom_state);
         if done.is_err() {
             let (t, num_update, m_schedule) = before;
             (self.num_update, self.m_schedule) = (num_update, m_schedule);
@@ -318,8 +337,7 @@ impl OptimizerUpdater {
             &scaled
         };
         match *opt {
-            Optimizer::Sgd { momentum, .. } if momentum <= 0.0 => {}
-            Optimizer::Nag { .. } if !mom_state => {}
+            Optimizer::Sgd { .. } | Optimizer::Nag { .. } if !mom_state => {}
             Optimizer::Sgd { .. } | Optimizer::Nag { .. } => place(&mut st.m, n, device)?,
             Optimizer::Adam {
                 lr, beta1, beta2, ..

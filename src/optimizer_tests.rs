@@ -48,12 +48,44 @@ fn a_retune_keeps_the_state_and_negative_momentum_is_plain_sgd() {
         Err(KvError::Incompatible(_))
     ));
     assert_eq!(u.optimizer().name(), "sgd");
-    // As MXNet: momentum is used only when positive.
+    // As MXNet: momentum is used only when positive. A negative one at a key's first update
+    // makes its momentum state all the same (MXNet's create_state: a momentum not 0), which
+    // a positive momentum later moves.
     let mut u = OptimizerUpdater::new(Optimizer::sgd(1.0).momentum(-0.5));
     let mut w = NDArray::zeros(&[1]);
     u.update(&k, &g, &mut w).unwrap();
     u.update(&k, &g, &mut w).unwrap();
     assert_eq!(w.to_vec::<f32>().unwrap(), [-2.0]);
+    u.retune(Optimizer::sgd(1.0).momentum(0.5)).unwrap();
+    u.update(&k, &g, &mut w).unwrap(); // m = 0.5 * 0 - 1, w = -3
+    u.update(&k, &g, &mut w).unwrap(); // m = 0.5 * -1 - 1, w = -4.5
+    assert_eq!(w.to_vec::<f32>().unwrap(), [-4.5]);
+    // A key first updated with momentum 0 has none: a positive momentum later is refused,
+    // as MXNet's sgd_update refuses it, and the key is left as it was.
+    let mut u = OptimizerUpdater::new(Optimizer::sgd(1.0));
+    let mut w = NDArray::zeros(&[1]);
+    u.update(&k, &g, &mut w).unwrap();
+    u.retune(Optimizer::sgd(1.0).momentum(0.9)).unwrap();
+    let e = u.update(&k, &g, &mut w).expect_err("no momentum state");
+    assert!(
+        matches!(&e, KvError::Updater { reason, .. } if reason.contains("SGD has no momentum state")),
+        "{e}"
+    );
+    assert_eq!(w.to_vec::<f32>().unwrap(), [-1.0]);
+    assert_eq!(u.num_update(), 1);
+}
+
+#[test]
+fn nag_with_a_momentum_not_positive_moves_as_sgd_as_mxnets() {
+    // MXNet's NAG passes its momentum to nag_mom_update only where it is positive: a negative
+    // one (which made the key's state) steps as plain SGD, keeping a state of -lr * g.
+    let k = Key::Int(0);
+    let mut nag = OptimizerUpdater::new(Optimizer::nag(1.0).momentum(-0.5));
+    let mut w = NDArray::zeros(&[1]);
+    for want in [-1.0f32, -2.0, -3.0] {
+        nag.update(&k, &NDArray::ones(&[1]), &mut w).unwrap();
+        assert_eq!(w.to_vec::<f32>().unwrap(), [want]);
+    }
 }
 
 #[test]

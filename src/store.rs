@@ -180,11 +180,13 @@ impl KVStore {
                 crate::local::check_like(k, vs[0], o)?;
             }
         }
-        self.check_keys(pairs.iter().map(|(k, _)| k))?;
-        match &mut self.inner {
-            Inner::Local(s) => s.init(&pairs)?,
-            Inner::Dist(d) => d.init(&pairs)?,
-        }
+        let kind = self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        let r = match &mut self.inner {
+            Inner::Local(s) => s.init(&pairs),
+            Inner::Dist(d) => d.init(&pairs),
+        };
+        self.keep_kind(kind, pairs.iter().map(|(k, _)| k), &r);
+        r?;
         match &mut self.inner {
             Inner::Local(s) => s.pull(&mut out_pairs),
             Inner::Dist(d) => d.pull(&mut out_pairs),
@@ -332,7 +334,11 @@ impl KVStore {
         }
     }
 
-    fn check_keys<'a>(&mut self, keys: impl Iterator<Item = &'a Key>) -> Result<()> {
+    /// The kind of key (int or str) that `keys` are: an error where they mix kinds, with each
+    /// other or with the keys the store holds. Nothing is recorded: only a call that stores
+    /// keys ([`KVStore::init`], [`KVStore::broadcast`]) sets the store's kind
+    /// ([`KVStore::keep_kind`]), so a refused call leaves the store as it was.
+    fn check_keys<'a>(&self, keys: impl Iterator<Item = &'a Key>) -> Result<Option<KeyKind>> {
         let mut kind = self.key_kind;
         for k in keys {
             let this = match k {
@@ -345,18 +351,32 @@ impl KVStore {
                 Some(_) => {}
             }
         }
-        self.key_kind = kind;
-        Ok(())
+        Ok(kind)
+    }
+
+    /// After a call that stores `keys` (of `kind`): the store's keys are of that kind from now
+    /// on, where the call succeeded or stored any of them before it failed.
+    fn keep_kind<'a, R>(
+        &mut self,
+        kind: Option<KeyKind>,
+        mut keys: impl Iterator<Item = &'a Key>,
+        r: &Result<R>,
+    ) {
+        if r.is_ok() || keys.any(|k| self.key_info(k.clone()).is_ok()) {
+            self.key_kind = kind;
+        }
     }
 
     /// Initialises keys: one value per key. A key is initialised once.
     pub fn init<'a>(&mut self, keys: impl Into<Keys>, values: impl Into<Values<'a>>) -> Result<()> {
         let pairs = group_values(keys.into(), values.into())?;
-        self.check_keys(pairs.iter().map(|(k, _)| k))?;
-        match &mut self.inner {
+        let kind = self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        let r = match &mut self.inner {
             Inner::Local(s) => s.init(&pairs),
             Inner::Dist(d) => d.init(&pairs),
-        }
+        };
+        self.keep_kind(kind, pairs.iter().map(|(k, _)| k), &r);
+        r
     }
 
     /// Pushes values: a list of values for a key is summed, then merged by the updater

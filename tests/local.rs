@@ -281,6 +281,36 @@ fn string_keys_and_no_mixing() {
 }
 
 #[test]
+fn a_refused_call_does_not_choose_the_kind_of_keys() {
+    // Only keys stored choose whether the store's keys are ints or strs: a pull, push or
+    // broadcast that is refused leaves the store as it was.
+    let mut kv = create("local").unwrap();
+    let mut out = NDArray::zeros(&SHAPE);
+    assert!(matches!(
+        kv.pull("w", &mut out),
+        Err(KvError::UnknownKey(_))
+    ));
+    assert!(matches!(
+        kv.push("w", &NDArray::ones(&SHAPE)),
+        Err(KvError::UnknownKey(_))
+    ));
+    let mut wrong = NDArray::zeros(&[2]);
+    assert!(matches!(
+        kv.broadcast("w", &NDArray::ones(&SHAPE), &mut wrong),
+        Err(KvError::ShapeMismatch { .. })
+    ));
+    kv.init(3, &NDArray::ones(&SHAPE)).unwrap();
+    kv.pull(3, &mut out).unwrap();
+    assert_eq!(out.to_vec::<f32>().unwrap(), vec![1.0; 6]);
+    // A refused init of a str key leaves the int keys the store's kind too.
+    assert!(matches!(
+        kv.init("w", &NDArray::ones(&SHAPE)),
+        Err(KvError::MixedKeyTypes(_))
+    ));
+    kv.init(4, &NDArray::ones(&SHAPE)).unwrap();
+}
+
+#[test]
 fn duplicate_keys_in_one_push_are_summed() {
     let mut kv = store_with_key3();
     kv.push(

@@ -76,6 +76,18 @@ pub(crate) fn optimizers(kv: &mut KVStore) {
             fail(format!("sgd on ones, key {key}: {got:?}"));
         }
     }
+    // A call with a key of an integer dtype, which the optimizer cannot update: refused before
+    // any key is sent, so key 8 keeps its value (as a local store refuses it).
+    let ints = NDArray::zeros_dtype(&SHAPE, DType::I32);
+    ok("init 13", kv.init(13, &ints));
+    match kv.push([8, 13], vec![&NDArray::ones(&SHAPE), &ints]) {
+        Err(kvstore::KvError::Updater { reason, .. }) if reason.contains("float dtype") => {}
+        other => fail(format!("a push with an integer key under SGD: {other:?}")),
+    }
+    let got = pulled(kv, 8, &SHAPE, DType::F32).to_f64_vec();
+    if got.iter().any(|&x| (x + 0.1).abs() > 1e-7) {
+        fail(format!("key 8 after a refused push: {got:?}"));
+    }
     // NAG with momentum on a sliced key, against the same reference.
     let nag = Optimizer::nag(0.05).momentum(0.9).wd(0.01);
     let mut reference = create("local").unwrap();

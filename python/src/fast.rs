@@ -138,7 +138,7 @@ unsafe fn pull(
     // An `out` of None is PyO3's `None`, as its method reads it.
     let out = (!out.is_none()).then_some(out);
     let store = store.cast::<KVStore>()?;
-    store.get().pull(py, &key, out.as_deref(), 0, true)?;
+    store.get().pull(py, &key, out.as_deref(), 0, None)?;
     Ok(py.None().into_ptr())
 }
 

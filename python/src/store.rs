@@ -152,14 +152,19 @@ impl KVStore {
     /// Pulls the stored values into `out` (an array, or a list: one per device, or one per
     /// key), writing the arrays in place. An output of another dtype than its key's gets the
     /// value cast into it, as in MXNet.
-    #[pyo3(signature = (key, out = None, priority = 0, ignore_sparse = true))]
+    /// `ignore_sparse` is taken as MXNet takes it (any object, by its truth) and changes
+    /// nothing: arrays here are dense.
+    #[pyo3(
+        signature = (key, out = None, priority = 0, ignore_sparse = None),
+        text_signature = "(self, key, out=None, priority=0, ignore_sparse=True)"
+    )]
     pub(crate) fn pull(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
         out: Option<&Bound<'_, PyAny>>,
         priority: i32,
-        ignore_sparse: bool,
+        ignore_sparse: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = ignore_sparse;
         match self.pull_given(py, key, out, priority) {
@@ -223,8 +228,30 @@ impl KVStore {
         out: &Bound<'_, PyAny>,
         priority: i32,
     ) -> PyResult<()> {
+        // The outputs are checked against the values first, as the Rust `broadcast` checks
+        // them: a refused call stores nothing. (An output of another dtype is converted by the
+        // pull, as a pull's is.)
+        let k = keys(key)?;
+        let vals = per_key(&k, value, false, "value")?;
+        match per_key(&k, out, true, "out") {
+            Ok(outs) => {
+                for ((key, list), vs) in k.keys.iter().zip(&outs).zip(&vals) {
+                    let want = vs[0].array.shape();
+                    if let Some(o) = list.iter().find(|o| o.array.shape() != want) {
+                        return Err(PyValueError::new_err(format!(
+                            "key {key}: out has shape {:?}, the value {want:?}; nothing was \
+                             initialised",
+                            o.array.shape()
+                        )));
+                    }
+                }
+            }
+            Err(e) if e.is_instance_of::<crate::UnsupportedDType>(py) => {}
+            Err(e) => return Err(e),
+        }
+        drop(vals);
         self.init(py, key, value)?;
-        self.pull(py, key, Some(out), priority, true)
+        self.pull(py, key, Some(out), priority, None)
     }
 
     /// Runs a built-in optimizer (`kvstore.optimizer.SGD`, `NAG`, `Adam`, `AdaGrad`,
@@ -342,13 +369,21 @@ impl KVStore {
     /// Saves the built-in optimizer's state to a file (in a distributed store, the servers';
     /// call it on one worker), or a local store's updater's (its `get_states`, as MXNet's);
     /// with `dump_optimizer`, the optimizer too.
-    #[pyo3(signature = (fname, dump_optimizer = false))]
+    /// `dump_optimizer` is any object, taken by its truth (as MXNet's).
+    #[pyo3(
+        signature = (fname, dump_optimizer = None),
+        text_signature = "(self, fname, dump_optimizer=False)"
+    )]
     fn save_optimizer_states(
         &self,
         py: Python<'_>,
         fname: std::path::PathBuf,
-        dump_optimizer: bool,
+        dump_optimizer: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let dump_optimizer = match dump_optimizer {
+            Some(d) => d.is_truthy()?,
+            None => false,
+        };
         // The lock is let go before any Python runs (another thread may want it meanwhile).
         let updater = self.python_updater().as_ref().map(|u| u.clone_ref(py));
         if let Some(u) = updater {
@@ -447,7 +482,7 @@ impl KVStore {
         let t = std::time::Instant::now();
         for _ in 0..iters {
             self.push(py, key, value, 0)?;
-            self.pull(py, key, Some(out), 0, true)?;
+            self.pull(py, key, Some(out), 0, None)?;
         }
         Ok(t.elapsed().as_secs_f64())
     }

@@ -261,7 +261,9 @@ fn params(opt: &Optimizer, step: Step, stateful: bool) -> (u32, [f64; 12]) {
             1
         }
         Optimizer::Nag { momentum, .. } => {
-            own(&[momentum]);
+            // As the host's: 0 where the momentum is not positive (MXNet's NAG passes it
+            // only then).
+            own(&[if momentum > 0.0 { momentum } else { 0.0 }]);
             2
         }
         Optimizer::Adam {

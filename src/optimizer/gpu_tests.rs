@@ -206,9 +206,10 @@ fn a_key_moved_between_the_host_and_a_gpu_keeps_its_state() {
 #[test]
 #[ignore = "needs a GPU"]
 fn nag_on_a_gpu_runs_by_the_keys_state_as_the_host_whatever_its_momentum_becomes() {
-    // A key updated first with momentum 0 has no momentum state and runs sgd_update for good;
-    // one first updated with any other momentum (a negative one too) runs nag_mom_update, with
-    // the momentum as it is after a retune.
+    // A key updated first with momentum 0 has no momentum state and runs sgd_update, which
+    // refuses a momentum set later (on the GPU as on the host, changing nothing); one first
+    // updated with any other momentum (a negative one too) runs nag_mom_update, with the
+    // momentum where it is positive and 0 where not.
     needs_a_gpu();
     let dev = gpu(0);
     let n = (1 << 12) + 3;
@@ -230,10 +231,19 @@ fn nag_on_a_gpu_runs_by_the_keys_state_as_the_host_whatever_its_momentum_becomes
                 .map(|i| ((i * (s + 2)) as f64 * 0.71) % 5.0 - 2.5)
                 .collect();
             let g = array(DType::F32, &g);
-            host.update(&key, &g, &mut host_w).unwrap();
-            on_gpu
-                .update(&key, &g.copy_to(dev).unwrap(), &mut gpu_w)
-                .unwrap_or_else(|e| panic!("{what}, step {s}: {e}"));
+            if first == 0.0 && then > 0.0 && s >= 2 {
+                let on_host = host.update(&key, &g, &mut host_w).expect_err(&what);
+                let here = on_gpu
+                    .update(&key, &g.copy_to(dev).unwrap(), &mut gpu_w)
+                    .expect_err(&what);
+                assert_eq!(here.to_string(), on_host.to_string(), "{what}, step {s}");
+                assert!(here.to_string().contains("no momentum state"), "{here}");
+            } else {
+                host.update(&key, &g, &mut host_w).unwrap();
+                on_gpu
+                    .update(&key, &g.copy_to(dev).unwrap(), &mut gpu_w)
+                    .unwrap_or_else(|e| panic!("{what}, step {s}: {e}"));
+            }
             let got = gpu_w.copy_to(crate::cpu(0)).unwrap();
             assert_eq!(got.as_bytes(), host_w.as_bytes(), "{what}, step {s}");
         }

@@ -79,9 +79,10 @@ pub(super) fn update_typed<T: Element>(
         } => {
             // As MXNet's `SGD.update`: momentum is used only when it is positive. As its
             // `NAG.update`: a key with a momentum state (made at its first update where the
-            // momentum was not 0) runs nag_mom_update with the momentum as it is, one without
-            // runs sgd_update (whose kernel orders the step `(1 - lr * wd) * w - lr * g`, so
-            // the last bit may differ).
+            // momentum was not 0) runs nag_mom_update, with the momentum where it is positive
+            // and 0 where not (MXNet passes it only then); one without runs sgd_update (whose
+            // kernel orders the step `(1 - lr * wd) * w - lr * g`, so the last bit may
+            // differ).
             let nesterov = matches!(opt, Optimizer::Nag { .. }) && m.len() == weight.len();
             let plain = match opt {
                 Optimizer::Nag { .. } => !nesterov,
@@ -99,6 +100,7 @@ pub(super) fn update_typed<T: Element>(
                 // momentum with the weight decay of the weight just written (MXNet's NAG runs
                 // the kernel in place, `out=weight`, and it reads the weight back after
                 // writing it; so does its `mp_nag_mom_update`, on the master copy).
+                let momentum = if momentum > 0.0 { momentum } else { 0.0 };
                 for ((w, g), m) in weight.iter_mut().zip(grad).zip(m.iter_mut()) {
                     let wf = w.to_f64();
                     let g = prep(g.to_f64(), rescale_grad, clip_gradient);

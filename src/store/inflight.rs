@@ -9,8 +9,9 @@ impl KVStore {
     /// asynchronously). The values may be changed at once: a change makes a copy, and the
     /// call sends what was given. Calls reach the servers in the order they were started, and
     /// a pull of the key started after it sees it, waited for or not (in `dist_sync`, the
-    /// server answers that pull once the push's round is in). A second push of the key before
-    /// this one's round is in is refused in `dist_sync`: wait for this one first.
+    /// server answers that pull once the push's round is in). In `dist_sync` a second push of
+    /// the key before this one's round is in is held by the server for the next round; a
+    /// third is refused: wait for this one first.
     ///
     /// ```
     /// use kvstore::{create, NDArray};

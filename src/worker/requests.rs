@@ -246,6 +246,14 @@ impl DistWorker {
                     });
                 }
             }
+            if self.optimizer.is_some() && !info.dtype.is_float() {
+                // What the servers' optimizer would refuse, refused before any key of the
+                // call is sent (as a local store refuses it before any key is updated).
+                return Err(KvError::Updater {
+                    key: k.clone(),
+                    reason: format!("optimizers need a float dtype, not {}", info.dtype),
+                });
+            }
         }
         Ok(())
     }

@@ -27,7 +27,7 @@ pub(super) fn apply(
         Updater::Assign if sync => stored.copy_from(input),
         Updater::Assign => Err(KvError::Unsupported(
             "dist_async needs an updater on the servers: call set_optimizer or \
-             set_server_updater before pushing"
+             set_server_updater (in Python, set_optimizer or _set_updater) before pushing"
                 .into(),
         )),
         Updater::Optimizer(o) => o.update(&k, input, stored),
