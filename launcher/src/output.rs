@@ -52,6 +52,7 @@ pub(crate) fn forward(
     std::thread::spawn(move || {
         let mut r = BufReader::new(from);
         let mut line = Vec::new();
+        let mut after_cr = false;
         loop {
             line.clear();
             match next_piece(&mut r, &mut line) {
@@ -64,12 +65,7 @@ pub(crate) fn forward(
                     }
                 }
                 Ok(true) => {
-                    // The line's bytes as they came (not every program writes UTF-8), after
-                    // the prefix, in one write: lines of several processes never interleave.
-                    if !matches!(line.last(), Some(b'\n' | b'\r')) {
-                        line.push(b'\n');
-                    }
-                    line.splice(0..0, prefix.bytes());
+                    frame(&prefix, &mut line, &mut after_cr);
                     // Flushed: stdout holds what does not end in a newline (a redraw).
                     let _ = if to_stderr {
                         std::io::stderr().lock().write_all(&line)
@@ -81,6 +77,22 @@ pub(crate) fn forward(
             }
         }
     })
+}
+
+/// Makes `piece` what goes out, in one write (lines of several processes never interleave):
+/// its bytes as they came (not every program writes UTF-8) after the prefix, with a line end
+/// where the output ended without one. A lone `\n` just after a piece that ended in `\r` is
+/// the rest of a `\r\n` that two reads split: it goes out alone, not as an empty line.
+fn frame(prefix: &str, piece: &mut Vec<u8>, after_cr: &mut bool) {
+    let rest_of_crlf = *after_cr && piece.as_slice() == b"\n";
+    *after_cr = piece.last() == Some(&b'\r');
+    if rest_of_crlf {
+        return;
+    }
+    if !matches!(piece.last(), Some(b'\n' | b'\r')) {
+        piece.push(b'\n');
+    }
+    piece.splice(0..0, prefix.bytes());
 }
 
 #[cfg(test)]
@@ -115,5 +127,20 @@ mod tests {
                 b"last".to_vec(),
             ]
         );
+    }
+
+    #[test]
+    fn a_line_end_split_between_two_reads_is_one_line_end() {
+        let mut after_cr = false;
+        let out: Vec<Vec<u8>> = [&b"a\r"[..], b"\n", b"\n", b"b\r", b"c"]
+            .iter()
+            .map(|p| {
+                let mut p = p.to_vec();
+                frame("[w] ", &mut p, &mut after_cr);
+                p
+            })
+            .collect();
+        let want: [&[u8]; 5] = [b"[w] a\r", b"\n", b"[w] \n", b"[w] b\r", b"[w] c\n"];
+        assert_eq!(out, want);
     }
 }

@@ -37,14 +37,15 @@ differences from MXNet, each documented in README.md:
   the optimizer runs; a scheduler of your own is a TypeError) are MXNet's.
 """
 
+import warnings
 from typing import Any, Dict
 
 from . import lr_scheduler, optimizer
 from ._native import DTypeMismatch, KVStore, KVStoreError, PeerLost, Timeout, UnsupportedDType
 from ._native import create as _create
 
-__all__ = ["create", "DTypeMismatch", "KVStore", "KVStoreBase", "KVStoreError", "PeerLost", "Timeout",
-           "UnsupportedDType", "lr_scheduler", "optimizer"]
+__all__ = ["create", "DTypeMismatch", "KVStore", "KVStoreBase", "KVStoreError", "PeerLost", "TestStore",
+           "Timeout", "UnsupportedDType", "lr_scheduler", "optimizer"]
 
 
 class _StoreKind(type):
@@ -56,19 +57,104 @@ class _StoreKind(type):
 
 
 class KVStoreBase(metaclass=_StoreKind):
-    """MXNet's ``KVStoreBase``: the ``OPTIMIZER`` capability's name, and the registry of store
-    classes that ``create`` looks in first (``@KVStoreBase.register``); kvstore's own stores
-    are instances of it."""
+    """MXNet's ``KVStoreBase``: the interface a store class of your own implements (each
+    method raises NotImplementedError until it does), the ``OPTIMIZER`` capability's name, and
+    the registry of store classes that ``create`` looks in first (``@KVStoreBase.register``);
+    kvstore's own stores are instances of it."""
 
     OPTIMIZER = "optimizer"
     kv_registry: Dict[str, Any] = {}
 
+    def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        """Stores rank 0's ``value`` under ``key`` and writes it into ``out`` on every rank."""
+        raise NotImplementedError()
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> None:
+        """Sums ``value`` into the store and writes the result into ``out`` (or ``value``)."""
+        raise NotImplementedError()
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Runs ``optimizer`` where the store keeps its values."""
+        raise NotImplementedError()
+
+    def is_capable(self, capability: str) -> bool:
+        """Whether the store can do ``capability`` (``KVStoreBase.OPTIMIZER``)."""
+        raise NotImplementedError()
+
+    def save_optimizer_states(self, fname: Any, dump_optimizer: bool = False) -> None:
+        """Saves the optimizer's state (and the optimizer, with ``dump_optimizer``)."""
+        raise NotImplementedError()
+
+    def load_optimizer_states(self, fname: Any) -> None:
+        """Loads what ``save_optimizer_states`` saved."""
+        raise NotImplementedError()
+
+    @property
+    def type(self) -> str:
+        """The store's type name."""
+        raise NotImplementedError()
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank, from 0 to ``num_workers - 1``."""
+        raise NotImplementedError()
+
+    @property
+    def num_workers(self) -> int:
+        """The number of workers."""
+        raise NotImplementedError()
+
     @staticmethod
     def register(klass: Any) -> Any:
-        """Registers a store class under its lower-case name, for ``create``."""
+        """Registers a store class under its lower-case name, for ``create``; one that takes
+        the name of a class registered before replaces it, with a warning (as MXNet's)."""
         assert isinstance(klass, type)
-        KVStoreBase.kv_registry[klass.__name__.lower()] = klass
+        name = klass.__name__.lower()
+        if name in KVStoreBase.kv_registry:
+            old = KVStoreBase.kv_registry[name]
+            warnings.warn(f"WARNING: New kvstore {klass.__module__}.{klass.__name__} is "
+                          f"overriding existing kvstore {old.__module__}.{old.__name__}",
+                          stacklevel=2)
+        KVStoreBase.kv_registry[name] = klass
         return klass
+
+
+@KVStoreBase.register
+class TestStore(KVStoreBase):
+    """MXNet's ``TestStore`` (``create('teststore')``): one process, no stored values and no
+    optimizer; ``broadcast`` copies the value into the outputs, ``pushpull`` writes the sum of
+    the values into the outputs (or back into the values)."""
+
+    def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        for o in out if isinstance(out, list) else [out]:
+            o[...] = value
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> None:
+        values = value if isinstance(value, list) else [value]
+        total = values[0].copy()
+        for v in values[1:]:
+            total += v
+        targets = values if out is None else (out if isinstance(out, list) else [out])
+        for t in targets:
+            t[...] = total
+
+    @staticmethod
+    def is_capable(capability: str) -> bool:
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return False
+        raise ValueError(f"Unknown capability: {capability}")
+
+    @property
+    def type(self) -> str:
+        return "teststore"
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        return 1
 
 
 def create(name: str = "local") -> Any:

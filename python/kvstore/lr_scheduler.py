@@ -5,21 +5,30 @@ with a warm-up (``warmup_steps``, ``warmup_begin_lr``, ``warmup_mode``).
 Give one to an optimizer (``kvstore.optimizer.SGD(learning_rate=0.1,
 lr_scheduler=FactorScheduler(step=100, factor=0.9))``) and the store runs it at every update,
 where the optimizer runs: in a local store, or on every server of a distributed one, as MXNet's
-servers run the optimizer they were sent. The store runs the scheduler's rule in Rust, with
+servers run the optimizer they were sent. The store runs the scheduler's rule in Rust, from
 the state the object had when ``set_optimizer`` took it; calling the object yourself gives
 MXNet's rates too (``scheduler(num_update)``), as the optimizer's ``learning_rate`` does.
+
+As in MXNet, whose optimizer calls the object itself at every update, a change to the object
+(``scheduler.base_lr = 0.5``, say) applies from the next update on: the object first takes
+the state a local store running its optimizer has reached, then the change, and those stores
+take the result. (A distributed store's servers run the copy they were sent, as MXNet's.)
 
 A scheduler of your own (a subclass that overrides ``__call__``) cannot run in the store and
 is refused by the optimizer with a TypeError.
 """
 
+import contextlib
 import math
 import numbers
 import operator
-from typing import Any, Dict, List
+import weakref
+from typing import Any, Dict, Iterator, List
 
 __all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "PolyScheduler",
            "CosineScheduler"]
+
+_UNSET = object()
 
 
 class LRScheduler:
@@ -51,7 +60,87 @@ class LRScheduler:
         return self.warmup_begin_lr + span * float(num_update) / float(self.warmup_steps)
 
     def __call__(self, num_update: int) -> float:
-        raise NotImplementedError("a scheduler's __call__ gives its rate")
+        """The rate after ``num_update`` updates; the rule's progress (a factor passed, say) is
+        kept, as MXNet's. The object first takes the state that the stores running its
+        optimizer have reached, and they take what this call changes."""
+        self._catch_up()
+        before = self._state()
+        with self._stepping():
+            rate = self._rate(num_update)
+        if self._state() != before:
+            self._tell_owners()
+        return rate
+
+    def _rate(self, num_update: int) -> float:
+        raise NotImplementedError("a scheduler's rule gives its rate")
+
+    # The optimizers that hold this scheduler (weakly), whose stores run a copy of its state.
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or self.__dict__.get("_in_step") or not self._owners_now():
+            object.__setattr__(self, name, value)
+            return
+        self._catch_up()
+        old = self.__dict__.get(name, _UNSET)
+        object.__setattr__(self, name, value)
+        try:
+            self._tell_owners()
+        except BaseException:
+            # A value the stores refuse is not kept: the object stays what they run.
+            if old is _UNSET:
+                object.__delattr__(self, name)
+            else:
+                object.__setattr__(self, name, old)
+            self._tell_owners()
+            raise
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # A copy (copy, deepcopy, pickle) is held by no optimizer until one takes it.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_owners", "_in_step")}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+    def _owned_by(self, optimizer: Any) -> None:
+        if "_owners" not in self.__dict__:
+            object.__setattr__(self, "_owners", weakref.WeakSet())
+        self._owners.add(optimizer)
+
+    def _disowned_by(self, optimizer: Any) -> None:
+        if "_owners" in self.__dict__:
+            self._owners.discard(optimizer)
+
+    def _owners_now(self) -> List[Any]:
+        return list(self.__dict__.get("_owners", ()))
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        """The rule's own progress: not a change the stores are told of one by one."""
+        was = self.__dict__.get("_in_step", False)
+        object.__setattr__(self, "_in_step", True)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_in_step", was)
+
+    def _catch_up(self) -> None:
+        """Takes the state the local stores running its optimizers reached: the rule run at
+        their update count, as MXNet's optimizer ran the object at every update."""
+        counts = [store._optimizer_num_update(opt) for opt in self._owners_now()
+                  for store in opt._live_stores()]
+        n = max(counts, default=0)
+        if n > 0:
+            with self._stepping():
+                self._rate(n)
+
+    def _state(self) -> Dict[str, Any]:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()
+                if not k.startswith("_")}
+
+    def _tell_owners(self) -> None:
+        for opt in self._owners_now():
+            for store in opt._live_stores():
+                store._retune_optimizer(opt)
 
     def _spec(self) -> Dict[str, Any]:
         """What the store runs: the rule, the warm-up and the state reached."""
@@ -94,7 +183,7 @@ class FactorScheduler(LRScheduler):
         self.stop_factor_lr = stop_factor_lr
         self.count = 0
 
-    def __call__(self, num_update: int) -> float:
+    def _rate(self, num_update: int) -> float:
         if num_update < self.warmup_steps:
             return self.get_warmup_lr(num_update)
         while num_update > self.count + self.step:
@@ -132,7 +221,7 @@ class MultiFactorScheduler(LRScheduler):
         self.cur_step_ind = 0
         self.count = 0
 
-    def __call__(self, num_update: int) -> float:
+    def _rate(self, num_update: int) -> float:
         if num_update < self.warmup_steps:
             return self.get_warmup_lr(num_update)
         while self.cur_step_ind < len(self.step) and num_update > self.step[self.cur_step_ind]:
@@ -165,7 +254,7 @@ class _Decay(LRScheduler):
     def _decayed(self, after_warmup: int) -> float:
         raise NotImplementedError
 
-    def __call__(self, num_update: int) -> float:
+    def _rate(self, num_update: int) -> float:
         if num_update < self.warmup_steps:
             return self.get_warmup_lr(num_update)
         if num_update <= self.max_update:
@@ -230,4 +319,4 @@ def _runnable(s: Any) -> bool:
     kinds = [k for k in _RULES if isinstance(s, k)]
     return bool(kinds) and all(
         getattr(type(s), m) is getattr(kinds[0], m)
-        for m in ("__call__", "get_warmup_lr", "_decayed") if hasattr(kinds[0], m))
+        for m in ("__call__", "_rate", "get_warmup_lr", "_decayed") if hasattr(kinds[0], m))

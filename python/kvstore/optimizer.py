@@ -108,8 +108,13 @@ class Optimizer:
         if sym is not None or param_dict:
             raise ValueError("multipliers read from a symbol or a parameter dict (sym, "
                              "param_dict) are not supported: use set_lr_mult and set_wd_mult")
-        if not isinstance(begin_num_update, int) or isinstance(begin_num_update, bool):
-            raise TypeError("begin_num_update is an int")
+        # Any whole number (an int, a numpy integer, 3.0), as MXNet takes it.
+        whole = isinstance(begin_num_update, numbers.Integral) or (
+            isinstance(begin_num_update, numbers.Real)
+            and float(begin_num_update).is_integer())
+        if isinstance(begin_num_update, bool) or not whole:
+            raise TypeError(f"begin_num_update is a whole number, not {begin_num_update!r}")
+        begin_num_update = int(begin_num_update)
         if not 0 <= begin_num_update <= 2**53:
             raise ValueError("begin_num_update must be from 0 to 2**53")
         if param_idx2name is not None and not isinstance(param_idx2name, dict):
@@ -255,6 +260,13 @@ class Optimizer:
                 for store in self._live_stores():
                     store._retune_optimizer(self)
             raise
+        if name == "lr_scheduler":
+            # The scheduler tells this optimizer's stores of its changes (as MXNet's optimizer
+            # calls the object itself at every update).
+            if old is not _UNSET and old is not None and old is not value:
+                old._disowned_by(self)
+            if value is not None:
+                value._owned_by(self)
 
     def __getstate__(self) -> Dict[str, Any]:
         # A copy (copy, deepcopy, pickle) runs in no store, and its dicts are its own.
@@ -265,6 +277,8 @@ class Optimizer:
         object.__setattr__(self, "_stores", weakref.WeakSet())
         for k, v in state.items():
             object.__setattr__(self, k, _Watched(self, k, v) if k in _WATCHED else v)
+        if state.get("lr_scheduler") is not None:
+            state["lr_scheduler"]._owned_by(self)
 
     # MXNet's extension point: an optimizer of your own subclasses Optimizer (or one of the
     # built-in ones), defines ``create_state`` and ``update`` on numpy arrays, and may be
@@ -311,6 +325,10 @@ class Optimizer:
         if self.multi_precision and weight.dtype == np.float16:
             master = weight.astype(np.float32)
             return (master, self.create_state(index, master))
+        if weight.dtype == np.float16:
+            warnings.warn("Accumulating with float16 in optimizer can lead to poor accuracy or "
+                          "slow convergence. Consider using multi_precision=True option of the "
+                          "optimizer", stacklevel=2)
         return self.create_state(index, weight)
 
     def update_multi_precision(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
@@ -323,6 +341,12 @@ class Optimizer:
             weight[...] = master.astype(np.float16)
         else:
             self.update(index, weight, grad, state)
+
+    def _set_current_context(self, device_id: int) -> None:
+        """Counts updates per device from now on (MXNet's, which its Updater calls for each
+        array's device): ``device_id``'s counts are the ones ``_update_count`` moves."""
+        counts = self.__dict__.setdefault("_all_index_update_counts", {})
+        self._index_update_count = counts.setdefault(device_id, {})
 
     def _update_count(self, index: Any) -> None:
         """Counts an update of each index (MXNet's): ``num_update`` is the most any has had."""
@@ -377,6 +401,9 @@ class Optimizer:
         params["begin_num_update"] = self.begin_num_update
         params["multi_precision"] = bool(self.multi_precision)
         if self.lr_scheduler is not None:
+            # The scheduler as far as the stores running it have taken it (a store given an
+            # older state would step back to it).
+            self.lr_scheduler._catch_up()
             # The rate to start from is the scheduler's (which a learning_rate given at
             # construction replaced).
             params["learning_rate"] = self.lr_scheduler.base_lr
@@ -396,9 +423,14 @@ def _check_scheduler(s: Any) -> None:
                         f"{type(s).__name__}")
 
 
-def _mults(d: Dict[Any, float]) -> Dict[Any, float]:
+def _mults(d: Any) -> Dict[Any, float]:
+    # A dict, or what dict() takes (pairs), as MXNet's dict.update takes them.
     if not isinstance(d, dict):
-        raise TypeError("multipliers are a dict of keys or parameter names to factors")
+        try:
+            d = dict(d)
+        except (TypeError, ValueError):
+            raise TypeError("multipliers are a dict (or pairs) of keys or parameter names to "
+                            "factors") from None
     return {k: float(v) for k, v in d.items()}
 
 

@@ -19,9 +19,12 @@ pub(crate) fn is_list(obj: &Bound<'_, PyAny>) -> bool {
 
 pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
     if let Ok(i) = obj.cast_exact::<PyInt>() {
-        if let Ok(i) = i.extract::<i64>() {
-            return Ok(Key::Int(i));
-        }
+        return match i.extract::<i64>() {
+            Ok(i) => Ok(Key::Int(i)),
+            Err(_) => Err(pyo3::exceptions::PyOverflowError::new_err(format!(
+                "an int key is from -2**63 to 2**63 - 1, not {i}"
+            ))),
+        };
     }
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(Key::Str(s.to_str()?.to_string()));

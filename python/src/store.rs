@@ -156,7 +156,7 @@ impl KVStore {
     /// nothing: arrays here are dense.
     #[pyo3(
         signature = (key, out = None, priority = 0, ignore_sparse = None),
-        text_signature = "(self, key, out=None, priority=0, ignore_sparse=True)"
+        text_signature = "($self, /, key, out=None, priority=0, ignore_sparse=True)"
     )]
     pub(crate) fn pull(
         &self,
@@ -372,7 +372,7 @@ impl KVStore {
     /// `dump_optimizer` is any object, taken by its truth (as MXNet's).
     #[pyo3(
         signature = (fname, dump_optimizer = None),
-        text_signature = "(self, fname, dump_optimizer=False)"
+        text_signature = "($self, /, fname, dump_optimizer=False)"
     )]
     fn save_optimizer_states(
         &self,

@@ -165,6 +165,58 @@ def test_a_store_is_a_kvstorebase_as_in_mxnet():
         pass
 
     assert isinstance(kvstore.create("mine"), kvstore.KVStoreBase)
+    # MXNet's interface: each method raises NotImplementedError until a store implements it.
+    with pytest.raises(NotImplementedError):
+        kvstore.create("mine").pushpull(0, np.ones(1))
+    with pytest.raises(NotImplementedError):
+        kvstore.create("mine").rank
+    # A class registered under a taken name replaces it, with MXNet's warning.
+    with pytest.warns(UserWarning, match="overriding existing kvstore"):
+        @kvstore.KVStoreBase.register
+        class mine(kvstore.KVStoreBase):  # noqa: N801
+            pass
+    assert type(kvstore.create("MINE")) is mine
+    # MXNet's TestStore: no values kept; broadcast copies, pushpull sums.
+    t = kvstore.create("teststore")
+    assert (t.type, t.rank, t.num_workers, t.is_capable("optimizer")) == ("teststore", 0, 1,
+                                                                          False)
+    outs = [np.zeros(2), np.zeros(2)]
+    t.broadcast(0, np.full(2, 3.0), out=outs)
+    assert all((o == 3).all() for o in outs)
+    vs = [np.ones(2), np.full(2, 2.0)]
+    t.pushpull(0, vs)
+    assert all((v == 3).all() for v in vs)
+    t.pushpull(0, [np.ones(2), np.ones(2)], out=outs)
+    assert all((o == 2).all() for o in outs)
+
+
+def test_a_refused_call_changes_nothing_it_did_not_do(kv):
+    # A refused broadcast initialises nothing: its output is checked first.
+    with pytest.raises(ValueError, match="nothing was initialised"):
+        kv.broadcast(5, np.ones((2, 3)), out=np.zeros((3, 3)))
+    b = np.zeros((2, 3))
+    kv.broadcast(5, np.ones((2, 3)), out=b)
+    assert (b == 1).all()
+    # A refused pull does not choose the store's kind of keys: only keys stored do.
+    fresh = kvstore.create()
+    with pytest.raises(KeyError):
+        fresh.pull("w", out=np.zeros(1))
+    fresh.init(3, np.ones(1))
+    with pytest.raises(TypeError, match="integer keys or string keys"):
+        fresh.init("w", np.ones(1))
+
+
+def test_flags_are_taken_by_their_truth_as_mxnet_s(kv, tmp_path):
+    # MXNet passes ignore_sparse and dump_optimizer through ctypes.c_bool and `if`: any object.
+    out = np.zeros(SHAPE, dtype=np.float32)
+    kv.pull(3, out=out, ignore_sparse=0)
+    kv.pull(3, out=out, ignore_sparse=None)
+    kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1))
+    kv.save_optimizer_states(str(tmp_path / "a"), dump_optimizer=1)
+    kv.save_optimizer_states(str(tmp_path / "b"), dump_optimizer=0)
+    assert (tmp_path / "a").read_bytes() != (tmp_path / "b").read_bytes()
+    kv.save_optimizer_states(str(tmp_path / "c"), dump_optimizer=True)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "c").read_bytes()
 
 
 def test_string_keys():
@@ -183,6 +235,13 @@ def test_errors_are_python_exceptions(kv):
         kv.push(99, np.ones(SHAPE, dtype=np.float32))
     with pytest.raises(KeyError):
         kv.pull(99, out=np.zeros(SHAPE, dtype=np.float32))
+    # An int key beyond 64 bits is too large (the message says so), however it is passed.
+    for call in (lambda: kv.push(2**70, np.ones(SHAPE, dtype=np.float32)),
+                 lambda: kv.pull(2**70, out=np.zeros(SHAPE, dtype=np.float32)),
+                 lambda: kv.push([2**70], [np.ones(SHAPE, dtype=np.float32)]),
+                 lambda: kv.pushpull(-2**64, np.ones(SHAPE, dtype=np.float32))):
+        with pytest.raises(OverflowError, match="2\\*\\*63"):
+            call()
     with pytest.raises(ValueError, match="shape"):
         kv.push(3, np.ones((3, 2), dtype=np.float32))
     with pytest.raises(ValueError, match="shape"):

@@ -88,6 +88,43 @@ def test_a_change_to_other_parameters_keeps_the_scheduler_where_it_stands():
     np.testing.assert_allclose(grad_steps(kv, 0, 1), 0.3, rtol=0, atol=1e-15)
 
 
+def test_a_change_to_the_scheduler_applies_from_the_next_update_as_mxnet_s():
+    # MXNet's optimizer calls the scheduler object at every update: a change to it applies to
+    # the next update, from the state the updates had reached.
+    s = lrs.FactorScheduler(step=2, factor=0.5, base_lr=1.0)
+    o = opt.SGD(lr_scheduler=s)
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    kv.set_optimizer(o)
+    # Rates 1, 1, 0.5, 0.5, 0.25 (MXNet's FactorScheduler at updates 1 to 5).
+    assert grad_steps(kv, 0, 5)[0] == 3.25
+    # The object takes the state the store reached (count 4, base_lr 0.25), then the change.
+    s.base_lr = 2.0
+    assert (s.count, s.base_lr) == (4, 2.0)
+    # Update 6: 2.0; update 7 passes another step: 1.0.
+    assert grad_steps(kv, 0, 2)[0] == 3.25 + 3.0
+    # Reading the rate, then changing another parameter, does not step the schedule back.
+    assert o.learning_rate == 1.0
+    o.wd = 0.0
+    assert grad_steps(kv, 0, 2)[0] == 3.25 + 3.0 + 1.0 + 0.5
+    # A value the store refuses is not kept.
+    p = lrs.PolyScheduler(10, base_lr=0.5)
+    o2 = opt.SGD(lr_scheduler=p)
+    kv2 = kvstore.create()
+    kv2.init(0, np.zeros(2))
+    kv2.set_optimizer(o2)
+    with pytest.raises(ValueError, match="max_steps"):
+        p.max_update = 20
+    assert p.max_update == 10
+    assert grad_steps(kv2, 0, 1)[0] == 0.5 * (1 - 1 / 10) ** 2
+    # A copy of the optimizer holds a copy of the scheduler, which changes nothing here.
+    import copy
+    c = copy.deepcopy(o)
+    assert c.lr_scheduler is not s
+    c.lr_scheduler.base_lr = 100.0
+    assert grad_steps(kv, 0, 1)[0] == 3.25 + 3.0 + 1.0 + 0.5 + 0.5
+
+
 def test_the_store_runs_the_rates_the_python_objects_give():
     # Random schedulers through a local store (SGD on gradients of -1 adds each rate to the
     # weight, in float64), against the same objects' own rates summed in the same order.
@@ -169,6 +206,9 @@ def test_schedulers_the_store_cannot_run_are_refused():
     assert opt.SGD(lr_scheduler=Named(5)).lr_scheduler.max_update == 5
     with pytest.raises(TypeError):
         opt.SGD(begin_num_update=1.5)
+    # Any whole number, as MXNet takes it.
+    for n in (np.int64(3), 3.0, np.float32(3)):
+        assert opt.SGD(begin_num_update=n).begin_num_update == 3
     with pytest.raises(ValueError):
         opt.SGD(begin_num_update=2**53 + 1)
     # A decay whose attributes no longer agree (changed after it was made) cannot run.

@@ -173,8 +173,6 @@ def test_per_parameter_multipliers_as_mxnet_s():
     o.lr_mult |= {"fc1_weight": 2.0}
     assert o.lr_mult["fc1_weight"] == 2.0 and c.lr_mult["fc1_weight"] == 9.0
     with pytest.raises(TypeError):
-        o.set_lr_mult([("fc1_weight", 2.0)])
-    with pytest.raises(TypeError):
         kv.set_optimizer(opt.SGD(param_idx2name={(0, 1): "w"}))
 
 
@@ -295,3 +293,54 @@ def test_a_forked_child_reads_and_sets_its_optimizer_alone():
     assert msg == f"0 {o.lr_scheduler(0)} 0.25", msg
     kv.push(0, np.ones(4))
     assert o.num_update == 2 and o.wd == 0.0
+
+
+def test_momentum_rules_as_mxnet_s_sgd_and_nag():
+    # A key first updated with momentum 0 has no momentum state: MXNet's sgd_update then
+    # refuses a momentum, and so does the store, changing nothing.
+    for cls in (opt.SGD, opt.NAG):
+        o = cls(learning_rate=1.0)
+        kv = kvstore.create()
+        kv.init(0, np.zeros(1))
+        kv.set_optimizer(o)
+        kv.push(0, np.ones(1))
+        o.momentum = 0.9
+        with pytest.raises(kvstore.KVStoreError, match="no momentum state"):
+            kv.push(0, np.ones(1))
+        out = np.zeros(1)
+        kv.pull(0, out=out)
+        assert out[0] == -1.0
+    # MXNet's NAG passes a momentum that is not positive as 0: plain steps.
+    kv = kvstore.create()
+    kv.init(0, np.zeros(1))
+    kv.set_optimizer(opt.NAG(learning_rate=1.0, momentum=-0.5))
+    for _ in range(3):
+        kv.push(0, np.ones(1))
+    out = np.zeros(1)
+    kv.pull(0, out=out)
+    assert out[0] == -3.0
+
+
+def test_mxnet_s_smaller_optimizer_calls():
+    o = opt.SGD()
+    # set_lr_mult and set_wd_mult take what dict.update takes, as MXNet's.
+    o.set_lr_mult([(0, 2.0), ("b", 0.5)])
+    o.set_wd_mult(iter([(1, 0.0)]))
+    assert (o.lr_mult, o.wd_mult) == ({0: 2.0, "b": 0.5}, {1: 0.0})
+    with pytest.raises(TypeError, match="multipliers"):
+        o.set_lr_mult(3)
+    # _set_current_context: the update counts of another device.
+    o._update_count(0)
+    o._set_current_context(1)
+    o._update_count(0)
+    o._update_count(0)
+    assert o._all_index_update_counts == {0: {0: 1}, 1: {0: 2}}
+
+
+def test_an_optimizer_of_ones_own_warns_of_float16_as_mxnet_s():
+    class Plain(opt.Optimizer):
+        def update(self, index, weight, grad, state):
+            weight[...] -= self._get_lr(index) * grad
+
+    with pytest.warns(UserWarning, match="Accumulating with float16"):
+        Plain().create_state_multi_precision(0, np.ones(2, dtype=np.float16))
