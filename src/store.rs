@@ -355,14 +355,21 @@ impl KVStore {
     }
 
     /// After a call that stores `keys` (of `kind`): the store's keys are of that kind from now
-    /// on, where the call succeeded or stored any of them before it failed.
+    /// on, where the call succeeded or may have stored any of them before it failed (a local
+    /// store knows; a distributed one's servers may hold some once its own checks passed).
     fn keep_kind<'a, R>(
         &mut self,
         kind: Option<KeyKind>,
         mut keys: impl Iterator<Item = &'a Key>,
         r: &Result<R>,
     ) {
-        if r.is_ok() || keys.any(|k| self.key_info(k.clone()).is_ok()) {
+        let stored = match r {
+            Ok(_) => true,
+            Err(KvError::DoubleInit(_) | KvError::Unsupported(_)) => false,
+            Err(_) if matches!(self.inner, Inner::Dist(_)) => true,
+            Err(_) => keys.any(|k| self.key_info(k.clone()).is_ok()),
+        };
+        if stored {
             self.key_kind = kind;
         }
     }

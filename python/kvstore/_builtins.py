@@ -25,8 +25,9 @@ class SGD(Optimizer):
 
 class NAG(Optimizer):
     """Nesterov accelerated gradient (MXNet's ``NAG(momentum=0.0, **kwargs)``, its
-    ``nag_mom_update``; without momentum, plain SGD: as MXNet's, for good for a key whose
-    momentum was 0 at its first update). Its update runs on the host."""
+    ``nag_mom_update``, a momentum that is not positive taken as 0). As MXNet's, a key whose
+    momentum was 0 at its first update has no momentum state and takes plain SGD steps; a
+    positive momentum set later fails its updates, as MXNet's ``sgd_update`` refuses it."""
 
     name = "nag"
 

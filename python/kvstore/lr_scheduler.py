@@ -22,13 +22,16 @@ import contextlib
 import math
 import numbers
 import operator
+import threading
 import weakref
 from typing import Any, Dict, Iterator, List
 
 __all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "PolyScheduler",
            "CosineScheduler"]
 
-_UNSET = object()
+# One lock for every scheduler's state: a change, a rate and a catch-up each see and leave a
+# whole state, whichever thread makes them. It is never held while a store is called.
+_LOCK = threading.RLock()
 
 
 class LRScheduler:
@@ -63,33 +66,49 @@ class LRScheduler:
         """The rate after ``num_update`` updates; the rule's progress (a factor passed, say) is
         kept, as MXNet's. The object first takes the state that the stores running its
         optimizer have reached, and they take what this call changes."""
-        self._catch_up()
-        before = self._state()
-        with self._stepping():
-            rate = self._rate(num_update)
-        if self._state() != before:
+        counts = self._store_counts()
+        with _LOCK:
+            self._reach(counts)
+            before = self._state()
+            with self._stepping():
+                rate = self._rate(num_update)
+            changed = self._state() != before
+        if changed:
             self._tell_owners()
         return rate
 
     def _rate(self, num_update: int) -> float:
         raise NotImplementedError("a scheduler's rule gives its rate")
 
-    # The optimizers that hold this scheduler (weakly), whose stores run a copy of its state.
+    def _reached_at(self, n: int) -> None:
+        """Takes the state the rule reaches after ``n`` updates, one at a time."""
+        self._rate(n)
+
+    # The optimizers that hold this scheduler (weakly), whose stores run a copy of its state,
+    # are told of each change made from outside the rule.
     def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_") or self.__dict__.get("_in_step") or not self._owners_now():
+        if name.startswith("_"):
             object.__setattr__(self, name, value)
             return
-        self._catch_up()
-        old = self.__dict__.get(name, _UNSET)
-        object.__setattr__(self, name, value)
+        with _LOCK:
+            if self.__dict__.get("_in_step") or not self._owners_now():
+                object.__setattr__(self, name, value)
+                return
+        counts = self._store_counts()
+        with _LOCK:
+            self._reach(counts)
+            before = self._state()
+            object.__setattr__(self, name, value)
         try:
             self._tell_owners()
         except BaseException:
-            # A value the stores refuse is not kept: the object stays what they run.
-            if old is _UNSET:
-                object.__delattr__(self, name)
-            else:
-                object.__setattr__(self, name, old)
+            # A value the stores refuse is not kept, nor what it changed on the way (a
+            # catch-up run with it): the object stays what they run.
+            with _LOCK:
+                for k in [k for k in self.__dict__ if not k.startswith("_")]:
+                    object.__delattr__(self, k)
+                for k, v in before.items():
+                    object.__setattr__(self, k, v)
             self._tell_owners()
             raise
 
@@ -102,20 +121,23 @@ class LRScheduler:
             object.__setattr__(self, k, v)
 
     def _owned_by(self, optimizer: Any) -> None:
-        if "_owners" not in self.__dict__:
-            object.__setattr__(self, "_owners", weakref.WeakSet())
-        self._owners.add(optimizer)
+        with _LOCK:
+            if "_owners" not in self.__dict__:
+                object.__setattr__(self, "_owners", weakref.WeakSet())
+            self._owners.add(optimizer)
 
     def _disowned_by(self, optimizer: Any) -> None:
-        if "_owners" in self.__dict__:
-            self._owners.discard(optimizer)
+        with _LOCK:
+            if "_owners" in self.__dict__:
+                self._owners.discard(optimizer)
 
     def _owners_now(self) -> List[Any]:
-        return list(self.__dict__.get("_owners", ()))
+        with _LOCK:
+            return list(self.__dict__.get("_owners", ()))
 
     @contextlib.contextmanager
     def _stepping(self) -> Iterator[None]:
-        """The rule's own progress: not a change the stores are told of one by one."""
+        """The rule's own progress (under the lock): not a change the stores are told of."""
         was = self.__dict__.get("_in_step", False)
         object.__setattr__(self, "_in_step", True)
         try:
@@ -123,15 +145,26 @@ class LRScheduler:
         finally:
             object.__setattr__(self, "_in_step", was)
 
-    def _catch_up(self) -> None:
-        """Takes the state the local stores running its optimizers reached: the rule run at
-        their update count, as MXNet's optimizer ran the object at every update."""
-        counts = [store._optimizer_num_update(opt) for opt in self._owners_now()
-                  for store in opt._live_stores()]
+    def _store_counts(self) -> List[int]:
+        """The update counts of the local stores running its optimizers (asked without the
+        lock: a store may be busy)."""
+        return [store._optimizer_num_update(opt) for opt in self._owners_now()
+                for store in opt._live_stores()]
+
+    def _reach(self, counts: List[int]) -> None:
+        """Takes the state those stores reached (under the lock), as MXNet's optimizer ran the
+        object at every update: once per count reached (run again at the same count, a decay
+        would recompute its rate with what was changed since, which MXNet's object, past
+        that update, never does)."""
         n = max(counts, default=0)
-        if n > 0:
-            with self._stepping():
-                self._rate(n)
+        with _LOCK:
+            if n > self.__dict__.get("_at", 0):
+                with self._stepping():
+                    self._reached_at(n)
+                object.__setattr__(self, "_at", n)
+
+    def _catch_up(self) -> None:
+        self._reach(self._store_counts())
 
     def _state(self) -> Dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()
@@ -253,6 +286,10 @@ class _Decay(LRScheduler):
 
     def _decayed(self, after_warmup: int) -> float:
         raise NotImplementedError
+
+    def _reached_at(self, n: int) -> None:
+        # Past max_update each update keeps the rate computed at max_update.
+        self._rate(min(n, self.max_update))
 
     def _rate(self, num_update: int) -> float:
         if num_update < self.warmup_steps:

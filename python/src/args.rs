@@ -54,8 +54,12 @@ pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<KeyArg> {
     }
 }
 
-/// One array or a list of arrays.
-fn arrays(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Vec<Lent>> {
+/// One array or a list of arrays, each made by `leaf` (its object and its name).
+fn arrays<T>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    leaf: &impl Fn(&Bound<'_, PyAny>, &str) -> PyResult<T>,
+) -> PyResult<Vec<T>> {
     if is_list(obj) {
         let mut out = Vec::new();
         for (i, a) in obj.try_iter()?.enumerate() {
@@ -65,14 +69,14 @@ fn arrays(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Vec<Le
                     "{what}[{i}] is a list; a single key takes an array or a list of arrays"
                 )));
             }
-            out.push(lend(&a, writable, &format!("{what}[{i}]"))?);
+            out.push(leaf(&a, &format!("{what}[{i}]"))?);
         }
         if out.is_empty() {
             return Err(PyValueError::new_err(format!("{what} is an empty list")));
         }
         Ok(out)
     } else {
-        Ok(vec![lend(obj, writable, what)?])
+        Ok(vec![leaf(obj, what)?])
     }
 }
 
@@ -84,12 +88,22 @@ pub(crate) fn per_key(
     writable: bool,
     what: &str,
 ) -> PyResult<Vec<Vec<Lent>>> {
+    per_key_with(keys, obj, what, |a, name| lend(a, writable, name))
+}
+
+/// [`per_key`]'s pairing, each array made by `leaf` (its object and its name).
+pub(crate) fn per_key_with<T>(
+    keys: &KeyArg,
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    leaf: impl Fn(&Bound<'_, PyAny>, &str) -> PyResult<T>,
+) -> PyResult<Vec<Vec<T>>> {
     if !keys.list {
-        return Ok(vec![arrays(obj, writable, what)?]);
+        return Ok(vec![arrays(obj, what, &leaf)?]);
     }
     if !is_list(obj) {
         if keys.keys.len() == 1 {
-            return Ok(vec![arrays(obj, writable, what)?]);
+            return Ok(vec![arrays(obj, what, &leaf)?]);
         }
         return Err(PyValueError::new_err(format!(
             "{} keys but one {what}: give a list with one entry per key",
@@ -107,7 +121,7 @@ pub(crate) fn per_key(
     items
         .iter()
         .enumerate()
-        .map(|(i, it)| arrays(it, writable, &format!("{what}[{i}]")))
+        .map(|(i, it)| arrays(it, &format!("{what}[{i}]"), &leaf))
         .collect()
 }
 

@@ -229,25 +229,28 @@ impl KVStore {
         priority: i32,
     ) -> PyResult<()> {
         // The outputs are checked against the values first, as the Rust `broadcast` checks
-        // them: a refused call stores nothing. (An output of another dtype is converted by the
-        // pull, as a pull's is.)
+        // them: a refused call stores nothing. An output of another dtype is converted by the
+        // pull, as a pull's is; one whose dtype cannot be lent is checked by its shape alone.
         let k = keys(key)?;
         let vals = per_key(&k, value, false, "value")?;
-        match per_key(&k, out, true, "out") {
-            Ok(outs) => {
-                for ((key, list), vs) in k.keys.iter().zip(&outs).zip(&vals) {
-                    let want = vs[0].array.shape();
-                    if let Some(o) = list.iter().find(|o| o.array.shape() != want) {
-                        return Err(PyValueError::new_err(format!(
-                            "key {key}: out has shape {:?}, the value {want:?}; nothing was \
-                             initialised",
-                            o.array.shape()
-                        )));
+        let shapes =
+            crate::args::per_key_with(&k, out, "out", |o, name| {
+                match crate::arrays::lend(o, true, name) {
+                    Ok(lent) => Ok(lent.array.shape().to_vec()),
+                    Err(e) if e.is_instance_of::<crate::UnsupportedDType>(py) => {
+                        o.getattr("shape")?.extract::<Vec<usize>>()
                     }
+                    Err(e) => Err(e),
                 }
+            })?;
+        for ((key, list), vs) in k.keys.iter().zip(&shapes).zip(&vals) {
+            let want = vs[0].array.shape();
+            if let Some(got) = list.iter().find(|s| s.as_slice() != want) {
+                return Err(PyValueError::new_err(format!(
+                    "key {key}: out has shape {got:?}, the value {want:?}; nothing was \
+                     initialised"
+                )));
             }
-            Err(e) if e.is_instance_of::<crate::UnsupportedDType>(py) => {}
-            Err(e) => return Err(e),
         }
         drop(vals);
         self.init(py, key, value)?;

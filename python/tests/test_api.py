@@ -194,9 +194,18 @@ def test_a_refused_call_changes_nothing_it_did_not_do(kv):
     # A refused broadcast initialises nothing: its output is checked first.
     with pytest.raises(ValueError, match="nothing was initialised"):
         kv.broadcast(5, np.ones((2, 3)), out=np.zeros((3, 3)))
+    # So is an output of a dtype the store cannot lend (converted when the shape is right).
+    with pytest.raises(ValueError, match="nothing was initialised"):
+        kv.broadcast(5, np.ones((2, 3), dtype=np.float32), out=np.zeros((3, 3), dtype=np.int8))
+    with pytest.raises(ValueError, match="nothing was initialised"):
+        kv.broadcast([6, 7], [np.ones(2, dtype=np.float32)] * 2,
+                     out=[np.zeros(2, dtype=np.int8), np.zeros(5, dtype=np.float32)])
     b = np.zeros((2, 3))
     kv.broadcast(5, np.ones((2, 3)), out=b)
     assert (b == 1).all()
+    i8 = np.zeros(2, dtype=np.int8)
+    kv.broadcast([6, 7], [np.ones(2, dtype=np.float32)] * 2, out=[i8, np.zeros(2, np.float32)])
+    assert (i8 == 1).all()
     # A refused pull does not choose the store's kind of keys: only keys stored do.
     fresh = kvstore.create()
     with pytest.raises(KeyError):

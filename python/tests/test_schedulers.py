@@ -125,6 +125,66 @@ def test_a_change_to_the_scheduler_applies_from_the_next_update_as_mxnet_s():
     assert grad_steps(kv, 0, 1)[0] == 3.25 + 3.0 + 1.0 + 0.5 + 0.5
 
 
+def test_a_refused_scheduler_change_leaves_the_object_and_the_stores_as_they_were():
+    # Refused after the store ran updates: what the catch-up did with the bad value is undone
+    # too, and the store keeps its rate.
+    s = lrs.FactorScheduler(step=10, factor=0.5, base_lr=1.0)
+    o = opt.SGD(lr_scheduler=s)
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    kv.set_optimizer(o)
+    assert grad_steps(kv, 0, 5)[0] == 5.0
+    for bad in (0, -1):
+        with pytest.raises((kvstore.KVStoreError, OverflowError), match="step|negative"):
+            s.step = bad
+        assert (s.step, s.base_lr, s.count) == (10, 1.0, 0)
+        assert grad_steps(kv, 0, 1)[0] == 6.0 + (bad == -1)
+    # A decay past max_update: the object takes the rate the store kept (the last computed),
+    # and a refused change keeps it.
+    p = lrs.PolyScheduler(10, base_lr=0.5, final_lr=0.001, pwr=1)
+    o2 = opt.SGD(lr_scheduler=p)
+    kv2 = kvstore.create()
+    kv2.init(0, np.zeros(2))
+    kv2.set_optimizer(o2)
+    w = grad_steps(kv2, 0, 15)[0]
+    with pytest.raises(ValueError, match="max_steps"):
+        p.max_update = 20
+    assert grad_steps(kv2, 0, 1)[0] == w + 0.001
+    p.final_lr = 0.0005  # past max_update the rate stays what it was, as MXNet's object's
+    assert (p.base_lr, grad_steps(kv2, 0, 1)[0]) == (0.001, w + 0.002)
+
+
+def test_threads_reading_and_changing_a_scheduler_leave_it_whole():
+    import sys
+    import threading
+    s = lrs.FactorScheduler(step=3, factor=0.9, base_lr=0.1)
+    o = opt.SGD(lr_scheduler=s)
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    kv.set_optimizer(o)
+    grad_steps(kv, 0, 2)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def read(k):
+            for i in range(300):
+                s(i % 7 + k)
+                o.learning_rate
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for _ in range(100):
+            s.stop_factor_lr = 1e-8
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not s.__dict__.get("_in_step")
+    w = grad_steps(kv, 0, 0)[0]
+    s.base_lr = 5.0  # heard by the store: a step of 5 next
+    assert grad_steps(kv, 0, 1)[0] == w + 5.0
+
+
 def test_the_store_runs_the_rates_the_python_objects_give():
     # Random schedulers through a local store (SGD on gradients of -1 adds each rate to the
     # weight, in float64), against the same objects' own rates summed in the same order.
