@@ -51,6 +51,7 @@ class Updater:
                 self._runner.update(i, g, w)
                 continue
             opt = self.optimizer
+            assert opt is not None  # (an optimizer of one's own is never let go of)
             if i not in self.states:
                 self.states[i] = opt.create_state_multi_precision(i, w)
                 self.states_synced[i] = True

@@ -124,12 +124,12 @@ class LRScheduler:
         with _LOCK:
             if "_owners" not in self.__dict__:
                 object.__setattr__(self, "_owners", weakref.WeakSet())
-            self._owners.add(optimizer)
+            self.__dict__["_owners"].add(optimizer)
 
     def _disowned_by(self, optimizer: Any) -> None:
         with _LOCK:
             if "_owners" in self.__dict__:
-                self._owners.discard(optimizer)
+                self.__dict__["_owners"].discard(optimizer)
 
     def _owners_now(self) -> List[Any]:
         with _LOCK:

@@ -97,6 +97,8 @@ class Optimizer:
 
     name = ""
     _default_lr = 0.01
+    # The stores (and updaters) that run this object in this process (``_stores_pid``'s).
+    _stores: "weakref.WeakSet[Any]"
 
     def __init__(self, rescale_grad: float = 1.0, param_idx2name: Optional[Dict[int, str]] = None,
                  wd: float = 0.0, clip_gradient: Optional[float] = None,
@@ -168,6 +170,7 @@ class Optimizer:
         set."""
         if self.lr_scheduler is not None:
             return self.lr_scheduler(self.num_update)
+        assert self.lr is not None  # (None only where a scheduler gives the rate)
         return self.lr
 
     def set_learning_rate(self, lr: float) -> None:
@@ -356,7 +359,7 @@ class Optimizer:
             self._num_update = max(counts[i], self._num_update)
 
     def _get_lrs(self, indices: Any) -> Any:
-        lr = self.lr_scheduler(self.num_update) if self.lr_scheduler is not None else self.lr
+        lr = self.learning_rate
         return [lr * self._mult_of(self.lr_mult, i) for i in indices]
 
     def _get_lr(self, index: Any) -> float:
@@ -458,6 +461,6 @@ def create(name: str, **kwargs: Any) -> Optimizer:
 from ._updater import Updater, _updater_of_states, get_updater  # noqa: E402
 
 # They read as this module's, where MXNet has them (and pickles name them by it).
-for _k in (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam, ccSGD,
-           Test, Updater, _updater_of_states, get_updater):
-    _k.__module__ = __name__
+for _named in (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam,
+               ccSGD, Test, Updater, _updater_of_states, get_updater):
+    _named.__module__ = __name__
