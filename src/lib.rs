@@ -63,6 +63,9 @@ mod protocol;
 pub mod protocol;
 mod rdma;
 mod registry;
+/// kvrun's end of the channel on which a job's processes report to it: the launcher's, not an
+/// API.
+#[doc(hidden)]
 pub mod report;
 mod roles;
 mod rows;
