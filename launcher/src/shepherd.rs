@@ -43,10 +43,19 @@ impl Shepherd {
     }
 
     /// kvrun has stopped its children itself: the shepherd exits without killing anything.
+    /// It is waited for 5 s at most (a stopped shepherd is killed, not waited on forever).
     pub fn done(mut self) {
         let _ = writeln!(self.pipe, "done");
         let _ = self.pipe.flush();
         drop(self.pipe);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            match self.child.try_wait() {
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+                _ => return,
+            }
+        }
+        let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }

@@ -147,9 +147,16 @@ class LRScheduler:
 
     def _store_counts(self) -> List[int]:
         """The update counts of the local stores running its optimizers (asked without the
-        lock: a store may be busy)."""
-        return [store._optimizer_num_update(opt) for opt in self._owners_now()
-                for store in opt._live_stores()]
+        lock: a store may be busy); a store that refuses calls (fenced after an interrupt or
+        a panic) runs nothing more and is not counted."""
+        counts = []
+        for opt in self._owners_now():
+            for store in opt._live_stores():
+                try:
+                    counts.append(store._optimizer_num_update(opt))
+                except RuntimeError:
+                    pass
+        return counts
 
     def _reach(self, counts: List[int]) -> None:
         """Takes the state those stores reached (under the lock), as MXNet's optimizer ran the

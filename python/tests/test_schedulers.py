@@ -154,6 +154,27 @@ def test_a_refused_scheduler_change_leaves_the_object_and_the_stores_as_they_wer
     assert (p.base_lr, grad_steps(kv2, 0, 1)[0]) == (0.001, w + 0.002)
 
 
+def test_a_fenced_store_does_not_hold_up_its_scheduler_in_another_store():
+    # A store fenced by a panic runs nothing more: a second store given the same optimizer
+    # starts, and the scheduler's rates are read, without asking it.
+    s = lrs.FactorScheduler(step=2, factor=0.5, base_lr=1.0)
+    o = opt.SGD(lr_scheduler=s)
+    a = kvstore.create()
+    a.init(0, np.zeros(2))
+    a.set_optimizer(o)
+    grad_steps(a, 0, 3)
+    with pytest.raises(BaseException, match="_panic_in_a_call"):
+        a._panic_in_a_call(0, np.zeros(2))
+    with pytest.raises(RuntimeError):
+        a.push(0, np.ones(2))
+    b = kvstore.create()
+    b.init(0, np.zeros(2))
+    b.set_optimizer(o)
+    # The fenced store's count is gone with it: the object is where it was before.
+    assert (s.base_lr, s.count) == (1.0, 0)
+    assert grad_steps(b, 0, 3)[0] == 2.5
+
+
 def test_threads_reading_and_changing_a_scheduler_leave_it_whole():
     import sys
     import threading
