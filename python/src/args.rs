@@ -21,9 +21,7 @@ pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
     if let Ok(i) = obj.cast_exact::<PyInt>() {
         return match i.extract::<i64>() {
             Ok(i) => Ok(Key::Int(i)),
-            Err(_) => Err(pyo3::exceptions::PyOverflowError::new_err(format!(
-                "an int key is from -2**63 to 2**63 - 1, not {i}"
-            ))),
+            Err(_) => Err(too_large(i)),
         };
     }
     if let Ok(s) = obj.cast::<PyString>() {
@@ -39,6 +37,16 @@ pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
             .map_or_else(|_| "?".to_string(), |n| n.to_string());
         PyTypeError::new_err(format!("a key is an int or a str, not {t}"))
     })
+}
+
+/// The error of an int key beyond 64 bits: out of line, so that the common call's code is
+/// what it was without it (a small call's cost is its code's size, see README).
+#[cold]
+#[inline(never)]
+fn too_large(i: &Bound<'_, PyInt>) -> PyErr {
+    pyo3::exceptions::PyOverflowError::new_err(format!(
+        "an int key is from -2**63 to 2**63 - 1, not {i}"
+    ))
 }
 
 /// An int or str key, or a list (or tuple) of them.
