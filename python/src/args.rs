@@ -90,6 +90,9 @@ fn arrays<T>(
 
 /// The arrays of each key, as MXNet pairs them: a single key takes an array or a list (one
 /// per device); a list of keys takes a list with, per key, an array or a list of arrays.
+/// Out of line: the calls of one array, the common ones, never come here, and their code stays
+/// small without it (a small call's cost is its code's size, see README).
+#[inline(never)]
 pub(crate) fn per_key(
     keys: &KeyArg,
     obj: &Bound<'_, PyAny>,
