@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore import optimizer as opt
 
 SHAPE = (2, 3)
 

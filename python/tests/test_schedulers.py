@@ -39,6 +39,15 @@ def test_the_schedulers_give_mxnet_s_rates():
             bad()
 
 
+def running(scheduler):
+    """An SGD with ``scheduler`` and a local store running it, with key 0 of two zeros."""
+    o = opt.SGD(lr_scheduler=scheduler)
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    kv.set_optimizer(o)
+    return o, kv
+
+
 def grad_steps(kv, key, n):
     """n pushes of a gradient of -1 (SGD adds the rate at each), then the weight."""
     for _ in range(n):
@@ -92,10 +101,7 @@ def test_a_change_to_the_scheduler_applies_from_the_next_update_as_mxnet_s():
     # MXNet's optimizer calls the scheduler object at every update: a change to it applies to
     # the next update, from the state the updates had reached.
     s = lrs.FactorScheduler(step=2, factor=0.5, base_lr=1.0)
-    o = opt.SGD(lr_scheduler=s)
-    kv = kvstore.create()
-    kv.init(0, np.zeros(2))
-    kv.set_optimizer(o)
+    o, kv = running(s)
     # Rates 1, 1, 0.5, 0.5, 0.25 (MXNet's FactorScheduler at updates 1 to 5).
     assert grad_steps(kv, 0, 5)[0] == 3.25
     # The object takes the state the store reached (count 4, base_lr 0.25), then the change.
@@ -109,10 +115,7 @@ def test_a_change_to_the_scheduler_applies_from_the_next_update_as_mxnet_s():
     assert grad_steps(kv, 0, 2)[0] == 3.25 + 3.0 + 1.0 + 0.5
     # A value the store refuses is not kept.
     p = lrs.PolyScheduler(10, base_lr=0.5)
-    o2 = opt.SGD(lr_scheduler=p)
-    kv2 = kvstore.create()
-    kv2.init(0, np.zeros(2))
-    kv2.set_optimizer(o2)
+    o2, kv2 = running(p)
     with pytest.raises(ValueError, match="max_steps"):
         p.max_update = 20
     assert p.max_update == 10
@@ -129,10 +132,7 @@ def test_a_refused_scheduler_change_leaves_the_object_and_the_stores_as_they_wer
     # Refused after the store ran updates: what the catch-up did with the bad value is undone
     # too, and the store keeps its rate.
     s = lrs.FactorScheduler(step=10, factor=0.5, base_lr=1.0)
-    o = opt.SGD(lr_scheduler=s)
-    kv = kvstore.create()
-    kv.init(0, np.zeros(2))
-    kv.set_optimizer(o)
+    o, kv = running(s)
     assert grad_steps(kv, 0, 5)[0] == 5.0
     for bad in (0, -1):
         with pytest.raises((kvstore.KVStoreError, OverflowError), match="step|negative"):
@@ -142,10 +142,7 @@ def test_a_refused_scheduler_change_leaves_the_object_and_the_stores_as_they_wer
     # A decay past max_update: the object takes the rate the store kept (the last computed),
     # and a refused change keeps it.
     p = lrs.PolyScheduler(10, base_lr=0.5, final_lr=0.001, pwr=1)
-    o2 = opt.SGD(lr_scheduler=p)
-    kv2 = kvstore.create()
-    kv2.init(0, np.zeros(2))
-    kv2.set_optimizer(o2)
+    o2, kv2 = running(p)
     w = grad_steps(kv2, 0, 15)[0]
     with pytest.raises(ValueError, match="max_steps"):
         p.max_update = 20
@@ -158,10 +155,7 @@ def test_a_fenced_store_does_not_hold_up_its_scheduler_in_another_store():
     # A store fenced by a panic runs nothing more: a second store given the same optimizer
     # starts, and the scheduler's rates are read, without asking it.
     s = lrs.FactorScheduler(step=2, factor=0.5, base_lr=1.0)
-    o = opt.SGD(lr_scheduler=s)
-    a = kvstore.create()
-    a.init(0, np.zeros(2))
-    a.set_optimizer(o)
+    o, a = running(s)
     grad_steps(a, 0, 3)
     with pytest.raises(BaseException, match="_panic_in_a_call"):
         a._panic_in_a_call(0, np.zeros(2))
@@ -179,10 +173,7 @@ def test_threads_reading_and_changing_a_scheduler_leave_it_whole():
     import sys
     import threading
     s = lrs.FactorScheduler(step=3, factor=0.9, base_lr=0.1)
-    o = opt.SGD(lr_scheduler=s)
-    kv = kvstore.create()
-    kv.init(0, np.zeros(2))
-    kv.set_optimizer(o)
+    o, kv = running(s)
     grad_steps(kv, 0, 2)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)

@@ -214,7 +214,7 @@ def test_optimizer_states_save_and_load(tmp_path):
     a.save_optimizer_states(str(tmp_path / "s"), dump_optimizer=True)
     b = store()
     b.load_optimizer_states(tmp_path / "s")
-    out_a, out_b = np.zeros(4), np.zeros(4)
+    out_a = np.zeros(4)
     # b's weights differ (fresh), but the momentum it loaded is a's: the step is the same.
     a.pull(0, out=out_a)
     b.push(0, np.zeros(4))
