@@ -357,7 +357,7 @@ impl LocalStore {
         dst.fill(0);
         for r in runs {
             let bytes = r.start * rb..r.end * rb;
-            dst[bytes.clone()].copy_from_slice(&src[bytes]);
+            kvstore_transport::copy::copy(&mut dst[bytes.clone()], &src[bytes]);
         }
         Ok(())
     }

@@ -157,7 +157,7 @@ impl NDArray {
             });
         }
         let mut a = NDArray::zeros_dtype(shape, T::DTYPE);
-        a.as_bytes_mut().copy_from_slice(bytemuck::cast_slice(data));
+        kvstore_transport::copy::copy(a.as_bytes_mut(), bytemuck::cast_slice(data));
         Ok(a)
     }
 
@@ -170,7 +170,7 @@ impl NDArray {
             });
         }
         let mut a = NDArray::zeros_dtype(shape, dtype);
-        a.as_bytes_mut().copy_from_slice(bytes);
+        kvstore_transport::copy::copy(a.as_bytes_mut(), bytes);
         Ok(a)
     }
 

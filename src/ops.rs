@@ -59,7 +59,10 @@ pub fn axpy_into<T: Element>(dst: &mut [T], alpha: f64, src: &[T]) {
 fn fused<T: Element>(dst: &mut [T], acc: bool, srcs: &[&[T]]) {
     let n = dst.len();
     match (acc, srcs) {
-        (false, [a]) => dst.copy_from_slice(&a[..n]),
+        (false, [a]) => kvstore_transport::copy::copy(
+            bytemuck::cast_slice_mut(dst),
+            bytemuck::cast_slice(&a[..n]),
+        ),
         (false, [a, b]) => {
             let (a, b) = (&a[..n], &b[..n]);
             for i in 0..n {

@@ -70,7 +70,7 @@ impl Clone for Storage {
             Storage::Heap(b) => Storage::Heap(b.clone()),
             Storage::Region { .. } | Storage::External(_) => {
                 let mut b = AlignedBuf::zeroed(self.bytes().len());
-                b.bytes_mut().copy_from_slice(self.bytes());
+                kvstore_transport::copy::copy(b.bytes_mut(), self.bytes());
                 Storage::Heap(b)
             }
             // A copy on the same device.
@@ -376,7 +376,7 @@ impl Clone for AlignedBuf {
             true => AlignedBuf::zeroed_pinned(self.len),
             false => AlignedBuf::zeroed(self.len),
         };
-        b.bytes_mut().copy_from_slice(self.bytes());
+        kvstore_transport::copy::copy(b.bytes_mut(), self.bytes());
         b
     }
 }

@@ -158,7 +158,7 @@ impl NDArray {
             (Some(s), false) => return s.read_to_host(self.as_bytes_mut()),
             (None, false) => {}
         }
-        self.as_bytes_mut().copy_from_slice(other.as_bytes());
+        kvstore_transport::copy::copy(self.as_bytes_mut(), other.as_bytes());
         Ok(())
     }
 

@@ -52,7 +52,7 @@ impl<'a> PeerData<'a> {
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.nbytes()];
         // SAFETY: valid for `nbytes` reads (the constructor's contract); `v` is our own.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr, v.as_mut_ptr(), v.len()) };
+        unsafe { kvstore_transport::copy::copy_nonoverlapping(self.ptr, v.as_mut_ptr(), v.len()) };
         v
     }
 
@@ -63,7 +63,7 @@ impl<'a> PeerData<'a> {
         // SAFETY: valid for `nbytes` reads (the constructor's contract); `v` is our own, with
         // room for `n` more bytes past its length, which are set before it is extended.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr, v.as_mut_ptr().add(v.len()), n);
+            kvstore_transport::copy::copy_nonoverlapping(self.ptr, v.as_mut_ptr().add(v.len()), n);
             v.set_len(v.len() + n);
         }
     }
@@ -74,7 +74,7 @@ impl<'a> PeerData<'a> {
         let d = dst.as_bytes_mut();
         // SAFETY: valid for `nbytes` reads, which is `d.len()` (checked); `d` is this process's
         // own memory, so the two cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr, d.as_mut_ptr(), d.len()) };
+        unsafe { kvstore_transport::copy::copy_nonoverlapping(self.ptr, d.as_mut_ptr(), d.len()) };
         Ok(())
     }
 

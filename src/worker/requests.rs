@@ -91,7 +91,7 @@ fn unstage(outputs: &mut [NDArray], staged: Vec<(usize, NDArray)>, ok: bool) {
     for (i, mut lent) in staged {
         if let Some(o) = outputs.get_mut(i) {
             if ok {
-                lent.as_bytes_mut().copy_from_slice(o.as_bytes());
+                kvstore_transport::copy::copy(lent.as_bytes_mut(), o.as_bytes());
             }
             *o = lent;
         }
@@ -165,10 +165,10 @@ fn copy_to_other_outputs(pairs: &mut [(Key, List<&mut NDArray>)]) {
         };
         let src = filled.entry(k.clone()).or_insert_with(|| (**first).clone());
         if !first.shares_storage_with(src) {
-            first.as_bytes_mut().copy_from_slice(src.as_bytes());
+            kvstore_transport::copy::copy(first.as_bytes_mut(), src.as_bytes());
         }
         for o in rest {
-            o.as_bytes_mut().copy_from_slice(src.as_bytes());
+            kvstore_transport::copy::copy(o.as_bytes_mut(), src.as_bytes());
         }
     }
 }

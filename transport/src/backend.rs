@@ -221,7 +221,7 @@ impl<'a> Lent<'a> {
         }
         // SAFETY: in bounds of what the backend lent, valid for the callback (`'a`); a copy, so
         // no reference covers bytes the sender might write.
-        unsafe { std::ptr::copy(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
+        unsafe { crate::copy::copy_any(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 

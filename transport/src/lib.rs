@@ -14,6 +14,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod copy;
 mod error;
 pub mod frame;
 #[cfg(feature = "fuzzing")]

@@ -88,14 +88,14 @@ impl Mem {
         assert!(off.checked_add(src.len()).is_some_and(|e| e <= self.len));
         // SAFETY: in bounds (checked); `src` is the caller's own memory, which cannot overlap
         // this allocation while `self` is borrowed; no reference to these bytes exists.
-        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) }
+        unsafe { crate::copy::copy_any(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) }
     }
 
     /// Copies bytes out from `off` (panics out of bounds).
     pub fn read(&self, off: usize, dst: &mut [u8]) {
         assert!(off.checked_add(dst.len()).is_some_and(|e| e <= self.len));
         // SAFETY: as in `write`, in the other direction.
-        unsafe { std::ptr::copy(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) }
+        unsafe { crate::copy::copy_any(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) }
     }
 
     /// All the bytes, copied.

@@ -98,7 +98,7 @@ impl Region {
     pub unsafe fn read(&self, off: usize, dst: &mut [u8]) -> Result<(), TransportError> {
         self.check(off, dst.len())?;
         // SAFETY: in bounds; the storage is valid (its contract); no peer writes (ours).
-        unsafe { std::ptr::copy(self.mem.ptr().add(off), dst.as_mut_ptr(), dst.len()) };
+        unsafe { crate::copy::copy_any(self.mem.ptr().add(off), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -110,7 +110,7 @@ impl Region {
     pub unsafe fn write(&self, off: usize, src: &[u8]) -> Result<(), TransportError> {
         self.check(off, src.len())?;
         // SAFETY: in bounds; valid storage; nothing else touches the range (ours).
-        unsafe { std::ptr::copy(src.as_ptr(), self.mem.ptr().add(off), src.len()) };
+        unsafe { crate::copy::copy_any(src.as_ptr(), self.mem.ptr().add(off), src.len()) };
         Ok(())
     }
 

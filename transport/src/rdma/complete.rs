@@ -217,7 +217,7 @@ impl RdmaBackend {
                     // SAFETY: the range lies in the received bytes of the buffer (checked
                     // above), which is not posted again before this copy; `m` is new.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
+                        crate::copy::copy_nonoverlapping(
                             (base + HEAD + blen) as *const u8,
                             m.ptr(),
                             eager,

@@ -124,7 +124,7 @@ impl RdmaBackend {
                     // SAFETY: the range was checked against the region; the caller does not
                     // write it during the call; `b` is a distinct buffer.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
+                        crate::copy::copy_nonoverlapping(
                             r.mem.ptr().add(range.start),
                             b.as_mut_ptr().add(HEAD + body.len()),
                             dlen,
@@ -145,7 +145,7 @@ impl RdmaBackend {
             // `len` bytes (the caller keeps `len` within a buffer); the caller does not write
             // the range during the call; distinct allocations do not overlap.
             unsafe {
-                std::ptr::copy_nonoverlapping(
+                crate::copy::copy_nonoverlapping(
                     r.mem.ptr().add(range.start),
                     self.send_mem.ptr().add(at + HEAD + body.len()),
                     dlen,

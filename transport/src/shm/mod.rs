@@ -340,7 +340,7 @@ impl ShmBackend {
         });
         // SAFETY: `src` is valid for `len` bytes (the caller's contract); the pages are freshly
         // allocated to this process and handed to no one yet.
-        unsafe { std::ptr::copy_nonoverlapping(src, pages.ptr(), len) };
+        unsafe { crate::copy::copy_nonoverlapping(src, pages.ptr(), len) };
         Ok(Some(Region::new(
             self.id,
             pages,

@@ -273,7 +273,7 @@ impl Backend for ShmBackend {
                     // SAFETY: `to` is inside the peer's mapped landing pool (checked), which
                     // cannot overlap `from` (this process's memory, or its own pools); `from`
                     // is valid for `n` bytes (the region's contract and the range check).
-                    unsafe { std::ptr::copy_nonoverlapping(from, to, n) };
+                    unsafe { crate::copy::copy_nonoverlapping(from, to, n) };
                 }
             }
             KIND_CMA if p.i_write_peer => {

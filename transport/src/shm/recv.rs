@@ -155,7 +155,7 @@ impl ShmBackend {
                                 // bounce pages are this process's, written by the peer before
                                 // it posted this descriptor; the destination is granted.
                                 unsafe {
-                                    std::ptr::copy_nonoverlapping(
+                                    crate::copy::copy_nonoverlapping(
                                         b.mem.ptr().add(off),
                                         g.region.mem.ptr().add(g.range.start + off),
                                         len,

@@ -209,7 +209,10 @@ impl FrameReader {
                         if take == 0 {
                             return Err(TransportError::Refused("no room for a payload".into()));
                         }
-                        dest[..take].copy_from_slice(&self.buf[self.start..self.start + take]);
+                        crate::copy::copy(
+                            &mut dest[..take],
+                            &self.buf[self.start..self.start + take],
+                        );
                         self.start += take;
                         self.got += take;
                     }
