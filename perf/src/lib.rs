@@ -42,10 +42,13 @@ pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
         return Err(format!("{s:?}: MIN is larger than MAX"));
     }
     let mut v = Vec::new();
-    let mut x = lo.next_power_of_two();
-    while x <= hi {
-        v.push(x);
-        x *= 2;
+    let mut x = lo.checked_next_power_of_two();
+    while let Some(p) = x.filter(|&p| p <= hi) {
+        v.push(p);
+        x = p.checked_mul(2);
+    }
+    if v.is_empty() {
+        return Err(format!("{s:?}: no power of two from MIN to MAX"));
     }
     Ok(v)
 }
@@ -145,6 +148,10 @@ mod tests {
         assert_eq!(parse_sizes("4K:16K").unwrap(), vec![4096, 8192, 16384]);
         assert!(parse_sizes("64:8").is_err());
         assert!(parse_sizes("64").is_err());
+        // A range up to the largest size ends at the largest power of two (no overflow).
+        let top = parse_sizes(&format!("{}:{}", 1usize << 62, usize::MAX)).unwrap();
+        assert_eq!(top, vec![1usize << 62, 1 << 63]);
+        assert!(parse_sizes(&format!("{}:{}", (1usize << 63) + 1, usize::MAX)).is_err());
         assert_eq!(format_size(64 << 20), "64M");
         assert_eq!(format_size(1000), "1000");
     }

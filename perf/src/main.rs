@@ -194,6 +194,19 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
     if a.duration.is_some_and(|d| d.is_nan() || d <= 0.0) {
         return Err("--duration must be positive".into());
     }
+    let remote = a
+        .host
+        .as_deref()
+        .is_some_and(|h| !matches!(h, "localhost" | "127.0.0.1" | "::1" | "[::1]"));
+    if a.reference && remote {
+        // The references are this host's (its loopback, its memory): against a link to
+        // another host their ratio means nothing.
+        return Err(
+            "--reference measures this host's loopback and memory, which say nothing \
+                    of a link to another host: run iperf3 or perftest between the two instead"
+                .into(),
+        );
+    }
     #[cfg(not(feature = "rdma"))]
     if a.transport == TransportKind::Rdma {
         return Err(NO_RDMA.into());
@@ -397,7 +410,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     "kvperf bw  transport={name} mode={mode} window={}{cap}",
                     a.window
                 );
-                let refcols = if a.reference {
+                let refcols = if a.reference && a.transport != TransportKind::Rdma {
                     "   ref GB/s  x ref"
                 } else {
                     ""
@@ -410,7 +423,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
             }
             for r in rows {
                 let reference = match (a.reference, a.transport) {
-                    (false, _) => None,
+                    (false, _) | (true, TransportKind::Rdma) => None,
                     (true, TransportKind::Shm) => {
                         Some(raw::memcpy_bandwidth(r.size, Duration::from_millis(200)))
                     }
@@ -463,6 +476,9 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
             if !a.json && a.reference {
                 let what = match a.transport {
                     TransportKind::Shm => "single-threaded memcpy of the same size",
+                    TransportKind::Rdma => {
+                        "none for rdma here (perftest's ib_write_bw is the one to run beside it)"
+                    }
                     _ => "a plain blocking-socket stream over loopback",
                 };
                 let _ = writeln!(out, "reference: {what}");

@@ -400,7 +400,7 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
         )?;
     }
     if !p.json {
-        let _ = writeln!(stdout, "size: bytes per key; us/iter: microseconds per iteration (the op on every key); GB/s: 10^9 bytes per second, per worker and for all; call p50/p99: one call of the op (request and answer), microseconds; key-ops/s: key operations per second, all workers");
+        let _ = writeln!(stdout, "size: bytes per key; us/iter: microseconds per iteration (the op on every key); GB/s: 10^9 bytes per second, per worker and for all; call p50/p99: one call of the op (request and answer; for push+pull, the push), microseconds; key-ops/s: key operations per second (a push and a pull of a key are two), all workers");
     }
     if !p.json && p.reference {
         let _ = writeln!(stdout, "x memcpy: GB/s/wkr over single-threaded memcpy of the size; x iperf3, x stream: GB/s all over the loopback references");
@@ -500,7 +500,9 @@ fn print_row(
     };
     let per_worker = ways * size * keys / per_iter;
     let all = per_worker * w;
-    let ops = keys * w / per_iter;
+    // Key operations: a push + pull (or a pushpull, which is both) counts two per key, as its
+    // bytes do.
+    let ops = ways * keys * w / per_iter;
     let ratio = |r: Option<f64>| r.map_or(f64::NAN, |r| all / r);
     // One worker's push+pull bandwidth against one core's memcpy of the same size.
     let memcpy = p.reference.then(|| {
