@@ -284,9 +284,16 @@ fn launched(env: Lookup) -> Result<Option<(LauncherRank, usize, Role, usize)>> {
     let Some(l) = launcher_rank(env)? else {
         return Ok(None);
     };
-    let s: usize = match get(env, "KVSTORE_NUM_SERVERS") {
-        Some(v) => parse("KVSTORE_NUM_SERVERS", &v)?,
-        None => 1,
+    // The servers: KVSTORE_NUM_SERVERS, or MXNet's DMLC_NUM_SERVER (the two must agree).
+    let s: usize = match (get(env, "KVSTORE_NUM_SERVERS"), get(env, "DMLC_NUM_SERVER")) {
+        (Some(v), Some(d)) if v.trim() != d.trim() => {
+            return Err(KvError::Config(format!(
+                "KVSTORE_NUM_SERVERS={v} and DMLC_NUM_SERVER={d} disagree"
+            )))
+        }
+        (Some(v), _) => parse("KVSTORE_NUM_SERVERS", &v)?,
+        (None, Some(d)) => parse("DMLC_NUM_SERVER", &d)?,
+        (None, None) => 1,
     };
     if s == 0 || s.checked_add(2).is_none_or(|need| l.size < need) {
         return Err(KvError::Config(format!(
@@ -296,6 +303,19 @@ fn launched(env: Lookup) -> Result<Option<(LauncherRank, usize, Role, usize)>> {
             l.size,
             s.saturating_add(2)
         )));
+    }
+    // MXNet's DMLC_NUM_WORKER, where set, must be what the ranks make.
+    if let Some(w) = get(env, "DMLC_NUM_WORKER") {
+        let w: usize = parse("DMLC_NUM_WORKER", &w)?;
+        if w != l.size - 1 - s {
+            return Err(KvError::Config(format!(
+                "DMLC_NUM_WORKER={w}, but {} started {} processes: with {s} server(s) and the \
+                 scheduler, {} are workers",
+                l.launcher,
+                l.size,
+                l.size - 1 - s
+            )));
+        }
     }
     let (role, hint) = match l.rank {
         0 => (Role::Scheduler, 0),

@@ -154,6 +154,35 @@ fn a_launchers_job_id_is_part_of_the_secret_so_two_jobs_never_meet() {
 }
 
 #[test]
+fn mxnets_names_of_the_shape_count_under_a_launcher_too() {
+    let ranks = |extra: &[(&'static str, &'static str)]| {
+        let mut vars = vec![
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "5"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "5"),
+            ("OMPI_MCA_ess_base_jobid", "77"),
+        ];
+        vars.extend_from_slice(extra);
+        cfg(&vars)
+    };
+    // DMLC_NUM_SERVER as KVSTORE_NUM_SERVERS: 2 servers, so rank 3 is worker 0 of 2.
+    let c = ranks(&[("DMLC_NUM_SERVER", "2")]).unwrap();
+    assert_eq!((c.role, c.num_servers, c.num_workers), (Role::Worker, 2, 2));
+    let c = ranks(&[("DMLC_NUM_SERVER", "2"), ("DMLC_NUM_WORKER", "2")]).unwrap();
+    assert_eq!((c.num_servers, c.num_workers), (2, 2));
+    for (extra, says) in [
+        (
+            &[("DMLC_NUM_SERVER", "2"), ("KVSTORE_NUM_SERVERS", "1")][..],
+            "disagree",
+        ),
+        (&[("DMLC_NUM_WORKER", "4")][..], "3 are workers"),
+    ] {
+        let e = ranks(extra).expect_err("refused").to_string();
+        assert!(e.contains(says), "{e}");
+    }
+}
+
+#[test]
 fn open_mpi_and_pmi_ranks() {
     let c = cfg(&[
         ("OMPI_COMM_WORLD_RANK", "1"),

@@ -286,6 +286,18 @@ impl Child {
             && unsafe { libc::killpg(self.pid as libc::pid_t, 0) == 0 }
     }
 
+    /// Passes `sig` on to the process's group where it runs on this host (false for a remote
+    /// one, whose group here is its ssh client's).
+    pub(crate) fn forward(&mut self, sig: libc::c_int) -> bool {
+        if self.host.is_some() {
+            return false;
+        }
+        if self.poll().is_none() {
+            self.signal_group(sig);
+        }
+        true
+    }
+
     fn signal_group(&self, sig: libc::c_int) {
         if self.group_gone {
             return;
@@ -327,11 +339,12 @@ pub fn stop_all(children: &mut [Child]) {
         std::thread::sleep(Duration::from_millis(10));
     }
     for c in children.iter_mut().filter(|c| !c.exited()) {
-        let _ = writeln!(
-            std::io::stderr().lock(),
-            "kvrun: {} did not end 5 s after SIGKILL (an uninterruptible sleep?); leaving it",
+        // One write, as every line of kvrun's (`say`).
+        let line = format!(
+            "kvrun: {} did not end 5 s after SIGKILL (an uninterruptible sleep?); leaving it\n",
             c.name()
         );
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
     }
 }
 

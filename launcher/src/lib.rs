@@ -165,7 +165,20 @@ fn count(n: u32, noun: &str) -> String {
 fn say(msg: &str) {
     // Not `eprintln!`, which panics where stderr is closed (`kvrun ... 2>&1 | head -1`): a
     // panic here would skip stopping the job's processes.
-    let _ = writeln!(std::io::stderr().lock(), "kvrun: {msg}");
+    // One write: a line of kvrun's is never split by a process's output (stdout and stderr
+    // merged into one file, as a batch system's log is).
+    let line = format!("kvrun: {msg}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+/// Whether `sig` was ignored (`SIG_IGN`) when kvrun started.
+fn ignored_at_start(sig: libc::c_int) -> bool {
+    // SAFETY: sigaction with a null new action only reads the current one into `old`, which
+    // is zeroed plain data of the right type.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+    }
 }
 
 /// Runs a job; returns the exit status kvrun should exit with.
@@ -220,9 +233,15 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         signal_hook::consts::SIGTERM,
         signal_hook::consts::SIGHUP,
     ] {
+        // A signal ignored when kvrun started stays ignored, as `nohup kvrun ...` (or a
+        // script's background job, whose SIGINT is ignored) means it.
+        if ignored_at_start(sig) {
+            continue;
+        }
         signal_hook::flag::register(sig, stop.clone())
             .map_err(|e| format!("signal handler: {e}"))?;
     }
+    let mut forwarded = supervise::Forwarded::register()?;
     let hosts = match (&opts.hosts, &opts.hostfile) {
         (Some(list), _) => hosts::parse_host_list(list)?,
         (None, Some(f)) => {
@@ -303,6 +322,15 @@ fn run_job(opts: &Options) -> Result<i32, String> {
     }
     for x in &opts.env {
         let name = x.split_once('=').map_or(x.as_str(), |(k, _)| k);
+        // A name a shell can export: letters, digits and `_`, not starting with a digit.
+        let valid = name.chars().next().is_some_and(|c| !c.is_ascii_digit())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            return Err(format!(
+                "-x {x}: {name:?} is not a variable's name (letters, digits and _, not starting \
+                 with a digit)"
+            ));
+        }
         if let Some(why) = managed(name) {
             return Err(format!("-x {name}: kvrun sets {name} itself{why}"));
         }
@@ -391,7 +419,14 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         places_once.join(", ")
     ));
     let started = Instant::now();
-    let ended = supervise(&mut children, &stop, &sched_rx, opts, &mut view);
+    let ended = supervise(
+        &mut children,
+        &stop,
+        &mut forwarded,
+        &sched_rx,
+        opts,
+        &mut view,
+    );
     if let Some(path) = &opts.stats {
         // The last reports come as the processes end.
         std::thread::sleep(Duration::from_millis(100));

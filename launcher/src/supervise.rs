@@ -12,10 +12,55 @@ pub(crate) enum Ended {
     SchedulerWaiting { any_joined: bool },
 }
 
+/// The signals kvrun passes on to the job's processes (as mpirun passes SIGUSR1 and SIGUSR2:
+/// a batch system's warning before the time limit, on which a program saves a checkpoint).
+pub(crate) struct Forwarded {
+    seen: Vec<(libc::c_int, Arc<AtomicBool>)>,
+    told_remote: bool,
+}
+
+impl Forwarded {
+    pub(crate) fn register() -> Result<Forwarded, String> {
+        let mut seen = Vec::new();
+        for sig in [signal_hook::consts::SIGUSR1, signal_hook::consts::SIGUSR2] {
+            let flag = Arc::new(AtomicBool::new(false));
+            signal_hook::flag::register(sig, flag.clone())
+                .map_err(|e| format!("signal handler: {e}"))?;
+            seen.push((sig, flag));
+        }
+        Ok(Forwarded {
+            seen,
+            told_remote: false,
+        })
+    }
+
+    /// Passes each signal received since the last look to every process group of the job on
+    /// this host. Processes on other hosts do not get it: their ssh client would die of it.
+    fn deliver(&mut self, children: &mut [Child]) {
+        for (sig, flag) in &self.seen {
+            if !flag.swap(false, Ordering::Relaxed) {
+                continue;
+            }
+            let mut remote = false;
+            for c in children.iter_mut() {
+                remote |= !c.forward(*sig);
+            }
+            if remote && !self.told_remote {
+                self.told_remote = true;
+                say(&format!(
+                    "{} is passed on to this host's processes only, not to those on other hosts",
+                    child::signal_name(*sig)
+                ));
+            }
+        }
+    }
+}
+
 /// Watches the processes until the job ends; says how it ended.
 pub(crate) fn supervise(
     children: &mut [Child],
     stop: &AtomicBool,
+    forwarded: &mut Forwarded,
     sched_rx: &mpsc::Receiver<kvstore::Result<()>>,
     opts: &Options,
     view: &mut view::View,
@@ -27,6 +72,7 @@ pub(crate) fn supervise(
             say("interrupted: stopping every process");
             return Ended::Status(130);
         }
+        forwarded.deliver(children);
         if sched_result.is_none() {
             if let Ok(r) = sched_rx.try_recv() {
                 sched_result = Some(r);

@@ -280,6 +280,16 @@ fn x_cannot_set_what_kvrun_gives_every_process() {
             "{err}"
         );
     }
+    // Nor set what no shell could name.
+    for var in ["=foo", "A B=1", "1X=2", "X-Y=3"] {
+        let out = kvrun()
+            .args(["-n", "1", "-x", var, "--", "true"])
+            .bounded_output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("is not a variable's name"), "{err}");
+    }
 }
 
 #[test]
@@ -444,4 +454,104 @@ fn ssh_logins_that_never_end_are_bounded_by_the_jobs_timeout() {
         .unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(left.trim().is_empty(), "left running: {left}");
+}
+
+/// Starts `cmd` with its stdout read line by line into a channel.
+fn spawn_reading(cmd: &mut Command) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let mut child = cmd
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    (child, rx)
+}
+
+/// Waits (30 s at most) until `n` lines containing `what` came; the lines seen.
+fn wait_lines(rx: &std::sync::mpsc::Receiver<String>, what: &str, n: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    while seen.iter().filter(|l: &&String| l.contains(what)).count() < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => seen.push(l),
+            Err(_) => panic!("{n} lines with {what:?} did not come: {seen:?}"),
+        }
+    }
+    seen
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+/// Waits (30 s at most) for `child` to end; its exit code.
+fn bounded_wait(child: &mut std::process::Child) -> Option<i32> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("kvrun did not end");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn usr1_and_usr2_are_passed_on_to_every_process() {
+    // As mpirun passes them: a batch system's warning before the time limit (Slurm's
+    // --signal=B:USR1@60) reaches the program, which saves a checkpoint; kvrun lives on.
+    let script = "trap 'echo got-usr2' USR2; trap 'echo got-usr1; exit 0' USR1; echo ready; \
+                  while :; do sleep 0.05; done";
+    let (mut child, rx) =
+        spawn_reading(kvrun().args(["-n", "2", "-s", "1", "--", "/bin/sh", "-c", script]));
+    wait_lines(&rx, "ready", 3);
+    signal(child.id(), "-USR2");
+    wait_lines(&rx, "got-usr2", 3);
+    assert_eq!(
+        child.try_wait().unwrap(),
+        None,
+        "kvrun lives on after SIGUSR2"
+    );
+    signal(child.id(), "-USR1");
+    wait_lines(&rx, "got-usr1", 3);
+    assert_eq!(bounded_wait(&mut child), Some(0));
+}
+
+#[test]
+fn a_hangup_ignored_at_start_stays_ignored_as_nohup_means_it() {
+    // `nohup kvrun ...`: the session's end (SIGHUP) leaves the job running.
+    let (mut child, rx) = spawn_reading(
+        Command::new("nohup")
+            .arg(env!("CARGO_BIN_EXE_kvrun"))
+            .args([
+                "-n",
+                "1",
+                "--",
+                "/bin/sh",
+                "-c",
+                "echo ready; sleep 1; echo finished",
+            ]),
+    );
+    wait_lines(&rx, "ready", 1);
+    signal(child.id(), "-HUP");
+    assert_eq!(bounded_wait(&mut child), Some(0));
+    wait_lines(&rx, "finished", 1);
 }
