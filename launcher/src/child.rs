@@ -348,13 +348,20 @@ pub fn stop_all(children: &mut [Child]) {
     }
 }
 
-/// Waits (a little) for every process's output to be copied out, so the last lines are not lost
-/// when kvrun exits. A pipe still held open by a stray grandchild is not waited for long.
-pub fn flush_output(children: &mut [Child]) {
-    let deadline = Instant::now() + Duration::from_secs(2);
+/// Waits for every process's output to be copied out, so the last lines are not lost when kvrun
+/// exits: as long as it flows (kvrun's own stdout may drain slowly, into a pipe), and 2 s more,
+/// but `limit` at most (a daemon that left the job's groups may write to the pipe forever).
+/// A pipe still held open by a stray grandchild, with nothing coming, is not waited for long.
+pub fn flush_output(children: &mut [Child], limit: Duration) {
+    let quiet = Duration::from_secs(2);
+    let start = Instant::now();
+    let deadline = start + quiet;
     for c in children.iter_mut() {
         for h in c.forwarders.drain(..) {
-            while !h.is_finished() && Instant::now() < deadline {
+            while !h.is_finished()
+                && (Instant::now() < deadline
+                    || (crate::output::flowing(quiet) && start.elapsed() < limit))
+            {
                 std::thread::sleep(Duration::from_millis(5));
             }
             if h.is_finished() {

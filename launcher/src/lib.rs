@@ -359,7 +359,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             while logging_in(&mut children) >= SSH_LOGINS && !stop.load(Ordering::Relaxed) {
                 if Instant::now() >= start_deadline {
                     child::stop_all(&mut children);
-                    child::flush_output(&mut children);
+                    child::flush_output(&mut children, Duration::from_secs_f64(job_timeout));
                     shepherd.done();
                     return Err(format!(
                         "{SSH_LOGINS} ssh sessions to {host} were still logging in when the \
@@ -373,7 +373,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             // Interrupted while starting: what started is stopped, nothing more starts.
             say("interrupted: stopping every process");
             child::stop_all(&mut children);
-            child::flush_output(&mut children);
+            child::flush_output(&mut children, Duration::from_secs_f64(job_timeout));
             shepherd.done();
             return Ok(130);
         }
@@ -469,7 +469,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         Ended::SchedulerWaiting { .. } => 0,
     };
     child::stop_all(&mut children);
-    child::flush_output(&mut children);
+    child::flush_output(&mut children, Duration::from_secs_f64(job_timeout));
     shepherd.done();
     Ok(code)
 }

@@ -1,14 +1,32 @@
 //! A child's output, copied to kvrun's own with each piece prefixed by who wrote it.
 
 use std::io::{BufRead, BufReader, Write};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use crate::child::STARTED;
 
 /// The most of one line that is held before it is written out: a child's output with no line
 /// ends (a binary file, say) goes out in pieces of this size, each prefixed.
 const MAX_LINE: usize = 64 * 1024;
+
+/// Writes of the children's output under way, and when the last one ended (milliseconds from
+/// [`epoch`]): kvrun waits for its output while it still flows ([`flowing`]), however slowly
+/// its own stdout drains (a pipe to a slow reader), as mpirun does.
+static IN_WRITE: AtomicUsize = AtomicUsize::new(0);
+static LAST_WRITE_MS: AtomicU64 = AtomicU64::new(0);
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// Whether a write of the children's output is under way, or one ended within `recently`.
+pub(crate) fn flowing(recently: Duration) -> bool {
+    let last = Duration::from_millis(LAST_WRITE_MS.load(Ordering::Relaxed));
+    IN_WRITE.load(Ordering::Relaxed) > 0 || epoch().elapsed().saturating_sub(last) < recently
+}
 
 /// The next piece of a child's output to write: up to and including a `\n` or a `\r` (a
 /// progress bar redraws its line with `\r`: each redraw goes out as it comes, prefixed, so the
@@ -67,12 +85,17 @@ pub(crate) fn forward(
                 Ok(true) => {
                     frame(&prefix, &mut line, &mut after_cr);
                     // Flushed: stdout holds what does not end in a newline (a redraw).
+                    epoch();
+                    IN_WRITE.fetch_add(1, Ordering::Relaxed);
                     let _ = if to_stderr {
                         std::io::stderr().lock().write_all(&line)
                     } else {
                         let mut out = std::io::stdout().lock();
                         out.write_all(&line).and_then(|()| out.flush())
                     };
+                    let now = epoch().elapsed().as_millis() as u64;
+                    LAST_WRITE_MS.store(now, Ordering::Relaxed);
+                    IN_WRITE.fetch_sub(1, Ordering::Relaxed);
                 }
             }
         }

@@ -555,3 +555,32 @@ fn a_hangup_ignored_at_start_stays_ignored_as_nohup_means_it() {
     assert_eq!(bounded_wait(&mut child), Some(0));
     wait_lines(&rx, "finished", 1);
 }
+
+#[test]
+fn output_is_not_lost_when_kvruns_stdout_drains_slowly() {
+    // A reader that takes its time (a pipe to a slow `tee`, a paused terminal): every line
+    // reaches it, however long after the program ended.
+    use std::io::Read;
+    let mut child = kvrun()
+        .args(["-n", "1", "--", "seq", "1", "6000"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert_eq!(bounded_wait(&mut child), Some(0));
+    // The worker's and the server's (every role runs the program), every line of each.
+    for who in ["[worker 0] ", "[server 0] "] {
+        let mine: Vec<&str> = out.lines().filter(|l| l.starts_with(who)).collect();
+        assert_eq!(mine.len(), 6000, "{who}{:?}", mine.last());
+        assert_eq!(mine[5999], format!("{who}6000"));
+    }
+}
