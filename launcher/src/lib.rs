@@ -412,7 +412,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         }
     }
     say(&format!(
-        "{} and {} of {} on {}; scheduler at {root}; job timeout {job_timeout} s",
+        "{} and {} of {} on {}; scheduler at {root}; timeout of each wait {job_timeout} s",
         count(opts.workers, "worker"),
         count(opts.servers, "server"),
         opts.program().display(),
