@@ -22,9 +22,10 @@
 //! Without `DMLC_ROLE`, a process started by Open MPI's or MPICH's `mpirun` or by Slurm's
 //! `srun` takes its place from their variables, the first found of
 //! `OMPI_COMM_WORLD_RANK`/`_SIZE`, `PMI_RANK`/`PMI_SIZE` (an mpiexec inside a Slurm job sets
-//! them) and `SLURM_PROCID`/`SLURM_NTASKS`. The rule: with `KVSTORE_NUM_SERVERS` = S
-//! (default 1), rank 0 is the scheduler, ranks 1..=S the servers, the rest the workers
-//! (so a job of N ranks has N - 1 - S workers). The scheduler is found at
+//! them) and `SLURM_PROCID`/`SLURM_NTASKS`. The rule: with `KVSTORE_NUM_SERVERS` = S (or
+//! MXNet's `DMLC_NUM_SERVER`; default 1), rank 0 is the scheduler, ranks 1..=S the servers, the
+//! rest the workers (so a job of N ranks has N - 1 - S workers, which `DMLC_NUM_WORKER`, where
+//! set, must be). The scheduler is found at
 //! `KVSTORE_ROOT_URI` if set, else at the first host of Slurm's node list, else on loopback when
 //! every rank runs on one host (`OMPI_COMM_WORLD_LOCAL_SIZE` = `OMPI_COMM_WORLD_SIZE`); its port
 //! is `KVSTORE_ROOT_PORT`, else derived from the launcher's job id. The secret is never derived

@@ -123,20 +123,28 @@ pub(super) fn launched(env: Lookup) -> Result<Option<(LauncherRank, usize, Role,
         return Ok(None);
     };
     // The servers: KVSTORE_NUM_SERVERS, or MXNet's DMLC_NUM_SERVER (the two must agree).
-    let s: usize = match (get(env, "KVSTORE_NUM_SERVERS"), get(env, "DMLC_NUM_SERVER")) {
-        (Some(v), Some(d)) if v.trim() != d.trim() => {
-            return Err(KvError::Config(format!(
-                "KVSTORE_NUM_SERVERS={v} and DMLC_NUM_SERVER={d} disagree"
-            )))
-        }
-        (Some(v), _) => parse("KVSTORE_NUM_SERVERS", &v)?,
-        (None, Some(d)) => parse("DMLC_NUM_SERVER", &d)?,
-        (None, None) => 1,
-    };
+    let (s, from): (usize, &str) =
+        match (get(env, "KVSTORE_NUM_SERVERS"), get(env, "DMLC_NUM_SERVER")) {
+            (Some(v), Some(d)) => {
+                let (v, d): (usize, usize) = (
+                    parse("KVSTORE_NUM_SERVERS", &v)?,
+                    parse("DMLC_NUM_SERVER", &d)?,
+                );
+                if v != d {
+                    return Err(KvError::Config(format!(
+                        "KVSTORE_NUM_SERVERS={v} and DMLC_NUM_SERVER={d} disagree"
+                    )));
+                }
+                (v, "KVSTORE_NUM_SERVERS")
+            }
+            (Some(v), None) => (parse("KVSTORE_NUM_SERVERS", &v)?, "KVSTORE_NUM_SERVERS"),
+            (None, Some(d)) => (parse("DMLC_NUM_SERVER", &d)?, "DMLC_NUM_SERVER"),
+            (None, None) => (1, "KVSTORE_NUM_SERVERS"),
+        };
     if s == 0 || s.checked_add(2).is_none_or(|need| l.size < need) {
         return Err(KvError::Config(format!(
             "{} started {} processes; a job with {s} server(s) needs at least {} (scheduler, \
-             servers, one worker): set KVSTORE_NUM_SERVERS or start more ranks",
+             servers, one worker): set {from} or start more ranks",
             l.launcher,
             l.size,
             s.saturating_add(2)

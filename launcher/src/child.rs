@@ -349,18 +349,21 @@ pub fn stop_all(children: &mut [Child]) {
 }
 
 /// Waits for every process's output to be copied out, so the last lines are not lost when kvrun
-/// exits: as long as it flows (kvrun's own stdout may drain slowly, into a pipe), and 2 s more,
-/// but `limit` at most (a daemon that left the job's groups may write to the pipe forever).
-/// A pipe still held open by a stray grandchild, with nothing coming, is not waited for long.
-pub fn flush_output(children: &mut [Child], limit: Duration) {
+/// exits: 2 s at most (`limit`, if less), and longer while it still flows (kvrun's own stdout may
+/// drain slowly, into a pipe), up to `limit`, unless kvrun is told to stop (`stop`: Ctrl-C on a
+/// reader that never reads ends the wait). A pipe still held open by a stray grandchild, with
+/// nothing coming, is not waited for long.
+pub fn flush_output(children: &mut [Child], limit: Duration, stop: &AtomicBool) {
     let quiet = Duration::from_secs(2);
     let start = Instant::now();
-    let deadline = start + quiet;
+    let deadline = start + quiet.min(limit);
     for c in children.iter_mut() {
         for h in c.forwarders.drain(..) {
             while !h.is_finished()
                 && (Instant::now() < deadline
-                    || (crate::output::flowing(quiet) && start.elapsed() < limit))
+                    || (crate::output::flowing(quiet)
+                        && start.elapsed() < limit
+                        && !stop.load(Ordering::Relaxed)))
             {
                 std::thread::sleep(Duration::from_millis(5));
             }

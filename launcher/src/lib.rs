@@ -233,9 +233,10 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         signal_hook::consts::SIGTERM,
         signal_hook::consts::SIGHUP,
     ] {
-        // A signal ignored when kvrun started stays ignored, as `nohup kvrun ...` (or a
-        // script's background job, whose SIGINT is ignored) means it.
-        if ignored_at_start(sig) {
+        // A hang-up ignored when kvrun started stays ignored, as `nohup kvrun ...` means it
+        // (SIGINT and SIGTERM stop the job whatever: a script's background job starts with
+        // SIGINT ignored, and `kill -INT` still ends it, as mpirun's).
+        if sig == signal_hook::consts::SIGHUP && ignored_at_start(sig) {
             continue;
         }
         signal_hook::flag::register(sig, stop.clone())
@@ -322,13 +323,11 @@ fn run_job(opts: &Options) -> Result<i32, String> {
     }
     for x in &opts.env {
         let name = x.split_once('=').map_or(x.as_str(), |(k, _)| k);
-        // A name a shell can export: letters, digits and `_`, not starting with a digit.
-        let valid = name.chars().next().is_some_and(|c| !c.is_ascii_digit())
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
+        // A name: not empty, without white space or NUL (anything else an environment holds,
+        // `BASH_FUNC_f%%` too, passes).
+        if name.is_empty() || name.chars().any(|c| c.is_whitespace() || c == '\0') {
             return Err(format!(
-                "-x {x}: {name:?} is not a variable's name (letters, digits and _, not starting \
-                 with a digit)"
+                "-x {x}: {name:?} is not a variable's name (empty, or with white space)"
             ));
         }
         if let Some(why) = managed(name) {
@@ -359,7 +358,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             while logging_in(&mut children) >= SSH_LOGINS && !stop.load(Ordering::Relaxed) {
                 if Instant::now() >= start_deadline {
                     child::stop_all(&mut children);
-                    child::flush_output(&mut children, Duration::from_secs_f64(job_timeout));
+                    child::flush_output(&mut children, Duration::from_secs_f64(job_timeout), &stop);
                     shepherd.done();
                     return Err(format!(
                         "{SSH_LOGINS} ssh sessions to {host} were still logging in when the \
@@ -373,7 +372,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             // Interrupted while starting: what started is stopped, nothing more starts.
             say("interrupted: stopping every process");
             child::stop_all(&mut children);
-            child::flush_output(&mut children, Duration::from_secs_f64(job_timeout));
+            child::flush_output(&mut children, Duration::from_secs_f64(job_timeout), &stop);
             shepherd.done();
             return Ok(130);
         }
@@ -469,7 +468,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         Ended::SchedulerWaiting { .. } => 0,
     };
     child::stop_all(&mut children);
-    child::flush_output(&mut children, Duration::from_secs_f64(job_timeout));
+    child::flush_output(&mut children, Duration::from_secs_f64(job_timeout), &stop);
     shepherd.done();
     Ok(code)
 }

@@ -73,12 +73,15 @@ fn kill_groups(groups: &[i32], sig: libc::c_int) {
 
 /// The shepherd's main loop; returns the exit status.
 pub fn run() -> i32 {
-    // Ctrl-C and hang-ups are kvrun's to handle; the shepherd must outlive them.
+    // Ctrl-C, hang-ups and the signals kvrun passes on are kvrun's to handle; the shepherd
+    // must outlive them (under srun, Slurm signals every process of the step, this one too).
     let ignored = Arc::new(AtomicBool::new(false));
     for sig in [
         signal_hook::consts::SIGINT,
         signal_hook::consts::SIGHUP,
         signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGUSR1,
+        signal_hook::consts::SIGUSR2,
     ] {
         let _ = signal_hook::flag::register(sig, ignored.clone());
     }

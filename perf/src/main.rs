@@ -194,10 +194,13 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
     if a.duration.is_some_and(|d| d.is_nan() || d <= 0.0) {
         return Err("--duration must be positive".into());
     }
-    let remote = a
-        .host
-        .as_deref()
-        .is_some_and(|h| !matches!(h, "localhost" | "127.0.0.1" | "::1" | "[::1]"));
+    let remote = a.host.as_deref().is_some_and(|h| {
+        let bare = h.trim_start_matches('[').trim_end_matches(']');
+        !(bare.eq_ignore_ascii_case("localhost")
+            || bare
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback() || ip.to_canonical().is_loopback()))
+    });
     if a.reference && remote {
         // The references are this host's (its loopback, its memory): against a link to
         // another host their ratio means nothing.
