@@ -254,13 +254,10 @@ impl LocalStore {
             if self.compression.is_some() {
                 Compression::check_dtype(k, stored.dtype())?;
             }
-            if self.optimizer.is_some() && !stored.dtype().is_float() {
+            if self.optimizer.is_some() {
                 // What the optimizer would refuse, refused before any key of the call is
                 // updated.
-                return Err(KvError::Updater {
-                    key: k.clone(),
-                    reason: format!("optimizers need a float dtype, not {}", stored.dtype()),
-                });
+                crate::optimizer::check_float(k, stored.dtype())?;
             }
         }
         let Some(c) = self.compression else {

@@ -78,6 +78,18 @@ fn place(m: &mut NDArray, n: usize, device: Device) -> Result<()> {
     Ok(())
 }
 
+/// What every built-in optimizer refuses: a key of a dtype that is not a float. The stores
+/// check it before a call updates (or sends) any of its keys, and the optimizer at each update.
+pub(crate) fn check_float(key: &Key, dtype: crate::DType) -> Result<()> {
+    if dtype.is_float() {
+        return Ok(());
+    }
+    Err(KvError::Updater {
+        key: key.clone(),
+        reason: format!("optimizers need a float dtype, not {dtype}"),
+    })
+}
+
 impl OptimizerUpdater {
     /// An updater running `opt` (with its per-key multipliers, if any), with fresh state.
     pub fn new(opt: impl Into<Multiplied>) -> Self {
@@ -166,12 +178,7 @@ impl OptimizerUpdater {
                 got: grad.shape().to_vec(),
             });
         }
-        if !weight.dtype().is_float() {
-            return Err(KvError::Updater {
-                key: key.clone(),
-                reason: format!("optimizers need a float dtype, not {}", weight.dtype()),
-            });
-        }
+        check_float(key, weight.dtype())?;
         // Signum's momentum state, as MXNet's: made at a key's first update where the momentum
         // is not 0; a key without it runs signsgd_update, which takes neither a momentum nor
         // wd_lh (MXNet's refuses them).

@@ -10,6 +10,8 @@
 use std::sync::{Arc, Barrier, RwLock};
 use std::time::Instant;
 
+use crate::Paged;
+
 /// Median round times of the ceiling, in seconds.
 #[derive(Clone, Copy, Debug)]
 pub struct Limit {
@@ -40,18 +42,16 @@ fn median_round(
 ) -> Result<f64, String> {
     let n = (bytes / 4).max(1);
     let rounds = rounds.max(3);
-    let private: Arc<Vec<Paged>> =
+    let private: Arc<Vec<Paged<f32>>> =
         Arc::new((0..w).map(|i| Paged::new(n, (i + 1) as f32)).collect());
-    let pool: Arc<Vec<RwLock<Paged>>> = Arc::new(
+    let pool: Arc<Vec<RwLock<Paged<f32>>>> = Arc::new(
         (0..w)
             .map(|i| RwLock::new(Paged::new(n, (i + 1) as f32)))
             .collect(),
     );
     let bounds: Vec<(usize, usize)> = (0..s).map(|k| (n * k / s, n * (k + 1) / s)).collect();
-    // As ps_limit.c, whose every buffer starts at a page (`aligned_alloc(4096, ...)`): a copy
-    // between buffers a few bytes apart modulo a page is 15-30x slower on AMD CPUs (see
-    // `kvstore_transport::copy`), which heap vectors allocated back to back were.
-    let stored: Arc<Vec<RwLock<Paged>>> = Arc::new(
+    // As ps_limit.c, every buffer starts at a page (its `aligned_alloc(4096, ...)`).
+    let stored: Arc<Vec<RwLock<Paged<f32>>>> = Arc::new(
         bounds
             .iter()
             .map(|&(lo, hi)| RwLock::new(Paged::new(hi - lo, 0.0)))
@@ -140,34 +140,6 @@ fn median_round(
     t.remove(0);
     t.sort_by(f64::total_cmp);
     Ok(t[t.len() / 2])
-}
-
-/// `n` floats starting at a page.
-struct Paged {
-    buf: Vec<f32>,
-    at: usize,
-    n: usize,
-}
-
-impl Paged {
-    fn new(n: usize, fill: f32) -> Paged {
-        let buf = vec![fill; n + 1024];
-        let at = buf.as_ptr().align_offset(4096).min(1024);
-        Paged { buf, at, n }
-    }
-}
-
-impl std::ops::Deref for Paged {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        &self.buf[self.at..self.at + self.n]
-    }
-}
-
-impl std::ops::DerefMut for Paged {
-    fn deref_mut(&mut self) -> &mut [f32] {
-        &mut self.buf[self.at..self.at + self.n]
-    }
 }
 
 #[cfg(test)]

@@ -364,14 +364,10 @@ pub fn server(c: &mut Conn, timeout: Duration) -> Result<(), String> {
 
 /// Single-threaded memcpy bandwidth for buffers of `size` bytes (bytes per second).
 pub fn memcpy_bandwidth(size: usize, min_time: Duration) -> f64 {
-    // Both ends at a page: two vectors allocated back to back lie 16 bytes apart modulo a
-    // page, where glibc's copies of 2 KiB to 512 KiB run 15-30x slower on AMD CPUs (see
-    // `kvstore_transport::copy`); a reference measures the best copy.
-    let (a, mut b) = (vec![1u8; size.max(1) + 4096], vec![0u8; size.max(1) + 4096]);
-    let at = |v: &Vec<u8>| v.as_ptr().align_offset(4096).min(4096);
-    let (sa, sb) = (at(&a), at(&b));
-    let src = &a[sa..sa + size.max(1)];
-    let dst = &mut b[sb..sb + size.max(1)];
+    // Both ends at a page: a reference measures the best copy.
+    let src = crate::Paged::new(size.max(1), 1u8);
+    let mut dst = crate::Paged::new(size.max(1), 0u8);
+    let (src, dst): (&[u8], &mut [u8]) = (&src, &mut dst);
     // Copies per clock reading, so the clock costs nothing next to small copies.
     let batch = ((1usize << 20) / size.max(1)).max(1);
     // Untimed: the first copy faults the destination's pages in.

@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use kvstore::{Key, Keys, NDArray, Values};
+use kvstore::{Key, NDArray};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -18,7 +18,7 @@ mod convert;
 mod given;
 mod pushes;
 mod rows;
-use calls::{nbytes, read_lines, refs};
+use calls::read_lines;
 use pushes::{Pushes, ASYNC_BYTES};
 
 /// How many times this process is a child made by fork, counted by a `pthread_atfork` handler
@@ -121,11 +121,7 @@ impl KVStore {
     ) -> PyResult<()> {
         let k = keys(key)?;
         let vals = per_key(&k, value, false, "value")?;
-        let n = nbytes(&vals);
-        let r = refs(&vals);
-        self.control(py, n, move |kv| {
-            kv.init(Keys::Many(k.keys), Values::Nested(r))
-        })
+        self.init_given(py, k, &vals)
     }
 
     /// Pushes values: a list of values for one key is summed, then merged into the stored value
@@ -252,8 +248,8 @@ impl KVStore {
                 )));
             }
         }
+        self.init_given(py, k, &vals)?;
         drop(vals);
-        self.init(py, key, value)?;
         self.pull(py, key, Some(out), priority, None)
     }
 

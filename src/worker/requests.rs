@@ -246,13 +246,10 @@ impl DistWorker {
                     });
                 }
             }
-            if self.optimizer.is_some() && !info.dtype.is_float() {
+            if self.optimizer.is_some() {
                 // What the servers' optimizer would refuse, refused before any key of the
                 // call is sent (as a local store refuses it before any key is updated).
-                return Err(KvError::Updater {
-                    key: k.clone(),
-                    reason: format!("optimizers need a float dtype, not {}", info.dtype),
-                });
+                crate::optimizer::check_float(k, info.dtype)?;
             }
         }
         Ok(())

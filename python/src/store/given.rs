@@ -8,9 +8,20 @@ use pyo3::prelude::*;
 use super::calls::{nbytes, refs, refs_mut};
 use super::pushes::{Pushes, ASYNC_BYTES};
 use super::KVStore;
-use crate::args::{is_list, keys, per_key, plan_outputs};
+use crate::args::{is_list, keys, per_key, plan_outputs, KeyArg};
+use crate::arrays::Lent;
 
 impl KVStore {
+    /// `init` of keys and values already read (`init`, and `broadcast` once it checked its
+    /// outputs).
+    pub(super) fn init_given(&self, py: Python<'_>, k: KeyArg, vals: &[Vec<Lent>]) -> PyResult<()> {
+        let n = nbytes(vals);
+        let r = refs(vals);
+        self.control(py, n, move |kv| {
+            kv.init(Keys::Many(k.keys), Values::Nested(r))
+        })
+    }
+
     pub(super) fn push_given(
         &self,
         py: Python<'_>,
