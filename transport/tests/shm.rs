@@ -1,10 +1,13 @@
 //! What the shared-memory backend does beyond the shared suite (conformance.rs): read-only
-//! send pools, a connect's deadline, and the memory a lost peer may still write.
+//! send pools, a connect's deadline, the memory a lost peer may still write, a send the pool
+//! can never hold, a peer that stops reading, and what a peer posted before it closed.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvstore_transport::{Backend, Completion, ShmBackend};
+use kvstore_transport::{
+    Backend, Completion, PeerId, Sent, ShmBackend, ShmConfig, Token, TransportError,
+};
 
 // Shared with conformance.rs, which uses all of it; this file, a part.
 #[allow(dead_code)]
@@ -190,4 +193,168 @@ fn shm_a_lost_peers_memory_is_freed_once_its_process_exits() {
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());
     until(&mut s, &|s| kept(s) == 0);
+}
+
+/// A server and a client of `cfg`, connected, each one's capabilities taken by the other:
+/// (client, its name for the server, server, its name for the client).
+fn pair_of(cfg: ShmConfig) -> (Side, PeerId, Side, PeerId) {
+    let name = format!(
+        "pair-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut srv = ShmBackend::new("srv", cfg.clone()).unwrap();
+    srv.listen(&name).unwrap();
+    let t = std::thread::spawn(move || {
+        let mut b = ShmBackend::new("cli", cfg).unwrap();
+        let p = b.connect(&name, Duration::from_secs(5)).unwrap();
+        (b, p)
+    });
+    let mut s = Side {
+        b: Box::new(srv),
+        log: vec![],
+    };
+    let start = Instant::now();
+    let to_cli = loop {
+        s.pump();
+        if let Some(Ev::Connected(p)) = s.log.first().cloned() {
+            s.log.clear();
+            break p;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no connection");
+    };
+    let (b, to_srv) = t.join().unwrap();
+    let mut c = Side {
+        b: Box::new(b),
+        log: vec![],
+    };
+    for _ in 0..10 {
+        c.pump();
+        s.pump();
+    }
+    (c, to_srv, s, to_cli)
+}
+
+fn recvs(s: &Side) -> usize {
+    s.log.iter().filter(|e| matches!(e, Ev::Recv(..))).count()
+}
+
+/// A body staged in pool pages and data staged after it, each of which fits the pool alone
+/// but not both at once: no retry could ever post it, so it is refused (before, every try
+/// answered "would block", and the caller waited for room that never came).
+#[test]
+fn shm_a_send_the_pool_can_never_hold_is_refused() {
+    let cfg = ShmConfig {
+        pages: 4,
+        ..small_shm(false)
+    };
+    let (mut c, to_srv, mut s, _) = pair_of(cfg);
+    let body = vec![7u8; 1000];
+    let data = pattern(4 * 4096, 3);
+    let src = heap(&mut c, &data);
+    // SAFETY: `src` is not written while a send of it is in flight.
+    let r = unsafe { c.b.send(to_srv, &body, Some((&src, 0..4 * 4096, Token(1)))) };
+    assert!(
+        matches!(
+            r,
+            Err(TransportError::Shm(kvstore_shm::ShmError::Exhausted(_)))
+        ),
+        "{r:?}"
+    );
+    // A body and data that fit together go, whole.
+    // SAFETY: as above.
+    let r = unsafe { c.b.send(to_srv, &body, Some((&src, 0..3 * 4096, Token(2)))) };
+    assert!(matches!(r, Ok(Sent::Posted)), "{r:?}");
+    drive(&mut c, &mut s, |c, s| {
+        recvs(s) == 1 && c.log.iter().any(|e| matches!(e, Ev::Done(2)))
+    });
+    let Some(Ev::Recv(_, b, Some(d))) = s.log.iter().find(|e| matches!(e, Ev::Recv(..))) else {
+        panic!("{:?}", s.log)
+    };
+    assert_eq!((b, d), (&body, &data[..3 * 4096].to_vec()));
+}
+
+/// A peer that stops reading its ring (it computes, and calls no progress) while it sends:
+/// the answers owed to it (releases of its pages) fill the ring to it and then the queue
+/// behind it, and this side stops reading its messages. With nothing it can do until the
+/// peer frees room, it sleeps (`arm` says so; before, it said there was work, and a wait spun
+/// a core), and it wakes when the peer reads again, losing nothing.
+#[test]
+fn shm_a_side_waiting_for_room_to_answer_sleeps_and_loses_nothing() {
+    let (mut b, to_a, mut a, _) = pair_of(small_shm(false));
+    let src = heap(&mut b, &pattern(4096, 9));
+    let mut sent = 0u64;
+    let mut stalled = 0;
+    while stalled < 3 {
+        loop {
+            // SAFETY: `src` is never written.
+            let r = unsafe { b.b.send(to_a, b"m", Some((&src, 0..4096, Token(sent)))) };
+            match r.unwrap() {
+                Sent::Posted => sent += 1,
+                Sent::WouldBlock => break,
+            }
+        }
+        b.b.flush().unwrap();
+        // `a` takes what it can; `b` does not progress.
+        if a.pump() == 0 {
+            stalled += 1;
+        } else {
+            stalled = 0;
+        }
+        assert!(sent < 4000, "a never stopped reading");
+    }
+    assert!(
+        recvs(&a) < sent as usize,
+        "a read everything: the case was not made"
+    );
+    assert!(
+        a.b.arm().unwrap(),
+        "nothing to do until b frees room, but arm says there is work"
+    );
+    drive(&mut b, &mut a, |b, a| {
+        recvs(a) == sent as usize
+            && b.log.iter().filter(|e| matches!(e, Ev::Done(_))).count() == sent as usize
+    });
+}
+
+/// A peer that posts more descriptors than one batch takes and then closes: everything it
+/// posted before it went is delivered before it is lost (before, one batch of 256 was, and the
+/// rest, its messages and its releases, were dropped), and while paused too, as nothing more
+/// can come.
+#[test]
+fn shm_what_a_peer_posted_before_it_closed_is_all_delivered() {
+    for paused in [false, true] {
+        let cfg = ShmConfig {
+            ring_slots: 1024,
+            ..small_shm(false)
+        };
+        let (mut b, to_a, mut a, to_b) = pair_of(cfg);
+        if paused {
+            a.b.pause(to_b, true);
+        }
+        // Armed, `a` looks at its sockets first when it next progresses, so it finds the peer
+        // gone before its ring's turn.
+        assert!(a.b.arm().unwrap());
+        for i in 0..300u32 {
+            // SAFETY: no data.
+            let r = unsafe { b.b.send(to_a, &i.to_le_bytes(), None) };
+            assert!(matches!(r, Ok(Sent::Posted)), "{r:?}");
+        }
+        b.b.flush().unwrap();
+        drop(b);
+        let start = Instant::now();
+        while !a.log.iter().any(|e| matches!(e, Ev::Lost(_))) {
+            a.pump();
+            assert!(start.elapsed() < Duration::from_secs(10), "never lost");
+        }
+        let got: Vec<u32> = a
+            .log
+            .iter()
+            .filter_map(|e| match e {
+                Ev::Recv(_, body, None) => Some(u32::from_le_bytes(body[..4].try_into().unwrap())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(got, (0..300).collect::<Vec<_>>(), "paused: {paused}");
+    }
 }

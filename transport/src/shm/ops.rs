@@ -205,6 +205,15 @@ impl Backend for ShmBackend {
                             } else {
                                 0
                             };
+                            // Each fits the pool alone, but both at once never would: no
+                            // retry could post it.
+                            let pages = |n: usize| n.max(1).div_ceil(self.pool.page_size());
+                            let total = self.pool.capacity() / self.pool.page_size();
+                            if staged > 0 && pages(staged) + pages(range.len()) > total {
+                                return Err(
+                                    kvstore_shm::ShmError::Exhausted(staged + range.len()).into()
+                                );
+                            }
                             self.pool_starved = Some([staged, range.len()]);
                             return Ok(Sent::WouldBlock);
                         };
@@ -349,8 +358,9 @@ impl Backend for ShmBackend {
                 p.starved = false;
                 return Ok(false);
             }
-            // A paused peer's ring is not read, so what waits there is no work.
-            if !p.paused && !p.chan.arm_rx()? {
+            // A paused peer's ring is not read, nor one whose answers wait for room (the
+            // room's wake-up above reads it again), so what waits there is no work yet.
+            if !p.paused && p.unsent.len() < UNSENT_MAX && !p.chan.arm_rx()? {
                 return Ok(false);
             }
         }
@@ -408,8 +418,7 @@ impl Backend for ShmBackend {
                         Err(e) => Some(e.into()),
                     };
                     if let Some(e) = gone {
-                        // Descriptors it posted before it went still count.
-                        let _ = self.read_peer((t / 2) as u32, on, &mut n);
+                        self.read_remains((t / 2) as u32, on, &mut n);
                         self.lose(PeerId((t / 2) as u32), e);
                     }
                 }

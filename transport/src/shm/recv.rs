@@ -97,6 +97,29 @@ pub(super) fn push_unsent(p: &mut Peer) -> Result<(), TransportError> {
 }
 
 impl ShmBackend {
+    /// Takes every descriptor `id` posted before its socket closed, paused or not (what it
+    /// posted is all there will be), before it is lost: its messages, puts and releases count
+    /// as TCP's bytes up to the end do. What waits to go to it can no longer go.
+    pub(super) fn read_remains(
+        &mut self,
+        id: u32,
+        on: &mut dyn FnMut(Completion<'_>),
+        n: &mut usize,
+    ) {
+        let Some(p) = self.peers.get_mut(&id) else {
+            return;
+        };
+        p.unsent.clear();
+        p.paused = false;
+        // A ring holds at most its slots; a peer that posts on after closing is not waited for.
+        for _ in 0..=self.cfg.ring_slots as usize / BATCH + 1 {
+            let pending = self.peers.get(&id).is_some_and(|p| p.chan.rx_pending());
+            if !pending || self.read_peer(id, on, n).is_err() {
+                break;
+            }
+        }
+    }
+
     /// Takes up to [`BATCH`] descriptors from `id`'s ring. An error is the peer's fault: the
     /// link is closed.
     pub(super) fn read_peer(
