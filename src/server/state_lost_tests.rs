@@ -1,4 +1,5 @@
-//! A value an updater replaced with another shape or dtype: lost, and never served.
+//! A value an updater replaced with another shape or dtype: lost, and never served; a round
+//! that waits on a worker gone from the job.
 
 use super::tests::{data, empty, replies, req};
 use super::*;
@@ -70,4 +71,28 @@ fn a_value_an_updater_replaced_with_another_shape_is_lost_and_never_served() {
             (13, failed)
         ]
     );
+}
+
+/// A worker pushed twice (the second held for the next round) and then pulled; another worker
+/// finished cleanly after its own push of the round, and the round completed: the held push
+/// starts a round that waits on the gone worker, so it is refused, and the pull behind it gets
+/// the round's value at once. Before, no round started and the pull waited for its timeout.
+#[test]
+fn a_pull_behind_a_push_refused_for_a_gone_worker_gets_the_stored_value() {
+    let mut s = ServerState::new(3, true);
+    s.handle(0, 0, &req(Op::Init, 1, 2, 1), &mut data(0.0, 2));
+    s.handle(0, 0, &req(Op::Push, 1, 2, 2), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Push, 1, 2, 3), &mut data(1.0, 2));
+    s.handle(0, 0, &req(Op::Pull, 1, 2, 4), &mut empty());
+    s.handle(1, 1, &req(Op::Push, 1, 2, 5), &mut data(1.0, 2));
+    s.worker_gone(1, "finished");
+    assert_eq!(replies(&mut s), [(0, 1, 0, vec![])]);
+    s.handle(2, 2, &req(Op::Push, 1, 2, 6), &mut data(1.0, 2));
+    let mut got = replies(&mut s);
+    got.sort_by_key(|r| r.1);
+    assert_eq!(
+        got.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(2, 0), (3, status::PEER_LOST), (4, 0), (5, 0), (6, 0)]
+    );
+    assert_eq!(got[2].3, [3.0, 3.0], "the pull gets the round's sum");
 }

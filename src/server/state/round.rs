@@ -71,6 +71,17 @@ impl ServerState {
                 let text = format!("key {key}: {why}, so its value is lost");
                 self.err(h.peer, &h.req, status::FAILED, text);
             }
+        } else if slot.count == 0 {
+            // Every push held for this round was refused (it would wait on a worker gone from
+            // the job): no round started, so the pulls behind them get the stored value, as a
+            // pull now would, and as when a round fails (`fail_rounds`).
+            let (value, start) = (slot.stored.clone(), slot.start);
+            for h in std::mem::take(&mut slot.behind) {
+                match rows::pulled(&value, start, &h.req) {
+                    Ok(p) => self.ok(h.peer, &h.req, p),
+                    Err(e) => self.err(h.peer, &h.req, status::FAILED, e),
+                }
+            }
         }
     }
 }
