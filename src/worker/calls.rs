@@ -452,10 +452,16 @@ impl<G: Clone> Calls<G> {
         );
     }
 
-    /// Fails every live call: the first (oldest) with `e`, the others as aborted by it. The
-    /// store refuses calls from now on.
+    /// Fails every live call: the first (oldest) with `e`, the others as aborted by it, or,
+    /// where `e` is an interruption, as interrupted too (each was: what waits for any of them
+    /// hears the interruption, as a Python caller hears KeyboardInterrupt). The store refuses
+    /// calls from now on.
     pub(crate) fn fail_all(&mut self, e: KvError) {
         let why = e.to_string();
+        let interrupted = match &e {
+            KvError::Interrupted(text) => Some(text.clone()),
+            _ => None,
+        };
         self.broken.get_or_insert_with(|| why.clone());
         let mut ids: Vec<CallId> = self.live.keys().copied().collect();
         ids.sort();
@@ -464,9 +470,10 @@ impl<G: Clone> Calls<G> {
             let Some(c) = self.live.remove(&id) else {
                 continue;
             };
-            let err = first
-                .take()
-                .unwrap_or_else(|| KvError::Aborted(format!("an earlier call failed: {why}")));
+            let err = first.take().unwrap_or_else(|| match &interrupted {
+                Some(text) => KvError::Interrupted(text.clone()),
+                None => KvError::Aborted(format!("an earlier call failed: {why}")),
+            });
             self.end(id, c, Err(err));
         }
     }

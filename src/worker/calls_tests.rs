@@ -132,3 +132,35 @@ fn an_ok_reply_for_a_destination_no_put_filled_fails_every_call() {
     );
     assert!(calls.check().is_ok());
 }
+
+#[test]
+fn an_interruption_fails_every_live_call_as_interrupted_and_anything_else_the_rest_as_aborted() {
+    for interruption in [true, false] {
+        let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+        let (a, _) = one_pull(&mut calls);
+        let (b, _) = one_pull(&mut calls);
+        calls.fail_all(match interruption {
+            true => KvError::Interrupted("ctrl-c".into()),
+            false => KvError::PeerLost("server 0 died".into()),
+        });
+        let first = calls.take(a).expect("over").result.unwrap_err();
+        let second = calls.take(b).expect("over").result.unwrap_err();
+        match interruption {
+            true => assert!(
+                matches!(
+                    (&first, &second),
+                    (KvError::Interrupted(_), KvError::Interrupted(_))
+                ),
+                "{first:?} {second:?}"
+            ),
+            false => assert!(
+                matches!(
+                    (&first, &second),
+                    (KvError::PeerLost(_), KvError::Aborted(_))
+                ),
+                "{first:?} {second:?}"
+            ),
+        }
+        assert!(calls.check().is_err());
+    }
+}
