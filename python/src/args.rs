@@ -30,13 +30,29 @@ pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(PyTypeError::new_err("a key is an int or a str, not a bool"));
     }
-    obj.extract::<i64>().map(Key::Int).map_err(|_| {
-        let t = obj
-            .get_type()
-            .name()
-            .map_or_else(|_| "?".to_string(), |n| n.to_string());
-        PyTypeError::new_err(format!("a key is an int or a str, not {t}"))
-    })
+    obj.extract::<i64>()
+        .map(Key::Int)
+        .map_err(|e| not_a_key(obj, e))
+}
+
+/// The error of a key that is no int or str, or an int (an `__index__`: numpy's, an
+/// `IntEnum`'s) beyond 64 bits.
+#[cold]
+#[inline(never)]
+fn not_a_key(obj: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
+    if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) {
+        let shown = obj
+            .str()
+            .map_or_else(|_| "?".to_string(), |s| s.to_string());
+        return pyo3::exceptions::PyOverflowError::new_err(format!(
+            "an int key is from -2**63 to 2**63 - 1, not {shown}"
+        ));
+    }
+    let t = obj
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string());
+    PyTypeError::new_err(format!("a key is an int or a str, not {t}"))
 }
 
 /// The error of an int key beyond 64 bits: out of line, so that the common call's code is
@@ -144,17 +160,26 @@ pub(crate) fn plan_outputs(outs: &mut [Vec<Lent>]) -> PyResult<bool> {
     for list in outs.iter_mut() {
         let mut kept: Vec<Lent> = Vec::with_capacity(list.len());
         for o in list.drain(..) {
-            if kept.iter().any(|k| k.same(&o)) {
-                continue;
+            if !kept.iter().any(|k| k.same(&o)) {
+                kept.push(o);
             }
-            if kept.iter().any(|k| k.overlaps(&o)) {
+        }
+        *list = kept;
+    }
+    check_outputs(outs)
+}
+
+/// Refuses outputs (per key) that overlap without being the same array; whether two keys
+/// share one.
+pub(crate) fn check_outputs(outs: &[Vec<Lent>]) -> PyResult<bool> {
+    for list in outs {
+        for (i, a) in list.iter().enumerate() {
+            if list[i + 1..].iter().any(|b| !a.same(b) && a.overlaps(b)) {
                 return Err(PyValueError::new_err(
                     "two outputs of one key overlap without being the same array",
                 ));
             }
-            kept.push(o);
         }
-        *list = kept;
     }
     let mut shared = false;
     for (i, a) in outs.iter().enumerate() {

@@ -291,7 +291,15 @@ impl KVStore {
             return Ok(());
         }
         let opt = crate::optimizer::of(optimizer)?;
-        self.control(py, 0, move |kv| kv.update_optimizer(opt))
+        // Asked again while the store is claimed: reading the optimizer's parameters ran
+        // Python, where another thread may have set another (which the store would retune).
+        let object = optimizer.as_ptr() as usize;
+        self.control(py, 0, move |kv| {
+            match self.runs().as_ref().map(|o| o.as_ptr() as usize) == Some(object) {
+                true => kv.update_optimizer(opt),
+                false => Ok(()),
+            }
+        })
     }
 
     /// The most updates any key has had from `optimizer`, where this local store runs it (for

@@ -1,6 +1,7 @@
 """MXNet's KVStore API on numpy arrays: arrays in and out without copies, every error case,
 threads and fork (a store's optimizers: test_store_optimizers.py)."""
 
+import enum
 import os
 import threading
 
@@ -238,6 +239,10 @@ def test_string_keys():
         kv.push(1, np.ones(SHAPE))
 
 
+class Big(enum.IntEnum):
+    KEY = 2**70
+
+
 def test_errors_are_python_exceptions(kv):
     with pytest.raises(KeyError):
         kv.push(99, np.ones(SHAPE, dtype=np.float32))
@@ -247,7 +252,10 @@ def test_errors_are_python_exceptions(kv):
     for call in (lambda: kv.push(2**70, np.ones(SHAPE, dtype=np.float32)),
                  lambda: kv.pull(2**70, out=np.zeros(SHAPE, dtype=np.float32)),
                  lambda: kv.push([2**70], [np.ones(SHAPE, dtype=np.float32)]),
-                 lambda: kv.pushpull(-2**64, np.ones(SHAPE, dtype=np.float32))):
+                 lambda: kv.pushpull(-2**64, np.ones(SHAPE, dtype=np.float32)),
+                 # An int that is not Python's own (its __index__) as much.
+                 lambda: kv.push(np.uint64(2**63), np.ones(SHAPE, dtype=np.float32)),
+                 lambda: kv.push(Big.KEY, np.ones(SHAPE, dtype=np.float32))):
         with pytest.raises(OverflowError, match="2\\*\\*63"):
             call()
     with pytest.raises(ValueError, match="shape"):
@@ -287,6 +295,14 @@ def test_errors_are_python_exceptions(kv):
     big = np.zeros(12, dtype=np.float32)
     with pytest.raises(ValueError, match="overlap"):
         kv.pull([3, 3], out=[big[:6].reshape(SHAPE), big[3:9].reshape(SHAPE)])
+    # As much in place, where a list's values are its outputs, and for row_sparse_pull's
+    # outputs (before, both were written one after the other).
+    with pytest.raises(ValueError, match="overlap"):
+        kv.pushpull([3, 3], [big[:6].reshape(SHAPE), big[3:9].reshape(SHAPE)])
+    with pytest.raises(ValueError, match="overlap"):
+        kv.pushpull([3], [[big[:6].reshape(SHAPE), big[3:9].reshape(SHAPE)]])
+    with pytest.raises(ValueError, match="overlap"):
+        kv.row_sparse_pull(3, out=[big[:6].reshape(SHAPE), big[3:9].reshape(SHAPE)], row_ids=[0])
     with pytest.raises(TypeError, match="callable"):
         kv._set_updater(5)
     with pytest.raises(TypeError, match="kvstore.optimizer"):

@@ -203,6 +203,32 @@ def test_a_local_store_runs_the_optimizer_object_it_was_given():
     assert (out == -2.75).all(), out
 
 
+def test_a_change_to_an_optimizer_the_store_stopped_running_meanwhile_is_not_its_own():
+    # Another thread sets another optimizer while this one's parameters are read (Python
+    # runs there, and the GIL may pass): made certain here by setting it from the read.
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    other = opt.SGD(learning_rate=0.25)
+
+    class Switching(opt.SGD):
+        switch = False
+
+        def _kvstore_spec(self):
+            if Switching.switch:
+                Switching.switch = False
+                kv.set_optimizer(other)
+            return super()._kvstore_spec()
+
+    o = Switching(learning_rate=1.0)
+    kv.set_optimizer(o)
+    Switching.switch = True
+    o.set_learning_rate(100.0)  # before, the store ran `other` with this rate
+    out = np.zeros(2)
+    kv.push(0, np.ones(2))
+    kv.pull(0, out=out)
+    assert (out == -0.25).all(), out
+
+
 def test_optimizer_states_save_and_load(tmp_path):
     def store():
         kv = kvstore.create()

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use super::calls::{nbytes, refs, refs_mut};
 use super::pushes::{Pushes, ASYNC_BYTES};
 use super::KVStore;
-use crate::args::{is_list, keys, per_key, plan_outputs, KeyArg};
+use crate::args::{check_outputs, is_list, keys, per_key, plan_outputs, KeyArg};
 use crate::arrays::Lent;
 
 impl KVStore {
@@ -110,7 +110,11 @@ impl KVStore {
             Some(o) => per_key(&k, o, true, "out")?,
             None => Vec::new(),
         };
-        let shared = plan_outputs(&mut outs)?;
+        // In place, the values are the outputs.
+        let shared = match in_place {
+            true => check_outputs(&vals)?,
+            false => plan_outputs(&mut outs)?,
+        };
         let aliased = in_place
             || outs
                 .iter()

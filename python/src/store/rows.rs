@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
 use super::KVStore;
-use crate::args::{is_list, keys, per_key};
+use crate::args::{check_outputs, is_list, keys, per_key};
 
 /// One list of row ids: a 1-D array or a sequence of ints, none negative.
 fn ids_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
@@ -69,6 +69,7 @@ impl KVStore {
     ) -> PyResult<()> {
         let k = keys(key)?;
         let mut outs = per_key(&k, out, true, "out")?;
+        check_outputs(&outs)?;
         let lists = row_lists(row_ids, outs.iter().map(Vec::len).sum())?;
         let mut jobs = Vec::with_capacity(lists.len());
         let mut lists = lists.into_iter();
