@@ -589,3 +589,15 @@ fn dmlc_interface_names_the_address_servers_are_reached_at() {
         r.all()
     );
 }
+
+/// Two distributed stores in one process: waiting on one for the other's call is refused
+/// (their call ids are alike: before, it returned the waiting store's own call as this one).
+#[test]
+fn a_store_refuses_to_wait_for_another_stores_call() {
+    let mut job = ManualJob::start_some(2, 1, 1, &["two_stores", "dist_sync"], &[]);
+    let w = job.workers.remove(0);
+    let (code, out) = finish(w, Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("two_stores ok"), "{out}");
+    job.kill_all();
+}

@@ -354,6 +354,39 @@ fn slow_wait(kv: &mut KVStore) {
     }
 }
 
+/// Both workers of a job as two stores of this process (their ranks the scheduler's to give):
+/// a call in flight of one is not the other's to wait for, though their call ids are alike.
+fn two_stores(kind: &str) {
+    // Before any thread reads the environment.
+    std::env::remove_var("KVSTORE_RANK");
+    let start = |v: f64| {
+        let kind = kind.to_string();
+        std::thread::spawn(move || {
+            let mut kv = ok("create", create(&kind));
+            ok("init", kv.init(20, &NDArray::full(&[4], v)));
+            kv
+        })
+    };
+    let (a, b) = (start(3.0), start(3.0));
+    let join = |t: std::thread::JoinHandle<KVStore>| {
+        t.join()
+            .unwrap_or_else(|_| fail("a store's thread panicked".into()))
+    };
+    let (mut a, mut b) = (join(a), join(b));
+    let mine = ok("pull_async", a.pull_async(20, vec![NDArray::zeros(&[4])]));
+    let theirs = ok("pull_async", b.pull_async(20, vec![NDArray::zeros(&[4])]));
+    match b.wait(mine) {
+        Err(KvError::Unsupported(e)) if e.contains("another store") => {}
+        other => fail(format!("a store waited for another's call: {other:?}")),
+    }
+    let got = ok("wait", b.wait(theirs));
+    expect_vals("the store's own pull", &got[0], &[3.0; 4]);
+    let again = ok("pull_async", a.pull_async(20, vec![NDArray::zeros(&[4])]));
+    let got = ok("wait", a.wait(again));
+    expect_vals("the other store's pull", &got[0], &[3.0; 4]);
+    println!("two_stores ok");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let scenario = args.get(1).cloned().unwrap_or_else(|| "seed".into());
@@ -372,6 +405,10 @@ fn main() {
         }
         stored.add_assign(input)
     });
+    // (The other roles serve, as in every scenario, in `create`.)
+    if scenario == "two_stores" && std::env::var("DMLC_ROLE").as_deref() == Ok("worker") {
+        return two_stores(&kind);
+    }
     let mut kv = match create(&kind) {
         Ok(kv) => kv,
         Err(e) => fail(format!("create {kind}: {e}")),

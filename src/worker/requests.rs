@@ -18,7 +18,7 @@ use crate::{Key, KvError, NDArray, Result};
 #[derive(Debug)]
 pub(crate) struct Ticket {
     id: CallId,
-    _claim: Arc<()>,
+    claim: Arc<()>,
 }
 
 pub(crate) fn data_msg(op: Op, info: &KeyInfo, part: &Part) -> Msg {
@@ -520,7 +520,7 @@ impl DistWorker {
         }
         let claim = self.spare_claims.pop().unwrap_or_default();
         self.claims.push((id, claim.clone()));
-        Ticket { id, _claim: claim }
+        Ticket { id, claim }
     }
 
     /// Starts a push; its values may be changed by the caller at once (a change is a copy,
@@ -565,12 +565,21 @@ impl DistWorker {
 
     /// Waits for a call in flight; its outputs come back, filled.
     pub(crate) fn wait(&mut self, t: Ticket) -> Result<Vec<NDArray>> {
-        if let Some(i) = self.claims.iter().position(|(id, _)| *id == t.id) {
-            let (_, claim) = self.claims.swap_remove(i);
-            if Arc::strong_count(&claim) == 2 && self.spare_claims.len() < 64 {
-                // The ticket's is the other reference, gone at the end of this call.
-                self.spare_claims.push(claim);
-            }
+        // A held ticket's claim is kept, so a ticket with none here is another store's (whose
+        // call ids are its own).
+        let mine = self
+            .claims
+            .iter()
+            .position(|(id, c)| *id == t.id && Arc::ptr_eq(c, &t.claim));
+        let Some(i) = mine else {
+            return Err(KvError::Unsupported(
+                "this call was started by another store".into(),
+            ));
+        };
+        let (_, claim) = self.claims.swap_remove(i);
+        if Arc::strong_count(&claim) == 2 && self.spare_claims.len() < 64 {
+            // The ticket's is the other reference, gone at the end of this call.
+            self.spare_claims.push(claim);
         }
         let Finished {
             result,
