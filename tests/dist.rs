@@ -271,6 +271,21 @@ fn bad_input_is_refused_and_changes_nothing() {
     }
 }
 
+/// A str key that no server holds is named as the program names it, not by its number on
+/// the wire (before: `UnknownKey(Int(1))`).
+#[test]
+fn a_servers_refusal_names_a_str_key_as_the_program_does() {
+    for r in kvrun_check(2, 2, "str_errors", "dist_sync", &[]) {
+        assert_job_ok(&r, 2, "str_errors");
+        assert!(
+            r.stdout
+                .contains("refused pull unknown: key c has not been initialised"),
+            "{}",
+            r.all()
+        );
+    }
+}
+
 #[test]
 fn malformed_connections_are_closed_and_the_server_serves_on() {
     for r in kvrun_check(2, 2, "garbage", "dist_sync", &[]) {

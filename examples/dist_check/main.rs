@@ -14,7 +14,7 @@ mod metrics;
 mod optimizers;
 mod states;
 
-use faults::{die, errors, garbage, late, slots, stall, until_error, zerocopy};
+use faults::{die, errors, garbage, late, slots, stall, str_errors, until_error, zerocopy};
 
 const SHAPE: [usize; 2] = [2, 3];
 
@@ -431,6 +431,7 @@ fn main() {
         "async" => async_mode(&mut kv),
         "slow_wait" => slow_wait(&mut kv),
         "errors" => errors(&mut kv),
+        "str_errors" => str_errors(&mut kv),
         "garbage" => garbage(&mut kv),
         "die" => die(&mut kv),
         "until_error" => until_error(&mut kv),

@@ -271,6 +271,20 @@ impl DistWorker {
     /// (its word arrives within moments of the loss). The error then names that process first,
     /// and what this worker saw after it.
     pub(crate) fn explain(&mut self, e: KvError) -> KvError {
+        // A server names a key by its number on the wire: a str key's is its own.
+        let named = |id: &Key| match id {
+            Key::Int(i) => self
+                .str_ids
+                .iter()
+                .find(|(_, n)| **n == *i as u64)
+                .map(|(s, _)| Key::Str(s.clone())),
+            Key::Str(_) => None,
+        };
+        let e = match e {
+            KvError::UnknownKey(id) => KvError::UnknownKey(named(&id).unwrap_or(id)),
+            KvError::DoubleInit(id) => KvError::DoubleInit(named(&id).unwrap_or(id)),
+            e => e,
+        };
         if !matches!(e, KvError::PeerLost(_) | KvError::Aborted(_)) {
             return e;
         }
