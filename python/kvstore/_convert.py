@@ -19,9 +19,17 @@ def _is_list(obj: Any) -> bool:
 
 
 def _readable(a: Any) -> bool:
-    """Whether numpy reads ``a`` as an array (not a 0-d object array)."""
-    return isinstance(a, np.ndarray) or hasattr(a, "__array_interface__") or hasattr(
-        a, "__array__")
+    """Whether numpy reads ``a`` as an array (not a 0-d object array): an ndarray, an object
+    with numpy's interfaces, or one with the buffer protocol (``array.array``,
+    ``memoryview``, ``bytearray``)."""
+    if isinstance(a, np.ndarray) or hasattr(a, "__array_interface__") or hasattr(
+            a, "__array__"):
+        return True
+    try:
+        memoryview(a).release()
+    except TypeError:
+        return False
+    return True
 
 
 def _real(arr: np.ndarray) -> bool:

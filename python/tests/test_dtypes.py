@@ -2,6 +2,8 @@
 them (numpy's float64 default meeting a float32 key, say): every form of every call, in one
 process and in a distributed job; a call whose dtypes agree lends its arrays as before."""
 
+import array
+
 import numpy as np
 import pytest
 
@@ -42,6 +44,19 @@ def test_pushed_values_of_another_dtype_are_converted(kv):
     v = np.full(SHAPE, 4.0)
     kv.push(3, v)
     assert v.dtype == np.float64 and (v == 4.0).all()
+
+
+def test_objects_with_the_buffer_protocol_are_converted_as_numpy_arrays(kv):
+    # numpy reads them as arrays, so they convert as arrays do (before, a DTypeMismatch).
+    kv.init(9, np.zeros(4, dtype=np.float32))
+    kv.push(9, array.array("d", [1.5, 2, 3, 4]))
+    first = array.array("d", [0] * 4)
+    kv.pull(9, out=first)
+    assert first.tolist() == [1.5, 2, 3, 4]
+    kv.push(9, [memoryview(array.array("i", [1, 1, 1, 1])), np.ones(4, dtype=np.float32)])
+    out, back = array.array("d", [0] * 4), bytearray(4)
+    kv.pull(9, out=[memoryview(out), back])
+    assert out.tolist() == [2.0] * 4 and list(back) == [2] * 4
 
 
 def test_outputs_of_another_dtype_get_the_value_cast_into_them(kv):
