@@ -156,7 +156,7 @@ impl NDArray {
                 len: data.len(),
             });
         }
-        let mut a = NDArray::zeros_dtype(shape, T::DTYPE);
+        let mut a = NDArray::try_zeros_dtype(shape, T::DTYPE)?;
         kvstore_transport::copy::copy(a.as_bytes_mut(), bytemuck::cast_slice(data));
         Ok(a)
     }
@@ -169,7 +169,7 @@ impl NDArray {
                 len: bytes.len() / dtype.size().max(1),
             });
         }
-        let mut a = NDArray::zeros_dtype(shape, dtype);
+        let mut a = NDArray::try_zeros_dtype(shape, dtype)?;
         kvstore_transport::copy::copy(a.as_bytes_mut(), bytes);
         Ok(a)
     }

@@ -104,7 +104,12 @@ pub(crate) fn apply(
     if unsafe { pyo3::ffi::Py_REFCNT(st_mem.as_ptr()) } > 1 {
         let copy = NDArray::from_bytes(&shape, dtype, stored.as_bytes())
             .and_then(|c| c.on(stored.device()))
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+            .map_err(|e| match e {
+                kvstore::KvError::TooLarge { .. } => {
+                    pyo3::exceptions::PyMemoryError::new_err(e.to_string())
+                }
+                e => pyo3::exceptions::PyValueError::new_err(e.to_string()),
+            })?;
         let old = std::mem::replace(stored, copy);
         if let Ok(mut k) = st_mem.get().keep.lock() {
             *k = Some(old);

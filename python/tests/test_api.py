@@ -486,6 +486,43 @@ def test_an_updater_let_go_of_may_call_its_store(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "['saved']", out
 
 
+def test_memory_a_call_cannot_have_is_a_memory_error(tmp_path):
+    # An in-place pushpull lands its result in memory of its own first; where there is none
+    # to have, a MemoryError as numpy's, and the store goes on (before, Rust's allocation
+    # failure aborted the interpreter). Run apart, under a limit on its address space.
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "oom.py"
+    script.write_text(textwrap.dedent("""\
+        import resource
+        import numpy as np
+        import kvstore
+        kv = kvstore.create()
+        v = np.ones(64 << 20, dtype=np.float32)  # 256 MiB
+        kv.init(0, v)
+        with open("/proc/self/status") as f:
+            vm = next(int(l.split()[1]) for l in f if l.startswith("VmSize:")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+        try:
+            kv.pushpull(0, v)
+            print("no error", flush=True)
+        except MemoryError as e:
+            print(f"MemoryError: {e}", flush=True)
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        out = np.zeros(4, dtype=np.float32)
+        kv.init(1, np.full(4, 2, dtype=np.float32))
+        kv.pull(1, out=out)
+        print(out.tolist(), (v == 1).all(), flush=True)
+        """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out
+    assert out.stdout.splitlines() == [
+        "MemoryError: shape [67108864] of float32 is too large: its size in bytes overflows, "
+        "or no memory can be had for it", "[2.0, 2.0, 2.0, 2.0] True"], out
+
+
 def test_threads_saving_a_python_updaters_states_do_not_deadlock(tmp_path):
     # Each save runs the updater's get_states (Python, which may hand the GIL to the other
     # thread) without holding the store's locks; run apart, so that a deadlock fails the

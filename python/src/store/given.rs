@@ -142,10 +142,12 @@ impl KVStore {
         if aliased || shared {
             // The results land in the store's memory first, and are copied into the outputs
             // (or the values) once the call is over: a call never writes what it reads.
+            // (Memory it cannot have is a MemoryError, as numpy's.)
             let mut tmp: Vec<NDArray> = vals
                 .iter()
-                .map(|l| NDArray::zeros_dtype(l[0].array.shape(), l[0].array.dtype()))
-                .collect();
+                .map(|l| NDArray::try_zeros_dtype(l[0].array.shape(), l[0].array.dtype()))
+                .collect::<kvstore::Result<_>>()
+                .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(e.to_string()))?;
             let n = nbytes(&vals);
             let r = refs(&vals);
             let ks = k.keys.clone();
