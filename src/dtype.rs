@@ -130,8 +130,18 @@ pub fn gpu(i: u32) -> Device {
     Device::Gpu(i)
 }
 
-/// A Rust type that is the element type of a [`DType`].
-pub trait Element: bytemuck::Pod + Send + Sync + fmt::Debug + PartialEq + 'static {
+/// What only this crate's element types are: the store reads and writes an element's bytes
+/// as its dtype's size, which a type of another size would not hold (sealed, so that no
+/// other type can claim a dtype).
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A Rust type that is the element type of a [`DType`]: f32, f64, f16, bf16, i32, i64 and u8
+/// (sealed).
+pub trait Element:
+    sealed::Sealed + bytemuck::Pod + Send + Sync + fmt::Debug + PartialEq + 'static
+{
     /// The dtype of this element type.
     const DTYPE: DType;
     /// Addition (wrapping for integers, so no overflow panics).
@@ -148,6 +158,7 @@ pub trait Element: bytemuck::Pod + Send + Sync + fmt::Debug + PartialEq + 'stati
 
 macro_rules! float_elem {
     ($t:ty, $dt:expr) => {
+        impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = $dt;
             #[inline(always)]
@@ -178,6 +189,7 @@ float_elem!(f64, DType::F64);
 
 macro_rules! half_elem {
     ($t:ty, $dt:expr) => {
+        impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = $dt;
             #[inline(always)]
@@ -212,6 +224,7 @@ half_elem!(bf16, DType::BF16);
 
 macro_rules! int_elem {
     ($t:ty, $dt:expr) => {
+        impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = $dt;
             #[inline(always)]

@@ -134,11 +134,25 @@ impl Workers {
         match c {
             Completion::Connected { peer } => {
                 let addr = Addr { medium, peer };
-                // Links without a hello are few: beyond as many as there are workers (and a
-                // margin), the newest is closed at once.
-                let waiting = self.peers.values().filter(|w| w.rank.is_none()).count();
-                if waiting >= self.taken.len() + 8 {
-                    self.close.push(addr);
+                // Links without an accepted hello are few: beyond as many as there are workers
+                // (and a margin), the oldest that said nothing gives its place (else the
+                // oldest), as the scheduler's do: a stranger's idle links make room for the
+                // workers, which say their hello at once. (Closing the newest let a stranger
+                // who kept them full turn every worker away.)
+                let close = &self.close;
+                let waiting: Vec<(&Addr, &Worker)> = (self.peers.iter())
+                    .filter(|(a, w)| w.rank.is_none() && !close.contains(a))
+                    .collect();
+                if waiting.len() >= self.taken.len() + 8 {
+                    let oldest = |silent: bool| {
+                        (waiting.iter())
+                            .filter(|(_, w)| !silent || w.claim.is_none())
+                            .min_by_key(|(_, w)| w.since)
+                            .map(|(a, _)| **a)
+                    };
+                    if let Some(a) = oldest(true).or_else(|| oldest(false)) {
+                        self.close.push(a);
+                    }
                 }
                 self.peers.insert(addr, Worker::new());
                 self.hello_due.get_or_insert(Instant::now() + HELLO_WITHIN);
@@ -538,3 +552,7 @@ impl Workers {
         self.peers.values().any(|w| !w.backlog.is_empty())
     }
 }
+
+#[cfg(test)]
+#[path = "peers_tests.rs"]
+mod tests;
