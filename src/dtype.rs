@@ -139,6 +139,26 @@ mod sealed {
 
 /// A Rust type that is the element type of a [`DType`]: f32, f64, f16, bf16, i32, i64 and u8
 /// (sealed).
+///
+/// No other type can claim a dtype (here a 2-byte type claiming float32, whose pulls would
+/// write 4 bytes an element):
+/// ```compile_fail
+/// #[repr(transparent)]
+/// #[derive(Clone, Copy, Debug, PartialEq)]
+/// struct H(u16);
+/// // SAFETY: a u16, every bit pattern valid.
+/// unsafe impl bytemuck::Zeroable for H {}
+/// // SAFETY: as above.
+/// unsafe impl bytemuck::Pod for H {}
+/// impl kvstore::Element for H {
+///     const DTYPE: kvstore::DType = kvstore::DType::F32;
+///     fn add(self, o: Self) -> Self { H(self.0.wrapping_add(o.0)) }
+///     fn axpy(self, _: f64, x: Self) -> Self { self.add(x) }
+///     fn scale(self, _: f64) -> Self { self }
+///     fn to_f64(self) -> f64 { self.0 as f64 }
+///     fn from_f64(v: f64) -> Self { H(v as u16) }
+/// }
+/// ```
 pub trait Element:
     sealed::Sealed + bytemuck::Pod + Send + Sync + fmt::Debug + PartialEq + 'static
 {
