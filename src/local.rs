@@ -308,8 +308,10 @@ impl LocalStore {
                         reason: other.to_string(),
                     },
                 };
-                if vs.len() == 1 {
-                    up(k, vs[0], stored).map_err(keyed)?;
+                // (The updater's error is said once the stored value is checked: one that
+                // replaced it and then failed has lost it all the same.)
+                let applied = if vs.len() == 1 {
+                    up(k, vs[0], stored).map_err(keyed)
                 } else {
                     if !self.merge.contains_key(k) {
                         let m = NDArray::zeros_dtype(&shape, dtype).on(stored.device())?;
@@ -319,9 +321,10 @@ impl LocalStore {
                         return Err(KvError::UnknownKey(k.clone()));
                     };
                     sum_into(merged, vs)?;
-                    up(k, merged, stored).map_err(keyed)?;
-                }
-                if let Err(e) = check_updater_kept_shape(k, stored, &shape, dtype) {
+                    up(k, merged, stored).map_err(keyed)
+                };
+                let kept = check_updater_kept_shape(k, stored, &shape, dtype);
+                if let Err(e) = kept {
                     // The value it replaced is gone: the key is taken out, with its merge
                     // buffer (of the old shape), and says why from now on.
                     self.store.remove(k);
@@ -332,6 +335,7 @@ impl LocalStore {
                     }
                     return Err(e);
                 }
+                applied?;
             }
         }
         Ok(())

@@ -243,6 +243,24 @@ fn updater_errors_propagate_and_shape_changes_are_refused() {
     assert_eq!(pull(&mut kv, 3), vec![5.0; 6]);
     kv.push(3, &two).unwrap();
     assert_eq!(pull(&mut kv, 3), vec![2.0; 6]);
+    // An updater that replaced the value and then failed has lost it as much (before, the key
+    // held the [1] array, and took pushes of that shape).
+    kv.set_updater(|k, _, stored| {
+        *stored = NDArray::zeros(&[1]);
+        Err(KvError::Updater {
+            key: k.clone(),
+            reason: "no".into(),
+        })
+    })
+    .unwrap();
+    assert!(matches!(
+        kv.push(3, &NDArray::ones(&SHAPE)),
+        Err(KvError::Updater { .. })
+    ));
+    match kv.push(3, &NDArray::ones(&[1])) {
+        Err(KvError::Updater { reason, .. }) => assert!(reason.contains("lost"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]

@@ -22,7 +22,10 @@ fn a_new_link_takes_the_place_of_the_oldest_silent_one() {
         links.push(connect(&mut w, &mut s, p));
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert!(w.close.is_empty(), "9 links wait: 1 worker and a margin of 8");
+    assert!(
+        w.close.is_empty(),
+        "9 links wait: 1 worker and a margin of 8"
+    );
     let worker = connect(&mut w, &mut s, 9);
     assert_eq!(w.close, [links[0]], "the oldest gives its place");
     assert!(!w.close.contains(&worker));

@@ -3,6 +3,7 @@
 
 use super::tests::{data, empty, replies, req};
 use super::*;
+use crate::KvError;
 
 #[test]
 fn a_value_an_updater_replaced_with_another_shape_is_lost_and_never_served() {
@@ -71,6 +72,36 @@ fn a_value_an_updater_replaced_with_another_shape_is_lost_and_never_served() {
             (13, failed)
         ]
     );
+}
+
+/// An updater that replaced the value with another shape and then failed: the value is lost
+/// as much (before, the key held the new shape, and its pushes were taken).
+#[test]
+fn a_value_an_updater_replaced_and_then_failed_is_lost() {
+    let mut s = ServerState::new(1, true);
+    crate::register_updater("test_reshapes_and_fails", |k, _, st| {
+        *st = NDArray::full(&[2], 7.0);
+        Err(KvError::Updater {
+            key: k.clone(),
+            reason: "no".into(),
+        })
+    });
+    let mut name = NDArray::from_slice(&[23], b"test_reshapes_and_fails").unwrap();
+    s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 1), &mut name);
+    s.handle(0, 0, &req(Op::Init, 5, 4, 2), &mut data(2.0, 4));
+    s.handle(0, 0, &req(Op::Push, 5, 4, 3), &mut data(1.0, 4));
+    s.handle(0, 0, &req(Op::Pull, 5, 2, 4), &mut empty());
+    let r: Vec<(u64, u16, String)> = (s.outbox.drain(..))
+        .map(|o| match o.payload {
+            Payload::Text(t) => (o.msg.req_id, o.msg.status, String::from_utf8(t).unwrap()),
+            _ => (o.msg.req_id, o.msg.status, String::new()),
+        })
+        .collect();
+    assert_eq!(
+        r.iter().map(|r| (r.0, r.1)).collect::<Vec<_>>(),
+        [(1, 0), (2, 0), (3, status::FAILED), (4, status::FAILED)]
+    );
+    assert!(r[3].2.contains("so its value is lost"), "{r:?}");
 }
 
 /// A worker pushed twice (the second held for the next round) and then pulled; another worker

@@ -33,7 +33,7 @@ pub(super) fn apply(
         Updater::Optimizer(o) => o.update(&k, input, stored),
         Updater::Named(name, f) => {
             let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
-            f(&k, input, stored).map_err(|e| KvError::Updater {
+            let applied = f(&k, input, stored).map_err(|e| KvError::Updater {
                 key: k.clone(),
                 // An updater that fails with an updater error says the key already: its
                 // reason is kept, not wrapped again.
@@ -41,12 +41,15 @@ pub(super) fn apply(
                     KvError::Updater { reason, .. } => format!("{}: {reason}", shown(name)),
                     other => format!("{}: {other}", shown(name)),
                 },
-            })?;
+            });
+            // Checked whether it failed or not: one that replaced the value and then failed
+            // has lost it all the same.
             check_updater_kept_shape(&k, stored, &shape, dtype).inspect_err(|e| {
                 if let KvError::Updater { reason, .. } = e {
                     *lost = Some(reason.clone());
                 }
-            })
+            })?;
+            applied
         }
     }
 }
