@@ -272,6 +272,14 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
         .lr_mult(1, f64::INFINITY)
         .check()
         .is_err());
+    // Parameters as much as factors: a server would refuse it, and its own states file
+    // could not be read back.
+    for opt in [
+        Optimizer::sgd(0.1).clip_gradient(f64::INFINITY),
+        Optimizer::adam(f64::NAN),
+    ] {
+        assert!(Multiplied::from(opt).check().is_err());
+    }
 
     let mut u = OptimizerUpdater::new(opt.clone());
     let mut w = NDArray::ones(&[2]);

@@ -191,9 +191,16 @@ impl Multiplied {
         Ok(())
     }
 
-    /// What `update_optimizer` refuses: a factor that is not a finite number, or a scheduler
-    /// or `begin_num_update` out of range.
+    /// What `update_optimizer` refuses: a parameter or factor that is not a finite number
+    /// (as a server, and a states file, refuse it), or a scheduler or `begin_num_update` out
+    /// of range.
     pub fn check(&self) -> Result<()> {
+        if self.opt.encode().iter().any(|v| !v.is_finite()) {
+            return Err(KvError::Unsupported(format!(
+                "an optimizer's parameters must be finite numbers: {:?}",
+                self.opt
+            )));
+        }
         for (k, (l, w)) in &self.mults.0 {
             if !(l.is_finite() && w.is_finite()) {
                 return Err(KvError::Unsupported(format!(
