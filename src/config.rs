@@ -405,6 +405,12 @@ impl Config {
             Some(v) => parse("KVSTORE_SLOT_BYTES", &v)?,
             None => 256usize << 20,
         };
+        // (A server's landing pool adds to it: a bound keeps the sum a size.)
+        if slot_bytes > 1 << 40 {
+            return Err(KvError::Config(format!(
+                "KVSTORE_SLOT_BYTES={slot_bytes} is above 2^40 bytes"
+            )));
+        }
         Ok(Config {
             transport,
             rdma,

@@ -32,6 +32,13 @@ fn the_secret_is_never_empty_short_or_readable_by_others() {
     };
     let short = with(&[("KVSTORE_SECRET", "guessable")]).unwrap_err();
     assert!(short.to_string().contains("KVSTORE_SECRET"), "{short}");
+    // Bytes that are not UTF-8 (as the environment's are read, each a U+FFFD of 3 bytes) are
+    // refused: 6 such bytes passed for 18, and secrets of other such bytes were alike.
+    let huge = with(&[("KVSTORE_SLOT_BYTES", "18446744073709551615")]).unwrap_err();
+    assert!(huge.to_string().contains("KVSTORE_SLOT_BYTES"), "{huge}");
+    let lossy = "\u{FFFD}".repeat(6);
+    let e = with(&[("KVSTORE_SECRET", &lossy)]).unwrap_err();
+    assert!(e.to_string().contains("not UTF-8"), "{e}");
     let dir = std::env::temp_dir().join(format!("kvstore-secret-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let home = dir.display().to_string();

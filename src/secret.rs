@@ -22,6 +22,13 @@ pub(crate) fn resolve(
             None => return Err(KvError::Config(format!("no job secret: {how}"))),
         },
     };
+    // The environment's values are read lossily: a byte that is not UTF-8 becomes U+FFFD,
+    // three bytes that every other such byte becomes too.
+    if s.contains('\u{FFFD}') {
+        return Err(KvError::Config(format!(
+            "the job secret is not UTF-8 text: {how}"
+        )));
+    }
     if s.len() < crate::auth::MIN_SECRET {
         return Err(KvError::Config(format!(
             "the job secret has {} bytes, fewer than {}: {how}",
