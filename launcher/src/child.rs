@@ -116,8 +116,15 @@ pub fn remote_command(program: &Path, args: &[String], env: &[(String, String)])
     for (k, v) in env.iter().filter(|(k, _)| k != SECRET_VAR) {
         cmd.push_str(&format!(" {}", remote_word(&format!("{k}={v}"))));
     }
+    let program = program.to_string_lossy();
+    if program.contains('=') {
+        // `env` takes any word with a `=` for a variable (`./runs/lr=0.1/train`), and runs
+        // the next word, or with none prints its environment: a shell runs it instead.
+        cmd.push_str(" sh -c ");
+        cmd.push_str(&remote_word("exec \"$0\" \"$@\""));
+    }
     cmd.push(' ');
-    cmd.push_str(&remote_word(&program.to_string_lossy()));
+    cmd.push_str(&remote_word(&program));
     for a in args {
         cmd.push(' ');
         cmd.push_str(&remote_word(a));
@@ -521,6 +528,53 @@ mod tests {
             })
             .unwrap();
         assert_eq!(out, "0123456789abcdef-hush");
+    }
+
+    /// A program whose path has a `=` (a run directory such as `lr=0.1`) runs, with its
+    /// arguments and environment; before, `env` took the path for a variable, and printed the
+    /// environment (the secret with it) where no argument followed.
+    #[test]
+    fn a_remote_program_whose_path_has_an_equals_sign_runs() {
+        let dir = std::env::temp_dir().join(format!("kvrun-eq-{}/lr=0.1", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let prog = dir.join("prog");
+        std::fs::write(
+            &prog,
+            "#!/bin/sh\nprintf 'ran %s %s' \"$DMLC_ROLE\" \"$#\"\n",
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&prog, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let env = vec![
+            ("DMLC_ROLE".to_string(), "worker".to_string()),
+            (SECRET_VAR.to_string(), "0123456789abcdef-hush".to_string()),
+        ];
+        for (args, want) in [
+            (vec![], "ran worker 0"),
+            (vec!["x=1".to_string()], "ran worker 1"),
+        ] {
+            let cmd = remote_command(&prog, &args, &env);
+            let mut c = Command::new("/bin/sh")
+                .arg("-c")
+                .arg(&cmd)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut i = c.stdin.take().unwrap();
+            writeln!(i, "0123456789abcdef-hush").unwrap();
+            let out = {
+                use std::io::Read;
+                let mut o = String::new();
+                c.stdout.take().unwrap().read_to_string(&mut o).unwrap();
+                o
+            };
+            drop(i);
+            c.wait().unwrap();
+            assert_eq!(out, want, "{cmd}");
+        }
+        let _ = std::fs::remove_dir_all(dir.parent().unwrap());
     }
 
     #[test]

@@ -224,6 +224,10 @@ fn log_filter() -> Option<(&'static str, String)> {
 
 fn run_job(opts: &Options) -> Result<i32, String> {
     let job_timeout = timeout(opts)?;
+    // A parent that ignores SIGCHLD (exec keeps that) would have the kernel reap the job's
+    // processes before kvrun learns how they ended: kvrun, and they, take the default.
+    // SAFETY: the default disposition installs no handler; no thread is waiting on children.
+    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) };
     raise_open_files();
     let log = log_filter();
     kvstore::init_logging(log.as_ref().map(|(_, v)| v.as_str()));

@@ -557,6 +557,36 @@ fn a_hangup_ignored_at_start_stays_ignored_as_nohup_means_it() {
 }
 
 #[test]
+fn a_child_signal_ignored_at_start_is_taken_back_so_kvrun_sees_its_children_end() {
+    // A parent that ignores SIGCHLD (which exec keeps): the kernel would reap kvrun's children
+    // before kvrun learns how they ended. Before, a job that ended well left kvrun waiting.
+    use std::os::unix::process::CommandExt;
+    let mut cmd = kvrun();
+    cmd.args([
+        "-n",
+        "1",
+        "--timeout",
+        "20",
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo done",
+    ]);
+    // SAFETY: between fork and exec the child only sets a signal's disposition, which is
+    // async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+            Ok(())
+        })
+    };
+    let out = cmd.bounded_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("[worker 0] done"), "{text}");
+}
+
+#[test]
 fn output_is_not_lost_when_kvruns_stdout_drains_slowly() {
     // A reader that takes its time (a pipe to a slow `tee`, a paused terminal): every line
     // reaches it, however long after the program ended.
