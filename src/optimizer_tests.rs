@@ -195,6 +195,20 @@ fn states_round_trip_and_continue_exactly() {
     // A key the file has no state for loses it (as MXNet's states are replaced whole) but
     // keeps its count: its next update makes a fresh state, counted on.
     assert!(!own.state.contains_key(&Key::Int(9)));
+    // And a later load that has its state goes on from that count (before, from
+    // `begin_num_update`: the kept count was dropped).
+    let with_9 = {
+        let mut other = OptimizerUpdater::new(Optimizer::adam(0.01));
+        other.update(&Key::Int(9), &g, &mut wa.clone()).unwrap();
+        other.save_states()
+    };
+    let mut keep = OptimizerUpdater::new(Optimizer::adam(0.01));
+    for _ in 0..2 {
+        keep.update(&Key::Int(9), &g, &mut wa.clone()).unwrap();
+    }
+    assert!(!keep.load_states(&saved).unwrap());
+    assert!(!keep.load_states(&with_9).unwrap());
+    assert_eq!(keep.state[&Key::Int(9)].t, 2);
     own.update(&Key::Int(9), &g, &mut wa.clone()).unwrap();
     assert_eq!(own.state[&Key::Int(9)].t, 2);
     // With the optimizer, the counts come too: the state goes on exactly.

@@ -172,7 +172,10 @@ impl OptimizerUpdater {
             let t = if dumped {
                 t
             } else {
-                self.state.get(&key).map_or(self.begin_num_update, |s| s.t)
+                // (A count an earlier such load kept for a key without state goes on too.)
+                (self.state.get(&key).map(|s| s.t))
+                    .or_else(|| self.counts.get(&key).copied())
+                    .unwrap_or(self.begin_num_update)
             };
             state.insert(key, KeyState { m, v, d, master, t });
         }
