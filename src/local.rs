@@ -27,8 +27,11 @@ pub(crate) fn check_like(key: &Key, stored: &NDArray, v: &NDArray) -> Result<()>
 }
 
 /// `dst = sum(values)`; all have `dst`'s shape and dtype (checked by the caller). On a GPU
-/// where `dst` and every value are GPU arrays of a dtype it sums, else on the host.
-pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) -> Result<()> {
+/// where `dst` and every value are GPU arrays of a dtype it sums, else on the host: in the
+/// order of MXNet's CPU reduce where `grouped` (its `local` and `dist_sync` stores', which
+/// sum each next four values among themselves first), else left to right (its `device`
+/// stores').
+pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray], grouped: bool) -> Result<()> {
     // One value is a copy: between a GPU and the host, one copy straight between them.
     if let [only] = values {
         return dst.copy_from(only);
@@ -51,7 +54,12 @@ pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray]) -> Result<()> {
         return Ok(());
     }
     let srcs: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
-    with_dtype!(dtype, T => ops::sum_bytes_into::<T>(dst.as_bytes_mut(), &srcs));
+    match grouped {
+        true => {
+            with_dtype!(dtype, T => ops::sum_bytes_into_grouped::<T>(dst.as_bytes_mut(), &srcs))
+        }
+        false => with_dtype!(dtype, T => ops::sum_bytes_into::<T>(dst.as_bytes_mut(), &srcs)),
+    }
     Ok(())
 }
 
@@ -296,7 +304,7 @@ impl LocalStore {
             return Err(self.missing(k));
         };
         match &mut self.updater {
-            None => sum_into(stored, vs)?,
+            None => sum_into(stored, vs, !self.on_devices)?,
             Some(up) => {
                 let (shape, dtype) = (stored.shape().to_vec(), stored.dtype());
                 // An updater's own error names its key, as a server's does (an interrupt
@@ -320,7 +328,7 @@ impl LocalStore {
                     let Some(merged) = self.merge.get_mut(k) else {
                         return Err(KvError::UnknownKey(k.clone()));
                     };
-                    sum_into(merged, vs)?;
+                    sum_into(merged, vs, !self.on_devices)?;
                     up(k, merged, stored).map_err(keyed)
                 };
                 let kept = check_updater_kept_shape(k, stored, &shape, dtype);

@@ -128,6 +128,57 @@ pub fn sum_into<T: Element>(dst: &mut [T], srcs: &[&[T]]) {
     }
 }
 
+/// `dst = sum(srcs)` in the order of MXNet's CPU reduce (`CommCPU`, which its `local` and
+/// `dist_sync` stores sum with): the first source, then each next four summed among
+/// themselves first, `dst + (((a + b) + c) + d)`. Floats round so differently from a sum left
+/// to right (in float16, 2048 + 1 + 1 is 2050 so, and 2048 left to right).
+pub fn sum_into_grouped<T: Element>(dst: &mut [T], srcs: &[&[T]]) {
+    let Some((first, rest)) = srcs.split_first() else {
+        return;
+    };
+    let n = dst.len();
+    let mut start = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        let out = &mut dst[start..end];
+        out.copy_from_slice(&first[start..end]);
+        for g in rest.chunks(4) {
+            let at = |k: usize| &g[k][start..end];
+            match g.len() {
+                1 => add_into(out, at(0)),
+                2 => {
+                    let (a, b) = (at(0), at(1));
+                    for i in 0..out.len() {
+                        out[i] = out[i].add(a[i].add(b[i]));
+                    }
+                }
+                3 => {
+                    let (a, b, c) = (at(0), at(1), at(2));
+                    for i in 0..out.len() {
+                        out[i] = out[i].add(a[i].add(b[i]).add(c[i]));
+                    }
+                }
+                _ => {
+                    let (a, b, c, d) = (at(0), at(1), at(2), at(3));
+                    for i in 0..out.len() {
+                        out[i] = out[i].add(a[i].add(b[i]).add(c[i]).add(d[i]));
+                    }
+                }
+            }
+        }
+        start = end;
+    }
+}
+
+/// The same sum as [`sum_into_grouped`] over byte views of elements of type `T`.
+pub fn sum_bytes_into_grouped<T: Element>(dst: &mut [u8], srcs: &[&[u8]]) {
+    let typed: Vec<&[T]> = srcs
+        .iter()
+        .map(|s| bytemuck::cast_slice::<u8, T>(s))
+        .collect();
+    sum_into_grouped::<T>(bytemuck::cast_slice_mut(dst), &typed);
+}
+
 /// The same sum as [`sum_into`] over byte views of elements of type `T`.
 pub fn sum_bytes_into<T: Element>(dst: &mut [u8], srcs: &[&[u8]]) {
     let typed: Vec<&[T]> = srcs
@@ -164,6 +215,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_grouped_sum_is_mxnets_cpu_order() {
+        for n in [0, 1, 7, BLOCK + 3] {
+            for count in 1..=11 {
+                let srcs: Vec<Vec<f32>> = (0..count)
+                    .map(|k| {
+                        (0..n)
+                            .map(|i| ((i * 7 + k * 13) % 29) as f32 * 0.1)
+                            .collect()
+                    })
+                    .collect();
+                let refs: Vec<&[f32]> = srcs.iter().map(|v| v.as_slice()).collect();
+                let mut out = vec![-1.0f32; n];
+                sum_into_grouped(&mut out, &refs);
+                for i in 0..n {
+                    let mut want = srcs[0][i];
+                    for g in srcs[1..].chunks(4) {
+                        let mut part = g[0][i];
+                        for s in &g[1..] {
+                            part += s[i];
+                        }
+                        want += part;
+                    }
+                    assert_eq!(
+                        out[i].to_bits(),
+                        want.to_bits(),
+                        "n {n} count {count} i {i}"
+                    );
+                }
+            }
+        }
+        // Where the orders part: float16's 2048 + 1 + 1.
+        let h = |v: f32| half::f16::from_f32(v);
+        let (a, one) = ([h(2048.0)], [h(1.0)]);
+        let mut out = [h(0.0)];
+        sum_into_grouped(&mut out, &[&a, &one, &one]);
+        assert_eq!(out[0].to_f32(), 2050.0);
+        sum_into(&mut out, &[&a, &one, &one]);
+        assert_eq!(out[0].to_f32(), 2048.0);
     }
 
     #[test]

@@ -608,3 +608,23 @@ fn a_str_key_initialised_again_keeps_its_place_in_the_update_order() {
         .unwrap();
     assert_eq!(*order.lock().unwrap(), ["a", "b", "c"]);
 }
+
+/// Several values of a key are summed in MXNet's order for the store: a `local` store as
+/// MXNet's CPU reduce (each next four among themselves first), a `device` store left to
+/// right. In float16 the two part: 2048 + 1 + 1 is 2050 and 2048.
+#[test]
+fn several_values_are_summed_in_mxnets_order_for_the_store() {
+    for (kind, want) in [("local", 2050.0), ("device", 2048.0)] {
+        let mut kv = create(kind).unwrap();
+        kv.init(0, &NDArray::zeros_dtype(&[1], DType::F16)).unwrap();
+        let vals = [
+            NDArray::full_dtype(&[1], 2048.0, DType::F16),
+            NDArray::full_dtype(&[1], 1.0, DType::F16),
+            NDArray::full_dtype(&[1], 1.0, DType::F16),
+        ];
+        kv.push(0, &vals).unwrap();
+        let mut out = NDArray::zeros_dtype(&[1], DType::F16);
+        kv.pull(0, &mut out).unwrap();
+        assert_eq!(out.to_f64_vec(), [want], "{kind}");
+    }
+}

@@ -295,7 +295,8 @@ impl DistWorker {
                     .merge
                     .entry(k.clone())
                     .or_insert_with(|| NDArray::zeros_dtype(vs[0].shape(), vs[0].dtype()));
-                sum_into(m, vs)?;
+                // As MXNet's dist_sync worker sums (its CPU reduce).
+                sum_into(m, vs, true)?;
                 m.clone()
             } else {
                 vs[0].clone()
