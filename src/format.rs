@@ -23,6 +23,26 @@ pub(crate) fn cut_text(t: &[u8], max: usize) -> &[u8] {
     &t[..end]
 }
 
+/// Whether the decimal text `s` reads back as `v` in `dtype`'s precision.
+fn reads_back(s: &str, v: f64, dtype: DType) -> bool {
+    let Ok(x) = s.parse::<f64>() else {
+        return false;
+    };
+    match dtype {
+        DType::F64 => x == v,
+        DType::F16 => half::f16::from_f64(x) == half::f16::from_f64(v),
+        DType::BF16 => half::bf16::from_f64(x) == half::bf16::from_f64(v),
+        _ => x as f32 == v as f32,
+    }
+}
+
+/// numpy's `precision`: at most this many digits after the point (or in a mantissa).
+const PRECISION: usize = 8;
+
+/// A float as numpy writes it (`floatmode='maxprec'`): the fewest significant digits that
+/// read back as the same value in the array's own precision (float16's 0.1 is `0.1`, not
+/// float32's `0.099975586`), at most [`PRECISION`] after the point, trailing zeros trimmed.
+/// Scientific: the mantissa and the exponent as parts, to be padded (`fill_scientific`).
 fn format_elem(v: f64, dtype: DType, scientific: bool) -> String {
     if !dtype.is_float() {
         return format!("{}", v as i64);
@@ -33,41 +53,49 @@ fn format_elem(v: f64, dtype: DType, scientific: bool) -> String {
     if v.is_infinite() {
         return if v > 0.0 { "inf".into() } else { "-inf".into() };
     }
-    // Shortest representation that round-trips in the array's own precision, as numpy does.
-    let s = match dtype {
-        DType::F64 => {
-            if scientific {
-                format!("{v:e}")
-            } else {
-                format!("{v}")
-            }
-        }
-        _ => {
-            let f = v as f32;
-            if scientific {
-                format!("{f:e}")
-            } else {
-                format!("{f}")
-            }
+    let digits = (1..=17)
+        .find(|&d| reads_back(&format!("{:.*e}", d - 1, v), v, dtype))
+        .unwrap_or(17);
+    let sci = format!("{:.*e}", (digits - 1).min(PRECISION), v);
+    let (mant, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let trimmed = |t: &str| -> String {
+        match t.split_once('.') {
+            Some((i, f)) => format!("{i}.{}", f.trim_end_matches('0')),
+            None => format!("{t}."),
         }
     };
     if scientific {
-        // Rust writes 1e8 / 1.5e-5; numpy writes 1.e+08 / 1.5e-05.
-        let (mant, exp) = s.split_once('e').unwrap_or((&s, "0"));
-        let mant = if mant.contains('.') {
-            mant.to_string()
-        } else {
-            format!("{mant}.")
-        };
-        let (sign, digits) = match exp.strip_prefix('-') {
-            Some(d) => ('-', d),
-            None => ('+', exp),
-        };
-        format!("{mant}e{sign}{digits:0>2}")
-    } else if s.contains('.') {
-        s
+        // Rust writes 1.5e-5; numpy writes 1.5e-05.
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{}e{sign}{:02}", trimmed(mant), exp.unsigned_abs())
     } else {
-        format!("{s}.")
+        let frac = (digits as i32 - 1 - exp).clamp(0, PRECISION as i32) as usize;
+        trimmed(&format!("{v:.frac$}"))
+    }
+}
+
+/// numpy's scientific cells: every mantissa with as many digits after the point as the
+/// longest (zeros added), every exponent with as many digits as the longest.
+fn fill_scientific(cells: &mut [String]) {
+    let parts = |c: &str| -> Option<(String, String, String)> {
+        let (mant, exp) = c.split_once('e')?;
+        let (i, f) = mant.split_once('.')?;
+        Some((i.to_string(), f.to_string(), exp.to_string()))
+    };
+    let all: Vec<_> = cells.iter().map(|c| parts(c)).collect();
+    let frac = all.iter().flatten().map(|p| p.1.len()).max().unwrap_or(0);
+    let exp = all
+        .iter()
+        .flatten()
+        .map(|p| p.2.len() - 1)
+        .max()
+        .unwrap_or(2);
+    for (c, p) in cells.iter_mut().zip(all) {
+        if let Some((i, f, e)) = p {
+            let (sign, d) = e.split_at(1);
+            *c = format!("{i}.{f:0<frac$}e{sign}{d:0>exp$}");
+        }
     }
 }
 
@@ -171,11 +199,15 @@ pub fn format_array(a: &NDArray) -> String {
             min_nz = min_nz.min(v);
         }
     }
-    let scientific = a.dtype().is_float() && (max >= 1e8 || min_nz < 1e-4);
+    // numpy's rule: large, small, or far apart.
+    let scientific = a.dtype().is_float() && (max >= 1e8 || min_nz < 1e-4 || (max / min_nz) > 1e3);
     let mut cells: Vec<String> = vals
         .iter()
         .map(|&v| format_elem(v, a.dtype(), scientific))
         .collect();
+    if scientific {
+        fill_scientific(&mut cells);
+    }
     align(&mut cells, a.dtype().is_float());
     let mut out = String::new();
     render(a.shape(), 0, summarise, &mut cells.iter(), &mut out);
@@ -219,6 +251,30 @@ mod tests {
         assert_eq!(i.to_string(), "[ 1 10 -5]");
         let s = NDArray::from_vec(&[2], vec![1e9f64, 1.0]).unwrap();
         assert_eq!(s.to_string(), "[1.e+09 1.e+00]");
+    }
+
+    /// As numpy 2 prints them (`print(np.array(...))`).
+    #[test]
+    fn precision_and_notation_as_numpys() {
+        let f64s = |v: Vec<f64>| NDArray::from_vec(&[v.len()], v).unwrap().to_string();
+        let f32s = |v: Vec<f32>| NDArray::from_vec(&[v.len()], v).unwrap().to_string();
+        // At most 8 digits after the point.
+        assert_eq!(f64s(vec![0.1 + 0.2]), "[0.3]");
+        assert_eq!(f64s(vec![1.0 / 3.0, 2.0]), "[0.33333333 2.        ]");
+        assert_eq!(f32s(vec![0.123_456_79]), "[0.12345679]");
+        // A float16's own shortest digits.
+        assert_eq!(
+            NDArray::full_dtype(&[2], 0.1, DType::F16).to_string(),
+            "[0.1 0.1]"
+        );
+        // Far apart (more than 1000 times): scientific, mantissas and exponents padded.
+        assert_eq!(f32s(vec![1.0, 2000.0]), "[1.e+00 2.e+03]");
+        assert_eq!(f64s(vec![1.5e-5, 1e-5]), "[1.5e-05 1.0e-05]");
+        assert_eq!(f64s(vec![1e100, 1.0]), "[1.e+100 1.e+000]");
+        assert_eq!(f64s(vec![1.0, 1000.0]), "[   1. 1000.]");
+        assert_eq!(f64s(vec![123456.789]), "[123456.789]");
+        assert_eq!(f32s(vec![0.001_234_568]), "[0.00123457]");
+        assert_eq!(f64s(vec![-1.5e-5, 2e-7]), "[-1.5e-05  2.0e-07]");
     }
 
     #[test]
