@@ -255,9 +255,11 @@ macro_rules! int_elem {
             fn axpy(self, alpha: f64, x: Self) -> Self {
                 Self::from_f64(self as f64 + alpha * x as f64)
             }
+            /// In the integer type, as MXNet's scalar ops compute: by `alpha` cast to it
+            /// (toward zero), wrapping (uint8's 200 * 2 is 144; no f64 rounds an i64).
             #[inline(always)]
             fn scale(self, alpha: f64) -> Self {
-                Self::from_f64(self as f64 * alpha)
+                self.wrapping_mul(alpha as $t)
             }
             #[inline(always)]
             fn to_f64(self) -> f64 {

@@ -314,7 +314,8 @@ impl NDArray {
         Ok(())
     }
 
-    /// `self *= alpha`, in place.
+    /// `self *= alpha`, in place. An integer array multiplies in its own type, as MXNet's
+    /// scalar ops do: by `alpha` cast to it (toward zero), wrapping (uint8's 200 * 2 is 144).
     pub fn scale_inplace(&mut self, alpha: f64) {
         let dtype = self.dtype;
         with_dtype!(dtype, T => {
@@ -458,6 +459,14 @@ mod tests {
         assert_eq!(h.dtype(), DType::F16);
         let b = NDArray::from_vec(&[1], vec![bf16::from_f32(-2.0)]).unwrap();
         assert_eq!(b.dtype(), DType::BF16);
+        // Integers multiply in their own type, as MXNet's scalar ops: exactly, wrapping, by
+        // the scalar cast to the type (before, through f64: rounded and saturated).
+        let big = NDArray::from_vec(&[1], vec![9_007_199_254_740_993i64]).unwrap() * 1;
+        assert_eq!(big.to_vec::<i64>().unwrap(), [9_007_199_254_740_993]);
+        let u = NDArray::full_dtype(&[1], 200.0, DType::U8) * 2;
+        assert_eq!(u.to_vec::<u8>().unwrap(), [144]);
+        let i = NDArray::full_dtype(&[1], 7.0, DType::I32) * 1.9;
+        assert_eq!(i.to_vec::<i32>().unwrap(), [7]);
     }
 
     #[test]
