@@ -200,6 +200,9 @@ fn timeout(opts: &Options) -> Result<f64, String> {
             .trim()
             .parse()
             .map_err(|_| format!("KVSTORE_TIMEOUT={v:?} is not a number of seconds"))?,
+        (None, Err(std::env::VarError::NotUnicode(v))) => {
+            return Err(format!("KVSTORE_TIMEOUT={v:?} is not a number of seconds"))
+        }
         _ => 120.0,
     };
     if !(t > 0.0 && t <= kvstore::MAX_TIMEOUT_S) {
@@ -341,6 +344,11 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             Some((k, v)) => env.push((k.to_string(), v.to_string())),
             None => match std::env::var(x) {
                 Ok(v) => env.push((x.clone(), v)),
+                Err(std::env::VarError::NotUnicode(_)) => {
+                    return Err(format!(
+                        "-x {x}: its value in kvrun's environment is not UTF-8"
+                    ))
+                }
                 Err(_) => return Err(format!("-x {x}: not set in kvrun's environment")),
             },
         }

@@ -119,6 +119,26 @@ fn the_timeout_in_kvruns_environment_reaches_every_process() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("[worker 0] timeout 9"), "{stdout}");
+    // A value that is not UTF-8 is refused, as the library refuses it (before, kvrun ran the
+    // job with 120 s and gave every process that instead).
+    use std::os::unix::ffi::OsStrExt;
+    let bad = std::ffi::OsStr::from_bytes(b"\xff");
+    let out = kvrun()
+        .args(["-n", "1", "--", "true"])
+        .env("KVSTORE_TIMEOUT", bad)
+        .bounded_output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("not a number of seconds"), "{stderr}");
+    let out = kvrun()
+        .args(["-n", "1", "-x", "KVRUN_TEST_BYTES", "--", "true"])
+        .env("KVRUN_TEST_BYTES", bad)
+        .bounded_output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("not UTF-8"), "{stderr}");
 }
 
 /// Processes whose environment holds the marker: kvrun's children and their children.
