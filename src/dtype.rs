@@ -256,7 +256,8 @@ macro_rules! int_elem {
                 Self::from_f64(self as f64 + alpha * x as f64)
             }
             /// In the integer type, as MXNet's scalar ops compute: by `alpha` cast to it
-            /// (toward zero), wrapping (uint8's 200 * 2 is 144; no f64 rounds an i64).
+            /// (toward zero, and saturating where it is out of the type's range, where C++'s
+            /// cast is undefined), wrapping (uint8's 200 * 2 is 144; no f64 rounds an i64).
             #[inline(always)]
             fn scale(self, alpha: f64) -> Self {
                 self.wrapping_mul(alpha as $t)

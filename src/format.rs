@@ -56,9 +56,11 @@ fn format_elem(v: f64, dtype: DType, scientific: bool) -> String {
     let digits = (1..=17)
         .find(|&d| reads_back(&format!("{:.*e}", d - 1, v), v, dtype))
         .unwrap_or(17);
+    // The exponent of the shortest digits (those capped at PRECISION may round up a power).
+    let shortest = format!("{:.*e}", digits - 1, v);
+    let exp: i32 = (shortest.split_once('e')).map_or(0, |(_, e)| e.parse().unwrap_or(0));
     let sci = format!("{:.*e}", (digits - 1).min(PRECISION), v);
-    let (mant, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
+    let (mant, sci_exp) = sci.split_once('e').unwrap_or((&sci, "0"));
     let trimmed = |t: &str| -> String {
         match t.split_once('.') {
             Some((i, f)) => format!("{i}.{}", f.trim_end_matches('0')),
@@ -67,8 +69,9 @@ fn format_elem(v: f64, dtype: DType, scientific: bool) -> String {
     };
     if scientific {
         // Rust writes 1.5e-5; numpy writes 1.5e-05.
-        let sign = if exp < 0 { '-' } else { '+' };
-        format!("{}e{sign}{:02}", trimmed(mant), exp.unsigned_abs())
+        let e: i32 = sci_exp.parse().unwrap_or(0);
+        let sign = if e < 0 { '-' } else { '+' };
+        format!("{}e{sign}{:02}", trimmed(mant), e.unsigned_abs())
     } else {
         let frac = (digits as i32 - 1 - exp).clamp(0, PRECISION as i32) as usize;
         trimmed(&format!("{v:.frac$}"))
@@ -108,15 +111,27 @@ fn align(cells: &mut [String], is_float: bool) {
                 None => (c.len(), 0),
             }
         };
-        let (mut wi, mut wf) = (0, 0);
+        // Widths of the finite cells; nan and inf (no point) fit in their whole width, which
+        // grows on the left where they are longer, as numpy's.
+        let (mut wi, mut wf, mut other) = (0, 0, 0);
         for c in cells.iter() {
-            let (i, f) = split(c);
-            wi = wi.max(i);
-            wf = wf.max(f);
+            match c.contains('.') {
+                true => {
+                    let (i, f) = split(c);
+                    wi = wi.max(i);
+                    wf = wf.max(f);
+                }
+                false => other = other.max(c.len()),
+            }
         }
+        wi = wi.max(other.saturating_sub(wf));
         for c in cells.iter_mut() {
-            let (i, f) = split(c);
-            *c = format!("{}{}{}", " ".repeat(wi - i), c, " ".repeat(wf - f));
+            *c = if c.contains('.') {
+                let (i, f) = split(c);
+                format!("{}{}{}", " ".repeat(wi - i), c, " ".repeat(wf - f))
+            } else {
+                format!("{c:>w$}", w = wi + wf)
+            };
         }
     } else {
         let w = cells.iter().map(String::len).max().unwrap_or(0);
@@ -275,6 +290,13 @@ mod tests {
         assert_eq!(f64s(vec![123456.789]), "[123456.789]");
         assert_eq!(f32s(vec![0.001_234_568]), "[0.00123457]");
         assert_eq!(f64s(vec![-1.5e-5, 2e-7]), "[-1.5e-05  2.0e-07]");
+        assert_eq!(f64s(vec![999.9999999]), "[999.9999999]");
+        assert_eq!(f64s(vec![99.999999999]), "[100.]");
+        assert_eq!(f64s(vec![1.5, f64::NAN]), "[1.5 nan]");
+        assert_eq!(f64s(vec![10.25, f64::INFINITY]), "[10.25   inf]");
+        assert_eq!(f64s(vec![1.0, f64::NAN]), "[ 1. nan]");
+        assert_eq!(f64s(vec![1e-5, f64::NAN]), "[1.e-05    nan]");
+        assert_eq!(f64s(vec![f64::NAN]), "[nan]");
     }
 
     #[test]

@@ -315,7 +315,8 @@ impl NDArray {
     }
 
     /// `self *= alpha`, in place. An integer array multiplies in its own type, as MXNet's
-    /// scalar ops do: by `alpha` cast to it (toward zero), wrapping (uint8's 200 * 2 is 144).
+    /// scalar ops do: by `alpha` cast to it (toward zero, saturating), wrapping (uint8's
+    /// 200 * 2 is 144).
     pub fn scale_inplace(&mut self, alpha: f64) {
         let dtype = self.dtype;
         with_dtype!(dtype, T => {

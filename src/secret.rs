@@ -26,7 +26,8 @@ pub(crate) fn resolve(
     // three bytes that every other such byte becomes too.
     if s.contains('\u{FFFD}') {
         return Err(KvError::Config(format!(
-            "the job secret is not UTF-8 text: {how}"
+            "the job secret is not UTF-8 text, or holds U+FFFD (what a byte that is not UTF-8 \
+             reads as): {how}"
         )));
     }
     if s.len() < crate::auth::MIN_SECRET {

@@ -530,6 +530,30 @@ mod tests {
         assert_eq!(out, "0123456789abcdef-hush");
     }
 
+    /// Runs a remote command as ssh would (`SHELL -c COMMAND`, from `/`), the secret as
+    /// stdin's first line and stdin open while it runs: its stdout, and how it ended.
+    fn run_as_ssh(shell: &str, cmd: &str) -> (String, std::process::Output) {
+        let mut c = Command::new(shell)
+            .arg("-c")
+            .arg(cmd)
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut i = c.stdin.take().unwrap();
+        writeln!(i, "0123456789abcdef-hush").unwrap();
+        let out = {
+            use std::io::Read;
+            let mut o = String::new();
+            c.stdout.take().unwrap().read_to_string(&mut o).unwrap();
+            o
+        };
+        drop(i);
+        (out, c.wait_with_output().unwrap())
+    }
+
     /// A program whose path has a `=` (a run directory such as `lr=0.1`) runs, with its
     /// arguments and environment; before, `env` took the path for a variable, and printed the
     /// environment (the secret with it) where no argument followed.
@@ -554,24 +578,7 @@ mod tests {
             (vec!["x=1".to_string()], "ran worker 1"),
         ] {
             let cmd = remote_command(&prog, &args, &env);
-            let mut c = Command::new("/bin/sh")
-                .arg("-c")
-                .arg(&cmd)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            let mut i = c.stdin.take().unwrap();
-            writeln!(i, "0123456789abcdef-hush").unwrap();
-            let out = {
-                use std::io::Read;
-                let mut o = String::new();
-                c.stdout.take().unwrap().read_to_string(&mut o).unwrap();
-                o
-            };
-            drop(i);
-            c.wait().unwrap();
+            let (out, _) = run_as_ssh("/bin/sh", &cmd);
             assert_eq!(out, want, "{cmd}");
         }
         let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -600,25 +607,7 @@ mod tests {
             .filter(|s| Path::new(s).exists())
             .collect();
         for shell in &shells {
-            let mut c = Command::new(shell)
-                .arg("-c")
-                .arg(&cmd)
-                .current_dir("/")
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            let mut i = c.stdin.take().unwrap();
-            writeln!(i, "0123456789abcdef-hush").unwrap();
-            let out = {
-                use std::io::Read;
-                let mut o = String::new();
-                c.stdout.take().unwrap().read_to_string(&mut o).unwrap();
-                o
-            };
-            drop(i);
-            let done = c.wait_with_output().unwrap();
+            let (out, done) = run_as_ssh(shell, &cmd);
             assert_eq!(
                 out,
                 format!(

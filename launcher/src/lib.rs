@@ -181,6 +181,14 @@ fn ignored_at_start(sig: libc::c_int) -> bool {
     }
 }
 
+/// Takes SIGCHLD back to its default, first thing (`main`, before a job or `doctor`): a parent
+/// that ignores it (exec keeps that) would have the kernel reap kvrun's children before kvrun
+/// learns how they ended, and the job's processes would inherit it.
+pub fn child_signal_default() {
+    // SAFETY: the default disposition installs no handler; no thread runs yet.
+    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) };
+}
+
 /// Runs a job; returns the exit status kvrun should exit with.
 pub fn run(opts: &Options) -> i32 {
     match run_job(opts) {
@@ -227,10 +235,6 @@ fn log_filter() -> Option<(&'static str, String)> {
 
 fn run_job(opts: &Options) -> Result<i32, String> {
     let job_timeout = timeout(opts)?;
-    // A parent that ignores SIGCHLD (exec keeps that) would have the kernel reap the job's
-    // processes before kvrun learns how they ended: kvrun, and they, take the default.
-    // SAFETY: the default disposition installs no handler; no thread is waiting on children.
-    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) };
     raise_open_files();
     let log = log_filter();
     kvstore::init_logging(log.as_ref().map(|(_, v)| v.as_str()));

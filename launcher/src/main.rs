@@ -2,6 +2,7 @@
 use clap::Parser;
 
 fn main() {
+    kvstore_launcher::child_signal_default();
     if std::env::args().nth(1).as_deref() == Some(kvstore_launcher::shepherd::ARG) {
         std::process::exit(kvstore_launcher::shepherd::run());
     }

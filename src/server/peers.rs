@@ -135,22 +135,18 @@ impl Workers {
             Completion::Connected { peer } => {
                 let addr = Addr { medium, peer };
                 // Links without an accepted hello are few: beyond as many as there are workers
-                // (and a margin), the oldest that said nothing gives its place (else the
-                // oldest), as the scheduler's do: a stranger's idle links make room for the
-                // workers, which say their hello at once. (Closing the newest let a stranger
-                // who kept them full turn every worker away.)
+                // (and a margin), the oldest gives its place. A worker proves itself within a
+                // round trip of connecting, so a stranger would have to open that many links
+                // within one to turn it away. (Closing the newest let a stranger who kept them
+                // open turn every worker away; closing a silent one first, one who said hellos
+                // on its own, which costs nothing, the worker whose hello was not read yet.)
                 let close = &self.close;
-                let waiting: Vec<(&Addr, &Worker)> = (self.peers.iter())
+                let oldest = (self.peers.iter())
                     .filter(|(a, w)| w.rank.is_none() && !close.contains(a))
-                    .collect();
+                    .map(|(a, w)| (w.since, *a));
+                let waiting: Vec<(Instant, Addr)> = oldest.collect();
                 if waiting.len() >= self.taken.len() + 8 {
-                    let oldest = |silent: bool| {
-                        (waiting.iter())
-                            .filter(|(_, w)| !silent || w.claim.is_none())
-                            .min_by_key(|(_, w)| w.since)
-                            .map(|(a, _)| **a)
-                    };
-                    if let Some(a) = oldest(true).or_else(|| oldest(false)) {
+                    if let Some(&(_, a)) = waiting.iter().min_by_key(|(since, _)| *since) {
                         self.close.push(a);
                     }
                 }
@@ -195,6 +191,11 @@ impl Workers {
         body: &[u8],
         data: Option<Lent<'_>>,
     ) -> Result<(), String> {
+        // A link being closed (given its place to a newer one) is taken at its word no more:
+        // a proof read after that would make a worker of a link about to be lost.
+        if self.close.contains(&addr) {
+            return Ok(());
+        }
         let (m, rest) = Msg::from_body(body).map_err(|e| e.to_string())?;
         let w = self.peers.entry(addr).or_insert_with(Worker::new);
         let Some(rank) = w.rank else {

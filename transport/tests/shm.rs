@@ -358,3 +358,44 @@ fn shm_what_a_peer_posted_before_it_closed_is_all_delivered() {
         assert_eq!(got, (0..300).collect::<Vec<_>>(), "paused: {paused}");
     }
 }
+
+/// As above, where what was posted is data in the peer's pages, each taken with a release
+/// owed to the peer, and the ring to it is full: the releases can never go, and no bound on
+/// them stops what it posted from being delivered (before, two batches were, 512).
+#[test]
+fn what_a_closed_peer_posted_is_delivered_though_its_answers_cannot_go() {
+    let cfg = ShmConfig {
+        ring_slots: 1024,
+        ..small_shm(false)
+    };
+    let (mut b, to_a, mut a, to_b) = pair_of(cfg);
+    // a's ring to b, full: b never reads it.
+    let mut filled = 0;
+    // SAFETY: no data.
+    while let Ok(Sent::Posted) = unsafe { a.b.send(to_b, b"x", None) } {
+        filled += 1;
+        assert!(filled <= 4096, "the ring never filled");
+    }
+    // Armed, `a` looks at its sockets first when it next progresses.
+    assert!(a.b.arm().unwrap());
+    // Sent in place from pages `b` allocated: each taken by reference, its release owed.
+    // (Kept past `b`'s end, as a killed process's pages are: a backend dropped frees its
+    // staged copies, and a descriptor naming freed pages is refused.)
+    let src = pool(&mut b, &pattern(4096, 5));
+    for i in 0..600u64 {
+        // SAFETY: `src` is never written.
+        let r = unsafe {
+            b.b.send(to_a, &i.to_le_bytes(), Some((&src, 0..4096, Token(i))))
+        };
+        assert!(matches!(r, Ok(Sent::Posted)), "{i}: {r:?}");
+    }
+    b.b.flush().unwrap();
+    drop(b);
+    let start = Instant::now();
+    while !a.log.iter().any(|e| matches!(e, Ev::Lost(_))) {
+        a.pump();
+        assert!(start.elapsed() < Duration::from_secs(10), "never lost");
+    }
+    assert_eq!(recvs(&a), 600);
+    drop(src);
+}

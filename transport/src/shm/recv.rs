@@ -106,15 +106,16 @@ impl ShmBackend {
         on: &mut dyn FnMut(Completion<'_>),
         n: &mut usize,
     ) {
-        let Some(p) = self.peers.get_mut(&id) else {
-            return;
-        };
-        p.unsent.clear();
-        p.paused = false;
         // A ring holds at most its slots; a peer that posts on after closing is not waited for.
         for _ in 0..=self.cfg.ring_slots as usize / BATCH + 1 {
-            let pending = self.peers.get(&id).is_some_and(|p| p.chan.rx_pending());
-            if !pending || self.read_peer(id, on, n).is_err() {
+            let Some(p) = self.peers.get_mut(&id) else {
+                return;
+            };
+            // (Cleared before each batch: the answers a batch queues, releases say, can
+            // never go, and would stop the next batch at the queue's bound.)
+            p.unsent.clear();
+            p.paused = false;
+            if !p.chan.rx_pending() || self.read_peer(id, on, n).is_err() {
                 break;
             }
         }
