@@ -191,11 +191,18 @@ fn kvrun_says_so_when_no_process_took_its_role() {
 
 /// A `dist_check metrics` job (W=2, S=2) with `kvrun --stats FILE`; the file's text.
 fn stats(format: &str) -> String {
+    stats_of(format, &[])
+}
+
+/// As [`stats`], each process started through `wrapper` (a command line that ends with the
+/// program's).
+fn stats_of(format: &str, wrapper: &[&str]) -> String {
     let path = std::env::temp_dir().join(format!("kvstore-stats-{}-{format}", std::process::id()));
     let mut cmd = Command::new(util::bin("kvrun"));
     cmd.args(["-x", "KVSTORE_BIGARRAY_BOUND=1000", "--stats"])
         .arg(&path)
         .args(["--stats-format", format, "-n", "2", "-s", "2"])
+        .args(wrapper)
         .arg(util::bin("examples/dist_check"))
         .args(["metrics", "dist_sync"]);
     let r = util::run_limited(&mut cmd, Duration::from_secs(90));
@@ -352,4 +359,24 @@ fn kvrun_doctor_names_each_rdma_port_its_gid_and_mtu() {
     let want = "ok localhost: RDMA rxe0 port 1: ACTIVE, Ethernet, GID 1 \
                 0000:0000:0000:0000:0000:ffff:0a00:020f (RoCE v2), MTU 1500";
     assert!(r.stdout.contains(want), "{}", r.all());
+}
+
+/// A stranger holding more idle connections to kvrun's report address than it serves at
+/// once (here worker 0's shell, which opens 40 before the job's processes report): the
+/// oldest unproven gives its place to each new one, so every process's report arrives.
+/// Before, the newest was dropped: kvrun warned that every process ended without taking its
+/// role, and the statistics were empty.
+#[test]
+fn idle_connections_to_kvruns_report_address_do_not_keep_the_reports_out() {
+    let script = r#"if [ "$DMLC_ROLE" = worker ] && [ "$KVSTORE_RANK" = 0 ]; then
+        for i in $(seq 11 50); do
+            eval "exec $i<>/dev/tcp/${KVSTORE_REPORT%:*}/${KVSTORE_REPORT##*:}"
+        done
+    fi
+    sleep 1
+    exec "$0" "$@""#;
+    let j: serde_json::Value =
+        serde_json::from_str(&stats_of("json", &["/bin/bash", "-c", script])).unwrap();
+    assert_eq!(j["workers"].as_object().unwrap().len(), 2, "{j}");
+    assert_eq!(j["servers"].as_object().unwrap().len(), 2, "{j}");
 }

@@ -2,14 +2,14 @@
 //! kvrun's own ([`kvstore::report`]): which processes took their roles, the transport of every
 //! worker-server pair once known, and (with `--progress`) a heartbeat line.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::io::{BufRead, BufReader, Read};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kvstore::report::{challenge, check_hello, Report};
 
@@ -53,23 +53,40 @@ pub(crate) fn listen(
     let (tx, rx) = mpsc::channel();
     let most = workers + servers + 16;
     let open = Arc::new(AtomicUsize::new(0));
+    // Connections that have not proven themselves yet, oldest first: when every place is
+    // taken, the oldest gives its place to the newest (a process proves itself at once), so
+    // that a stranger's idle connections cannot keep the job's reports out.
+    let unproven: Unproven = Arc::new(Mutex::new(VecDeque::new()));
     std::thread::Builder::new()
         .name("kvrun-reports".into())
         .spawn(move || {
-            for s in l.incoming().flatten() {
+            for (id, s) in (0u64..).zip(l.incoming().flatten()) {
                 if open.load(Ordering::Relaxed) >= most {
-                    continue;
+                    let oldest = lock(&unproven).pop_front();
+                    match oldest {
+                        // Its thread reads the end, and leaves.
+                        Some((_, old)) => drop(old.shutdown(std::net::Shutdown::Both)),
+                        None => continue,
+                    }
                 }
+                let Ok(clone) = s.try_clone() else {
+                    continue;
+                };
+                lock(&unproven).push_back((id, clone));
                 open.fetch_add(1, Ordering::Relaxed);
                 let (tx, secret, done) = (tx.clone(), secret.clone(), open.clone());
+                let mine = unproven.clone();
                 let spawned = std::thread::Builder::new()
                     .name("kvrun-report".into())
                     .spawn(move || {
-                        read_reports(s, &secret, &tx);
+                        let proven = || lock(&mine).retain(|(i, _)| *i != id);
+                        read_reports(s, &secret, &tx, &proven);
+                        proven();
                         done.fetch_sub(1, Ordering::Relaxed);
                     });
                 if spawned.is_err() {
                     // No thread: the connection was dropped with the closure, unread.
+                    lock(&unproven).retain(|(i, _)| *i != id);
                     open.fetch_sub(1, Ordering::Relaxed);
                 }
             }
@@ -96,9 +113,16 @@ pub(crate) fn listen(
     ))
 }
 
+/// The report connections not yet proven, by their number: a clone of each, to end it by.
+type Unproven = Arc<Mutex<VecDeque<(u64, TcpStream)>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// One process's reports: kvrun's nonce, its proof of the secret over it (within 5 s in
-/// all), then report lines; anything else ends the connection.
-fn read_reports(mut s: TcpStream, secret: &str, tx: &mpsc::Sender<Report>) {
+/// all; `proven` is told), then report lines; anything else ends the connection.
+fn read_reports(mut s: TcpStream, secret: &str, tx: &mpsc::Sender<Report>, proven: &dyn Fn()) {
     use std::io::Write;
     let Ok(nonce) = kvstore::report::nonce() else {
         return;
@@ -129,6 +153,7 @@ fn read_reports(mut s: TcpStream, secret: &str, tx: &mpsc::Sender<Report>) {
     if !ok {
         return;
     }
+    proven();
     let _ = s.set_read_timeout(None);
     // What came after the proof's line is read first.
     let rest = first[at + 1..].to_vec();
