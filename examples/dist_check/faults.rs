@@ -73,30 +73,6 @@ pub(crate) fn errors(kv: &mut KVStore) {
     );
 }
 
-/// A store of str keys whose workers initialise different keys (a program's bug): rank 1's
-/// second key is on no server, whose refusal names it by its number on the wire; the error
-/// names the key as the program does.
-pub(crate) fn str_errors(kv: &mut KVStore) {
-    let keys = if kv.rank() == 0 {
-        vec!["a"]
-    } else {
-        vec!["b", "c"]
-    };
-    let vals = vec![NDArray::ones(&SHAPE); keys.len()];
-    ok("init", kv.init(keys, &vals));
-    if kv.rank() == 1 {
-        match kv.pull("c", &mut NDArray::zeros(&SHAPE)) {
-            Err(KvError::UnknownKey(kvstore::Key::Str(k))) if k == "c" => {
-                println!(
-                    "refused pull unknown: {}",
-                    KvError::UnknownKey(kvstore::Key::Str(k))
-                )
-            }
-            other => fail(format!("a pull of a key no server holds: {other:?}")),
-        }
-    }
-}
-
 fn send_raw(addr: std::net::SocketAddr, bytes: &[u8]) -> bool {
     send_raw_then(addr, bytes, true)
 }

@@ -13,8 +13,10 @@ mod held;
 mod metrics;
 mod optimizers;
 mod states;
+mod stores;
 
-use faults::{die, errors, garbage, late, slots, stall, str_errors, until_error, zerocopy};
+use faults::{die, errors, garbage, late, slots, stall, until_error, zerocopy};
+use stores::{str_errors, two_stores};
 
 const SHAPE: [usize; 2] = [2, 3];
 
@@ -352,39 +354,6 @@ fn slow_wait(kv: &mut KVStore) {
             fail("a push that waited a second never ran its slow wait".into());
         }
     }
-}
-
-/// Both workers of a job as two stores of this process (their ranks the scheduler's to give):
-/// a call in flight of one is not the other's to wait for, though their call ids are alike.
-fn two_stores(kind: &str) {
-    // Before any thread reads the environment.
-    std::env::remove_var("KVSTORE_RANK");
-    let start = |v: f64| {
-        let kind = kind.to_string();
-        std::thread::spawn(move || {
-            let mut kv = ok("create", create(&kind));
-            ok("init", kv.init(20, &NDArray::full(&[4], v)));
-            kv
-        })
-    };
-    let (a, b) = (start(3.0), start(3.0));
-    let join = |t: std::thread::JoinHandle<KVStore>| {
-        t.join()
-            .unwrap_or_else(|_| fail("a store's thread panicked".into()))
-    };
-    let (mut a, mut b) = (join(a), join(b));
-    let mine = ok("pull_async", a.pull_async(20, vec![NDArray::zeros(&[4])]));
-    let theirs = ok("pull_async", b.pull_async(20, vec![NDArray::zeros(&[4])]));
-    match b.wait(mine) {
-        Err(KvError::Unsupported(e)) if e.contains("another store") => {}
-        other => fail(format!("a store waited for another's call: {other:?}")),
-    }
-    let got = ok("wait", b.wait(theirs));
-    expect_vals("the store's own pull", &got[0], &[3.0; 4]);
-    let again = ok("pull_async", a.pull_async(20, vec![NDArray::zeros(&[4])]));
-    let got = ok("wait", a.wait(again));
-    expect_vals("the other store's pull", &got[0], &[3.0; 4]);
-    println!("two_stores ok");
 }
 
 fn main() {

@@ -295,8 +295,7 @@ impl DistWorker {
                     .merge
                     .entry(k.clone())
                     .or_insert_with(|| NDArray::zeros_dtype(vs[0].shape(), vs[0].dtype()));
-                // As MXNet's dist_sync worker sums (its CPU reduce).
-                sum_into(m, vs, true)?;
+                sum_into(m, vs, true)?; // grouped: as MXNet's CPU reduce
                 m.clone()
             } else {
                 vs[0].clone()
@@ -566,13 +565,9 @@ impl DistWorker {
 
     /// Waits for a call in flight; its outputs come back, filled.
     pub(crate) fn wait(&mut self, t: Ticket) -> Result<Vec<NDArray>> {
-        // A held ticket's claim is kept, so a ticket with none here is another store's (whose
-        // call ids are its own).
-        let mine = self
-            .claims
-            .iter()
-            .position(|(id, c)| *id == t.id && Arc::ptr_eq(c, &t.claim));
-        let Some(i) = mine else {
+        // A held ticket's claim is kept: one with none here is another store's.
+        let mine = |(id, c): &(CallId, Arc<()>)| *id == t.id && Arc::ptr_eq(c, &t.claim);
+        let Some(i) = self.claims.iter().position(mine) else {
             return Err(KvError::Unsupported(
                 "this call was started by another store".into(),
             ));
