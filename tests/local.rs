@@ -200,16 +200,26 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     assert_eq!(pull(&mut kv, 3), vec![2.0; 6]);
 }
 
+/// An updater's refusal of `k`.
+fn refused(k: &Key) -> kvstore::Result<()> {
+    Err(KvError::Updater {
+        key: k.clone(),
+        reason: "no".into(),
+    })
+}
+
+/// Whether `r` is an updater's error saying the key's value is lost.
+fn says_lost(r: kvstore::Result<()>) {
+    match r {
+        Err(KvError::Updater { reason, .. }) => assert!(reason.contains("lost"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn updater_errors_propagate_and_shape_changes_are_refused() {
     let mut kv = store_with_key3();
-    kv.set_updater(|k, _, _| {
-        Err(KvError::Updater {
-            key: k.clone(),
-            reason: "no".into(),
-        })
-    })
-    .unwrap();
+    kv.set_updater(|k, _, _| refused(k)).unwrap();
     assert!(matches!(
         kv.push(3, &NDArray::ones(&SHAPE)),
         Err(KvError::Updater { .. })
@@ -232,10 +242,7 @@ fn updater_errors_propagate_and_shape_changes_are_refused() {
         kv.pull(3, &mut NDArray::zeros(&[1])),
         kv.pull(3, &mut NDArray::zeros(&SHAPE)),
     ] {
-        match r {
-            Err(KvError::Updater { reason, .. }) => assert!(reason.contains("lost"), "{reason}"),
-            other => panic!("{other:?}"),
-        }
+        says_lost(r);
     }
     kv.set_updater(|_, input, stored| stored.copy_from(input))
         .unwrap();
@@ -247,20 +254,14 @@ fn updater_errors_propagate_and_shape_changes_are_refused() {
     // held the [1] array, and took pushes of that shape).
     kv.set_updater(|k, _, stored| {
         *stored = NDArray::zeros(&[1]);
-        Err(KvError::Updater {
-            key: k.clone(),
-            reason: "no".into(),
-        })
+        refused(k)
     })
     .unwrap();
     assert!(matches!(
         kv.push(3, &NDArray::ones(&SHAPE)),
         Err(KvError::Updater { .. })
     ));
-    match kv.push(3, &NDArray::ones(&[1])) {
-        Err(KvError::Updater { reason, .. }) => assert!(reason.contains("lost"), "{reason}"),
-        other => panic!("{other:?}"),
-    }
+    says_lost(kv.push(3, &NDArray::ones(&[1])));
 }
 
 #[test]

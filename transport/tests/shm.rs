@@ -235,6 +235,15 @@ fn pair_of(cfg: ShmConfig) -> (Side, PeerId, Side, PeerId) {
     (c, to_srv, s, to_cli)
 }
 
+/// Progresses `s` until it loses its peer (10 s at most).
+fn pump_until_lost(s: &mut Side) {
+    let start = Instant::now();
+    while !s.log.iter().any(|e| matches!(e, Ev::Lost(_))) {
+        s.pump();
+        assert!(start.elapsed() < Duration::from_secs(10), "never lost");
+    }
+}
+
 fn recvs(s: &Side) -> usize {
     s.log.iter().filter(|e| matches!(e, Ev::Recv(..))).count()
 }
@@ -342,11 +351,7 @@ fn shm_what_a_peer_posted_before_it_closed_is_all_delivered() {
         }
         b.b.flush().unwrap();
         drop(b);
-        let start = Instant::now();
-        while !a.log.iter().any(|e| matches!(e, Ev::Lost(_))) {
-            a.pump();
-            assert!(start.elapsed() < Duration::from_secs(10), "never lost");
-        }
+        pump_until_lost(&mut a);
         let got: Vec<u32> = a
             .log
             .iter()
@@ -391,11 +396,7 @@ fn what_a_closed_peer_posted_is_delivered_though_its_answers_cannot_go() {
     }
     b.b.flush().unwrap();
     drop(b);
-    let start = Instant::now();
-    while !a.log.iter().any(|e| matches!(e, Ev::Lost(_))) {
-        a.pump();
-        assert!(start.elapsed() < Duration::from_secs(10), "never lost");
-    }
+    pump_until_lost(&mut a);
     assert_eq!(recvs(&a), 600);
     drop(src);
 }
