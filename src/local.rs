@@ -54,12 +54,7 @@ pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray], grouped: bool) ->
         return Ok(());
     }
     let srcs: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
-    match grouped {
-        true => {
-            with_dtype!(dtype, T => ops::sum_bytes_into_grouped::<T>(dst.as_bytes_mut(), &srcs))
-        }
-        false => with_dtype!(dtype, T => ops::sum_bytes_into::<T>(dst.as_bytes_mut(), &srcs)),
-    }
+    with_dtype!(dtype, T => ops::sum_bytes_into::<T>(dst.as_bytes_mut(), &srcs, grouped));
     Ok(())
 }
 

@@ -170,39 +170,40 @@ pub fn sum_into_grouped<T: Element>(dst: &mut [T], srcs: &[&[T]]) {
     }
 }
 
-/// The same sum as [`sum_into_grouped`] over byte views of elements of type `T`.
-pub fn sum_bytes_into_grouped<T: Element>(dst: &mut [u8], srcs: &[&[u8]]) {
+/// The same sum as [`sum_into_grouped`] (`grouped`) or [`sum_into`] over byte views of
+/// elements of type `T`.
+pub fn sum_bytes_into<T: Element>(dst: &mut [u8], srcs: &[&[u8]], grouped: bool) {
     let typed: Vec<&[T]> = srcs
         .iter()
         .map(|s| bytemuck::cast_slice::<u8, T>(s))
         .collect();
-    sum_into_grouped::<T>(bytemuck::cast_slice_mut(dst), &typed);
-}
-
-/// The same sum as [`sum_into`] over byte views of elements of type `T`.
-pub fn sum_bytes_into<T: Element>(dst: &mut [u8], srcs: &[&[u8]]) {
-    let typed: Vec<&[T]> = srcs
-        .iter()
-        .map(|s| bytemuck::cast_slice::<u8, T>(s))
-        .collect();
-    sum_into::<T>(bytemuck::cast_slice_mut(dst), &typed);
+    let dst = bytemuck::cast_slice_mut(dst);
+    match grouped {
+        true => sum_into_grouped::<T>(dst, &typed),
+        false => sum_into::<T>(dst, &typed),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// `count` sources of `n` f32s, each different, fractions that round in a sum.
+    fn sources(n: usize, count: usize) -> Vec<Vec<f32>> {
+        (0..count)
+            .map(|k| {
+                (0..n)
+                    .map(|i| ((i * (k + 1)) % 97) as f32 * 0.25 + 0.1)
+                    .collect()
+            })
+            .collect()
+    }
+
     #[test]
     fn every_count_of_sources_matches_a_left_to_right_sum() {
         for n in [0, 1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5] {
             for count in 1..=11 {
-                let srcs: Vec<Vec<f32>> = (0..count)
-                    .map(|k| {
-                        (0..n)
-                            .map(|i| ((i * (k + 1)) % 97) as f32 * 0.25 + 0.1)
-                            .collect()
-                    })
-                    .collect();
+                let srcs = sources(n, count);
                 let refs: Vec<&[f32]> = srcs.iter().map(|v| v.as_slice()).collect();
                 let mut out = vec![-1.0f32; n];
                 sum_into(&mut out, &refs);
@@ -221,13 +222,7 @@ mod tests {
     fn the_grouped_sum_is_mxnets_cpu_order() {
         for n in [0, 1, 7, BLOCK + 3] {
             for count in 1..=11 {
-                let srcs: Vec<Vec<f32>> = (0..count)
-                    .map(|k| {
-                        (0..n)
-                            .map(|i| ((i * 7 + k * 13) % 29) as f32 * 0.1)
-                            .collect()
-                    })
-                    .collect();
+                let srcs = sources(n, count);
                 let refs: Vec<&[f32]> = srcs.iter().map(|v| v.as_slice()).collect();
                 let mut out = vec![-1.0f32; n];
                 sum_into_grouped(&mut out, &refs);
