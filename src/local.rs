@@ -49,8 +49,10 @@ pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray], grouped: bool) ->
             v.dtype()
         )));
     }
+    // The GPU's kernels sum left to right; MXNet's CPU order (a `local` store whose stored
+    // value an updater moved to a GPU) is the host's, through the arrays' mirrors.
     #[cfg(feature = "cuda")]
-    if crate::gpu::sum_on_gpu(dst, values)? {
+    if !grouped && crate::gpu::sum_on_gpu(dst, values)? {
         return Ok(());
     }
     let srcs: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();

@@ -69,7 +69,11 @@ impl Clone for Storage {
         match self {
             Storage::Heap(b) => Storage::Heap(b.clone()),
             Storage::Region { .. } | Storage::External(_) => {
-                let mut b = AlignedBuf::zeroed(self.bytes().len());
+                // A copy of page-locked memory is page-locked too.
+                let mut b = match self.is_pinned() {
+                    true => AlignedBuf::zeroed_pinned(self.bytes().len()),
+                    false => AlignedBuf::zeroed(self.bytes().len()),
+                };
                 kvstore_transport::copy::copy(b.bytes_mut(), self.bytes());
                 Storage::Heap(b)
             }

@@ -198,22 +198,52 @@ fn sum_on_gpus_against_the_host(n: usize, count: usize, dtype: DType) {
         .zip(gpus(count as u32))
         .map(|(a, d)| a.copy_to(d).unwrap())
         .collect();
-    let mut cpu_kv = create("local").unwrap();
-    let mut gpu_kv = create("device").unwrap();
-    cpu_kv.init(0, &NDArray::zeros_dtype(&[n], dtype)).unwrap();
-    gpu_kv
-        .init(
-            0,
-            &NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap(),
-        )
-        .unwrap();
-    cpu_kv.push(0, &host).unwrap();
-    gpu_kv.push(0, &on_gpus).unwrap();
-    let mut want = NDArray::zeros_dtype(&[n], dtype);
-    let mut got = NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap();
-    cpu_kv.pull(0, &mut want).unwrap();
-    gpu_kv.pull(0, &mut got).unwrap();
-    assert_eq!(got.as_bytes(), want.as_bytes(), "{count} values of {dtype}");
+    // Each store's order: a `device` store's left to right (on the GPU), a `local` store's
+    // MXNet's CPU reduce (on the host, GPU values or not).
+    for name in ["device", "local"] {
+        let mut cpu_kv = create(name).unwrap();
+        let mut gpu_kv = create(name).unwrap();
+        cpu_kv.init(0, &NDArray::zeros_dtype(&[n], dtype)).unwrap();
+        gpu_kv
+            .init(
+                0,
+                &NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap(),
+            )
+            .unwrap();
+        cpu_kv.push(0, &host).unwrap();
+        gpu_kv.push(0, &on_gpus).unwrap();
+        let mut want = NDArray::zeros_dtype(&[n], dtype);
+        let mut got = NDArray::zeros_dtype(&[n], dtype).on(gpus(1)[0]).unwrap();
+        cpu_kv.pull(0, &mut want).unwrap();
+        gpu_kv.pull(0, &mut got).unwrap();
+        assert_eq!(
+            got.as_bytes(),
+            want.as_bytes(),
+            "{name}: {count} values of {dtype}"
+        );
+    }
+}
+
+/// A `local` store sums in MXNet's CPU order even where its values are on a GPU: here an
+/// updater moved the stored value there, so the key's merge buffer is a GPU array too.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_local_store_sums_gpu_values_in_mxnets_cpu_order() {
+    let dev = gpus(1)[0];
+    let mut kv = create("local").unwrap();
+    kv.init(0, &NDArray::zeros_dtype(&[4], DType::F16)).unwrap();
+    kv.set_updater(move |_, input, stored| {
+        *stored = input.copy_to(dev)?;
+        Ok(())
+    })
+    .unwrap();
+    let on = |x: f64| array_of(&[4], DType::F16, &[x; 4]).on(dev).unwrap();
+    kv.push(0, &on(1.0)).unwrap();
+    // 2048 + (1 + 1) is 2050 in float16; (2048 + 1) + 1, left to right, is 2048.
+    kv.push(0, &[on(2048.0), on(1.0), on(1.0)]).unwrap();
+    let mut out = NDArray::zeros_dtype(&[4], DType::F16);
+    kv.pull(0, &mut out).unwrap();
+    assert_eq!(out.to_f64_vec(), vec![2050.0; 4]);
 }
 
 /// Through the stores, saved and loaded. (That the kernels ran, not the host through the

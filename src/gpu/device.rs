@@ -405,14 +405,22 @@ impl DeviceBuf {
         let ordinal = self.gpu.ordinal;
         let n = self.len.min(bytes.len());
         let stream = self.gpu.stream.clone();
-        *self.state.get_mut() = DEVICE_NEWER;
         if n > 0 {
             let mut dst = self.mem.slice_mut(..n);
-            stream
+            let copied = stream
                 .memcpy_htod(&bytes[..n], &mut dst)
-                .and_then(|()| stream.synchronize())
-                .map_err(|e| cuda(ordinal, "copying to the device", e))?;
+                .and_then(|()| stream.synchronize());
+            if let Err(e) = copied {
+                // The device's bytes may be partly overwritten: a mirror that was up to date
+                // is the array's value again, sent back before the device's next use.
+                let state = self.state.get_mut();
+                if *state == SYNCED {
+                    *state = HOST_NEWER;
+                }
+                return Err(cuda(ordinal, "copying to the device", e));
+            }
         }
+        *self.state.get_mut() = DEVICE_NEWER;
         Ok(())
     }
 

@@ -221,6 +221,16 @@ pub(crate) fn sum(
     if n == 0 || srcs.is_empty() {
         return Ok(());
     }
+    // The kernel takes the lengths on trust.
+    let bytes = n.checked_mul(dtype.size());
+    if std::iter::once(&*dst)
+        .chain(srcs.iter().copied())
+        .any(|b| bytes.is_none_or(|nb| b.len() < nb))
+    {
+        return Err(KvError::Incompatible(format!(
+            "a GPU sum of {n} {dtype} values over buffers of fewer bytes"
+        )));
+    }
     if srcs.len() > FUSED {
         return Err(KvError::Device(format!(
             "a GPU sum takes at most {FUSED} values a launch"
@@ -244,8 +254,8 @@ pub(crate) fn sum(
         launch.arg(*v);
     }
     // SAFETY: the kernel takes (T* d, unsigned acc, unsigned k, u64 n, const T* s0..s7) and
-    // reads `d` (with `acc`) and the first `k` sources: `d` and every source are buffers of at least `n` elements of `dtype` (the
-    // caller's sizes, checked against the array shapes) on this device, `used` is how many
+    // reads `d` (with `acc`) and the first `k` sources: `d` and every source are buffers of
+    // at least `n` elements of `dtype` (checked above) on this device, `used` is how many
     // are real (the rest repeat the first, unread) and `count` is `n`.
     unsafe { launch.launch(cfg) }
         .map(|_| ())

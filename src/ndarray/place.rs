@@ -120,16 +120,38 @@ impl NDArray {
         })
     }
 
-    /// Readies the array to be overwritten whole (a pull's destination): as
+    /// Readies arrays to be overwritten whole (a pull's destinations): as
     /// [`NDArray::as_bytes_mut`], except that a GPU array's host copy is not first brought up
-    /// to date from the device (and a shared GPU array gets fresh memory, not a copy).
-    pub(crate) fn prepare_overwrite(&mut self) -> Result<()> {
+    /// to date from the device (and a shared GPU array gets fresh memory, not a copy). A GPU
+    /// that cannot give that memory is an error, and then no array has changed.
+    pub(crate) fn prepare_overwrite(arrays: &mut [NDArray]) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(d) = self.device_buf_mut(false)? {
-            d.prepare_overwrite();
-            return Ok(());
+        {
+            // Every GPU memory first, then the arrays changed.
+            let mut fresh = Vec::with_capacity(arrays.len());
+            for a in arrays.iter_mut() {
+                let shared = Arc::get_mut(&mut a.buf).is_none();
+                fresh.push(match &*a.buf {
+                    Storage::Device(d) if shared => {
+                        Some(crate::gpu::device::DeviceBuf::zeroed(d.ordinal(), d.len())?)
+                    }
+                    _ => None,
+                });
+            }
+            for (a, f) in arrays.iter_mut().zip(fresh) {
+                if let Some(f) = f {
+                    a.buf = Arc::new(Storage::Device(f));
+                }
+            }
         }
-        Arc::make_mut(&mut self.buf).bytes_mut();
+        for a in arrays {
+            #[cfg(feature = "cuda")]
+            if let Some(d) = a.device_buf_mut(false)? {
+                d.prepare_overwrite();
+                continue;
+            }
+            Arc::make_mut(&mut a.buf).bytes_mut();
+        }
         Ok(())
     }
 

@@ -192,12 +192,7 @@ impl<G: Clone> Calls<G> {
             Ok(()) => None,
         };
         // (A GPU out of memory for an output of its own refuses the call.)
-        let refused = refused.or_else(|| {
-            outputs
-                .iter_mut()
-                .try_for_each(NDArray::prepare_overwrite)
-                .err()
-        });
+        let refused = refused.or_else(|| NDArray::prepare_overwrite(&mut outputs).err());
         if let Some(e) = refused {
             let result = Err(e);
             self.done.insert(id, Finished { result, outputs });

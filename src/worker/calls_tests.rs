@@ -164,3 +164,41 @@ fn an_interruption_fails_every_live_call_as_interrupted_and_anything_else_the_re
         assert!(calls.check().is_err());
     }
 }
+
+/// A call refused because a GPU has no memory left for an output leaves every output as it
+/// was: here the first output, a GPU array of its own, keeps its value while the second,
+/// which shares its memory and so needs fresh memory, cannot get it.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU"]
+fn a_call_refused_for_a_gpu_out_of_memory_leaves_every_output_as_it_was() {
+    assert!(crate::gpu_count() > 0, "this test needs a GPU");
+    let d = crate::gpu(0);
+    let first = NDArray::full(&[4], 5.0).on(d).unwrap();
+    let second = NDArray::zeros(&[64 << 20]).on(d).unwrap();
+    let _keep = second.clone();
+    // The GPU filled by device copies of 1 GiB, then 64 MiB, then 1 MiB, until none is given.
+    let pieces: Vec<NDArray> = [256 << 20, 16 << 20, 256 << 10]
+        .iter()
+        .map(|&e| NDArray::zeros(&[e]).on(d).unwrap())
+        .collect();
+    let mut hog = Vec::new();
+    for p in &pieces {
+        while let Ok(a) = p.copy_to(d) {
+            hog.push(a);
+        }
+    }
+    let req = Request {
+        server: 0,
+        msg: Msg::new(Op::Pull),
+        data: None,
+        text: Vec::new(),
+        dest: Some((0, 0..16)),
+    };
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    let call = calls.start(Instant::now(), [req].into(), vec![first, second].into());
+    let f = calls.take(call).expect("refused at once");
+    drop(hog);
+    assert!(matches!(f.result, Err(KvError::Device(_))), "{:?}", f.result);
+    assert_eq!(f.outputs[0].to_f64_vec(), vec![5.0; 4]);
+}
