@@ -145,7 +145,7 @@ pub(crate) fn alloc(
 ) -> std::result::Result<Region, TransportError> {
     match b.alloc(len, access) {
         Ok(r) => Ok(r),
-        Err(_) => b.register(kvstore_transport::Mem::zeroed(len)),
+        Err(_) => b.register(kvstore_transport::Mem::zeroed_or_refused(len)?),
     }
 }
 

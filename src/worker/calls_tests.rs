@@ -199,6 +199,10 @@ fn a_call_refused_for_a_gpu_out_of_memory_leaves_every_output_as_it_was() {
     let call = calls.start(Instant::now(), [req].into(), vec![first, second].into());
     let f = calls.take(call).expect("refused at once");
     drop(hog);
-    assert!(matches!(f.result, Err(KvError::Device(_))), "{:?}", f.result);
+    assert!(
+        matches!(f.result, Err(KvError::Device(_))),
+        "{:?}",
+        f.result
+    );
     assert_eq!(f.outputs[0].to_f64_vec(), vec![5.0; 4]);
 }

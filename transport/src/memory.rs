@@ -76,6 +76,13 @@ impl Mem {
         Some(Arc::new(Mem { ptr, len }))
     }
 
+    /// `len` zeroed bytes, or an error where they cannot be had (memory a transport allocates
+    /// for a length a caller or a peer chose).
+    pub fn zeroed_or_refused(len: usize) -> Result<Arc<Mem>, crate::TransportError> {
+        Mem::try_zeroed(len)
+            .ok_or_else(|| crate::TransportError::Refused(format!("no memory for {len} bytes")))
+    }
+
     /// `data`, copied into new memory.
     pub fn from_bytes(data: &[u8]) -> Arc<Mem> {
         let m = Mem::zeroed(data.len());

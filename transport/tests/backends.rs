@@ -69,6 +69,62 @@ fn tcp_a_stranger_sends_small_frames_until_trusted() {
     );
 }
 
+/// A put that names a grant of another peer's, or an immediate wider than a put's, closes
+/// the link it came on, and the granted memory is not written.
+#[test]
+fn tcp_a_put_into_another_peers_grant_or_with_a_wide_immediate_closes_its_link() {
+    use kvstore_transport::Access;
+    use std::io::Write;
+    for case in ["another's grant", "a wide immediate"] {
+        let (mut s, at) = server(Kind::Tcp);
+        let connect = |s: &mut Side| {
+            let raw = std::net::TcpStream::connect(at.parse::<SocketAddr>().unwrap()).unwrap();
+            let start = Instant::now();
+            loop {
+                if let Some(Ev::Connected(p)) = s.log.pop() {
+                    return (raw, p);
+                }
+                s.pump();
+                assert!(start.elapsed() < Duration::from_secs(5));
+            }
+        };
+        let (_owner, owner) = connect(&mut s);
+        let (mut writer, w) = connect(&mut s);
+        let r = s.b.alloc(64, Access::Land).unwrap();
+        let to = if case == "a wide immediate" { w } else { owner };
+        // SAFETY: the region is not touched until the grant is revoked or the peer is lost.
+        let g = unsafe { s.b.grant(to, &r, 0..64) }.unwrap();
+        let imm = if case == "a wide immediate" {
+            1 << 20
+        } else {
+            1
+        };
+        writer
+            .write_all(&kvstore_transport::tcp::put_frame_header(
+                g.id(),
+                0,
+                imm,
+                16,
+            ))
+            .unwrap();
+        writer.write_all(&[9u8; 16]).unwrap();
+        let start = Instant::now();
+        while !s.log.contains(&Ev::Lost(w)) {
+            s.pump();
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "{case}: {:?}",
+                s.log
+            );
+        }
+        s.b.forget(to, &g);
+        let mut back = [1u8; 64];
+        // SAFETY: the grant is gone (over TCP only this thread writes granted memory).
+        unsafe { r.read(0, &mut back) }.unwrap();
+        assert_eq!(back, [0u8; 64], "{case}");
+    }
+}
+
 /// This process's resident memory, in bytes (`/proc/self/statm`).
 fn rss() -> usize {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap();

@@ -482,6 +482,17 @@ fn a_paused_peer_is_not_read_until_resumed(kind: Kind) {
     assert_eq!(got, (0..10u8).map(|i| vec![i; 40]).collect::<Vec<_>>());
 }
 
+/// Memory that cannot be had (more than any machine has) is an error, not the process
+/// stopped; memory that can be had is still given afterwards.
+fn memory_that_cannot_be_had_is_an_error(kind: Kind) {
+    let (mut a, _, _b, _) = pair(kind);
+    for access in [Access::Send, Access::Land] {
+        let r = a.b.alloc(1 << 60, access);
+        assert!(r.is_err(), "{kind:?} gave 2^60 bytes");
+        assert_eq!(a.b.alloc(4096, access).unwrap().len(), 4096);
+    }
+}
+
 macro_rules! suite {
     ($($name:ident),*) => {
         mod tcp { $( #[test] fn $name() { super::$name(super::Kind::Tcp); } )* }
@@ -508,5 +519,6 @@ suite!(
     garbage_closes_only_its_own_link,
     a_handle_of_another_kind_or_size_is_refused,
     a_paused_peer_is_not_read_until_resumed,
-    held_data_is_the_senders_until_released
+    held_data_is_the_senders_until_released,
+    memory_that_cannot_be_had_is_an_error
 );

@@ -112,6 +112,13 @@ impl RdmaBackend {
                         );
                     }
                 }
+                // A lost peer's queue pair will take no more receives from the shared queue:
+                // once the completion queue is polled dry, it can go.
+                (t::IBV_EVENT_QP_LAST_WQE_REACHED, Some(q)) => {
+                    for d in self.draining.iter_mut().filter(|d| d.qp.num == q) {
+                        d.last_wqe = true;
+                    }
+                }
                 (t::IBV_EVENT_PORT_ERR | t::IBV_EVENT_DEVICE_FATAL, _) => {
                     let ids: Vec<u32> = self.peers.keys().copied().collect();
                     for id in ids {
@@ -126,6 +133,16 @@ impl RdmaBackend {
                 }
                 _ => {}
             }
+        }
+    }
+
+    /// Destroys the lost peers' queue pairs whose receives are all accounted for: those the
+    /// device said took their last receive (the completion queue was polled dry since, by
+    /// the caller), and those lost longer ago than [`DRAIN_MAX`] (a device that never says).
+    pub(super) fn reap_drained(&mut self) {
+        if !self.draining.is_empty() {
+            self.draining
+                .retain(|d| !d.last_wqe && d.since.elapsed() < DRAIN_MAX);
         }
     }
 
@@ -150,6 +167,27 @@ impl RdmaBackend {
                     break;
                 }
             }
+        }
+    }
+}
+
+/// How long a lost peer's queue pair waits for the device's word that it took its last
+/// receive.
+const DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A lost peer's queue pair, in error, waiting to be destroyed.
+pub(super) struct Draining {
+    pub(super) qp: super::queues::Qp,
+    since: std::time::Instant,
+    last_wqe: bool,
+}
+
+impl Draining {
+    pub(super) fn new(qp: super::queues::Qp) -> Draining {
+        Draining {
+            qp,
+            since: std::time::Instant::now(),
+            last_wqe: false,
         }
     }
 }

@@ -326,6 +326,11 @@ pub struct RdmaBackend {
     starting: FxHashSet<u32>,
     /// Peers whose TCP link reached its end: lost once what they sent before it is delivered.
     ended: Vec<u32>,
+    /// Lost peers' queue pairs, in error, kept until the completions of the receives they
+    /// took from the shared queue have been polled: destroying a queue pair takes its
+    /// completions out of the completion queue (mlx5 does), and their buffers would never be
+    /// posted again.
+    draining: Vec<events::Draining>,
     accept_retry: crate::backend::AcceptRetry,
 }
 
@@ -440,6 +445,7 @@ impl RdmaBackend {
             wcs: (0..32).map(|_| unsafe { std::mem::zeroed() }).collect(),
             starting: FxHashSet::default(),
             ended: Vec::new(),
+            draining: Vec::new(),
             accept_retry: Default::default(),
         };
         b.cq.arm()?;
@@ -511,6 +517,7 @@ impl RdmaBackend {
             }
         }
         self.lost.push_back((peer, error));
+        self.draining.push(events::Draining::new(p.qp));
     }
 
     /// Removes grant `id`, freeing its slot with its peer.

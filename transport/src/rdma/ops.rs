@@ -42,7 +42,7 @@ impl Backend for RdmaBackend {
     /// New memory registered for sends and puts; what peers may write is granted range by
     /// range, whatever the access asked for.
     fn alloc(&mut self, len: usize, _access: Access) -> Result<Region, TransportError> {
-        self.register(Mem::zeroed(len))
+        self.register(Mem::zeroed_or_refused(len)?)
     }
 
     unsafe fn grant(
@@ -254,9 +254,7 @@ impl Backend for RdmaBackend {
         crate::backend::check_put(src, &range, dst, Some(KIND_RDMA), offset, imm)?;
         let len = range.len();
         let step = self.lim.max_msg;
-        let writes = len.div_ceil(step);
-        // Work requests: the writes, the notice, and one to spare.
-        let need = writes + 2;
+        let need = put_requests(len, step, self.cfg.send_depth)?;
         let p = self.peer(peer)?;
         if p.revoked.contains(&dst.id) {
             return Err(TransportError::Refused(format!("{dst:?} was revoked")));
@@ -307,7 +305,7 @@ impl Backend for RdmaBackend {
             return Ok(Sent::Posted);
         }
         let mr = self.mr_of(src)?;
-        let mut chain = Vec::with_capacity(writes + 1);
+        let mut chain = Vec::with_capacity(need - 1);
         for at in (0..len).step_by(step) {
             let k = step.min(len - at);
             let sge = ffi::ibv_sge {
@@ -429,6 +427,7 @@ impl Backend for RdmaBackend {
             self.on_wc(&w.0, on, &mut n);
         }
         self.poll_cq(on, &mut n)?;
+        self.reap_drained();
         self.resume_held(on, &mut n);
         self.deliver(on, &mut n);
         // A peer whose link ended is lost after what it sent before the end was delivered.
@@ -458,3 +457,32 @@ fn ready(i: &Inbound) -> bool {
 
 /// A work completion kept aside (found by the look after arming).
 pub(super) struct OwnedWc(pub(super) ffi::ibv_wc);
+
+/// The work requests a put of `len` bytes takes, in writes of `step` bytes at most: the
+/// writes, the notice, and one to spare. A put that needs more than the send queue holds
+/// (`depth`) could never be posted, and waiting for room would never end: it is refused.
+pub(super) fn put_requests(len: usize, step: usize, depth: usize) -> Result<usize, TransportError> {
+    let need = len.div_ceil(step.max(1)) + 2;
+    if need > depth {
+        return Err(TransportError::Oversize {
+            len: len as u64,
+            max: (depth.saturating_sub(2) as u64).saturating_mul(step as u64),
+        });
+    }
+    Ok(need)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_put_longer_than_the_send_queue_can_post_is_refused() {
+        let mib = 1 << 20;
+        assert_eq!(super::put_requests(0, 8 * mib, 16).unwrap(), 2);
+        assert_eq!(super::put_requests(14 * 8 * mib, 8 * mib, 16).unwrap(), 16);
+        let e = super::put_requests(14 * 8 * mib + 1, 8 * mib, 16).unwrap_err();
+        assert!(
+            matches!(e, super::TransportError::Oversize { max, .. } if max == 14 * 8 * mib as u64),
+            "{e}"
+        );
+    }
+}

@@ -76,13 +76,32 @@ impl RdmaBackend {
         // the token's contract and by the region cache), and read destinations (held by the
         // inbox); the chain's memory is alive for the call.
         if let Err((e, bad)) = unsafe { p.qp.post_send(&mut chain[0].0.wr) } {
-            // Where nothing of the chain was taken, its send buffers go back (where a part
-            // was, the device may still read them: they stay taken).
-            if std::ptr::eq(bad, &chain[0].0.wr) {
-                self.free_sends
-                    .extend(chain.iter().filter_map(|(_, slot, _)| *slot));
+            // The requests before `bad` were taken; the rest were not, and their send buffers
+            // go back.
+            let taken = chain
+                .iter()
+                .position(|(w, _, _)| std::ptr::eq(bad, &w.wr))
+                .unwrap_or(n);
+            self.free_sends
+                .extend(chain[taken..].iter().filter_map(|(_, slot, _)| *slot));
+            if taken == 0 {
+                return Err(e);
             }
-            return Err(e);
+            // A part of the chain is on the wire and the rest never will be: what the peer
+            // sees no longer matches the sequence kept here, so the peer is lost (the taken
+            // requests are recorded first, so that their buffers are accounted for there).
+            for (i, (_, slot, read)) in chain[..taken].iter().enumerate() {
+                p.posted.push_back(Posted {
+                    seq: p.next_seq + i as u64,
+                    slot: *slot,
+                    token: None,
+                    read: *read,
+                });
+            }
+            p.next_seq += taken as u64;
+            let why = format!("a chain of work requests posted in part: {e}");
+            self.lose(PeerId(peer), TransportError::Rdma(why.clone()));
+            return Err(TransportError::PeerLost(why));
         }
         p.sent += sends;
         for (i, (_, slot, read)) in chain.iter().enumerate() {

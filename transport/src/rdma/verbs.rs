@@ -326,7 +326,16 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: registered once, deregistered once; the storage is still held.
-        unsafe { ffi::ibv_dereg_mr(self.ptr) };
+        let rc = unsafe { ffi::ibv_dereg_mr(self.ptr) };
+        if rc != 0 {
+            // The registration may still stand, and a peer may still write through it: its
+            // memory (where this registration holds it) and its protection domain are kept
+            // for the life of the process rather than freed under it.
+            if let Some(m) = self._mem.take() {
+                std::mem::forget(m);
+            }
+            std::mem::forget(self._pd.clone());
+        }
     }
 }
 

@@ -270,7 +270,7 @@ impl Backend for TcpBackend {
     }
 
     fn alloc(&mut self, len: usize, _access: Access) -> Result<Region, TransportError> {
-        self.register(crate::Mem::zeroed(len))
+        self.register(crate::Mem::zeroed_or_refused(len)?)
     }
 
     unsafe fn grant(

@@ -87,6 +87,12 @@ pub(super) fn meta(kind: u8, has_data: bool, word: u32, grant: u64, offset: u64)
     m
 }
 
+/// The header of a put frame as this backend writes it, `len` bytes into grant `grant` at
+/// `offset` with immediate `imm`: for tools and tests that play a peer by hand.
+pub fn put_frame_header(grant: u64, offset: u64, imm: u32, len: usize) -> [u8; crate::HEADER_LEN] {
+    crate::FrameHeader::new(meta(PUT, true, imm, grant, offset), len as u64).encode()
+}
+
 pub(super) fn word(m: &[u8; META_LEN], r: Range<usize>) -> u64 {
     let mut b = [0u8; 8];
     b[..r.len()].copy_from_slice(&m[r]);
@@ -173,6 +179,8 @@ impl FrameSink for Sink<'_> {
             PUT => {
                 let (grant, offset) = (word(&h.meta, 8..16), word(&h.meta, 16..24) as usize);
                 let imm = word(&h.meta, 4..8) as u32;
+                // No sender makes a wider immediate (RDMA could not carry it).
+                crate::backend::check_imm(imm)?;
                 let live = match self.grants.get(&grant) {
                     Some(g) if g.peer == self.peer => {
                         if offset.checked_add(len).is_none_or(|e| e > g.range.len()) {
@@ -183,8 +191,13 @@ impl FrameSink for Sink<'_> {
                         }
                         true
                     }
-                    // Revoked or forgotten (or another peer's): read into scratch, report
-                    // nothing. A grant never issued is a protocol error.
+                    Some(_) => {
+                        return Err(TransportError::Refused(format!(
+                            "a put into grant {grant}, which is another peer's"
+                        )))
+                    }
+                    // Revoked or forgotten: read into scratch, report nothing. A grant never
+                    // issued is a protocol error.
                     _ if grant < self.next_grant => false,
                     _ => return Err(TransportError::Refused(format!("unknown grant {grant}"))),
                 };

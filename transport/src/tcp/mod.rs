@@ -13,7 +13,7 @@ mod writer;
 #[cfg(feature = "rdma")]
 pub(crate) use backend::liveness;
 pub use backend::{msg_frame_header, TcpBackend};
-pub use link::{Admission, MAX_BODY};
+pub use link::{put_frame_header, Admission, MAX_BODY};
 pub use reader::{grow_into, FrameQueue, FrameReader, FrameSink};
 pub use writer::{OutQueue, Payload};
 
