@@ -202,15 +202,31 @@ impl Metrics {
             "kvstore_copied_bytes_total{{{labels}}} {}",
             self.copies.1
         );
+        let _ = writeln!(
+            out,
+            "kvstore_slot_puts_total{{{labels}}} {}",
+            self.slot_puts
+        );
+        let _ = writeln!(out, "kvstore_batched_total{{{labels}}} {}", self.batched);
+        // Each breakdown is a family of its own (`kvstore_requests_by_server_total`, ...): the
+        // same requests counted under one name three times would sum to three times the truth.
         let mut series = |by: &str, name: &str, t: &Traffic| {
             let l = format!("{labels},{by}=\"{name}\"");
-            let _ = writeln!(out, "kvstore_requests_total{{{l}}} {}", t.requests);
-            let _ = writeln!(out, "kvstore_pushed_bytes_total{{{l}}} {}", t.bytes_pushed);
-            let _ = writeln!(out, "kvstore_pulled_bytes_total{{{l}}} {}", t.bytes_pulled);
+            let _ = writeln!(out, "kvstore_requests_by_{by}_total{{{l}}} {}", t.requests);
+            let _ = writeln!(
+                out,
+                "kvstore_pushed_bytes_by_{by}_total{{{l}}} {}",
+                t.bytes_pushed
+            );
+            let _ = writeln!(
+                out,
+                "kvstore_pulled_bytes_by_{by}_total{{{l}}} {}",
+                t.bytes_pulled
+            );
             for (q, v) in [("0.5", 0.5), ("0.99", 0.99)] {
                 let _ = writeln!(
                     out,
-                    "kvstore_call_latency_us{{{l},quantile=\"{q}\"}} {}",
+                    "kvstore_call_latency_by_{by}_us{{{l},quantile=\"{q}\"}} {}",
                     t.latency.quantile_us(v)
                 );
             }
@@ -476,8 +492,20 @@ mod tests {
         );
         let p = v.to_prometheus("role=\"worker\",rank=\"0\"");
         assert!(
-            p.contains("kvstore_requests_total{role=\"worker\",rank=\"0\",server=\"1\"} 3"),
+            p.contains(
+                "kvstore_requests_by_server_total{role=\"worker\",rank=\"0\",server=\"1\"} 3"
+            ),
             "{p}"
         );
+        // Each family sums to the requests made, once.
+        for by in ["server", "transport", "keys"] {
+            let family = format!("kvstore_requests_by_{by}_total{{");
+            let sum: u64 = p
+                .lines()
+                .filter(|l| l.starts_with(&family))
+                .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+                .sum();
+            assert_eq!(sum, 4, "{by}: {p}");
+        }
     }
 }

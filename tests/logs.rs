@@ -235,9 +235,10 @@ fn kvrun_collects_every_processs_metrics_as_json_and_prometheus() {
     };
     assert_eq!(j["workers"].as_object().unwrap().len(), 2, "{j}");
     assert_eq!(j["servers"].as_object().unwrap().len(), 2, "{j}");
-    // What the workers sent is what the servers received: 5 rounds of 4 slices a worker.
+    // What the workers sent is what the servers received: 5 rounds of 4 slices a worker, and
+    // a push whose `Pending` was dropped.
     let pushes = sum("workers", &per_server("pushes"));
-    assert_eq!(pushes, 2 * 5 * 4, "{j}");
+    assert_eq!(pushes, 2 * 6 * 4, "{j}");
     assert_eq!(
         sum("servers", &|s| s["pushes"].as_u64().unwrap()),
         pushes,
@@ -270,8 +271,8 @@ fn kvrun_collects_every_processs_metrics_as_json_and_prometheus() {
     for want in [
         "kvstore_server_rounds_total{role=\"server\",rank=\"0\"} ",
         "kvstore_calls_total{role=\"worker\",rank=\"1\"} ",
-        "kvstore_requests_total{role=\"worker\",rank=\"0\",transport=\"shm\"} ",
-        "kvstore_call_latency_us{role=\"worker\",rank=\"0\",server=\"1\",quantile=\"0.99\"} ",
+        "kvstore_requests_by_transport_total{role=\"worker\",rank=\"0\",transport=\"shm\"} ",
+        "kvstore_call_latency_by_server_us{role=\"worker\",rank=\"0\",server=\"1\",quantile=\"0.99\"} ",
     ] {
         assert!(prom.contains(want), "{want}\n{prom}");
     }
@@ -324,6 +325,44 @@ fn kvrun_doctor_checks_this_host_and_says_what_would_fail() {
     ] {
         assert!(bad.stdout.contains(want), "{want}\n{}", bad.all());
     }
+}
+
+/// A `--stats` file that cannot be written is refused before the job starts (before, the
+/// job ran and its metrics were lost at the end).
+#[test]
+fn kvrun_refuses_a_stats_file_it_cannot_write_before_the_job() {
+    let mut cmd = Command::new(util::bin("kvrun"));
+    cmd.args(["--stats", "/no/such/dir/stats.json", "-n", "1", "-s", "1"])
+        .arg(util::bin("examples/train"));
+    let r = util::run_limited(&mut cmd, Duration::from_secs(60));
+    assert_eq!(r.code, Some(2), "{}", r.all());
+    assert!(
+        r.stderr
+            .contains("--stats /no/such/dir/stats.json: No such file or directory"),
+        "{}",
+        r.all()
+    );
+    assert!(
+        !r.stderr.contains("scheduler at"),
+        "the job started: {}",
+        r.all()
+    );
+}
+
+/// A program path that is not UTF-8 is checked as any other (before, kvrun stopped on it).
+#[test]
+fn kvrun_doctor_takes_a_program_path_that_is_not_utf8() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = std::env::temp_dir().join(std::ffi::OsStr::from_bytes(b"kvstore-\xff-doctor"));
+    let mut cmd = Command::new(util::bin("kvrun"));
+    cmd.arg("doctor").arg(dir.join("train"));
+    let r = util::run_limited(&mut cmd, Duration::from_secs(60));
+    assert_eq!(r.code, Some(1), "{}", r.all());
+    assert!(
+        r.stdout.contains("is missing or not executable there"),
+        "{}",
+        r.all()
+    );
 }
 
 #[test]

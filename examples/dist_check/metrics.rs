@@ -48,6 +48,18 @@ pub(crate) fn metrics(kv: &mut KVStore) {
     if after.servers.iter().any(|s| s.latency.count() == 0) {
         fail("a server without call latencies".into());
     }
+    // A push whose `Pending` is dropped unwaited is still carried out, and is counted as a
+    // call once a later call finds it over (here the second pull: the first waited for the
+    // round the push is in).
+    let before = kv.metrics().calls;
+    drop(ok("push_async", kv.push_async(keys, &vals)));
+    ok("pull", kv.pull(keys, &mut outs[..]));
+    ok("pull", kv.pull(keys, &mut outs[..]));
+    check(
+        "calls with a push_async dropped",
+        kv.metrics().calls - before,
+        3,
+    );
     let map = kv.placement_map();
     if map.lines().count() != keys.len() || !map.contains("key 10: server ") {
         fail(format!("placement map:\n{map}"));

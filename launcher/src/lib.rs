@@ -235,6 +235,14 @@ fn log_filter() -> Option<(&'static str, String)> {
 
 fn run_job(opts: &Options) -> Result<i32, String> {
     let job_timeout = timeout(opts)?;
+    // A --stats file that cannot be written is said now, not after the job.
+    if let Some(path) = &opts.stats {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .map_err(|e| format!("--stats {}: {e}", path.display()))?;
+    }
     raise_open_files();
     let log = log_filter();
     kvstore::init_logging(log.as_ref().map(|(_, v)| v.as_str()));
@@ -443,16 +451,27 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         &mut view,
     );
     if let Some(path) = &opts.stats {
-        // The last reports come as the processes end.
-        std::thread::sleep(Duration::from_millis(100));
+        // The last reports come as the processes end (a remote one's on a link of its own,
+        // which may be later than ssh's end): each process that joined is waited for, 2 s
+        // at most.
+        let until = Instant::now() + Duration::from_secs(2);
         view.update(&children, |_| {});
+        while !view.missing_metrics().is_empty() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+            view.update(&children, |_| {});
+        }
         let text = if opts.stats_format == "prometheus" {
             view.prometheus()
         } else {
             view.stats_json()
         };
+        let missing = view.missing_metrics();
+        let missing = match missing.is_empty() {
+            true => String::new(),
+            false => format!("; none came from {}", missing.join(", ")),
+        };
         match std::fs::write(path, text) {
-            Ok(()) => say(&format!("metrics written to {}", path.display())),
+            Ok(()) => say(&format!("metrics written to {}{missing}", path.display())),
             Err(e) => say(&format!("cannot write {}: {e}", path.display())),
         }
     }

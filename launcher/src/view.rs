@@ -234,8 +234,11 @@ impl View {
             say(&format!("transports: {}", all.join("; ")));
         }
         if let Some(every) = self.every {
-            if Instant::now() >= self.next_beat {
-                self.next_beat += every;
+            let now = Instant::now();
+            if now >= self.next_beat {
+                // From now, not from the last due time: beats missed while the processes
+                // started (slow logins) are not made up in a burst.
+                self.next_beat = now + every;
                 say(&self.heartbeat());
             }
         }
@@ -244,6 +247,22 @@ impl View {
 
     /// Warns of each process that ended without taking its role: once it ended 300 ms ago
     /// (its report of joining may come after its end), or at once where `now`.
+    /// The workers and servers that joined the job and whose metrics have not come
+    /// (`worker 1`), in order.
+    pub(crate) fn missing_metrics(&self) -> Vec<String> {
+        let mut v: Vec<&(String, usize)> = self
+            .joined
+            .iter()
+            .filter(|k| {
+                matches!(k.0.as_str(), "worker" | "server") && !self.metrics.contains_key(*k)
+            })
+            .collect();
+        v.sort();
+        v.iter()
+            .map(|(role, rank)| format!("{role} {rank}"))
+            .collect()
+    }
+
     /// Whether any process said it joined the job.
     pub(crate) fn any_joined(&self) -> bool {
         !self.joined.is_empty()

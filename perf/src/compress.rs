@@ -46,8 +46,8 @@ pub fn run(a: &CompressArgs) -> Result<(), String> {
         Some(s) => vec![parse_size(s)?],
         None => parse_sizes(&a.sizes)?,
     };
-    if !(a.secs > 0.0 && a.secs.is_finite()) {
-        return Err("--secs must be positive".into());
+    if !(a.secs > 0.0 && a.secs <= 86_400.0) {
+        return Err("--secs must be positive seconds, a day at most".into());
     }
     let c = Compression::two_bit(0.25).map_err(|e| e.to_string())?;
     if !a.json {

@@ -57,6 +57,9 @@ pub fn run(a: &GpuArgs) -> Result<(), String> {
         return Err("--values: a sum needs at least 2".into());
     }
     let bytes = crate::parse_size(&a.size)?;
+    if bytes % 4 != 0 || a.reps == 0 {
+        return Err("--size must be a multiple of 4 bytes (f32) and --reps at least 1".into());
+    }
     let n = bytes / 4;
     let on = |v: f64| NDArray::full(&[n], v).on(gpu(0)).map_err(err);
     let src = on(1.0)?;

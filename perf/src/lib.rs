@@ -9,6 +9,7 @@ pub mod conn;
 pub mod gpu;
 pub mod limit;
 pub mod raw;
+pub mod staging;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -56,6 +57,31 @@ pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
 /// A JSON number, or null where there is none (JSON has no NaN).
 pub fn json_num(x: f64) -> serde_json::Value {
     serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, Into::into)
+}
+
+/// A table cell: `-` where there is no figure.
+pub fn cell(x: f64, prec: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.prec$}")
+    } else {
+        "-".into()
+    }
+}
+
+/// A number of a child's JSON line (NaN where there is none).
+pub fn field(line: &str, name: &str) -> f64 {
+    serde_json::from_str::<serde_json::Value>(line)
+        .ok()
+        .and_then(|v| v.get(name).and_then(serde_json::Value::as_f64))
+        .unwrap_or(f64::NAN)
+}
+
+/// A string of a child's JSON line ("-" where there is none).
+pub fn text_field(line: &str, name: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(line)
+        .ok()
+        .and_then(|v| v.get(name).and_then(|s| s.as_str().map(str::to_string)))
+        .unwrap_or_else(|| "-".into())
 }
 
 /// `4096` → `4K`, `67108864` → `64M`.

@@ -188,11 +188,16 @@ fn run_raw(test: &str, a: &RawArgs) -> Result<(), String> {
         Some(s) => vec![parse_size(s)?],
         None => parse_sizes(&a.sizes)?,
     };
-    if a.timeout.is_nan() || a.timeout <= 0.0 || a.window == 0 {
-        return Err("--timeout and --window must be positive".into());
+    // Seconds up to a day: a time past that, infinity or NaN is a mistake (and a deadline
+    // that far would overflow).
+    let secs_ok = |s: f64| s > 0.0 && s <= 86_400.0;
+    if !secs_ok(a.timeout) || a.window == 0 {
+        return Err(
+            "--timeout must be positive seconds, a day at most, and --window positive".into(),
+        );
     }
-    if a.duration.is_some_and(|d| d.is_nan() || d <= 0.0) {
-        return Err("--duration must be positive".into());
+    if a.duration.is_some_and(|d| !secs_ok(d)) {
+        return Err("--duration must be positive seconds, a day at most".into());
     }
     let remote = a.host.as_deref().is_some_and(|h| {
         let bare = h.trim_start_matches('[').trim_end_matches(']');

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use kvstore::NDArray;
 use kvstore_perf::{
-    format_size, iperf3_loopback, loopback_stream_bandwidth, parse_size, parse_sizes,
+    cell, field, format_size, iperf3_loopback, loopback_stream_bandwidth, parse_size, parse_sizes,
+    text_field,
 };
 
 #[derive(Args, Debug, Clone)]
@@ -81,6 +82,17 @@ pub(crate) struct PushPull {
     hostfile: Option<PathBuf>,
 }
 
+/// Whether the arrays are GPU arrays (`--gpu`).
+fn on_gpu(p: &PushPull) -> bool {
+    #[cfg(feature = "cuda")]
+    return p.gpu;
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = p;
+        false
+    }
+}
+
 /// Where the pushed and pulled arrays live, for the header.
 fn arrays_name(p: &PushPull) -> &'static str {
     #[cfg(feature = "cuda")]
@@ -99,9 +111,16 @@ fn arrays_name(p: &PushPull) -> &'static str {
 }
 
 fn sizes_of(p: &PushPull) -> Result<Vec<usize>, String> {
-    match &p.size {
-        Some(s) => Ok(vec![parse_size(s)?]),
-        None => parse_sizes(&p.sizes),
+    let sizes = match &p.size {
+        Some(s) => vec![parse_size(s)?],
+        None => parse_sizes(&p.sizes)?,
+    };
+    // The arrays are f32: a size that is not whole elements would be measured as another.
+    match sizes.iter().find(|&&n| n % 4 != 0) {
+        Some(n) => Err(format!(
+            "a size of {n} bytes: sizes are whole f32 elements (4 bytes)"
+        )),
+        None => Ok(sizes),
     }
 }
 
@@ -120,7 +139,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
     }
     let mut lines = Vec::new();
     for (i, &size) in sizes.iter().enumerate() {
-        let elems = (size / 4).max(1);
+        let elems = size / 4;
         let keys: Vec<i64> = (0..p.keys as i64)
             .map(|k| (i * p.keys) as i64 + k)
             .collect();
@@ -153,7 +172,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
                 Ok(a)
             }
         };
-        let vals: Vec<NDArray> = (0..p.keys).map(|_| make(1.0)).collect::<Result<_, _>>()?;
+        let mut vals: Vec<NDArray> = (0..p.keys).map(|_| make(1.0)).collect::<Result<_, _>>()?;
         let mut outs: Vec<NDArray> = (0..p.keys).map(|_| make(0.0)).collect::<Result<_, _>>()?;
         kv.init(keys.clone(), &vals).map_err(|e| e.to_string())?;
         // At least one full round first, so every op pulls the round's value.
@@ -186,12 +205,19 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
                 agreed.to_vec::<i64>().map_err(|e| e.to_string())?[0].max(1) as usize
             }
         };
+        // GPU arrays: written on the GPU before each push and read there after each pull.
+        let (push, pull) = (p.op != "pull", p.op != "push");
+        let mut stage = kvstore_perf::staging::Staging::new(on_gpu(p), &vals, &outs)?;
+        let staging = stage.calibrate(&mut vals, &outs, push, pull)?;
         // Each push (request and acknowledgement) is timed too.
         let mut push_lat = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3)
             .map_err(|e| e.to_string())?;
         let pushed_before = kv.metrics().total().bytes_pushed;
         let start = Instant::now();
         for _ in 0..iters {
+            if push {
+                stage.before_push(&mut vals)?;
+            }
             let t0 = Instant::now();
             match p.op.as_str() {
                 "pull" => kv.pull(keys.clone(), &mut outs),
@@ -204,8 +230,12 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
                 kv.pull(keys.clone(), &mut outs)
                     .map_err(|e| e.to_string())?;
             }
+            if pull {
+                stage.after_pull(&outs)?;
+            }
         }
-        let secs = start.elapsed().as_secs_f64();
+        let took = start.elapsed().as_secs_f64();
+        let secs = (took - staging * iters as f64).max(took * 0.01);
         // Bytes this worker's pushes put on the wire per iteration (packed, with --compress).
         let pushed = (kv.metrics().total().bytes_pushed - pushed_before) / iters as u64;
         if p.op == "push" {
@@ -221,11 +251,12 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         kv.pull(keys.clone(), &mut outs)
             .map_err(|e| e.to_string())?;
         let w = kv.num_workers() as f32;
-        if outs.iter().any(|o| {
-            o.as_slice::<f32>()
-                .map(|s| s.iter().any(|&x| x != w))
-                .unwrap_or(true)
-        }) {
+        // (GPU arrays: as the GPU's memory holds them.)
+        if stage
+            .values(&outs)?
+            .iter()
+            .any(|s| s.iter().any(|&x| x != w))
+        {
             return Err(format!("wrong values pulled at size {size}"));
         }
         lines.push(format!(
@@ -245,31 +276,6 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         std::fs::write(&out, lines.join("\n")).map_err(|e| e.to_string())?;
     }
     Ok(())
-}
-
-/// A table cell: `-` where there is no figure.
-fn cell(x: f64, prec: usize) -> String {
-    if x.is_finite() {
-        format!("{x:.prec$}")
-    } else {
-        "-".into()
-    }
-}
-
-/// A number of a child's JSON line (NaN where there is none).
-fn field(line: &str, name: &str) -> f64 {
-    serde_json::from_str::<serde_json::Value>(line)
-        .ok()
-        .and_then(|v| v.get(name).and_then(serde_json::Value::as_f64))
-        .unwrap_or(f64::NAN)
-}
-
-/// A string of a child's JSON line ("-" where there is none).
-fn text_field(line: &str, name: &str) -> String {
-    serde_json::from_str::<serde_json::Value>(line)
-        .ok()
-        .and_then(|v| v.get(name).and_then(|s| s.as_str().map(str::to_string)))
-        .unwrap_or_else(|| "-".into())
 }
 
 pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
@@ -303,7 +309,7 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
     if !(p.timeout > 0.0 && p.timeout.is_finite()) {
         return Err("--timeout must be a positive number of seconds".into());
     }
-    if p.duration.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
+    if p.duration.is_some_and(|d| !(d > 0.0 && d <= 86_400.0)) {
         return Err("--duration must be positive".into());
     }
     #[cfg(not(feature = "rdma"))]

@@ -241,7 +241,8 @@ pub fn client(c: &mut Conn, plan: &Plan, timeout: Duration) -> Result<Results, S
                 one(c, &bufs, size, 0, t0 + timeout)?;
                 expect_data(c, t0 + timeout)?;
                 let half = (t0.elapsed().as_nanos() as u64 / 2).max(1);
-                h.record(half).map_err(|x| x.to_string())?;
+                // (A half round trip past the histogram's 60 s is counted as 60 s.)
+                h.saturating_record(half);
                 n += 1;
             }
             c.drain(Instant::now() + timeout)?;

@@ -301,6 +301,18 @@ fn bad_arguments_get_a_clear_message() {
             vec!["pushpull", "-H", "localhost:2,elsewhere:4", "--reference"],
             "no reference for a job across hosts",
         ),
+        // Times that never end, or overflow a deadline (before: a panic, or a run forever).
+        (
+            vec!["lat", "--local", "--timeout", "inf"],
+            "--timeout must be",
+        ),
+        (
+            vec!["lat", "--local", "--duration", "inf"],
+            "--duration must be",
+        ),
+        (vec!["compress", "--secs", "1e20"], "--secs must be"),
+        // f32 arrays: a size that is not whole elements (before: measured as 4 bytes).
+        (vec!["pushpull", "--size", "6"], "whole f32 elements"),
     ] {
         let (code, _, err) = kvperf(&args);
         assert_ne!(code, Some(0), "{args:?}");

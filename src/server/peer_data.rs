@@ -44,6 +44,15 @@ impl<'a> PeerData<'a> {
         self.lent?.hold()
     }
 
+    /// The elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     fn nbytes(&self) -> usize {
         self.len * self.dtype.size()
     }

@@ -350,6 +350,20 @@ impl ServerState {
                 format!("key {} is already initialised", m.key),
             );
         }
+        // The shape every later request is checked against must hold the key's elements.
+        let elements = m
+            .shape
+            .get(..usize::from(m.ndim))
+            .and_then(|d| d.iter().try_fold(1u64, |a, &x| a.checked_mul(x)));
+        if elements != Some(m.total) {
+            let text = format!(
+                "key {}: an init of shape {:?} for {} elements",
+                m.key,
+                m.shape.get(..usize::from(m.ndim)).unwrap_or_default(),
+                m.total
+            );
+            return self.err(peer, m, status::MISMATCH, text);
+        }
         // A fresh array: the connection's receive buffer is reused for the next frame.
         let mut stored = new_array(&mut self.alloc, &[m.len as usize], m.dtype);
         if let Err(e) = payload.copy_into(&mut stored) {

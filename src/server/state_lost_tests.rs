@@ -1,5 +1,5 @@
 //! A value an updater replaced with another shape or dtype: lost, and never served; a round
-//! that waits on a worker gone from the job.
+//! that waits on a worker gone from the job; an init whose shape is not its size.
 
 use super::tests::{data, empty, replies, req};
 use super::*;
@@ -126,4 +126,19 @@ fn a_pull_behind_a_push_refused_for_a_gone_worker_gets_the_stored_value() {
         [(2, 0), (3, status::PEER_LOST), (4, 0), (5, 0), (6, 0)]
     );
     assert_eq!(got[2].3, [3.0, 3.0], "the pull gets the round's sum");
+}
+
+/// An init whose shape does not hold the key's elements is refused: every later request is
+/// checked against that shape.
+#[test]
+fn an_init_whose_shape_is_not_its_size_is_refused() {
+    let mut s = ServerState::new(1, true);
+    let mut m = req(Op::Init, 2, 6, 1);
+    (m.ndim, m.shape[0], m.shape[1]) = (2, 2, 4);
+    s.handle(0, 0, &m, &mut data(1.0, 6));
+    assert_eq!(replies(&mut s)[0].2, status::MISMATCH);
+    assert!(s.stored(2).is_none());
+    (m.shape[1], m.req_id) = (3, 2);
+    s.handle(0, 0, &m, &mut data(1.0, 6));
+    assert_eq!(replies(&mut s), vec![(0, 2, 0, vec![])]);
 }

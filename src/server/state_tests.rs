@@ -6,6 +6,7 @@ pub(super) fn req(op: Op, key: u64, len: u64, id: u64) -> Msg {
     m.key = key;
     m.total = len;
     m.len = len;
+    (m.ndim, m.shape[0]) = (1, len);
     m.dtype = DType::F32;
     m.req_id = id;
     m
@@ -540,4 +541,52 @@ fn packed_pushes_are_checked_unpacked_and_summed() {
     assert_eq!(r[0], (0, 3, 0, vec![]));
     assert_eq!(r[1], (1, 6, 0, vec![1.0, 0.0, 0.5, 1.0, 0.0]));
     assert_eq!(s.stored(2).unwrap().to_vec::<f64>().unwrap(), vec![0.0; 5]);
+}
+
+/// A push held for the next round is copied into the transport's memory, as every buffer
+/// that may become the stored value is, so that answers still go by reference after the
+/// round it starts (before, the copy was process memory, and every other round's stored
+/// value was).
+#[test]
+fn a_push_held_for_the_next_round_is_copied_into_the_transports_memory() {
+    let shm = kvstore_transport::ShmBackend::new("state-test", Default::default()).unwrap();
+    let pages = shm.send_pages();
+    let mut s = ServerState::new(2, true);
+    s.set_alloc(Box::new(move |shape, dtype| {
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        Some(NDArray::from_region(
+            shape,
+            dtype,
+            pages.alloc(bytes, true).ok()?,
+        ))
+    }));
+    s.handle(0, 0, &req(Op::Init, 1, 8, 1), &mut data(0.0, 8));
+    let mut id = 1;
+    let mut push = |s: &mut ServerState, worker: usize, v: f32| {
+        id += 1;
+        let a = data(v, 8);
+        s.handle(
+            worker as PeerId,
+            worker,
+            &req(Op::Push, 1, 8, id),
+            Input::Peer(&lent(&a), None),
+        );
+    };
+    push(&mut s, 0, 1.0);
+    // Held for the next round.
+    push(&mut s, 0, 2.0);
+    for (round, (v, want)) in [(3.0, 4.0), (5.0, 7.0), (1.0, 0.0)].into_iter().enumerate() {
+        push(&mut s, 1, v);
+        if round == 2 {
+            // The round after the held push's, from its start.
+            push(&mut s, 0, -1.0);
+        }
+        let stored = s.stored(1).unwrap();
+        assert_eq!(
+            stored.to_vec::<f32>().unwrap(),
+            vec![want; 8],
+            "round {round}"
+        );
+        assert!(stored.is_shared_memory(), "round {round}");
+    }
 }

@@ -129,9 +129,9 @@ impl DistWorker {
             let op = r.msg.op;
             let sent = r.data.as_ref().map(|(_, b)| b.len() as u64);
             let answered = r.dest.as_ref().map(|(_, b)| b.len() as u64);
-            n.bytes += sent.unwrap_or(0) + answered.unwrap_or(0);
             let push = sent.filter(|_| matches!(op, Op::Push | Op::PushPull));
             let pull = answered.filter(|_| matches!(op, Op::Pull | Op::PushPull));
+            n.bytes += push.unwrap_or(0) + pull.unwrap_or(0);
             self.metrics.request(route, push, pull);
             if !n.routes.contains(&route) {
                 n.routes.push(route);
@@ -140,10 +140,13 @@ impl DistWorker {
         n
     }
 
-    /// A noted call ended.
+    /// A noted call ended: counted, and, where it succeeded, its values' bytes are progress
+    /// for the launcher's reports (a failed call moved nothing the job can use).
     fn noted_end(&mut self, n: Note, ok: bool) {
         self.metrics.call(ok, n.start.elapsed(), &n.routes);
-        crate::report::count_call(n.bytes);
+        if ok {
+            crate::report::count_call(n.bytes);
+        }
         if self.spare_notes.len() < 64 {
             self.spare_notes.push(n);
         }
@@ -501,15 +504,20 @@ impl DistWorker {
     fn start(&mut self, reqs: Requests, mut outputs: Outputs) -> Ticket {
         let staged = &mut self.staged;
         let noted = &mut self.noted;
+        // Calls whose tickets were dropped without a wait are counted as they are found over.
+        let mut ended = Vec::new();
         self.claims.retain(|(id, claim)| {
             if Arc::strong_count(claim) == 1 && self.net.calls.is_done(*id) {
-                self.net.calls.take(*id);
+                let ok = self.net.calls.take(*id).is_some_and(|f| f.result.is_ok());
                 staged.remove(id);
-                noted.remove(id);
+                ended.extend(noted.remove(id).map(|n| (n, ok)));
                 return false;
             }
             true
         });
+        for (n, ok) in ended {
+            self.noted_end(n, ok);
+        }
         let lent = self.stage(&mut outputs);
         let now = std::time::Instant::now();
         let note = self.note(&reqs, now);

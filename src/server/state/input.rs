@@ -44,14 +44,20 @@ impl Input<'_> {
         }
     }
 
-    /// The payload as an array of this process: taken from the receive buffer, or copied.
-    pub(super) fn take(self) -> crate::Result<NDArray> {
+    /// The payload as an array of this process: taken from the receive buffer, or copied
+    /// into an array from `alloc` (the transport's memory, which answers can send in place,
+    /// as every buffer that may become the stored value is).
+    pub(super) fn take(self, alloc: &mut Option<super::Alloc>) -> crate::Result<NDArray> {
         match self {
             Input::Owned(a) => {
                 let dtype = a.dtype();
                 Ok(std::mem::replace(a, NDArray::placeholder(dtype)))
             }
-            Input::Peer(p, _) => p.to_array(),
+            Input::Peer(p, _) => {
+                let mut a = super::new_array(alloc, &[p.len()], p.dtype());
+                p.copy_into(&mut a)?;
+                Ok(a)
+            }
         }
     }
 }

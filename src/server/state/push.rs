@@ -71,7 +71,7 @@ impl ServerState {
                 );
                 return self.err(peer, m, status::FAILED, text);
             }
-            return match payload.take() {
+            return match payload.take(&mut self.alloc) {
                 Ok(value) => slot.next.push(Deferred {
                     worker,
                     held: Held { peer, req: *m },
@@ -136,7 +136,7 @@ impl ServerState {
             // The first round: a received buffer becomes the merge buffer; a peer's pages are
             // kept (as above) or copied into a new one.
             None => match payload {
-                Input::Owned(_) => payload.take().map(|a| slot.merge = Some(a)),
+                Input::Owned(_) => payload.take(&mut self.alloc).map(|a| slot.merge = Some(a)),
                 Input::Peer(p, Some(id)) if keep_first => {
                     slot.merge = Some(new_array(&mut self.alloc, &[m.len as usize], m.dtype));
                     slot.first = Some(Kept::of(p, id));

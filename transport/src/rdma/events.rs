@@ -95,8 +95,8 @@ impl RdmaBackend {
         }
     }
 
-    /// Device events: a fatal error of a queue pair loses its peer; a port that goes down
-    /// loses every peer.
+    /// Device events: a fatal error of a queue pair loses its peer; a port that goes down, or
+    /// a device, completion queue or shared receive queue that fails, loses every peer.
     fn async_events(&mut self) {
         use ffi::ibv_event_type as t;
         while let Some((kind, qpn)) = self.ctx.next_async_event() {
@@ -119,13 +119,25 @@ impl RdmaBackend {
                         d.last_wqe = true;
                     }
                 }
-                (t::IBV_EVENT_PORT_ERR | t::IBV_EVENT_DEVICE_FATAL, _) => {
+                // The port, the device, the completion queue or the shared receive queue
+                // every peer uses: no peer can be served any more.
+                (
+                    t::IBV_EVENT_PORT_ERR
+                    | t::IBV_EVENT_DEVICE_FATAL
+                    | t::IBV_EVENT_CQ_ERR
+                    | t::IBV_EVENT_SRQ_ERR,
+                    _,
+                ) => {
+                    let what = match kind {
+                        t::IBV_EVENT_PORT_ERR => "went down",
+                        _ => "failed",
+                    };
                     let ids: Vec<u32> = self.peers.keys().copied().collect();
                     for id in ids {
                         self.lose(
                             PeerId(id),
                             TransportError::Rdma(format!(
-                                "{} port {} went down ({kind:?})",
+                                "{} port {} {what} ({kind:?})",
                                 self.ctx.name, self.cfg.port
                             )),
                         );
