@@ -236,7 +236,7 @@ fn kvrun_collects_every_processs_metrics_as_json_and_prometheus() {
     assert_eq!(j["workers"].as_object().unwrap().len(), 2, "{j}");
     assert_eq!(j["servers"].as_object().unwrap().len(), 2, "{j}");
     // What the workers sent is what the servers received: 5 rounds of 4 slices a worker, and
-    // a push whose `Pending` was dropped.
+    // a push whose `Pending` was dropped (then pulls, as many as it took to count it).
     let pushes = sum("workers", &per_server("pushes"));
     assert_eq!(pushes, 2 * 6 * 4, "{j}");
     assert_eq!(

@@ -339,6 +339,8 @@ impl DistWorker {
             if result.is_ok() { "done" } else { "failed" }
         );
         self.noted_end(note, result.is_ok());
+        // (Calls whose tickets were dropped may have ended during the wait.)
+        self.reap_dropped();
         unstage(&mut outputs, staged, result.is_ok());
         for (o, a) in outs.iter_mut().zip(outputs) {
             **o = a;
@@ -499,12 +501,14 @@ impl DistWorker {
         b
     }
 
-    /// Starts a call and hands out its ticket (dropping the results of calls over whose
-    /// tickets are gone).
-    fn start(&mut self, reqs: Requests, mut outputs: Outputs) -> Ticket {
+    /// Drops the results of calls that are over and whose tickets are gone (their outputs
+    /// with them), counting each call as it is found over.
+    fn reap_dropped(&mut self) {
+        if self.claims.is_empty() {
+            return;
+        }
         let staged = &mut self.staged;
         let noted = &mut self.noted;
-        // Calls whose tickets were dropped without a wait are counted as they are found over.
         let mut ended = Vec::new();
         self.claims.retain(|(id, claim)| {
             if Arc::strong_count(claim) == 1 && self.net.calls.is_done(*id) {
@@ -518,6 +522,12 @@ impl DistWorker {
         for (n, ok) in ended {
             self.noted_end(n, ok);
         }
+    }
+
+    /// Starts a call and hands out its ticket (dropping the results of calls over whose
+    /// tickets are gone).
+    fn start(&mut self, reqs: Requests, mut outputs: Outputs) -> Ticket {
+        self.reap_dropped();
         let lent = self.stage(&mut outputs);
         let now = std::time::Instant::now();
         let note = self.note(&reqs, now);
