@@ -367,7 +367,9 @@ fn kvrun_doctor_takes_a_program_path_that_is_not_utf8() {
 
 #[test]
 fn kvrun_doctor_names_each_rdma_port_its_gid_and_mtu() {
-    // A sysfs tree of one soft-RoCE port: a link-local RoCE v1 GID, then a RoCE v2 one.
+    // A sysfs tree of one soft-RoCE port: a link-local RoCE v1 GID, a usable RoCE v1 one,
+    // then RoCE v2 ones at 2 and 10. The first v2 is 2 (a glob lists 10 before 2; before,
+    // that picked 10).
     let root = std::env::temp_dir().join(format!("kvstore-sysfs-{}", std::process::id()));
     let port = root.join("class/infiniband/rxe0/ports/1");
     let files = [
@@ -375,9 +377,15 @@ fn kvrun_doctor_names_each_rdma_port_its_gid_and_mtu() {
         ("link_layer", "Ethernet"),
         ("gids/0", "fe80:0000:0000:0000:5054:00ff:fe12:3456"),
         ("gid_attrs/types/0", "IB/RoCE v1"),
-        ("gids/1", "0000:0000:0000:0000:0000:ffff:0a00:020f"),
-        ("gid_attrs/types/1", "RoCE v2"),
+        ("gids/1", "0000:0000:0000:0000:0000:ffff:0a00:020e"),
+        ("gid_attrs/types/1", "IB/RoCE v1"),
         ("gid_attrs/ndevs/1", "eth9"),
+        ("gids/2", "0000:0000:0000:0000:0000:ffff:0a00:020f"),
+        ("gid_attrs/types/2", "RoCE v2"),
+        ("gid_attrs/ndevs/2", "eth9"),
+        ("gids/10", "0000:0000:0000:0000:0000:ffff:0a00:0210"),
+        ("gid_attrs/types/10", "RoCE v2"),
+        ("gid_attrs/ndevs/10", "eth9"),
     ];
     for (f, text) in files {
         let p = port.join(f);
@@ -395,7 +403,7 @@ fn kvrun_doctor_names_each_rdma_port_its_gid_and_mtu() {
     );
     std::fs::remove_dir_all(&root).unwrap();
     assert_eq!(r.code, Some(0), "{}", r.all());
-    let want = "ok localhost: RDMA rxe0 port 1: ACTIVE, Ethernet, GID 1 \
+    let want = "ok localhost: RDMA rxe0 port 1: ACTIVE, Ethernet, GID 2 \
                 0000:0000:0000:0000:0000:ffff:0a00:020f (RoCE v2), MTU 1500";
     assert!(r.stdout.contains(want), "{}", r.all());
 }

@@ -60,12 +60,16 @@ for d in "$sys"/class/infiniband/*; do
   [ -d "$d" ] || continue
   for p in "$d"/ports/*; do
     gid=-; mtu=-
-    for g in "$p"/gids/*; do
+    # In the order of their index (a glob puts 10 before 2): the first RoCE v2 one, else the
+    # first usable.
+    for n in $(ls "$p/gids" 2>/dev/null | sort -n); do
+      g="$p/gids/$n"
       [ -f "$g" ] || continue
-      n=$(basename "$g"); v=$(cat "$g" 2>/dev/null)
+      v=$(cat "$g" 2>/dev/null)
       case "$v" in ""|0000:0000:0000:0000:0000:0000:0000:0000|fe80:*) continue;; esac
       t=$(cat "$p/gid_attrs/types/$n" 2>/dev/null | tr ' ' '_')
-      gid="$n:$v:${t:-?}"
+      case "$t" in *v2*) ;; *) [ "$gid" = - ] || continue;; esac
+      gid="$n:$v:${t:-?}"; mtu=-
       nd=$(cat "$p/gid_attrs/ndevs/$n" 2>/dev/null)
       [ -n "$nd" ] && mtu=$(cat "$sys/class/net/$nd/mtu" 2>/dev/null || echo -)
       case "$t" in *v2*) break;; esac

@@ -156,6 +156,11 @@ impl Conn {
         Ok(n)
     }
 
+    /// The first `n` bytes of the data of the last message that brought some.
+    pub fn last_data(&self, n: usize) -> &[u8] {
+        &self.rx[..n.min(self.rx.len())]
+    }
+
     fn peer(&self) -> Result<PeerId, String> {
         self.peer.ok_or_else(|| "no peer".to_string())
     }

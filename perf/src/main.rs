@@ -100,8 +100,8 @@ struct RawArgs {
     /// Wait for a client (run the other side with the server's HOST, or nothing for shm).
     #[arg(long, conflicts_with_all = ["local", "host"])]
     server: bool,
-    /// Start the server side here too (a second process).
-    #[arg(long)]
+    /// Start the server side here too (a second process; no host then).
+    #[arg(long, conflicts_with = "host")]
     local: bool,
     /// The server's host (the client side; over shm localhost, 127.0.0.1 or ::1). With no host
     /// and no --local, this is the server, as perftest's tools are.

@@ -243,15 +243,18 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
         }
         kv.barrier().map_err(|e| e.to_string())?;
-        // Every worker pushes ones: the pulled value is the number of workers (ASSIGN). The
-        // outputs are spoiled first, so that a pull that wrote nothing cannot pass.
+        // Every worker pushes ones: the pulled value is the number of workers (ASSIGN), as a
+        // GPU's memory holds it for GPU arrays. The outputs are spoiled first, so that a pull
+        // that wrote nothing cannot pass; `--op pushpull` checks the call it times.
         for o in &mut outs {
             o.fill(f64::NAN);
         }
-        kv.pull(keys.clone(), &mut outs)
-            .map_err(|e| e.to_string())?;
+        match p.op.as_str() {
+            "pushpull" => kv.pushpull(keys.clone(), &vals, &mut outs),
+            _ => kv.pull(keys.clone(), &mut outs),
+        }
+        .map_err(|e| e.to_string())?;
         let w = kv.num_workers() as f32;
-        // (GPU arrays: as the GPU's memory holds them.)
         if stage
             .values(&outs)?
             .iter()

@@ -122,7 +122,7 @@ fn region_slots(plan: &Plan, size: usize) -> usize {
 struct Bufs {
     src: Region,
     mine: Vec<RemoteRegion>,
-    _landing: Option<Region>,
+    landing: Option<Region>,
     remote: Vec<RemoteRegion>,
 }
 
@@ -141,7 +141,7 @@ fn setup(
         return Ok(Bufs {
             src,
             mine: Vec::new(),
-            _landing: None,
+            landing: None,
             remote: Vec::new(),
         });
     }
@@ -159,7 +159,7 @@ fn setup(
         } => Ok(Bufs {
             src,
             mine,
-            _landing: Some(landing),
+            landing: Some(landing),
             remote: body
                 .chunks(REMOTE_LEN)
                 .map(|b| RemoteRegion::from_bytes(b).ok_or("bad region handle"))
@@ -186,11 +186,45 @@ fn one(c: &mut Conn, b: &Bufs, size: usize, slot: usize, deadline: Instant) -> R
     }
 }
 
-fn expect_data(c: &mut Conn, deadline: Instant) -> Result<(), String> {
-    match c.recv(deadline)? {
-        Event::Msg { tag: DATA, .. } => Ok(()),
-        Event::Put { imm, .. } if imm as u64 == DATA => Ok(()),
-        other => Err(format!("expected data, got {other:?}")),
+/// Takes the peer's next `size` bytes (a message's data, or a put).
+fn expect_data(c: &mut Conn, size: usize, deadline: Instant) -> Result<(), String> {
+    let ev = c.recv(deadline)?;
+    is_data(&ev, size)
+}
+
+/// `Ok` for data of `size` bytes (anything else is an error).
+fn is_data(ev: &Event, size: usize) -> Result<(), String> {
+    let len = match *ev {
+        Event::Msg {
+            tag: DATA, data, ..
+        } => data,
+        Event::Put { imm, len } if imm as u64 == DATA => len,
+        _ => return Err(format!("expected {size} bytes of data, got {ev:?}")),
+    };
+    match len == size {
+        true => Ok(()),
+        false => Err(format!("expected {size} bytes of data, got {len}")),
+    }
+}
+
+/// Checks that the last data of `size` bytes from the peer (what its last message brought,
+/// or its puts into slot 0) is its pattern (`salt`): a transport that changed the bytes
+/// fails the run.
+fn check_data(c: &Conn, b: &Bufs, size: usize, salt: u8) -> Result<(), String> {
+    let mut landed = Vec::new();
+    let got = match &b.landing {
+        Some(l) => {
+            landed.resize(size, 0);
+            // SAFETY: after the size's last exchange, drained: the peer writes it no more.
+            unsafe { l.read(0, &mut landed) }.map_err(|e| e.to_string())?;
+            &landed[..]
+        }
+        None => c.last_data(size),
+    };
+    if got.len() == size && got.iter().enumerate().all(|(i, &x)| x == i as u8 ^ salt) {
+        Ok(())
+    } else {
+        Err(format!("the {size} bytes of data arrived changed"))
     }
 }
 
@@ -232,20 +266,21 @@ pub fn client(c: &mut Conn, plan: &Plan, timeout: Duration) -> Result<Results, S
                 .map_err(|x| x.to_string())?;
             for _ in 0..plan.warmup {
                 one(c, &bufs, size, 0, Instant::now() + timeout)?;
-                expect_data(c, Instant::now() + timeout)?;
+                expect_data(c, size, Instant::now() + timeout)?;
             }
             let start = Instant::now();
             let mut n = 0;
             while timed(n, start) {
                 let t0 = Instant::now();
                 one(c, &bufs, size, 0, t0 + timeout)?;
-                expect_data(c, t0 + timeout)?;
+                expect_data(c, size, t0 + timeout)?;
                 let half = (t0.elapsed().as_nanos() as u64 / 2).max(1);
                 // (A half round trip past the histogram's 60 s is counted as 60 s.)
                 h.saturating_record(half);
                 n += 1;
             }
             c.drain(Instant::now() + timeout)?;
+            check_data(c, &bufs, size, 0x5a)?;
             ack(c, b"end", timeout)?;
             let us = |ns: u64| ns as f64 / 1000.0;
             lat.push(LatRow {
@@ -332,14 +367,14 @@ pub fn server(c: &mut Conn, timeout: Duration) -> Result<(), String> {
             usize::MAX
         });
         let mut got = 0usize;
+        let mut any = false;
         loop {
             // The client may pause between sizes; a peer gone is still seen within `timeout`.
             match c.recv(Instant::now() + timeout)? {
                 ev @ (Event::Msg { tag: DATA, .. } | Event::Put { .. }) => {
-                    if matches!(ev, Event::Put { imm, .. } if imm as u64 != DATA) {
-                        return Err(format!("unexpected {ev:?}"));
-                    }
+                    is_data(&ev, size)?;
                     got += 1;
+                    any = true;
                     if plan.test == "lat" {
                         one(c, &bufs, size, 0, Instant::now() + timeout)?;
                     } else if got % window == 0 {
@@ -352,6 +387,9 @@ pub fn server(c: &mut Conn, timeout: Duration) -> Result<(), String> {
                 }
                 Event::Msg { tag: ACK, body, .. } if body == b"end" => {
                     c.drain(Instant::now() + timeout)?;
+                    if any {
+                        check_data(c, &bufs, size, 0)?;
+                    }
                     ack(c, b"", timeout)?;
                     break;
                 }

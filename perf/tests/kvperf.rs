@@ -292,6 +292,7 @@ fn bad_arguments_get_a_clear_message() {
             "invalid value",
         ),
         (vec!["lat", "--server", "--local"], "cannot be used with"),
+        (vec!["lat", "--local", "localhost"], "cannot be used with"),
         (vec!["pushpull", "--keys", "0"], "--keys"),
         (
             vec!["pushpull", "--iters", "0"],
