@@ -26,11 +26,11 @@ pub(crate) fn check_like(key: &Key, stored: &NDArray, v: &NDArray) -> Result<()>
     Ok(())
 }
 
-/// `dst = sum(values)`; all have `dst`'s shape and dtype (checked by the caller). On a GPU
-/// where `dst` and every value are GPU arrays of a dtype it sums, else on the host: in the
+/// `dst = sum(values)`; all have `dst`'s shape and dtype (checked by the caller). In the
 /// order of MXNet's CPU reduce where `grouped` (its `local` and `dist_sync` stores', which
-/// sum each next four values among themselves first), else left to right (its `device`
-/// stores').
+/// sum each next four values among themselves first), on the host; else left to right (its
+/// `device` stores'), on a GPU where `dst` and every value are GPU arrays of a dtype it sums,
+/// else on the host.
 pub(crate) fn sum_into(dst: &mut NDArray, values: &[&NDArray], grouped: bool) -> Result<()> {
     // One value is a copy: between a GPU and the host, one copy straight between them.
     if let [only] = values {

@@ -322,11 +322,16 @@ impl Tally {
     /// A call ended, after `took`, having sent requests over `routes` (numbers from
     /// [`Tally::route`], each once): its latency is recorded once in each server, transport
     /// and range it reached.
-    pub(crate) fn call(&mut self, ok: bool, took: std::time::Duration, routes: &[usize]) {
+    /// A call ended, over `routes`, having taken `took` (`None`: not known, so counted with no
+    /// latency).
+    pub(crate) fn call(&mut self, ok: bool, took: Option<std::time::Duration>, routes: &[usize]) {
         self.calls += 1;
         if !ok {
             self.failed += 1;
         }
+        let Some(took) = took else {
+            return;
+        };
         if let [one] = routes {
             if let Some((_, t)) = self.routes.get_mut(*one) {
                 t.latency.record(took);
@@ -464,12 +469,12 @@ mod tests {
         m.request(a, Some(40), Some(40));
         m.request(b, Some(8), None);
         let ms = |n| std::time::Duration::from_micros(n);
-        m.call(true, ms(30), &[a, b]);
+        m.call(true, Some(ms(30)), &[a, b]);
         for took in [10, 20] {
             let again = m.route(Route::new(1, Some(Medium::Shm), 6));
             assert_eq!(again, a, "key 6 is in key 5's range");
             m.request(again, None, Some(4));
-            m.call(took == 10, ms(took), &[again]);
+            m.call(took == 10, Some(ms(took)), &[again]);
         }
         let v = m.view();
         assert_eq!((v.calls, v.failed), (3, 1));

@@ -347,6 +347,16 @@ fn kvrun_refuses_a_stats_file_it_cannot_write_before_the_job() {
         "the job started: {}",
         r.all()
     );
+    // A job that fails before it starts leaves no empty file where there was none.
+    let path = std::env::temp_dir().join(format!("kvstore-stats-none-{}", std::process::id()));
+    let mut cmd = Command::new(util::bin("kvrun"));
+    cmd.arg("--stats")
+        .arg(&path)
+        .args(["--hostfile", "/no/such/hostfile", "-n", "1", "-s", "1"])
+        .arg(util::bin("examples/train"));
+    let r = util::run_limited(&mut cmd, Duration::from_secs(60));
+    assert_eq!(r.code, Some(2), "{}", r.all());
+    assert!(!path.exists(), "{}", r.all());
 }
 
 /// A program path that is not UTF-8 is checked as any other (before, kvrun stopped on it).

@@ -172,6 +172,8 @@ pub fn run(opts: &DoctorOptions) -> i32 {
     let program = opts.program.display().to_string();
     let rdma_built = kvstore::RDMA_BUILT;
     let mut problems = 0;
+    // Hosts (by index) whose memlock limit is too low for RDMA, with the limit in KiB.
+    let mut low_memlock = Vec::new();
     let mut facts = Vec::new();
     if opts.port != 0 {
         match std::net::TcpListener::bind(("0.0.0.0", opts.port)) {
@@ -211,15 +213,8 @@ pub fn run(opts: &DoctorOptions) -> i32 {
         }
         match f.memlock_kib {
             Some(k) if k >= 64 * 1024 => println!("ok {name}: memlock limit {}", kib(k)),
-            Some(k) if rdma_built && rdma_active(&f) => {
-                problems += 1;
-                println!(
-                    "FAIL {name}: memlock limit {} is too low for RDMA, which registers \
-                     tensor memory; fix: `ulimit -l unlimited` (or memlock in \
-                     /etc/security/limits.conf)",
-                    kib(k)
-                );
-            }
+            // Too low for RDMA: a problem only where a pair of hosts would use it (below).
+            Some(k) if rdma_built && rdma_active(&f) => low_memlock.push((facts.len(), k)),
             Some(k) => println!(
                 "note {name}: memlock limit {} (RDMA would need more: `ulimit -l unlimited`)",
                 kib(k)
@@ -261,19 +256,39 @@ pub fn run(opts: &DoctorOptions) -> i32 {
         }
         facts.push(f);
     }
+    let pair = |i: usize, j: usize| {
+        let (fa, fb) = (&facts[i], &facts[j]);
+        if i == j || hosts::is_local(&hosts[i].name) && hosts::is_local(&hosts[j].name) {
+            ("shm", "the same host: shared memory")
+        } else if !rdma_built {
+            ("tcp", "RDMA is not built into this kvrun")
+        } else if rdma_active(fa) && rdma_active(fb) {
+            ("rdma", "both have an active RDMA port")
+        } else {
+            ("tcp", "not both have an active RDMA port")
+        }
+    };
     for (i, a) in hosts.iter().enumerate() {
         for (j, b) in hosts.iter().enumerate().skip(i) {
-            let (fa, fb) = (&facts[i], &facts[j]);
-            let (t, why) = if i == j || hosts::is_local(&a.name) && hosts::is_local(&b.name) {
-                ("shm", "the same host: shared memory")
-            } else if !rdma_built {
-                ("tcp", "RDMA is not built into this kvrun")
-            } else if rdma_active(fa) && rdma_active(fb) {
-                ("rdma", "both have an active RDMA port")
-            } else {
-                ("tcp", "not both have an active RDMA port")
-            };
+            let (t, why) = pair(i, j);
             println!("pair {} - {}: {t} ({why})", a.name, b.name);
+        }
+    }
+    for (i, k) in low_memlock {
+        let name = &hosts[i].name;
+        if (0..hosts.len()).any(|j| pair(i, j).0 == "rdma") {
+            problems += 1;
+            println!(
+                "FAIL {name}: memlock limit {} is too low for RDMA, which registers tensor \
+                 memory; fix: `ulimit -l unlimited` (or memlock in /etc/security/limits.conf)",
+                kib(k)
+            );
+        } else {
+            println!(
+                "note {name}: memlock limit {} (too low for RDMA, which no pair of these hosts \
+                 uses)",
+                kib(k)
+            );
         }
     }
     if problems > 0 {

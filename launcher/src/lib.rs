@@ -189,6 +189,23 @@ pub fn child_signal_default() {
     unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) };
 }
 
+/// A file made for the job: removed when dropped, unless kept once written.
+struct MadeFile(Option<PathBuf>);
+
+impl MadeFile {
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for MadeFile {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 /// Runs a job; returns the exit status kvrun should exit with.
 pub fn run(opts: &Options) -> i32 {
     match run_job(opts) {
@@ -235,13 +252,17 @@ fn log_filter() -> Option<(&'static str, String)> {
 
 fn run_job(opts: &Options) -> Result<i32, String> {
     let job_timeout = timeout(opts)?;
-    // A --stats file that cannot be written is said now, not after the job.
+    // A --stats file that cannot be written is said now, not after the job (one made here
+    // goes again if the job never gets to write it).
+    let mut stats_made = None;
     if let Some(path) = &opts.stats {
+        let existed = path.exists();
         std::fs::OpenOptions::new()
             .append(true)
             .create(true)
             .open(path)
             .map_err(|e| format!("--stats {}: {e}", path.display()))?;
+        stats_made = (!existed).then(|| MadeFile(Some(path.clone())));
     }
     raise_open_files();
     let log = log_filter();
@@ -470,6 +491,9 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             true => String::new(),
             false => format!("; none came from {}", missing.join(", ")),
         };
+        if let Some(m) = stats_made.take() {
+            m.keep();
+        }
         match std::fs::write(path, text) {
             Ok(()) => say(&format!("metrics written to {}{missing}", path.display())),
             Err(e) => say(&format!("cannot write {}: {e}", path.display())),

@@ -245,8 +245,6 @@ impl View {
         self.warn_unjoined(children, false, say);
     }
 
-    /// Warns of each process that ended without taking its role: once it ended 300 ms ago
-    /// (its report of joining may come after its end), or at once where `now`.
     /// The workers and servers that joined the job and whose metrics have not come
     /// (`worker 1`), in order.
     pub(crate) fn missing_metrics(&self) -> Vec<String> {
@@ -268,6 +266,8 @@ impl View {
         !self.joined.is_empty()
     }
 
+    /// Warns of each process that ended without taking its role: once it ended 300 ms ago
+    /// (its report of joining may come after its end), or at once where `now`.
     pub(crate) fn warn_unjoined(&mut self, children: &[Child], now: bool, say: impl Fn(&str)) {
         for c in children {
             if !c.exited() || self.joined.contains(&key(&c.role)) {

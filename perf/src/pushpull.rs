@@ -208,7 +208,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
         // GPU arrays: written on the GPU before each push and read there after each pull.
         let (push, pull) = (p.op != "pull", p.op != "push");
         let mut stage = kvstore_perf::staging::Staging::new(on_gpu(p), &vals, &outs)?;
-        let staging = stage.calibrate(&mut vals, &outs, push, pull)?;
+        stage.calibrate(&mut vals, &outs, push, pull)?;
         // Each push (request and acknowledgement) is timed too.
         let mut push_lat = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3)
             .map_err(|e| e.to_string())?;
@@ -234,8 +234,7 @@ pub(crate) fn child(p: &PushPull, out: PathBuf) -> Result<(), String> {
                 stage.after_pull(&outs)?;
             }
         }
-        let took = start.elapsed().as_secs_f64();
-        let secs = (took - staging * iters as f64).max(took * 0.01);
+        let secs = stage.seconds(start.elapsed().as_secs_f64(), iters, size);
         // Bytes this worker's pushes put on the wire per iteration (packed, with --compress).
         let pushed = (kv.metrics().total().bytes_pushed - pushed_before) / iters as u64;
         if p.op == "push" {

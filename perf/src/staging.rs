@@ -23,6 +23,8 @@ pub struct Staging {
     fresh: Vec<NDArray>,
     /// GPU arrays each output is copied into after each pull.
     scratch: Vec<NDArray>,
+    /// Seconds per iteration that the device copies alone take ([`Staging::calibrate`]).
+    per_iter: f64,
 }
 
 impl Staging {
@@ -32,6 +34,7 @@ impl Staging {
             return Ok(Staging {
                 fresh: Vec::new(),
                 scratch: Vec::new(),
+                per_iter: 0.0,
             });
         }
         let fresh = vals
@@ -44,7 +47,11 @@ impl Staging {
             .map(|o| NDArray::zeros_dtype(o.shape(), o.dtype()).on(gpu(0)))
             .collect::<Result<_, _>>()
             .map_err(err)?;
-        Ok(Staging { fresh, scratch })
+        Ok(Staging {
+            fresh,
+            scratch,
+            per_iter: 0.0,
+        })
     }
 
     /// Writes the values on the GPU, so that the next push brings them from there.
@@ -64,17 +71,17 @@ impl Staging {
         Ok(())
     }
 
-    /// Seconds per iteration that the device copies alone take (nothing to bring to or from
-    /// the host: the outputs' last pull is already on the device).
+    /// Measures the seconds per iteration that the device copies alone take (nothing to
+    /// bring to or from the host: the outputs' last pull is already on the device).
     pub fn calibrate(
         &mut self,
         vals: &mut [NDArray],
         outs: &[NDArray],
         push: bool,
         pull: bool,
-    ) -> Result<f64, String> {
+    ) -> Result<(), String> {
         if self.fresh.is_empty() {
-            return Ok(0.0);
+            return Ok(());
         }
         self.after_pull(outs)?;
         let reps = 20;
@@ -82,12 +89,30 @@ impl Staging {
         for _ in 0..reps {
             if push {
                 self.before_push(vals)?;
+                // (In the timed loop the push waits for these copies before it reads.)
+                for v in vals.iter() {
+                    v.wait_to_read().map_err(err)?;
+                }
             }
             if pull {
                 self.after_pull(outs)?;
             }
         }
-        Ok(t.elapsed().as_secs_f64() / reps as f64)
+        self.per_iter = t.elapsed().as_secs_f64() / reps as f64;
+        Ok(())
+    }
+
+    /// The seconds `iters` iterations of `size` bytes took (`took` in all), less the device
+    /// copies' own time; said to be uncertain where those were half of it or more.
+    pub fn seconds(&self, took: f64, iters: usize, size: usize) -> f64 {
+        let copies = self.per_iter * iters as f64;
+        if copies > took / 2.0 {
+            eprintln!(
+                "kvperf: at {size} bytes the GPU's device copies took half the time or more: \
+                 the staging figure is uncertain"
+            );
+        }
+        (took - copies).max(took * 0.01)
     }
 
     /// What the outputs hold in the GPU's memory (with `on` false: on the host), as f32.

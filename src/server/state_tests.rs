@@ -239,14 +239,11 @@ fn an_update_never_touches_a_value_a_reply_still_holds_and_reuses_the_spare_buff
     assert_eq!(held[0].to_vec::<f32>().unwrap(), vec![6.0; 8]);
 }
 
-/// With its arrays in a shared-memory send pool, the server answers by reference: the
-/// transport then holds the value's pages (not the array), and an update must still leave them
-/// alone until it lets go.
-#[test]
-fn an_update_never_touches_pool_pages_a_send_by_reference_still_holds() {
+/// Gives `s` its arrays from a shared-memory send pool, as a server over shared memory has
+/// them; the backend, which must live as long as they do.
+fn in_pool(s: &mut ServerState) -> kvstore_transport::ShmBackend {
     let shm = kvstore_transport::ShmBackend::new("state-test", Default::default()).unwrap();
     let pages = shm.send_pages();
-    let mut s = ServerState::new(1, true);
     s.set_alloc(Box::new(move |shape, dtype| {
         let bytes = shape.iter().product::<usize>() * dtype.size();
         Some(NDArray::from_region(
@@ -255,6 +252,16 @@ fn an_update_never_touches_pool_pages_a_send_by_reference_still_holds() {
             pages.alloc(bytes, true).ok()?,
         ))
     }));
+    shm
+}
+
+/// With its arrays in a shared-memory send pool, the server answers by reference: the
+/// transport then holds the value's pages (not the array), and an update must still leave them
+/// alone until it lets go.
+#[test]
+fn an_update_never_touches_pool_pages_a_send_by_reference_still_holds() {
+    let mut s = ServerState::new(1, true);
+    let _shm = in_pool(&mut s);
     set_sgd(&mut s, 1.0);
     s.handle(0, 0, &req(Op::Init, 4, 8, 2), &mut data(10.0, 8));
     replies(&mut s);
@@ -549,17 +556,8 @@ fn packed_pushes_are_checked_unpacked_and_summed() {
 /// value was).
 #[test]
 fn a_push_held_for_the_next_round_is_copied_into_the_transports_memory() {
-    let shm = kvstore_transport::ShmBackend::new("state-test", Default::default()).unwrap();
-    let pages = shm.send_pages();
     let mut s = ServerState::new(2, true);
-    s.set_alloc(Box::new(move |shape, dtype| {
-        let bytes = shape.iter().product::<usize>() * dtype.size();
-        Some(NDArray::from_region(
-            shape,
-            dtype,
-            pages.alloc(bytes, true).ok()?,
-        ))
-    }));
+    let _shm = in_pool(&mut s);
     s.handle(0, 0, &req(Op::Init, 1, 8, 1), &mut data(0.0, 8));
     let mut id = 1;
     let mut push = |s: &mut ServerState, worker: usize, v: f32| {

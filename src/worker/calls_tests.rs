@@ -4,20 +4,28 @@ use crate::protocol::{slot_imm, status};
 /// A call with one pull of 16 bytes from server 0, posted with its destination granted
 /// as grant 7; returns the call and its request id.
 fn one_pull(calls: &mut Calls<u64>) -> (CallId, u64) {
-    let req = Request {
-        server: 0,
-        msg: Msg::new(Op::Pull),
-        data: None,
-        text: Vec::new(),
-        dest: Some((0, 0..16)),
-    };
-    let call = calls.start(Instant::now(), [req].into(), [NDArray::zeros(&[4])].into());
+    let call = calls.start(
+        Instant::now(),
+        [pull_16_bytes()].into(),
+        [NDArray::zeros(&[4])].into(),
+    );
     let Some(Action::Send { req, token, .. }) = calls.poll_action() else {
         panic!("the pull is not sent");
     };
     calls.on_sent(call, req, Some(7), token);
     let id = calls.request(call, req).expect("the request").0.msg.req_id;
     (call, id)
+}
+
+/// A pull of 16 bytes from server 0 into the first output.
+fn pull_16_bytes() -> Request {
+    Request {
+        server: 0,
+        msg: Msg::new(Op::Pull),
+        data: None,
+        text: Vec::new(),
+        dest: Some((0, 0..16)),
+    }
 }
 
 /// The next action releases grant 7 without revoking it: the answer is in.
@@ -188,15 +196,9 @@ fn a_call_refused_for_a_gpu_out_of_memory_leaves_every_output_as_it_was() {
             hog.push(a);
         }
     }
-    let req = Request {
-        server: 0,
-        msg: Msg::new(Op::Pull),
-        data: None,
-        text: Vec::new(),
-        dest: Some((0, 0..16)),
-    };
     let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
-    let call = calls.start(Instant::now(), [req].into(), vec![first, second].into());
+    let reqs = [pull_16_bytes()].into();
+    let call = calls.start(Instant::now(), reqs, vec![first, second].into());
     let f = calls.take(call).expect("refused at once");
     drop(hog);
     assert!(

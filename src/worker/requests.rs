@@ -142,8 +142,11 @@ impl DistWorker {
 
     /// A noted call ended: counted, and, where it succeeded, its values' bytes are progress
     /// for the launcher's reports (a failed call moved nothing the job can use).
-    fn noted_end(&mut self, n: Note, ok: bool) {
-        self.metrics.call(ok, n.start.elapsed(), &n.routes);
+    /// `timed`: the call ended just now (else its end is not known: one whose ticket was
+    /// dropped, found over later, is counted with no latency).
+    fn noted_end(&mut self, n: Note, ok: bool, timed: bool) {
+        let took = timed.then(|| n.start.elapsed());
+        self.metrics.call(ok, took, &n.routes);
         if ok {
             crate::report::count_call(n.bytes);
         }
@@ -338,7 +341,7 @@ impl DistWorker {
             id.0,
             if result.is_ok() { "done" } else { "failed" }
         );
-        self.noted_end(note, result.is_ok());
+        self.noted_end(note, result.is_ok(), true);
         // (Calls whose tickets were dropped may have ended during the wait.)
         self.reap_dropped();
         unstage(&mut outputs, staged, result.is_ok());
@@ -520,7 +523,7 @@ impl DistWorker {
             true
         });
         for (n, ok) in ended {
-            self.noted_end(n, ok);
+            self.noted_end(n, ok, false);
         }
     }
 
@@ -603,7 +606,7 @@ impl DistWorker {
             unstage(&mut outputs, lent, result.is_ok());
         }
         if let Some(note) = self.noted.remove(&t.id) {
-            self.noted_end(note, result.is_ok());
+            self.noted_end(note, result.is_ok(), true);
         }
         result
             .map(|()| outputs.into_vec())

@@ -59,7 +59,7 @@ n=$(nvidia-smi -L 2>/dev/null | wc -l)
 release/deps/gpu --include-ignored --test-threads 1
 echo "every optimizer's kernel against the host's rule, the sums' kernels, a call refused for a GPU out of memory (the library's GPU tests):"
 release/deps/kvstore-lib --include-ignored --test-threads 1 optimizer::gpu_tests gpu::tests \
-    worker::calls_tests::a_call_refused_for_a_gpu
+    worker::calls::tests::a_call_refused_for_a_gpu
 for t in kvstore-lib local dist wire logs chaos; do
     echo "suite $t (a cuda build, with a GPU present):"
     timeout 120 release/deps/$t --test-threads 4 -q 2>&1 | tail -4

@@ -105,8 +105,16 @@ mod tests {
             assert_eq!(t.get(&id), Some(&id));
             assert_eq!(t.remove(&id), Some(id));
         }
-        // What a loop turn walks is the one live peer, and the memory went back.
+        // What a loop turn walks is the one live peer.
         assert_eq!(t.keys().collect::<Vec<_>>(), vec![0]);
+        // A thousand at once, then all but one gone: the memory goes back.
+        for id in 100_000..101_000 {
+            t.insert(id, id);
+        }
+        assert!(t.live.capacity() >= 1001);
+        for id in 100_000..101_000 {
+            assert_eq!(t.remove(&id), Some(id));
+        }
         assert!(t.live.capacity() <= 64, "{}", t.live.capacity());
         assert!(!t.is_empty());
         assert_eq!(t.remove(&0), Some(0));

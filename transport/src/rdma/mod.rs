@@ -284,8 +284,14 @@ pub struct RdmaBackend {
     id: u64,
     cfg: RdmaConfig,
     lim: Limits,
-    // Peers (their queue pairs) go before the completion queue, the PD and the context.
+    // Peers (their queue pairs), and lost peers' queue pairs, go before the completion
+    // queue, the PD and the context.
     peers: Peers,
+    /// Lost peers' queue pairs, in error, kept until the completions of the receives they
+    /// took from the shared queue have been polled: destroying a queue pair takes its
+    /// completions out of the completion queue (mlx5 does), and their buffers would never be
+    /// posted again.
+    draining: Vec<events::Draining>,
     /// The receive buffers of all peers (after them: their queue pairs use its queue).
     rx: wire::Receives,
     handshakes: FxHashMap<usize, Handshake>,
@@ -326,11 +332,6 @@ pub struct RdmaBackend {
     starting: FxHashSet<u32>,
     /// Peers whose TCP link reached its end: lost once what they sent before it is delivered.
     ended: Vec<u32>,
-    /// Lost peers' queue pairs, in error, kept until the completions of the receives they
-    /// took from the shared queue have been polled: destroying a queue pair takes its
-    /// completions out of the completion queue (mlx5 does), and their buffers would never be
-    /// posted again.
-    draining: Vec<events::Draining>,
     accept_retry: crate::backend::AcceptRetry,
 }
 
@@ -567,6 +568,7 @@ impl Drop for RdmaBackend {
             let _ = p.qp.to_error();
         }
         self.peers.clear();
+        self.draining.clear();
         self.grants.clear();
     }
 }
