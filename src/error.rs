@@ -2,7 +2,9 @@
 
 use crate::{DType, Key};
 
-/// Everything a kvstore call can fail with. No public call panics; each failure is one of these.
+/// Everything a kvstore call can fail with. No public call panics but the array
+/// constructors that say so (of a shape whose size overflows or cannot be allocated: their
+/// `try_` forms return [`KvError::TooLarge`]); each failure is one of these.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum KvError {

@@ -41,7 +41,8 @@ struct Facts {
     program: bool,
     memlock_kib: Option<u64>,
     ptrace_scope: Option<u32>,
-    shm_kib: Option<u64>,
+    /// The user the probe (and so the job) runs as.
+    uid: Option<u32>,
     rdma: Vec<String>,
 }
 
@@ -54,7 +55,7 @@ case "$1" in
 esac
 echo "memlock $(ulimit -l)"
 echo "ptrace $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo -)"
-echo "shm $(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $2}')"
+echo "uid $(id -u)"
 sys="${KVRUN_SYSFS:-/sys}"
 for d in "$sys"/class/infiniband/*; do
   [ -d "$d" ] || continue
@@ -133,7 +134,7 @@ fn probe(host: &str, ssh: &[String], program: &str) -> Facts {
                 })
             }
             "ptrace" => f.ptrace_scope = v.parse().ok(),
-            "shm" => f.shm_kib = v.parse().ok(),
+            "uid" => f.uid = v.parse().ok(),
             "rdma" => f.rdma.push(v.to_string()),
             _ => {}
         }
@@ -221,25 +222,24 @@ pub fn run(opts: &DoctorOptions) -> i32 {
             ),
             None => println!("note {name}: memlock limit unknown"),
         }
+        // Yama: at 1 a process may write only its descendants' memory, and a job's processes
+        // are siblings; at 2 only with CAP_SYS_PTRACE (root); at 3 never (until a reboot).
+        let root = f.uid == Some(0);
         match f.ptrace_scope {
-            Some(s) if s >= 2 => println!(
-                "note {name}: kernel.yama.ptrace_scope is {s}: cross-memory writes are \
-                 refused, so shared-memory pulls take one more copy; fix: \
-                 sysctl kernel.yama.ptrace_scope=1"
-            ),
-            Some(s) => println!("ok {name}: cross-memory writes allowed (ptrace_scope {s})"),
             None => println!("ok {name}: cross-memory writes allowed (no Yama)"),
-        }
-        match f.shm_kib {
-            Some(k) if k >= 1024 * 1024 => println!("ok {name}: /dev/shm holds {}", kib(k)),
-            Some(k) => println!(
-                "note {name}: /dev/shm holds only {}: shared-memory pools are limited to it; \
-                 fix: a larger tmpfs (mount -o remount,size=8G /dev/shm) or KVSTORE_SHM_POOL",
-                kib(k)
+            Some(0) => println!("ok {name}: cross-memory writes allowed (ptrace_scope 0)"),
+            Some(s @ (1 | 2)) if root => println!(
+                "ok {name}: cross-memory writes allowed to root (ptrace_scope {s})"
             ),
-            None => {
-                println!("note {name}: /dev/shm not found: workers here reach servers over TCP")
-            }
+            Some(s @ (1 | 2)) => println!(
+                "note {name}: kernel.yama.ptrace_scope is {s}: cross-memory writes between a \
+                 job's processes are refused (they are not each other's descendants), so \
+                 shared-memory pulls take one more copy; fix: sysctl kernel.yama.ptrace_scope=0"
+            ),
+            Some(s) => println!(
+                "note {name}: kernel.yama.ptrace_scope is {s}: cross-memory writes are refused \
+                 to every process until a reboot, so shared-memory pulls take one more copy"
+            ),
         }
         if f.rdma.is_empty() {
             println!("ok {name}: no RDMA device (TCP between hosts)");

@@ -138,7 +138,7 @@ fn attached(
     stored: &mut NDArray,
 ) -> kvstore::Result<()> {
     apply(py, f.bind(py), key, input, stored).map_err(|e| {
-        let reason = e.to_string();
+        let reason = with_traceback(py, &e);
         // The exception it replaces is let go of after the borrow (its traceback's frames
         // can run Python code that fails an updater again on this thread).
         drop(RAISED.with(|r| r.replace(Some(e))));
@@ -238,4 +238,23 @@ pub(crate) fn ship(f: &Bound<'_, PyAny>) -> PyResult<String> {
         name.push_str(&format!("{b:02x}"));
     }
     Ok(name)
+}
+
+/// Most of a traceback kept in an updater's error (its last part: the frames nearest the
+/// raise), so that a deep recursion's does not outgrow the message that carries it.
+const TRACEBACK_KEPT: usize = 4096;
+
+/// The exception as Python prints it: its traceback (the last [`TRACEBACK_KEPT`] bytes),
+/// then its type and text.
+fn with_traceback(py: Python<'_>, e: &PyErr) -> String {
+    use pyo3::types::PyTracebackMethods;
+    let Some(tb) = e.traceback(py).and_then(|t| t.format().ok()) else {
+        return e.to_string();
+    };
+    let mut cut = tb.len().saturating_sub(TRACEBACK_KEPT);
+    while !tb.is_char_boundary(cut) {
+        cut += 1;
+    }
+    let elided = if cut > 0 { "...\n" } else { "" };
+    format!("{elided}{}{e}", &tb[cut..])
 }

@@ -265,7 +265,10 @@ def test_a_failed_push_is_raised_by_the_next_call(tmp_path):
         kv.push(5, np.ones(4))        # not waited for by any call: said when the store goes
         """, workers=1, servers=1)
     assert "push returned" in out, out
-    assert "pull raised: " in out and "no updates for key 5" in out.split("pull raised: ")[1], out
+    raised = out.split("pull raised: ")[1] if "pull raised: " in out else ""
+    assert "no updates for key 5" in raised, out
+    # The server's traceback comes with it, as the README says: the updater's frame.
+    assert "Traceback (most recent call last)" in raised and "in refuse" in raised, out
     assert "no error" not in out, out
     assert "a push that no later call waited for failed" in out, out
 
