@@ -404,11 +404,17 @@ fn kvrun_doctor_names_each_rdma_port_its_gid_and_mtu() {
     }
     std::fs::create_dir_all(root.join("class/net/eth9")).unwrap();
     std::fs::write(root.join("class/net/eth9/mtu"), "1500\n").unwrap();
+    // And Yama at 1, which allows cross-memory writes to descendants only (a job's processes
+    // are siblings) and to root.
+    let yama = root.join("proc/sys/kernel/yama");
+    std::fs::create_dir_all(&yama).unwrap();
+    std::fs::write(yama.join("ptrace_scope"), "1\n").unwrap();
     let r = util::run_limited(
         Command::new(util::bin("kvrun"))
             .args(["doctor"])
             .arg(util::bin("kvrun"))
-            .env("KVRUN_SYSFS", &root),
+            .env("KVRUN_SYSFS", &root)
+            .env("KVRUN_PROC", root.join("proc")),
         Duration::from_secs(60),
     );
     std::fs::remove_dir_all(&root).unwrap();
@@ -416,6 +422,12 @@ fn kvrun_doctor_names_each_rdma_port_its_gid_and_mtu() {
     let want = "ok localhost: RDMA rxe0 port 1: ACTIVE, Ethernet, GID 2 \
                 0000:0000:0000:0000:0000:ffff:0a00:020f (RoCE v2), MTU 1500";
     assert!(r.stdout.contains(want), "{}", r.all());
+    let uid = Command::new("id").arg("-u").output().unwrap().stdout;
+    let yama = match String::from_utf8_lossy(&uid).trim() {
+        "0" => "ok localhost: cross-memory writes allowed to root (ptrace_scope 1)",
+        _ => "note localhost: kernel.yama.ptrace_scope is 1: cross-memory writes between a job's",
+    };
+    assert!(r.stdout.contains(yama), "{}", r.all());
 }
 
 /// A stranger holding more idle connections to kvrun's report address than it serves at

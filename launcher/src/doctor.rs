@@ -46,15 +46,15 @@ struct Facts {
     rdma: Vec<String>,
 }
 
-/// The shell script run on each host: one `key value` line per fact. (`KVRUN_SYSFS` names
-/// another sysfs root, for tests.)
+/// The shell script run on each host: one `key value` line per fact. (`KVRUN_SYSFS` and
+/// `KVRUN_PROC` name another sysfs and procfs root, for tests.)
 const PROBE: &str = r#"
 case "$1" in
   */*) if [ -f "$1" ] && [ -x "$1" ]; then echo "program yes"; else echo "program no"; fi ;;
   *) if command -v "$1" >/dev/null 2>&1; then echo "program yes"; else echo "program no"; fi ;;
 esac
 echo "memlock $(ulimit -l)"
-echo "ptrace $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo -)"
+echo "ptrace $(cat "${KVRUN_PROC:-/proc}"/sys/kernel/yama/ptrace_scope 2>/dev/null || echo -)"
 echo "uid $(id -u)"
 sys="${KVRUN_SYSFS:-/sys}"
 for d in "$sys"/class/infiniband/*; do
@@ -228,9 +228,9 @@ pub fn run(opts: &DoctorOptions) -> i32 {
         match f.ptrace_scope {
             None => println!("ok {name}: cross-memory writes allowed (no Yama)"),
             Some(0) => println!("ok {name}: cross-memory writes allowed (ptrace_scope 0)"),
-            Some(s @ (1 | 2)) if root => println!(
-                "ok {name}: cross-memory writes allowed to root (ptrace_scope {s})"
-            ),
+            Some(s @ (1 | 2)) if root => {
+                println!("ok {name}: cross-memory writes allowed to root (ptrace_scope {s})")
+            }
             Some(s @ (1 | 2)) => println!(
                 "note {name}: kernel.yama.ptrace_scope is {s}: cross-memory writes between a \
                  job's processes are refused (they are not each other's descendants), so \

@@ -189,23 +189,6 @@ pub fn child_signal_default() {
     unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) };
 }
 
-/// A file made for the job: removed when dropped, unless kept once written.
-struct MadeFile(Option<PathBuf>);
-
-impl MadeFile {
-    fn keep(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for MadeFile {
-    fn drop(&mut self) {
-        if let Some(p) = &self.0 {
-            let _ = std::fs::remove_file(p);
-        }
-    }
-}
-
 /// Runs a job; returns the exit status kvrun should exit with.
 pub fn run(opts: &Options) -> i32 {
     match run_job(opts) {
@@ -262,7 +245,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             .create(true)
             .open(path)
             .map_err(|e| format!("--stats {}: {e}", path.display()))?;
-        stats_made = (!existed).then(|| MadeFile(Some(path.clone())));
+        stats_made = (!existed).then(|| view::MadeFile(Some(path.clone())));
     }
     raise_open_files();
     let log = log_filter();

@@ -341,3 +341,20 @@ impl View {
         line
     }
 }
+
+/// A file made for the job: removed when dropped, unless kept once written.
+pub(crate) struct MadeFile(pub(crate) Option<std::path::PathBuf>);
+
+impl MadeFile {
+    pub(crate) fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for MadeFile {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}

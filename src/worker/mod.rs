@@ -10,6 +10,7 @@
 mod at_exit;
 pub(crate) mod calls;
 mod exchange;
+mod notes;
 mod optimizer;
 pub(crate) use optimizer::ADD_MULTS;
 mod order;
@@ -75,9 +76,9 @@ pub struct DistWorker {
     /// What this store counted ([`crate::metrics`]).
     pub(crate) metrics: crate::metrics::Tally,
     /// Calls in flight that a [`Ticket`] will claim: when and where they went.
-    pub(crate) noted: FxHashMap<calls::CallId, requests::Note>,
+    pub(crate) noted: FxHashMap<calls::CallId, notes::Note>,
     /// Notes of ended calls, kept for their lists' memory.
-    pub(crate) spare_notes: Vec<requests::Note>,
+    pub(crate) spare_notes: Vec<notes::Note>,
     /// Outputs lent by the caller ([`NDArray::from_raw_parts`]) that calls in flight pull into
     /// the store's memory instead, by call: RDMA writes cannot be stopped by this process, and
     /// such memory goes back to its owner even after a failed call.
