@@ -441,9 +441,7 @@ impl RdmaBackend {
                 "{len} more bytes to read with {waiting} waiting"
             )));
         }
-        let mem = Mem::try_zeroed(len).ok_or_else(|| {
-            TransportError::Refused(format!("no memory for a message of {len} bytes"))
-        })?;
+        let mem = Mem::zeroed_or_refused(len)?;
         let s: Arc<dyn Storage> = mem.clone();
         let mr = Mr::new(&self.pd, &s, 0, len, super::verbs::LOCAL)?;
         let step = self.lim.max_msg;
