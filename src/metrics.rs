@@ -403,8 +403,11 @@ pub type Placement = Vec<(crate::Key, Vec<Slice>)>;
 /// A server's counts.
 #[derive(Clone, Debug, Default)]
 pub struct ServerMetrics {
-    /// Sync rounds completed (or async pushes applied).
+    /// Sync rounds whose summed push was applied (or async pushes applied).
     pub rounds: u64,
+    /// Sync rounds (or async pushes) whose updater failed: the pushes were refused, and the
+    /// key kept its value (or lost it, where the updater left it changed). Not in `rounds`.
+    pub failed: u64,
     /// Pushes received.
     pub pushes: u64,
     /// Pulls answered (pull and pushpull).
@@ -421,8 +424,14 @@ impl ServerMetrics {
     /// The counts as one JSON object.
     pub fn to_json(&self) -> String {
         format!(
-            "{{\"rounds\":{},\"pushes\":{},\"pulls\":{},\"bytes_in\":{},\"bytes_out\":{},\"waited\":{}}}",
-            self.rounds, self.pushes, self.pulls, self.bytes_in, self.bytes_out, self.waited
+            "{{\"rounds\":{},\"rounds_failed\":{},\"pushes\":{},\"pulls\":{},\"bytes_in\":{},\"bytes_out\":{},\"waited\":{}}}",
+            self.rounds,
+            self.failed,
+            self.pushes,
+            self.pulls,
+            self.bytes_in,
+            self.bytes_out,
+            self.waited
         )
     }
 
@@ -431,6 +440,7 @@ impl ServerMetrics {
         let mut out = String::new();
         for (name, v) in [
             ("rounds", self.rounds),
+            ("rounds_failed", self.failed),
             ("pushes", self.pushes),
             ("pulls", self.pulls),
             ("bytes_in", self.bytes_in),

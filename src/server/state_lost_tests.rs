@@ -102,6 +102,45 @@ fn a_value_an_updater_replaced_and_then_failed_is_lost() {
         [(1, 0), (2, 0), (3, status::FAILED), (4, status::FAILED)]
     );
     assert!(r[3].2.contains("so its value is lost"), "{r:?}");
+    // The round is counted as failed, not as applied.
+    assert_eq!((s.metrics().rounds, s.metrics().failed), (0, 1));
+}
+
+/// A server counts the rounds and async pushes whose updater failed apart from those applied.
+#[test]
+fn rounds_whose_updater_failed_are_counted_apart() {
+    crate::register_updater("test_fails_on_negatives", |k, input, _| {
+        let bad = input.to_vec::<f32>().unwrap().iter().any(|x| *x < 0.0);
+        match bad {
+            true => Err(KvError::Updater {
+                key: k.clone(),
+                reason: "negative".into(),
+            }),
+            false => Ok(()),
+        }
+    });
+    for sync in [true, false] {
+        let mut s = ServerState::new(1, sync);
+        let mut name = NDArray::from_slice(&[23], b"test_fails_on_negatives").unwrap();
+        s.handle(0, 0, &req(Op::SetUpdater, 0, 0, 1), &mut name);
+        s.handle(0, 0, &req(Op::Init, 5, 4, 2), &mut data(2.0, 4));
+        s.handle(0, 0, &req(Op::Push, 5, 4, 3), &mut data(1.0, 4));
+        s.handle(0, 0, &req(Op::Push, 5, 4, 4), &mut data(-1.0, 4));
+        s.handle(0, 0, &req(Op::Push, 5, 4, 5), &mut data(1.0, 4));
+        let codes: Vec<(u64, u16)> = replies(&mut s).iter().map(|r| (r.1, r.2)).collect();
+        assert_eq!(
+            codes,
+            [(1, 0), (2, 0), (3, 0), (4, status::FAILED), (5, 0)],
+            "sync {sync}"
+        );
+        let m = s.metrics();
+        assert_eq!((m.rounds, m.failed, m.pushes), (2, 1, 3), "sync {sync}");
+        assert!(
+            m.to_json().contains("\"rounds\":2,\"rounds_failed\":1,"),
+            "{}",
+            m.to_json()
+        );
+    }
 }
 
 /// A worker pushed twice (the second held for the next round) and then pulled; another worker

@@ -13,7 +13,6 @@ impl ServerState {
         // Logged under the state machine's target (`KVSTORE_LOG` filters name it).
         let n = slot.count;
         tracing::debug!(target: "kvstore::server::state", "key {key}: round of {n} pushes complete");
-        self.metrics.rounds += 1;
         self.metrics.waited += slot.count.saturating_sub(1) as u64;
         let res = match (&mut self.updater, &mut slot.merge) {
             // ASSIGN: the round's sum becomes the stored value; swap the buffers, copy nothing.
@@ -25,6 +24,10 @@ impl ServerState {
                 .and_then(|()| apply(up, true, key, merge, &mut slot.stored, &mut slot.lost)),
             (_, None) => Ok(()),
         };
+        match res {
+            Ok(()) => self.metrics.rounds += 1,
+            Err(_) => self.metrics.failed += 1,
+        }
         slot.count = 0;
         slot.pushed.iter_mut().for_each(|p| *p = false);
         let held = std::mem::take(&mut slot.held);
