@@ -53,17 +53,21 @@ impl RdmaBackend {
             Ok(())
         };
         if let Err(e) = setup() {
-            self.abandon(&peer);
+            self.abandon(peer);
             return Err(e);
         }
         peer.sock = Some(mio::net::TcpStream::from_std(s));
         self.add_peer(peer)
     }
 
-    /// Forgets a peer that never became one (its setup failed).
-    fn abandon(&mut self, p: &Peer) {
+    /// Forgets a peer that never became one (its setup failed). Its queue pair may be up
+    /// already, with the shared queue's receives in its reach: it goes to the error state and
+    /// waits to be destroyed as a lost peer's does (see `lose`), not destroyed at once.
+    fn abandon(&mut self, p: Peer) {
         self.starting.remove(&p.id);
         self.by_qpn.remove(&p.qp.num);
+        let _ = p.qp.to_error();
+        self.draining.push(super::events::Draining::new(p.qp));
     }
 
     /// A queue pair and buffers for a new peer (not yet connected).
@@ -199,12 +203,14 @@ impl RdmaBackend {
 
     fn add_peer(&mut self, mut p: Peer) -> Result<PeerId, TransportError> {
         let id = p.id;
-        self.starting.remove(&id);
         if let Some(s) = &mut p.sock {
-            self.poll
-                .registry()
-                .register(s, mio::Token(id as usize), Interest::READABLE)?;
+            let r = self.poll.registry();
+            if let Err(e) = r.register(s, mio::Token(id as usize), Interest::READABLE) {
+                self.abandon(p);
+                return Err(e.into());
+            }
         }
+        self.starting.remove(&id);
         self.by_qpn.insert(p.qp.num, id);
         self.peers.insert(p);
         Ok(PeerId(id))
@@ -275,7 +281,7 @@ impl RdmaBackend {
             // Failed or too slow: the connection is dropped, and costs nothing more.
             _ => {
                 if let Some(p) = h.made.take() {
-                    self.abandon(&p);
+                    self.abandon(*p);
                 }
                 let _ = self.poll.registry().deregister(&mut h.sock);
                 None
@@ -310,7 +316,7 @@ impl RdmaBackend {
                 Ok(())
             };
             if let Err(e) = setup() {
-                self.abandon(&p);
+                self.abandon(p);
                 return Err(e);
             }
             h.made = Some(Box::new(p));
@@ -331,7 +337,7 @@ impl RdmaBackend {
             if let Some(mut h) = self.handshakes.remove(&t) {
                 let _ = self.poll.registry().deregister(&mut h.sock);
                 if let Some(p) = h.made.take() {
-                    self.abandon(&p);
+                    self.abandon(*p);
                 }
             }
         }
