@@ -64,7 +64,7 @@ pub fn run(a: &CompressArgs) -> Result<(), String> {
         let mut residual = vec![0.0f32; n];
         let mut packed = vec![0u8; Compression::packed_bytes(n as u64) as usize];
         let mut value = vec![0.0f32; n];
-        let memcpy = crate::raw::memcpy_bandwidth(bytes, Duration::from_secs_f64(a.secs));
+        let memcpy = crate::reference::memcpy_bandwidth(bytes, Duration::from_secs_f64(a.secs));
         let mut failed = None;
         let q = rate(bytes, a.secs, || {
             if let Err(e) = c.quantize(std::hint::black_box(&grad), &mut residual, &mut packed) {

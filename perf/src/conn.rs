@@ -156,6 +156,19 @@ impl Conn {
         Ok(n)
     }
 
+    /// Zeroes the copy of the last message's data.
+    pub fn wipe_data(&mut self) {
+        self.rx.fill(0);
+    }
+
+    /// The next event if one has arrived, without waiting (one progress call).
+    pub fn try_recv(&mut self) -> Result<Option<Event>, String> {
+        if self.inbox.is_empty() {
+            self.pump()?;
+        }
+        Ok(self.inbox.pop_front())
+    }
+
     /// The first `n` bytes of the data of the last message that brought some.
     pub fn last_data(&self, n: usize) -> &[u8] {
         &self.rx[..n.min(self.rx.len())]

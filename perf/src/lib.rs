@@ -9,6 +9,7 @@ pub mod conn;
 pub mod gpu;
 pub mod limit;
 pub mod raw;
+pub mod reference;
 pub mod staging;
 
 use std::io::{Read, Write};

@@ -19,6 +19,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvstore_perf::conn::{self, Conn};
 use kvstore_perf::raw::{self, Plan, Results};
+use kvstore_perf::reference;
 use kvstore_perf::{format_size, loopback_stream_bandwidth, parse_size, parse_sizes};
 
 #[derive(Parser, Debug)]
@@ -124,8 +125,9 @@ struct RawArgs {
     /// Untimed iterations first.
     #[arg(long, default_value_t = 100)]
     warmup: usize,
-    /// Messages in flight before an ack (bw).
-    #[arg(long, default_value_t = 64)]
+    /// Messages in flight at most (bw): a credit window, topped up as the server's counts
+    /// come back (perftest's default depth, 128).
+    #[arg(long, default_value_t = 128)]
     window: usize,
     /// Two-sided sends or one-sided writes.
     #[arg(long, value_enum, default_value_t = Mode::Send)]
@@ -336,13 +338,16 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     "size", "iters", "min", "p50", "p90", "p99", "p99.9", "max"
                 );
             }
+            // A reference's round trips: as many as kvperf's own, or as 2 s hold.
+            let budget = Duration::from_secs(2);
             for r in rows {
                 let reference = match (a.reference, a.transport) {
-                    (true, TransportKind::Tcp) => {
-                        Some(raw::socket_pingpong_us(r.size, 500).map_err(|e| e.to_string())?)
-                    }
+                    (true, TransportKind::Tcp) => Some(
+                        reference::socket_pingpong_us(r.size, r.iters.clamp(10, 20_000), budget)
+                            .map_err(|e| e.to_string())?,
+                    ),
                     (true, TransportKind::Shm) => Some(
-                        raw::shared_pingpong_us(r.size, r.iters.clamp(1_000, 20_000))
+                        reference::shared_pingpong_us(r.size, r.iters.clamp(10, 20_000), budget)
                             .map_err(|e| e.to_string())?,
                     ),
                     _ => None,
@@ -432,9 +437,10 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
             for r in rows {
                 let reference = match (a.reference, a.transport) {
                     (false, _) | (true, TransportKind::Rdma) => None,
-                    (true, TransportKind::Shm) => {
-                        Some(raw::memcpy_bandwidth(r.size, Duration::from_millis(200)))
-                    }
+                    (true, TransportKind::Shm) => Some(reference::memcpy_bandwidth(
+                        r.size,
+                        Duration::from_millis(200),
+                    )),
                     (true, _) => Some(
                         loopback_stream_bandwidth(r.size.max(1), Duration::from_millis(300))
                             .map_err(|e| e.to_string())?,

@@ -384,7 +384,7 @@ pub(crate) fn parent(p: &PushPull) -> Result<(), String> {
         };
         points.push((size, ways * size * keys * iters / secs / 1e9));
         if p.reference {
-            let m = kvstore_perf::raw::memcpy_bandwidth(
+            let m = kvstore_perf::reference::memcpy_bandwidth(
                 (size * keys) as usize,
                 Duration::from_millis(100),
             );
@@ -514,7 +514,7 @@ fn print_row(
     let ratio = |r: Option<f64>| r.map_or(f64::NAN, |r| all / r);
     // One worker's push+pull bandwidth against one core's memcpy of the same size.
     let memcpy = p.reference.then(|| {
-        kvstore_perf::raw::memcpy_bandwidth(
+        kvstore_perf::reference::memcpy_bandwidth(
             size as usize * keys as usize,
             Duration::from_millis(300),
         )

@@ -207,24 +207,106 @@ fn is_data(ev: &Event, size: usize) -> Result<(), String> {
     }
 }
 
-/// Checks that the last data of `size` bytes from the peer (what its last message brought,
-/// or its puts into slot 0) is its pattern (`salt`): a transport that changed the bytes
-/// fails the run.
-fn check_data(c: &Conn, b: &Bufs, size: usize, salt: u8) -> Result<(), String> {
-    let mut landed = Vec::new();
-    let got = match &b.landing {
+/// Checks that the last data of `size` bytes from the peer is its pattern (`salt`): what its
+/// last message brought, or, in `write` mode, every slot its last `n` puts filled. A
+/// transport that changed the bytes, or dropped them, fails the run.
+fn check_data(c: &Conn, b: &Bufs, size: usize, n: usize, salt: u8) -> Result<(), String> {
+    let good =
+        |got: &[u8]| got.len() == size && got.iter().enumerate().all(|(i, &x)| x == i as u8 ^ salt);
+    let ok = match &b.landing {
         Some(l) => {
-            landed.resize(size, 0);
-            // SAFETY: after the size's last exchange, drained: the peer writes it no more.
-            unsafe { l.read(0, &mut landed) }.map_err(|e| e.to_string())?;
-            &landed[..]
+            let mut landed = vec![0; size];
+            (0..n.min(b.mine.len())).all(|slot| {
+                // SAFETY: the peer's puts into the landing are over: it sent what followed
+                // them, and puts no more until this side answers.
+                unsafe { l.read(slot * size.max(1), &mut landed) }.is_ok() && good(&landed)
+            })
         }
-        None => c.last_data(size),
+        None => good(c.last_data(size)),
     };
-    if got.len() == size && got.iter().enumerate().all(|(i, &x)| x == i as u8 ^ salt) {
-        Ok(())
-    } else {
-        Err(format!("the {size} bytes of data arrived changed"))
+    match ok {
+        true => Ok(()),
+        false => Err(format!("the {size} bytes of data arrived changed")),
+    }
+}
+
+/// Zeroes what the peer's data brought (the landing's slots, or the last message's copy), so
+/// that a later check cannot pass on what an earlier phase left.
+fn wipe(c: &mut Conn, b: &Bufs, size: usize) -> Result<(), String> {
+    match &b.landing {
+        Some(l) => {
+            let zeros = vec![0; size.max(1) * b.mine.len()];
+            // SAFETY: as in `check_data`: the peer puts nothing until this side answers.
+            unsafe { l.write(0, &zeros) }.map_err(|e| e.to_string())
+        }
+        None => {
+            c.wipe_data();
+            Ok(())
+        }
+    }
+}
+
+/// Sends data while `more(i)` says so (`i`: how many were sent), keeping at most `window`
+/// messages the server has not counted in flight: a credit window topped up as its counts
+/// come back, never drained while it runs (perftest's `run_iter_bw`, which posts while fewer
+/// than its depth are outstanding). Then a flush, and the server's count of them all, which
+/// must be what was sent. Returns how many were sent.
+fn stream(
+    c: &mut Conn,
+    b: &Bufs,
+    size: usize,
+    slots: usize,
+    window: usize,
+    more: impl Fn(usize) -> bool,
+    timeout: Duration,
+) -> Result<usize, String> {
+    let (mut sent, mut counted, every) = (0usize, 0usize, (window / 2).max(1));
+    // A wait fails after `timeout` without a count from the server (the clock is read per
+    // count, not per message).
+    let mut deadline = Instant::now() + timeout;
+    while more(sent) {
+        while sent - counted >= window {
+            counted = counted.max(count(c.recv(deadline)?)?);
+            deadline = Instant::now() + timeout;
+        }
+        // In `write` mode the slot was last written `slots >= window` messages ago: counted.
+        one(c, b, size, sent % slots, deadline)?;
+        sent += 1;
+        // Counts come back every quarter window: looked for as often (a look is a progress
+        // call, which costs as much as a small send).
+        if sent % every == 0 {
+            while let Some(ev) = c.try_recv()? {
+                counted = counted.max(count(ev)?);
+                deadline = Instant::now() + timeout;
+            }
+        }
+    }
+    ack(c, b"flush", timeout)?;
+    loop {
+        match c.recv(Instant::now() + timeout)? {
+            Event::Msg { tag: ACK, body, .. } if body.len() == 12 && body.starts_with(b"done") => {
+                let got = u64::from_le_bytes(body[4..].try_into().unwrap_or([0; 8]));
+                return match got == sent as u64 {
+                    true => Ok(sent),
+                    false => Err(format!(
+                        "{sent} messages of {size} bytes sent, and the peer counted {got}"
+                    )),
+                };
+            }
+            ev => {
+                count(ev)?;
+            }
+        }
+    }
+}
+
+/// The server's count of the data messages it took, from one of its acks.
+fn count(ev: Event) -> Result<usize, String> {
+    match ev {
+        Event::Msg { tag: ACK, body, .. } if body.len() == 8 => {
+            Ok(u64::from_le_bytes(body[..].try_into().unwrap_or([0; 8])) as usize)
+        }
+        other => Err(format!("expected a count, got {other:?}")),
     }
 }
 
@@ -280,7 +362,7 @@ pub fn client(c: &mut Conn, plan: &Plan, timeout: Duration) -> Result<Results, S
                 n += 1;
             }
             c.drain(Instant::now() + timeout)?;
-            check_data(c, &bufs, size, 0x5a)?;
+            check_data(c, &bufs, size, 1, 0x5a)?;
             ack(c, b"end", timeout)?;
             let us = |ns: u64| ns as f64 / 1000.0;
             lat.push(LatRow {
@@ -301,36 +383,9 @@ pub fn client(c: &mut Conn, plan: &Plan, timeout: Duration) -> Result<Results, S
             } else {
                 usize::MAX
             });
-            for i in 0..plan.warmup {
-                one(c, &bufs, size, i % slots, Instant::now() + timeout)?;
-                if (i + 1) % window == 0 {
-                    expect_ack(c, Instant::now() + timeout)?;
-                }
-            }
-            if plan.warmup % window != 0 {
-                // A short last window: the flush makes the server ack and count afresh.
-                ack(c, b"flush", timeout)?;
-                expect_ack(c, Instant::now() + timeout)?;
-            }
+            stream(c, &bufs, size, slots, window, |i| i < plan.warmup, timeout)?;
             let start = Instant::now();
-            let mut n = 0;
-            loop {
-                let more = timed(n, start);
-                if more {
-                    one(c, &bufs, size, n % slots, Instant::now() + timeout)?;
-                    n += 1;
-                }
-                if n > 0 && (n % window == 0 || !more) {
-                    if !more {
-                        // Tell the server the last window is short: it acks on this message.
-                        ack(c, b"flush", timeout)?;
-                    }
-                    expect_ack(c, Instant::now() + timeout)?;
-                }
-                if !more {
-                    break;
-                }
-            }
+            let n = stream(c, &bufs, size, slots, window, |i| timed(i, start), timeout)?;
             let secs = start.elapsed().as_secs_f64();
             c.drain(Instant::now() + timeout)?;
             ack(c, b"end", timeout)?;
@@ -366,29 +421,51 @@ pub fn server(c: &mut Conn, timeout: Duration) -> Result<(), String> {
         } else {
             usize::MAX
         });
-        let mut got = 0usize;
-        let mut any = false;
+        // A count goes back every quarter window: the client's credit returns while it
+        // still has messages in flight.
+        let every = (window / 2).max(1);
+        let (mut got, mut any, mut flushes, mut timed) = (0usize, false, 0, 0);
+        // The clock is read per count sent, not per message.
+        let mut deadline = Instant::now() + timeout;
         loop {
             // The client may pause between sizes; a peer gone is still seen within `timeout`.
-            match c.recv(Instant::now() + timeout)? {
+            match c.recv(deadline)? {
                 ev @ (Event::Msg { tag: DATA, .. } | Event::Put { .. }) => {
                     is_data(&ev, size)?;
                     got += 1;
                     any = true;
                     if plan.test == "lat" {
                         one(c, &bufs, size, 0, Instant::now() + timeout)?;
-                    } else if got % window == 0 {
-                        ack(c, b"", timeout)?;
+                    } else if got % every == 0 {
+                        ack(c, &(got as u64).to_le_bytes(), timeout)?;
+                        deadline = Instant::now() + timeout;
                     }
                 }
                 Event::Msg { tag: ACK, body, .. } if body == b"flush" => {
+                    // Every message of the phase came before its flush. The warmup's data is
+                    // checked, then wiped, so that the timed phase's check (at the end, out of
+                    // its time) sees its own.
+                    flushes += 1;
+                    if flushes == 1 {
+                        if got > 0 {
+                            check_data(c, &bufs, size, got, 0)?;
+                        }
+                        wipe(c, &bufs, size)?;
+                    } else {
+                        timed = got;
+                    }
+                    let mut done = b"done".to_vec();
+                    done.extend_from_slice(&(got as u64).to_le_bytes());
                     got = 0;
-                    ack(c, b"", timeout)?;
+                    ack(c, &done, timeout)?;
+                    deadline = Instant::now() + timeout;
                 }
                 Event::Msg { tag: ACK, body, .. } if body == b"end" => {
                     c.drain(Instant::now() + timeout)?;
-                    if any {
-                        check_data(c, &bufs, size, 0)?;
+                    match plan.test == "lat" {
+                        true if any => check_data(c, &bufs, size, 1, 0)?,
+                        false if timed > 0 => check_data(c, &bufs, size, timed, 0)?,
+                        _ => {}
                     }
                     ack(c, b"", timeout)?;
                     break;
@@ -399,128 +476,6 @@ pub fn server(c: &mut Conn, timeout: Duration) -> Result<(), String> {
         bufs.release(c);
     }
     Ok(())
-}
-
-/// Single-threaded memcpy bandwidth for buffers of `size` bytes (bytes per second).
-pub fn memcpy_bandwidth(size: usize, min_time: Duration) -> f64 {
-    // Both ends at a page: a reference measures the best copy.
-    let src = crate::Paged::new(size.max(1), 1u8);
-    let mut dst = crate::Paged::new(size.max(1), 0u8);
-    let (src, dst): (&[u8], &mut [u8]) = (&src, &mut dst);
-    // Copies per clock reading, so the clock costs nothing next to small copies.
-    let batch = ((1usize << 20) / size.max(1)).max(1);
-    // Untimed: the first copy faults the destination's pages in.
-    dst.copy_from_slice(src);
-    let start = Instant::now();
-    let mut n = 0usize;
-    while start.elapsed() < min_time || n < 3 {
-        for _ in 0..batch {
-            dst.copy_from_slice(std::hint::black_box(src));
-            std::hint::black_box(&mut *dst);
-        }
-        n += batch;
-    }
-    (n * size) as f64 / start.elapsed().as_secs_f64()
-}
-
-/// One-way latency (half the median round trip, µs) of a plain blocking-socket ping-pong of
-/// `size` bytes over loopback.
-pub fn socket_pingpong_us(size: usize, iters: usize) -> std::io::Result<f64> {
-    use std::io::{Read, Write};
-    use std::net::{TcpListener, TcpStream};
-    let l = TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let echo = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = l.accept()?;
-        s.set_nodelay(true)?;
-        let mut buf = vec![0u8; size.max(1)];
-        loop {
-            match s.read_exact(&mut buf) {
-                Ok(()) => s.write_all(&buf)?,
-                Err(_) => return Ok(()),
-            }
-        }
-    });
-    let mut c = TcpStream::connect(addr)?;
-    c.set_nodelay(true)?;
-    let mut buf = vec![0u8; size.max(1)];
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters.max(1) {
-        let t0 = Instant::now();
-        c.write_all(&buf)?;
-        c.read_exact(&mut buf)?;
-        samples.push(t0.elapsed().as_nanos() as f64 / 2000.0);
-    }
-    drop(c);
-    let _ = echo.join();
-    samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
-}
-
-/// One-way latency (half the median round trip, µs) of `size` bytes passed back and forth
-/// between two threads through shared memory with nothing else: the message written into a
-/// buffer and published by one store, the other thread waiting on that word (a spin), copying
-/// the message out and answering the same way. The floor of any shared-memory transport on
-/// this host (one cache line each way for a small message).
-pub fn shared_pingpong_us(size: usize, iters: usize) -> Result<f64, kvstore_shm::ShmError> {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
-    /// Tells the echo thread to stop, on every way out of the function.
-    struct Stop(Arc<AtomicBool>);
-    impl Drop for Stop {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::Relaxed);
-        }
-    }
-    // The two flags on their own cache lines, then the two buffers, each page-aligned.
-    let (flag_ab, flag_ba, at_ab) = (0usize, 64usize, 4096usize);
-    let at_ba = at_ab + size.div_ceil(4096).max(1) * 4096;
-    let len = at_ba + size.div_ceil(4096).max(1) * 4096;
-    let seg = Arc::new(kvstore_shm::Segment::create("kvperf-ref", len)?);
-    let n = iters.max(1) as u64;
-    let (other, stop) = (seg.clone(), Arc::new(AtomicBool::new(false)));
-    let stopped = stop.clone();
-    let echo = std::thread::spawn(move || -> Result<(), kvstore_shm::ShmError> {
-        let mut buf = vec![0u8; size];
-        let (ab, ba) = (other.atomic_u64(flag_ab)?, other.atomic_u64(flag_ba)?);
-        for i in 1..=n {
-            while ab.load(Ordering::Acquire) != i {
-                if stopped.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
-                std::hint::spin_loop();
-            }
-            other.read(at_ab, &mut buf)?;
-            other.write(at_ba, &buf)?;
-            ba.store(i, Ordering::Release);
-        }
-        Ok(())
-    });
-    let guard = Stop(stop);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut buf = vec![7u8; size];
-    let (ab, ba) = (seg.atomic_u64(flag_ab)?, seg.atomic_u64(flag_ba)?);
-    let mut samples = Vec::with_capacity(n as usize);
-    for i in 1..=n {
-        let t0 = Instant::now();
-        seg.write(at_ab, &buf)?;
-        ab.store(i, Ordering::Release);
-        let mut spins = 0u32;
-        while ba.load(Ordering::Acquire) != i {
-            spins = spins.wrapping_add(1);
-            if spins % 4096 == 0 && (echo.is_finished() || Instant::now() >= deadline) {
-                return Err(kvstore_shm::ShmError::Timeout);
-            }
-            std::hint::spin_loop();
-        }
-        seg.read(at_ba, &mut buf)?;
-        samples.push(t0.elapsed().as_nanos() as f64 / 2000.0);
-    }
-    drop(guard);
-    echo.join()
-        .map_err(|_| kvstore_shm::ShmError::Corrupt("the echo thread panicked".into()))??;
-    samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
 }
 
 #[cfg(test)]
@@ -541,13 +496,5 @@ mod tests {
         assert_eq!(Plan::decode(&p.encode()).unwrap(), p);
         assert!(Plan::decode("lat send x 1 1 1 1").is_err());
         assert!(Plan::decode("").is_err());
-    }
-
-    #[test]
-    fn references_are_positive() {
-        assert!(memcpy_bandwidth(1 << 16, Duration::from_millis(10)) > 0.0);
-        assert!(socket_pingpong_us(64, 20).unwrap() > 0.0);
-        assert!(shared_pingpong_us(64, 20).unwrap() > 0.0);
-        assert!(shared_pingpong_us(0, 20).unwrap() > 0.0);
     }
 }
