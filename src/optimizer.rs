@@ -78,6 +78,23 @@ fn place(m: &mut NDArray, n: usize, device: Device) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a step whose bias-corrected learning rate is not a number (Adam's or Adamax's
+/// `1 - beta1^t` is 0 at `beta1 = 1`, a `beta2` above 1 takes the root of a negative): MXNet's
+/// Python raises there (ZeroDivisionError, a math domain error); the weight would be NaN.
+fn bias_corrected(key: &Key, step: Step) -> Result<()> {
+    match step.lr_t.is_finite() {
+        true => Ok(()),
+        false => Err(KvError::Updater {
+            key: key.clone(),
+            reason: format!(
+                "the bias-corrected learning rate at step {} is {} (is beta1 1, or beta2 \
+                 above 1?): the weight is left as it was",
+                step.t, step.lr_t
+            ),
+        }),
+    }
+}
+
 /// What every built-in optimizer refuses: a key of a dtype that is not a float. The stores
 /// check it before a call updates (or sends) any of its keys, and the optimizer at each update.
 pub(crate) fn check_float(key: &Key, dtype: crate::DType) -> Result<()> {
@@ -349,14 +366,16 @@ impl OptimizerUpdater {
             Optimizer::Adam {
                 lr, beta1, beta2, ..
             } => {
+                step.lr_t = adam_lr(lr, beta1, beta2, st.t);
+                bias_corrected(key, step)?;
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
-                step.lr_t = adam_lr(lr, beta1, beta2, st.t);
             }
             Optimizer::Adamax { lr, beta1, .. } => {
+                step.lr_t = adamax_lr(lr, beta1, st.t);
+                bias_corrected(key, step)?;
                 place(&mut st.m, n, device)?;
                 place(&mut st.v, n, device)?;
-                step.lr_t = adamax_lr(lr, beta1, st.t);
             }
             Optimizer::Signum { .. } if !mom_state => {}
             Optimizer::AdaGrad { .. } | Optimizer::RmsProp { .. } | Optimizer::Signum { .. } => {

@@ -44,7 +44,6 @@ class Adam(Optimizer):
     beta1=0.9, beta2=0.999, epsilon=1e-8, lazy_update=True, **kwargs)``)."""
 
     name = "adam"
-    _default_lr = 0.001
 
     def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-8, lazy_update: bool = True, **kwargs: Any) -> None:
@@ -84,7 +83,6 @@ class RMSProp(Optimizer):
     afresh). Its update runs on the host."""
 
     name = "rmsprop"
-    _default_lr = 0.001
 
     def __init__(self, learning_rate: float = 0.001, gamma1: float = 0.9, gamma2: float = 0.9,
                  epsilon: float = 1e-8, centered: bool = False,
@@ -130,7 +128,6 @@ class Adamax(Optimizer):
     to 0). Its update runs on the host."""
 
     name = "adamax"
-    _default_lr = 0.002
 
     def __init__(self, learning_rate: float = 0.002, beta1: float = 0.9, beta2: float = 0.999,
                  **kwargs: Any) -> None:
@@ -171,7 +168,6 @@ class Nadam(Optimizer):
     host."""
 
     name = "nadam"
-    _default_lr = 0.001
 
     def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-8, schedule_decay: float = 0.004, **kwargs: Any) -> None:

@@ -51,6 +51,12 @@ _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "b
 _UNSET = object()
 # The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
 _WATCHED = ("lr_mult", "wd_mult", "idx2name")
+# MXNet's hooks that a built-in optimizer's rule (run in Rust, from the parameters) never
+# calls: a subclass that overrides one without a rule of its own (``update``) is refused,
+# not run as if it had not.
+_RULE_HOOKS = ("_get_lrs", "_get_lr", "_get_wds", "_get_wd", "_update_count", "_update_impl")
+# Where a subclass's own rule may start: MXNet's Updater calls these.
+_OWN_RULE = ("update", "create_state", "update_multi_precision", "create_state_multi_precision")
 
 
 class _Watched(dict):
@@ -96,7 +102,6 @@ class Optimizer:
     ``param_dict``."""
 
     name = ""
-    _default_lr = 0.01
     # The stores (and updaters) that run this object in this process (``_stores_pid``'s).
     _stores: "weakref.WeakSet[Any]"
 
@@ -127,7 +132,9 @@ class Optimizer:
         # As MXNet: with a scheduler and no learning_rate, the scheduler's base_lr is the rate
         # to start from; a learning_rate given replaces it.
         if lr_scheduler is None and learning_rate is None:
-            learning_rate = self._default_lr
+            # MXNet's base default, whatever the class's own: Adam(learning_rate=None) is
+            # 0.01, as in MXNet, where Adam passes the None on.
+            learning_rate = 0.01
         if lr_scheduler is not None and learning_rate is not None:
             if lr_scheduler.base_lr != learning_rate:
                 warnings.warn("learning rate from ``lr_scheduler`` has been overwritten by "
@@ -240,6 +247,10 @@ class Optimizer:
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "lr_scheduler":
             _check_scheduler(value)
+        if name in ("param_dict", "sym_info") and value:
+            # As the constructor refuses them: a built-in rule would never read them.
+            raise ValueError("multipliers read from a symbol or a parameter dict (sym_info, "
+                             "param_dict) are not supported: use set_lr_mult and set_wd_mult")
         if name in _WATCHED:
             if not isinstance(value, dict):
                 raise TypeError(f"{name} is a dict")
@@ -375,10 +386,20 @@ class Optimizer:
         return self._get_wds([index])[0]
 
     def _custom(self) -> bool:
-        """Whether this optimizer's rule is its own (it defines ``update`` or
-        ``create_state``), which the store runs in Python, not a built-in one's."""
+        """Whether this optimizer's rule is its own (it defines ``update``, ``create_state``
+        or their ``_multi_precision`` forms), which the store runs in Python, not a built-in
+        one's. A TypeError where it overrides a hook the built-in rule would not call."""
         t = type(self)
-        return t.update is not Optimizer.update or t.create_state is not Optimizer.create_state
+        if any(getattr(t, m) is not getattr(Optimizer, m) for m in _OWN_RULE):
+            return True
+        ignored = [m for m in _RULE_HOOKS if getattr(t, m, None) is not getattr(Optimizer, m, None)]
+        if ignored:
+            raise TypeError(
+                f"{t.__name__} overrides {', '.join(ignored)}, which the built-in "
+                f"{self.name!r} rule does not call (it runs in Rust, from the optimizer's "
+                "parameters): set lr_mult, wd_mult or the parameters instead, or define "
+                "update (and create_state) to run a rule of your own")
+        return False
 
     def _attached_to(self, store: Any) -> None:
         """Called by a local store's ``set_optimizer``: the store runs this optimizer."""

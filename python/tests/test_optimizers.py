@@ -561,6 +561,51 @@ def test_a_subclass_of_a_built_in_that_defines_update_runs_its_own_rule():
     assert (out == 42).all(), out
 
 
+def test_a_built_in_subclass_overriding_a_hook_its_rule_never_calls_is_refused():
+    # MXNet's rule would call _get_lrs; the built-in rule here runs in Rust and would not.
+    # Before, the override was ignored: the weight moved by -lr * grad.
+    class Frozen(opt.SGD):
+        def _get_lrs(self, indices):
+            return [0.0] * len(indices)
+
+    kv = kvstore.create()
+    kv.init(0, np.zeros(2))
+    with pytest.raises(TypeError, match="Frozen overrides _get_lrs, which the built-in 'sgd'"):
+        kv.set_optimizer(Frozen(learning_rate=1.0))
+    with pytest.raises(TypeError, match="_get_wd"):
+        opt.get_updater(type("Z", (opt.Adam,), {"_get_wd": lambda self, i: 0.0})())
+
+    # With a rule of its own (update), the hooks are its own business, as in MXNet.
+    class Own(opt.SGD):
+        def _get_lrs(self, indices):
+            return [0.5] * len(indices)
+
+        def update(self, index, weight, grad, state):
+            weight[:] -= self._get_lr(index) * grad
+
+    kv.set_optimizer(Own(learning_rate=1.0))
+    kv.push(0, np.ones(2))
+    out = np.zeros(2)
+    kv.pull(0, out=out)
+    assert (out == -0.5).all(), out
+
+
+def test_a_parameter_dict_assigned_later_is_refused_as_in_the_constructor():
+    o = opt.SGD()
+    o.param_dict = {}
+    with pytest.raises(ValueError, match="param_dict"):
+        o.param_dict = {0: object()}
+    assert o.param_dict == {}
+
+
+def test_learning_rate_none_is_mxnet_s_base_default_for_every_optimizer():
+    # MXNet's Adam passes learning_rate on to Optimizer, which makes None 0.01.
+    for cls in [opt.SGD, opt.Adam, opt.RMSProp, opt.Adamax, opt.Nadam, opt.AdaGrad]:
+        assert cls(learning_rate=None).learning_rate == 0.01, cls
+    assert opt.Adam().learning_rate == 0.001
+    assert opt.Adamax().learning_rate == 0.002
+
+
 def test_a_custom_optimizer_keeps_mxnet_s_float32_master_copy_of_float16_weights():
     kv = kvstore.create()
     kv.init(0, np.ones(2, dtype=np.float16))

@@ -245,3 +245,32 @@ fn adagrad_and_rmsprop_take_a_keys_multipliers() {
         assert_ne!(a.to_vec::<f32>().unwrap(), vec![1.0; 4]);
     }
 }
+
+/// Adam and Adamax with `beta1 = 1` (or Adam with `beta2` above 1): the bias correction is
+/// not a number, and the step is refused with the weight unchanged (MXNet's Python raises).
+/// Before, the weight silently became NaN.
+#[test]
+fn a_bias_correction_that_is_not_a_number_is_refused() {
+    for opt in [
+        Optimizer::adam(0.1).beta1(1.0),
+        Optimizer::adamax(0.1).beta1(1.0),
+        Optimizer::adam(0.1).beta2(1.5),
+    ] {
+        let mut u = OptimizerUpdater::new(opt.clone());
+        let mut w = NDArray::from_vec(&[2], vec![1.0f32, -2.0]).unwrap();
+        let err = u
+            .update(&Key::Int(3), &NDArray::ones(&[2]), &mut w)
+            .unwrap_err();
+        assert!(
+            matches!(&err, KvError::Updater { key: Key::Int(3), reason } if reason.contains("bias-corrected learning rate at step 1")),
+            "{opt:?}: {err}"
+        );
+        assert_eq!(w.to_vec::<f32>().unwrap(), [1.0, -2.0], "{opt:?}");
+    }
+    // Sound betas step as ever.
+    let mut u = OptimizerUpdater::new(Optimizer::adam(0.1).beta1(0.5));
+    let mut w = NDArray::from_vec(&[1], vec![1.0f32]).unwrap();
+    u.update(&Key::Int(0), &NDArray::ones(&[1]), &mut w)
+        .unwrap();
+    assert!(w.to_vec::<f32>().unwrap()[0] < 1.0);
+}
