@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 HERE=tests/softroce
 BIN=${1:-target/rdma/release}
 PORT=${PORT:-47931}
-export VM_CPUS=${VM_CPUS:-2} VM_TIMEOUT=${VM_TIMEOUT:-600}
+export VM_CPUS=${VM_CPUS:-2} VM_TIMEOUT=${VM_TIMEOUT:-900}
 NA="socket,id=n0,udp=127.0.0.1:$((PORT + 1)),localaddr=127.0.0.1:$PORT"
 NB="socket,id=n0,udp=127.0.0.1:$PORT,localaddr=127.0.0.1:$((PORT + 1))"
 LOGS=$(mktemp -d /tmp/two-vm-job.XXXXXX)
@@ -21,7 +21,10 @@ DMLC_NUM_WORKER=2 KVSTORE_SECRET=two-vm-job-of-the-rdma-suite KVSTORE_TIMEOUT=12
 P="$BIN/examples/dist_check seed dist_sync"
 # Each VM: its processes in the background, then the worker; waits for all, prints every log.
 vm_cmd() { # roles "name:role:rank ..."
-    local c="$JOB; ping -c 1 -W 30 ${2} > /dev/null || echo 'no ping'; pids=''"
+    # Under emulation one VM may boot minutes after the other (both share the host's two
+    # cores): each waits for the other to answer before its job starts its 120 s rendezvous.
+    local wait_peer="up=0; for i in \$(seq 80); do ping -c 1 -W 5 ${2} > /dev/null && { up=1; break; }; sleep 1; done"
+    local c="$JOB; $wait_peer; [ \$up = 1 ] && echo \"${2} answered after \$i pings\" || echo 'no ping'; pids=''"
     local r name role rank
     for r in $1; do
         IFS=: read -r name role rank <<< "$r"
