@@ -159,14 +159,16 @@ impl OptimizerUpdater {
     ///
     /// The scheduler it was last given, given again, goes on where it stands; another
     /// scheduler (or the same rule in another state) starts from its own state. The update
-    /// counts are kept. A change of `multi_precision` applies to the keys first updated after
-    /// it (a key's master copy is made at its first update, or not, as MXNet's state).
+    /// counts are kept; a new `begin_num_update` is where the keys first updated after it
+    /// start counting (as MXNet's `_update_count` reads it). A change of `multi_precision`
+    /// applies to the keys first updated after it (a key's master copy is made at its first
+    /// update, or not, as MXNet's state).
     pub fn retune(&mut self, opt: impl Into<Multiplied>) -> Result<()> {
         let Multiplied {
             opt,
             mults,
             schedule,
-            begin_num_update: _,
+            begin_num_update,
             multi_precision,
         } = opt.into();
         if !opt.same_kind(&self.opt) {
@@ -178,6 +180,7 @@ impl OptimizerUpdater {
         }
         self.opt = opt;
         self.mults = mults;
+        self.begin_num_update = begin_num_update;
         self.multi_precision = multi_precision;
         if schedule != self.given {
             self.schedule = schedule.clone();

@@ -45,9 +45,9 @@ __all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "AdaDelta", 
 # The parameters a store's optimizer reads at each update: a change to one is sent to the
 # local stores running this optimizer.
 _TUNABLE = ("lr", "wd", "rescale_grad", "clip_gradient", "momentum", "beta1", "beta2",
-            "epsilon", "float_stable_eps", "gamma1", "gamma2", "centered", "clip_weights", "rho", "wd_lh",
-            "lamda1", "beta", "schedule_decay", "multi_precision", "lr_mult", "wd_mult", "idx2name",
-            "lr_scheduler")
+            "epsilon", "float_stable_eps", "gamma1", "gamma2", "centered", "clip_weights", "rho",
+            "wd_lh", "lamda1", "beta", "schedule_decay", "multi_precision", "begin_num_update",
+            "lr_mult", "wd_mult", "idx2name", "lr_scheduler")
 _UNSET = object()
 # The dicts MXNet's optimizers read at each update: changed in place, they are sent too.
 _WATCHED = ("lr_mult", "wd_mult", "idx2name")

@@ -262,6 +262,23 @@ def test_begin_num_update_starts_adam_s_step_and_the_schedule():
     np.testing.assert_allclose(out, -lr_t * 0.1 / (np.sqrt(0.001) + 1e-8), rtol=1e-12)
 
 
+def test_begin_num_update_set_later_starts_the_keys_first_updated_after_it():
+    # MXNet's _update_count reads begin_num_update when it first sees a key. Before, a change
+    # after set_optimizer was ignored: key 1 took step 1.
+    kv = kvstore.create()
+    kv.init([0, 1], [np.zeros(1), np.zeros(1)])
+    o = opt.Adam(learning_rate=0.1)
+    kv.set_optimizer(o)
+    kv.push(0, np.ones(1))
+    o.begin_num_update = 10
+    kv.push(1, np.ones(1))
+    out = np.zeros(1)
+    for key, t in [(0, 1), (1, 11)]:
+        kv.pull(key, out=out)
+        lr_t = 0.1 * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
+        np.testing.assert_allclose(out, -lr_t * 0.1 / (np.sqrt(0.001) + 1e-8), rtol=1e-12)
+
+
 def test_schedulers_the_store_cannot_run_are_refused():
     class Mine(lrs.FactorScheduler):
         def __call__(self, num_update):
