@@ -52,38 +52,48 @@ cat > "$out/run.sh" <<'RUN'
 # the tutorial on every GPU, then the benchmarks: the sum on a GPU against a device copy, GPU
 # arrays staged through a local store against pinned copies, and a distributed push+pull of
 # GPU arrays against the same job on host arrays.
+# Every step runs, whatever the ones before did; the script's status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")"
+rc=0
+failed() { echo "run.sh: FAILED: $*"; rc=1; }
 nvidia-smi || true
 n=$(nvidia-smi -L 2>/dev/null | wc -l)
-release/deps/gpu --include-ignored --test-threads 1
+[ "$n" -gt 0 ] || failed "no GPU seen by nvidia-smi"
+release/deps/gpu --include-ignored --test-threads 1 || failed "tests/gpu.rs"
 echo "every optimizer's kernel against the host's rule, the sums' kernels, a call refused for a GPU out of memory (the library's GPU tests):"
 release/deps/kvstore-lib --include-ignored --test-threads 1 optimizer::gpu_tests gpu::tests \
-    worker::calls::tests::a_call_refused_for_a_gpu
+    worker::calls::tests::a_call_refused_for_a_gpu || failed "the library's GPU tests"
 for t in kvstore-lib local dist wire logs chaos; do
     echo "suite $t (a cuda build, with a GPU present):"
-    timeout 120 release/deps/$t --test-threads 4 -q 2>&1 | tail -4
+    timeout 120 release/deps/$t --test-threads 4 -q > "/tmp/suite-$t.log" 2>&1 || failed "suite $t"
+    tail -4 "/tmp/suite-$t.log"
 done
 echo "walkthrough on $n GPUs:"
-release/examples/walkthrough --gpus "$n"
+release/examples/walkthrough --gpus "$n" || failed "walkthrough"
 echo "the sum on a GPU against a device copy (kvperf gpu), 64 MiB, 2, 4, 8 and 16 values:"
-for v in 2 4 8 16; do release/kvperf gpu --values $v; done
+for v in 2 4 8 16; do release/kvperf gpu --values $v || failed "kvperf gpu --values $v"; done
 for t in shm tcp; do
     echo "push+pull, W=1 S=1 over $t: host arrays, then GPU arrays"
-    release/kvperf pushpull -n 1 -s 1 --transport $t --sizes 64K:64M
-    release/kvperf pushpull -n 1 -s 1 --transport $t --sizes 64K:64M --gpu
+    release/kvperf pushpull -n 1 -s 1 --transport $t --sizes 64K:64M || failed "pushpull $t"
+    release/kvperf pushpull -n 1 -s 1 --transport $t --sizes 64K:64M --gpu ||
+        failed "pushpull $t --gpu"
 done
 echo "push+pull, W=1 S=1 over shm, arrays in the pool's pages: host arrays, then GPU arrays"
-release/kvperf pushpull -n 1 -s 1 --transport shm --sizes 64K:64M --alloc
-release/kvperf pushpull -n 1 -s 1 --transport shm --sizes 64K:64M --alloc --gpu
+release/kvperf pushpull -n 1 -s 1 --transport shm --sizes 64K:64M --alloc || failed "--alloc"
+release/kvperf pushpull -n 1 -s 1 --transport shm --sizes 64K:64M --alloc --gpu ||
+    failed "--alloc --gpu"
 echo "the Python layer's cost on this machine's CPU, 4 KiB (python/benches/layer_cost.py), twice:"
 export PYTHONPATH=$PWD/py PATH=$PWD/release:$PATH
 python3 -c 'import sys, numpy; print("Python", sys.version.split()[0], "numpy", numpy.__version__)'
 for r in 1 2; do
-    LAYER_COST_SIZES=4096 timeout 60 python3 py/layer_cost.py
-    LAYER_COST_SIZES=4096 timeout 90 release/kvrun -n 1 -s 1 python3 py/layer_cost.py dist_sync 2>&1 |
-        grep '^\[worker'
+    LAYER_COST_SIZES=4096 timeout 60 python3 py/layer_cost.py || failed "layer_cost local"
+    LAYER_COST_SIZES=4096 timeout 90 release/kvrun -n 1 -s 1 python3 py/layer_cost.py dist_sync \
+        > /tmp/layer.log 2>&1 || failed "layer_cost dist_sync"
+    grep '^\[worker' /tmp/layer.log
 done
+[ $rc = 0 ] && echo "run.sh: every step passed"
+exit $rc
 RUN
 chmod +x "$out/run.sh"
 du -sh "$out"
