@@ -138,7 +138,8 @@ impl Heartbeat {
                         return;
                     }
                     let _g = write.lock().unwrap_or_else(|p| p.into_inner());
-                    if write_frame(&mut s, &h, &[]).is_err() {
+                    let mut w = Patient(&mut s, Instant::now() + SCHEDULER_WRITES);
+                    if write_frame(&mut w, &h, &[]).is_err() {
                         return;
                     }
                 }
@@ -160,6 +161,36 @@ impl Heartbeat {
 impl Drop for Heartbeat {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A socket's writes that wait for room until a deadline, whether the socket blocks or not:
+/// a server reads the scheduler without blocking, and the flag is the socket's, shared with
+/// the heartbeat's clone of it (whose writes would otherwise fail at once on a full buffer,
+/// and the scheduler take a live server for lost).
+struct Patient<'a, W>(&'a mut W, Instant);
+
+impl<W: std::io::Write> std::io::Write for Patient<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        use std::io::ErrorKind::{Interrupted, TimedOut, WouldBlock};
+        loop {
+            match self.0.write(buf) {
+                Err(e) if matches!(e.kind(), WouldBlock | TimedOut | Interrupted) => {
+                    if Instant::now() >= self.1 {
+                        return Err(std::io::Error::new(
+                            TimedOut,
+                            "the scheduler's link is full",
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
     }
 }
 
@@ -416,6 +447,49 @@ fn exit_with<T>(r: crate::Result<()>, role: &str) -> T {
 
 #[cfg(test)]
 mod tests {
+    /// A heartbeat's write on a socket set non-blocking (a server's, through its clone) waits
+    /// for room instead of failing at once; it gives up at its deadline.
+    #[test]
+    fn a_patient_write_waits_for_room_until_its_deadline() {
+        use std::io::{Read, Write};
+        // A Unix socket's buffer does not grow as loopback TCP's does: full stays full.
+        let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        // Fill the link until the kernel takes no more.
+        let mut sent = 0usize;
+        for size in [1 << 16, 1 << 10, 1] {
+            let chunk = vec![7u8; size];
+            loop {
+                match a.write(&chunk) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        // Nobody reads: the deadline passes, and the write says so.
+        let t = Instant::now();
+        let e = super::Patient(&mut a, t + Duration::from_millis(100))
+            .write_all(b"beat")
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        // A reader drains the link a little later: the write waits and then goes through.
+        let reader = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            let mut all = Vec::new();
+            b.read_to_end(&mut all).unwrap();
+            all
+        });
+        super::Patient(&mut a, Instant::now() + Duration::from_secs(30))
+            .write_all(b"beat")
+            .unwrap();
+        drop(a);
+        let all = reader.join().unwrap();
+        assert_eq!(all.len(), sent + 4);
+        assert_eq!(&all[sent..], b"beat");
+    }
+
     use super::*;
 
     #[test]
