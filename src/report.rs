@@ -149,27 +149,31 @@ static BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// Connects to the launcher at `addr` (once per process), proving `secret`.
 pub(crate) fn start(addr: Option<SocketAddr>, secret: &str) {
-    LINK.get_or_init(|| {
-        let s = addr.and_then(|a| {
-            let mut s = TcpStream::connect_timeout(&a, Duration::from_secs(1)).ok()?;
-            s.set_write_timeout(Some(Duration::from_millis(200))).ok()?;
-            s.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
-            s.set_nodelay(true).ok()?;
-            // The launcher's nonce: one short line.
-            let mut line = Vec::new();
-            let mut b = [0u8; 1];
-            while line.len() < 128 && !line.ends_with(b"\n") {
-                std::io::Read::read_exact(&mut s, &mut b).ok()?;
-                line.push(b[0]);
-            }
-            let line = std::str::from_utf8(&line).ok()?.trim_end();
-            let nonce =
-                auth::unhex::<{ auth::NONCE }>(line.strip_prefix("kvstore-report-nonce ")?)?;
-            writeln!(s, "{}", hello(secret, &nonce)).ok()?;
-            Some(s)
-        });
-        Mutex::new(s)
-    });
+    LINK.get_or_init(|| Mutex::new(addr.and_then(|a| connect(a, secret))));
+}
+
+/// A link to the launcher at `a` that proved `secret`, within about a second; `None` where
+/// it cannot be had in that time.
+fn connect(a: SocketAddr, secret: &str) -> Option<TcpStream> {
+    let mut s = TcpStream::connect_timeout(&a, Duration::from_secs(1)).ok()?;
+    s.set_write_timeout(Some(Duration::from_millis(200))).ok()?;
+    s.set_nodelay(true).ok()?;
+    // The launcher's nonce: one short line, within a second in all (a peer that
+    // trickles bytes is not waited for byte by byte).
+    let deadline = std::time::Instant::now() + Duration::from_secs(1);
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while line.len() < 128 && !line.ends_with(b"\n") {
+        let left = deadline.checked_duration_since(std::time::Instant::now())?;
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .ok()?;
+        std::io::Read::read_exact(&mut s, &mut b).ok()?;
+        line.push(b[0]);
+    }
+    let line = std::str::from_utf8(&line).ok()?.trim_end();
+    let nonce = auth::unhex::<{ auth::NONCE }>(line.strip_prefix("kvstore-report-nonce ")?)?;
+    writeln!(s, "{}", hello(secret, &nonce)).ok()?;
+    Some(s)
 }
 
 /// Sends a report, if the launcher listens.
@@ -243,6 +247,27 @@ pub(crate) fn progress_every_second(rank: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A listener that sends its nonce a byte every 300 ms is given up on within about a
+    /// second in all; before, each byte had a second of its own (up to 128 s).
+    #[test]
+    fn a_launcher_that_trickles_its_nonce_is_not_waited_for() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            for b in b"kvstore-report-nonce 00" {
+                if s.write_all(&[*b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        });
+        let t0 = std::time::Instant::now();
+        assert!(connect(a, "s").is_none());
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        t.join().unwrap();
+    }
 
     #[test]
     fn reports_round_trip_and_garbage_is_refused() {

@@ -250,12 +250,14 @@ impl Conn {
         }
     }
 
+    /// One turn of a wait: a progress call, then the deadline, looked at whether or not
+    /// anything came (a peer that keeps sending does not hold a wait past it).
     fn progress_until(&mut self, deadline: Instant) -> Result<(), String> {
         if self.pump()? == 0 {
-            if Instant::now() >= deadline {
-                return Err("timed out".into());
-            }
             std::hint::spin_loop();
+        }
+        if Instant::now() >= deadline {
+            return Err("timed out".into());
         }
         Ok(())
     }

@@ -81,8 +81,15 @@ const MAX_CONTROL: u64 = 64 * 1024;
 /// A node's link, written a frame at a time by whoever holds it.
 type Writer = Arc<std::sync::Mutex<TcpStream>>;
 
+/// Sends a frame to a node. A write that failed (timed out after part of a frame, say) shuts
+/// the link: the node would otherwise read the next frame out of step.
 fn send(w: &Writer, op: Op, text: &str) -> Result<()> {
-    send_on(&mut w.lock().unwrap_or_else(|p| p.into_inner()), op, text)
+    let mut s = w.lock().unwrap_or_else(|p| p.into_inner());
+    let r = send_on(&mut s, op, text);
+    if r.is_err() {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+    r
 }
 
 fn send_on(s: &mut TcpStream, op: Op, text: &str) -> Result<()> {
@@ -145,6 +152,14 @@ fn assign_ranks(ids: &[usize], nodes: &mut BTreeMap<usize, Node>) {
 /// at once, each given 5 seconds to say hello; only a node that proved the job's
 /// secret gets a thread (to read its frames), and no more than the job has nodes and a margin.
 pub fn run_scheduler(listener: TcpListener, opts: &SchedulerOptions) -> Result<()> {
+    // A job without workers would never finish (nothing ends it), and one without servers
+    // holds nothing.
+    if opts.num_workers == 0 || opts.num_servers == 0 {
+        return Err(KvError::Config(format!(
+            "a job needs a worker and a server at least, not {} workers and {} servers",
+            opts.num_workers, opts.num_servers
+        )));
+    }
     let (tx, rx) = mpsc::channel();
     let accepting = Arc::new(AtomicBool::new(true));
     listener.set_nonblocking(true)?;

@@ -78,3 +78,23 @@ fn rank_hints_are_honoured_where_they_can_be_and_the_rest_go_by_arrival() {
     let ranks: Vec<usize> = (0..4).map(|i| nodes[&i].rank).collect();
     assert_eq!(ranks, [2, 0, 1, 3]);
 }
+
+/// A scheduler for no workers (or no servers) is refused at once: it would wait forever for
+/// a finish no worker sends.
+#[test]
+fn a_job_of_no_workers_or_no_servers_is_refused() {
+    for (w, s) in [(0, 1), (1, 0)] {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let opts = SchedulerOptions {
+            num_workers: w,
+            num_servers: s,
+            secret: "s".into(),
+            timeout: Duration::from_secs(8),
+        };
+        let e = run_scheduler(listener, &opts).unwrap_err();
+        assert!(
+            matches!(&e, KvError::Config(t) if t.contains("a worker and a server")),
+            "{e}"
+        );
+    }
+}

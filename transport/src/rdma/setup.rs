@@ -298,22 +298,74 @@ pub(crate) fn exchange(
     ours: &Hello,
     timeout: Duration,
 ) -> Result<Hello, TransportError> {
+    // One deadline for the whole exchange, not a timeout per read: a peer that trickles its
+    // bytes is given up on at the deadline.
+    let deadline = std::time::Instant::now() + timeout;
     s.set_write_timeout(Some(timeout))?;
-    s.set_read_timeout(Some(timeout))?;
     s.write_all(&ours.encode())?;
     let mut b = [0u8; HELLO_LEN];
-    s.read_exact(&mut b).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            TransportError::Timeout(format!("the RDMA peer's address, after {timeout:?}"))
+    let mut got = 0;
+    while got < HELLO_LEN {
+        let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else {
+            return Err(TransportError::Timeout(format!(
+                "the RDMA peer's address, after {timeout:?} ({got} of {HELLO_LEN} bytes)"
+            )));
+        };
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
+        match s.read(&mut b[got..]) {
+            Ok(0) => return Err(TransportError::Closed),
+            Ok(n) => got += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(e.into()),
         }
-        _ => e.into(),
-    })?;
+    }
     Hello::decode(&b)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that sends its address a byte every 100 ms is given up on at the exchange's
+    /// deadline; before, each read had the whole timeout of its own (64 of them).
+    #[test]
+    fn a_peer_that_trickles_its_address_times_out_at_the_deadline() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            for _ in 0..HELLO_LEN {
+                if s.write_all(&[0]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let mut s = TcpStream::connect(a).unwrap();
+        let ours = Hello {
+            qpn: 1,
+            psn: 2,
+            lid: 3,
+            mtu: 1024,
+            gid: [4; 16],
+            receives: 5,
+            buffer: 6,
+            credit_addr: 7,
+            credit_key: 8,
+        };
+        let t0 = Instant::now();
+        let e = exchange(&mut s, &ours, Duration::from_millis(500)).unwrap_err();
+        assert!(matches!(e, TransportError::Timeout(_)), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+        drop(s);
+        t.join().unwrap();
+    }
 
     #[test]
     fn a_hello_round_trips_and_garbage_is_refused() {
