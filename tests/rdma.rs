@@ -90,6 +90,21 @@ fn rdma_calls_in_flight_slots_and_batches() {
     job(2, 2, "batches", "dist_sync", &bound);
 }
 
+/// Puts that fill their grant go as eager SENDs (8 KiB or less) or WRITEs and a notice
+/// (`KVSTORE_RDMA_WRITE_IMM=0`), not as one WRITE_WITH_IMM: the same values, small and
+/// sliced, with calls in flight and receive slots.
+#[test]
+fn rdma_puts_without_write_with_imm_carry_the_same_values() {
+    let e = [
+        ("KVSTORE_RDMA_WRITE_IMM", "0"),
+        ("KVSTORE_BIGARRAY_BOUND", "1000"),
+    ];
+    job(2, 2, "seed", "dist_sync", &e);
+    job(2, 3, "big", "dist_sync", &e);
+    job(2, 2, "slots", "dist_sync", &e);
+    job(2, 2, "inflight", "dist_sync", &e);
+}
+
 /// Receiver-not-ready NAKs the devices sent and received (rxe's `send_rnr_err` and
 /// `rcvd_rnr_err` counters), summed over every device and port.
 fn rnr_naks() -> u64 {
