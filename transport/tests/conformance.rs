@@ -347,6 +347,30 @@ fn a_revoked_grant_is_never_written(kind: Kind) {
     }
 }
 
+/// Pumps `s` until the backend closed every one of `ends` (a read sees the end of the stream
+/// or a reset), within 10 s: a backend that kept a junk or silent connection open fails.
+fn until_closed<C: std::io::Read>(s: &mut Side, ends: &mut [Option<C>]) {
+    let start = Instant::now();
+    while ends.iter().any(Option::is_some) {
+        s.pump();
+        for end in ends.iter_mut() {
+            let mut b = [0u8; 64];
+            let closed = match end.as_mut().map(|c| c.read(&mut b)) {
+                Some(Ok(0)) => true,
+                Some(Err(e)) => e.kind() != std::io::ErrorKind::WouldBlock,
+                _ => false,
+            };
+            if closed {
+                *end = None;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "a connection that never became a peer was kept open"
+        );
+    }
+}
+
 fn garbage_closes_only_its_own_link(kind: Kind) {
     let (mut s, at) = server(kind);
     let (mut good, to_s, _) = connect(kind, &mut s, &at);
@@ -357,12 +381,15 @@ fn garbage_closes_only_its_own_link(kind: Kind) {
             use std::io::Write;
             let addr = at.parse::<SocketAddr>().unwrap();
             let mut junk = std::net::TcpStream::connect(addr).unwrap();
-            let _silent = std::net::TcpStream::connect(addr).unwrap();
+            let silent = std::net::TcpStream::connect(addr).unwrap();
             let _ = junk.write_all(&[0x5a; 300]);
-            let start = Instant::now();
-            while start.elapsed() < Duration::from_millis(600) {
-                s.pump();
-            }
+            // Both are closed by the backend: the junk at once or at its deadline, the silent
+            // one at its deadline (5 s).
+            let mut ends = [junk, silent].map(|c| {
+                c.set_nonblocking(true).unwrap();
+                Some(c)
+            });
+            until_closed(&mut s, &mut ends);
             let n = s
                 .log
                 .iter()
@@ -395,12 +422,13 @@ fn garbage_closes_only_its_own_link(kind: Kind) {
             // One that sends junk, one that sends nothing: neither becomes a peer, and the
             // silent one is dropped at its deadline.
             let junk = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
-            let _silent = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+            let silent = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
             (&junk).write_all_ok(b"hello?");
-            let start = Instant::now();
-            while start.elapsed() < Duration::from_millis(600) {
-                s.pump();
-            }
+            let mut ends = [junk, silent].map(|c| {
+                c.set_nonblocking(true).unwrap();
+                Some(c)
+            });
+            until_closed(&mut s, &mut ends);
             let s_shm = s
                 .log
                 .iter()
