@@ -236,11 +236,16 @@ fn a_process_of_another_job_is_refused() {
     let worker = mk("worker", "wrong");
     let (code, out) = finish(worker, Duration::from_secs(20));
     assert_ne!(code, Some(0), "{out}");
-    assert!(out.contains("secret") || out.contains("closed"), "{out}");
+    assert!(
+        out.contains("does not know this job's secret (another job's, or not a kvstore scheduler)"),
+        "{out}"
+    );
     let (code, out) = finish(sched, Duration::from_secs(20));
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("registered"), "{out}");
-    let _ = finish(server, Duration::from_secs(20));
+    // The server, which proved the secret, waited for a worker that never came: an error.
+    let (code, out) = finish(server, Duration::from_secs(20));
+    assert_ne!(code, Some(0), "{out}");
 }
 
 #[test]

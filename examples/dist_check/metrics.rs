@@ -14,6 +14,24 @@ pub(crate) fn metrics(kv: &mut KVStore) {
     ok("init", kv.init(keys, &vals));
     let placement = kv.placement();
     let slices: u64 = placement.iter().map(|(_, p)| p.len() as u64).sum();
+    // What the placement must be, from the job's own settings, not from the store under test:
+    // keys 1 and 2 whole, key 10 in a slice per server where its 3000 elements pass the bound.
+    let env = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (servers, bound) = (
+        env("DMLC_NUM_SERVER", 1),
+        env("KVSTORE_BIGARRAY_BOUND", 1_000_000),
+    );
+    let want = 2 + if 3000 > bound { servers } else { 1 };
+    if slices != want {
+        fail(format!(
+            "{slices} slices placed, want {want}: {placement:?}"
+        ));
+    }
     let bytes: u64 = sizes.iter().map(|n| 4 * *n as u64).sum();
     let before = kv.metrics();
     const ROUNDS: u64 = 5;
@@ -64,7 +82,11 @@ pub(crate) fn metrics(kv: &mut KVStore) {
         1,
     );
     let map = kv.placement_map();
-    if map.lines().count() != keys.len() || !map.contains("key 10: server ") {
+    let key10 = map
+        .lines()
+        .find(|l| l.starts_with("key 10: "))
+        .unwrap_or("");
+    if map.lines().count() != keys.len() || key10.matches("server ").count() as u64 != want - 2 {
         fail(format!("placement map:\n{map}"));
     }
     print!("{map}");
