@@ -334,8 +334,8 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                 };
                 let _ = writeln!(
                     out,
-                    "{:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}{refcols}",
-                    "size", "iters", "min", "p50", "p90", "p99", "p99.9", "max"
+                    "{:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}{refcols}",
+                    "size", "iters", "min", "p50", "p90", "p99", "p99.9", "max", "mean", "stdev"
                 );
             }
             // A reference's round trips: as many as kvperf's own, or as 2 s hold.
@@ -364,13 +364,16 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                         "p99_us": num(r.us[3]),
                         "p999_us": num(r.us[4]),
                         "max_us": num(r.us[5]),
+                        "mean_us": num(r.mean_stdev_us[0]),
+                        "stdev_us": num(r.mean_stdev_us[1]),
                         "ref_p50_us": reference.map_or(serde_json::Value::Null, num),
                         // Each unit and the fields in it (no key repeats a field's name,
                         // so a script that greps a field finds its number).
                         "units": {
                             "bytes": "size",
                             "microseconds, one way (half the round trip)":
-                                "min_us p50_us p90_us p99_us p999_us max_us ref_p50_us",
+                                "min_us p50_us p90_us p99_us p999_us max_us mean_us stdev_us \
+                                 ref_p50_us",
                         },
                     });
                     let row = json_row("lat", name, &mode, r.size, r.iters, figures);
@@ -381,7 +384,7 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                     });
                     let _ = writeln!(
                         out,
-                        "{:>8} {:>8} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2}{refs}",
+                        "{:>8} {:>8} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2}{refs}",
                         format_size(r.size),
                         r.iters,
                         r.us[0],
@@ -389,7 +392,9 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                         r.us[2],
                         r.us[3],
                         r.us[4],
-                        r.us[5]
+                        r.us[5],
+                        r.mean_stdev_us[0],
+                        r.mean_stdev_us[1]
                     );
                 }
             }
@@ -397,7 +402,8 @@ fn report(test: &str, name: &str, a: &RawArgs, results: &Results) -> Result<(), 
                 let _ = writeln!(
                     out,
                     "size: bytes per message; min ... max: one-way latency (half the round \
-                     trip), microseconds, at those percentiles"
+                     trip), microseconds, at those percentiles; mean and stdev of every round \
+                     trip timed"
                 );
             }
             if !a.json && a.reference {

@@ -81,6 +81,9 @@ pub struct LatRow {
     pub iters: usize,
     /// min, p50, p90, p99, p99.9, max.
     pub us: [f64; 6],
+    /// The mean and the standard deviation (what osu_latency and perftest report beside the
+    /// percentiles).
+    pub mean_stdev_us: [f64; 2],
 }
 
 /// One size's bandwidth figures.
@@ -376,6 +379,7 @@ pub fn client(c: &mut Conn, plan: &Plan, timeout: Duration) -> Result<Results, S
                     us(h.value_at_quantile(0.999)),
                     us(h.max()),
                 ],
+                mean_stdev_us: [h.mean() / 1000.0, h.stdev() / 1000.0],
             });
         } else {
             let window = plan.window.max(1).min(if plan.mode == "write" {
