@@ -348,28 +348,16 @@ mod tests {
             }
         });
         let mut s = TcpStream::connect(a).unwrap();
-        let ours = Hello {
-            qpn: 1,
-            psn: 2,
-            lid: 3,
-            mtu: 1024,
-            gid: [4; 16],
-            receives: 5,
-            buffer: 6,
-            credit_addr: 7,
-            credit_key: 8,
-        };
         let t0 = Instant::now();
-        let e = exchange(&mut s, &ours, Duration::from_millis(500)).unwrap_err();
+        let e = exchange(&mut s, &sample(), Duration::from_millis(500)).unwrap_err();
         assert!(matches!(e, TransportError::Timeout(_)), "{e}");
         assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
         drop(s);
         t.join().unwrap();
     }
 
-    #[test]
-    fn a_hello_round_trips_and_garbage_is_refused() {
-        let h = Hello {
+    fn sample() -> Hello {
+        Hello {
             qpn: 0x12,
             psn: 0xabcdef,
             lid: 3,
@@ -379,7 +367,12 @@ mod tests {
             buffer: 65584,
             credit_addr: 0x7f00_1234_5678,
             credit_key: 99,
-        };
+        }
+    }
+
+    #[test]
+    fn a_hello_round_trips_and_garbage_is_refused() {
+        let h = sample();
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         let mut b = h.encode();
         b[0] = b'X';
