@@ -116,7 +116,8 @@ pub(crate) struct Heartbeat {
 }
 
 impl Heartbeat {
-    fn start(sched: &TcpStream, every: Duration) -> std::io::Result<Heartbeat> {
+    /// Beats every `every` on a clone of `sched`, each write given `writes` at most.
+    fn start(sched: &TcpStream, every: Duration, writes: Duration) -> std::io::Result<Heartbeat> {
         let mut s = sched.try_clone()?;
         let stop = Arc::new(AtomicBool::new(false));
         let lock = Arc::new(Mutex::new(()));
@@ -138,7 +139,7 @@ impl Heartbeat {
                         return;
                     }
                     let _g = write.lock().unwrap_or_else(|p| p.into_inner());
-                    let mut w = Patient(&mut s, Instant::now() + SCHEDULER_WRITES);
+                    let mut w = Patient(&mut s, Instant::now() + writes);
                     if write_frame(&mut w, &h, &[]).is_err() {
                         return;
                     }
@@ -331,7 +332,11 @@ pub(crate) fn join(
         &proof,
     )?;
     // From here on this process beats, the rendezvous wait included.
-    let beat = Heartbeat::start(sched, heartbeat_every(cfg.timeout))?;
+    let beat = Heartbeat::start(
+        sched,
+        heartbeat_every(cfg.timeout),
+        cfg.timeout.min(SCHEDULER_WRITES),
+    )?;
     // (A server's beats are answered, from now on: those answers are not the roster.)
     let (m, text) = loop {
         let (h, text) = read(sched)?;

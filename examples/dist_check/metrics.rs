@@ -22,11 +22,13 @@ pub(crate) fn metrics(kv: &mut KVStore) {
             .and_then(|v| v.parse().ok())
             .unwrap_or(default)
     };
-    let (servers, bound) = (
-        env("DMLC_NUM_SERVER", 1),
-        env("KVSTORE_BIGARRAY_BOUND", 1_000_000),
+    let bound = env(
+        "KVSTORE_BIGARRAY_BOUND",
+        env("MXNET_KVSTORE_BIGARRAY_BOUND", 1_000_000),
     );
-    let want = 2 + if 3000 > bound { servers } else { 1 };
+    let servers = env("DMLC_NUM_SERVER", 1);
+    // Sliced where its size is at least the bound (MXNet's rule).
+    let want = 2 + if 3000 >= bound { servers } else { 1 };
     if slices != want {
         fail(format!(
             "{slices} slices placed, want {want}: {placement:?}"

@@ -500,3 +500,26 @@ fn compress_rows_are_strict_json_with_their_units() {
         }
     }
 }
+
+/// `--timeout` bounds each wait, not a run: a latency run (and a bandwidth one) longer than
+/// it succeeds. Before, the server's wait for pings ended at the size's start plus the timeout.
+#[test]
+fn a_run_longer_than_its_timeout_succeeds() {
+    for test in ["lat", "bw"] {
+        let (code, out, err) = kvperf(&[
+            test,
+            "--transport",
+            "shm",
+            "--local",
+            "--size",
+            "64",
+            "--duration",
+            "2.5",
+            "--timeout",
+            "1",
+            "--json",
+        ]);
+        assert_eq!(code, Some(0), "{test}: {err}");
+        assert!(out.contains("\"size\":64"), "{test}: {out}");
+    }
+}

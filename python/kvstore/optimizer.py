@@ -55,8 +55,19 @@ _WATCHED = ("lr_mult", "wd_mult", "idx2name")
 # calls: a subclass that overrides one without a rule of its own (``update``) is refused,
 # not run as if it had not.
 _RULE_HOOKS = ("_get_lrs", "_get_lr", "_get_wds", "_get_wd", "_update_count", "_update_impl")
-# Where a subclass's own rule may start: MXNet's Updater calls these.
-_OWN_RULE = ("update", "create_state", "update_multi_precision", "create_state_multi_precision")
+# Where a class of your own's rule may start besides update: MXNet's Updater calls these.
+_OWN_RULE = ("update_multi_precision", "create_state_multi_precision")
+
+
+class _NoParams(dict):
+    """An optimizer's ``param_dict``: empty, and refusing entries (changed in place as it is
+    assigned), since a built-in rule would never read them."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("multipliers read from a parameter dict (param_dict) are not "
+                         "supported: use set_lr_mult and set_wd_mult")
+
+    __setitem__ = update = setdefault = __ior__ = _refuse  # type: ignore[assignment]
 
 
 class _Watched(dict):
@@ -153,7 +164,7 @@ class Optimizer:
         # of an optimizer of your own are kept here; a built-in one's, where it runs.
         self.aggregate_num = 0
         self.sym_info = ()
-        self.param_dict: Dict[Any, Any] = {}
+        self.param_dict: Dict[Any, Any] = _NoParams()
         self.allow_np_array = False
         self._index_update_count: Dict[Any, int] = {}
         self._all_index_update_counts = {0: self._index_update_count}
@@ -251,6 +262,8 @@ class Optimizer:
             # As the constructor refuses them: a built-in rule would never read them.
             raise ValueError("multipliers read from a symbol or a parameter dict (sym_info, "
                              "param_dict) are not supported: use set_lr_mult and set_wd_mult")
+        if name == "param_dict":
+            value = _NoParams()
         if name in _WATCHED:
             if not isinstance(value, dict):
                 raise TypeError(f"{name} is a dict")
@@ -390,9 +403,16 @@ class Optimizer:
         or their ``_multi_precision`` forms), which the store runs in Python, not a built-in
         one's. A TypeError where it overrides a hook the built-in rule would not call."""
         t = type(self)
-        if any(getattr(t, m) is not getattr(Optimizer, m) for m in _OWN_RULE):
+        if t.update is not Optimizer.update or t.create_state is not Optimizer.create_state:
             return True
-        ignored = [m for m in _RULE_HOOKS if getattr(t, m, None) is not getattr(Optimizer, m, None)]
+        if not any(c in _RUST_RULES for c in t.__mro__):
+            # A class of your own on Optimizer: its rule may start at update_multi_precision,
+            # which MXNet's Updater calls.
+            return any(getattr(t, m) is not getattr(Optimizer, m) for m in _OWN_RULE)
+        # A built-in's subclass: its super().update would be the Rust rule's, which is not in
+        # Python, and the Rust rule calls none of MXNet's hooks.
+        ignored = [m for m in _RULE_HOOKS + _OWN_RULE
+                   if getattr(t, m, None) is not getattr(Optimizer, m, None)]
         if ignored:
             raise TypeError(
                 f"{t.__name__} overrides {', '.join(ignored)}, which the built-in "
@@ -480,6 +500,10 @@ def create(name: str, **kwargs: Any) -> Optimizer:
 
 # MXNet's Updater and get_updater live in this module; their code, in _updater.py.
 from ._updater import Updater, _updater_of_states, get_updater  # noqa: E402
+
+# The built-ins whose rules run in Rust (Test's runs in Python).
+_RUST_RULES = frozenset((SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML,
+                         Nadam, ccSGD))
 
 # They read as this module's, where MXNet has them (and pickles name them by it).
 for _named in (SGD, NAG, Adam, AdaGrad, RMSProp, AdaDelta, Adamax, Signum, Ftrl, FTML, Nadam,

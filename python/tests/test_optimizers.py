@@ -572,6 +572,9 @@ def test_a_built_in_subclass_overriding_a_hook_its_rule_never_calls_is_refused()
     kv.init(0, np.zeros(2))
     with pytest.raises(TypeError, match="Frozen overrides _get_lrs, which the built-in 'sgd'"):
         kv.set_optimizer(Frozen(learning_rate=1.0))
+    # Nor may it start a rule at update_multi_precision: its super().update is not in Python.
+    with pytest.raises(TypeError, match="update_multi_precision"):
+        opt.get_updater(type("M", (opt.SGD,), {"update_multi_precision": lambda *a: None})())
     with pytest.raises(TypeError, match="_get_wd"):
         opt.get_updater(type("Z", (opt.Adam,), {"_get_wd": lambda self, i: 0.0})())
 
@@ -595,7 +598,17 @@ def test_a_parameter_dict_assigned_later_is_refused_as_in_the_constructor():
     o.param_dict = {}
     with pytest.raises(ValueError, match="param_dict"):
         o.param_dict = {0: object()}
+    # Nor filled in place.
+    with pytest.raises(ValueError, match="param_dict"):
+        o.param_dict[0] = object()
+    with pytest.raises(ValueError, match="param_dict"):
+        o.param_dict.update({0: object()})
     assert o.param_dict == {}
+    # An optimizer still copies and pickles.
+    import copy
+    import pickle
+    assert pickle.loads(pickle.dumps(o)).param_dict == {}
+    assert copy.deepcopy(o).param_dict == {}
 
 
 def test_learning_rate_none_is_mxnet_s_base_default_for_every_optimizer():
