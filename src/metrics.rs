@@ -407,7 +407,7 @@ pub struct ServerMetrics {
     pub rounds: u64,
     /// Sync rounds (or async pushes) whose updater failed: the pushes were refused, and the
     /// key kept its value (or lost it, where the updater left it changed). Not in `rounds`.
-    pub failed: u64,
+    pub rounds_failed: u64,
     /// Pushes received.
     pub pushes: u64,
     /// Pulls answered (pull and pushpull).
@@ -421,12 +421,20 @@ pub struct ServerMetrics {
 }
 
 impl ServerMetrics {
+    /// Counts a sync round, or an async push, as applied or as failed by its updater.
+    pub(crate) fn round(&mut self, applied: bool) {
+        match applied {
+            true => self.rounds += 1,
+            false => self.rounds_failed += 1,
+        }
+    }
+
     /// The counts as one JSON object.
     pub fn to_json(&self) -> String {
         format!(
             "{{\"rounds\":{},\"rounds_failed\":{},\"pushes\":{},\"pulls\":{},\"bytes_in\":{},\"bytes_out\":{},\"waited\":{}}}",
             self.rounds,
-            self.failed,
+            self.rounds_failed,
             self.pushes,
             self.pulls,
             self.bytes_in,
@@ -440,7 +448,7 @@ impl ServerMetrics {
         let mut out = String::new();
         for (name, v) in [
             ("rounds", self.rounds),
-            ("rounds_failed", self.failed),
+            ("rounds_failed", self.rounds_failed),
             ("pushes", self.pushes),
             ("pulls", self.pulls),
             ("bytes_in", self.bytes_in),

@@ -211,7 +211,8 @@ pub(crate) fn join(
     rdma: Option<SocketAddr>,
     shm: Option<&str>,
 ) -> crate::Result<(Roster, Heartbeat)> {
-    let bound_writes = |s: &TcpStream| s.set_write_timeout(Some(cfg.timeout.min(SCHEDULER_WRITES)));
+    let writes = cfg.timeout.min(SCHEDULER_WRITES);
+    let bound_writes = |s: &TcpStream| s.set_write_timeout(Some(writes));
     bound_writes(sched)?;
     let mut hello = Msg::new(Op::Hello);
     hello.key = role;
@@ -332,11 +333,7 @@ pub(crate) fn join(
         &proof,
     )?;
     // From here on this process beats, the rendezvous wait included.
-    let beat = Heartbeat::start(
-        sched,
-        heartbeat_every(cfg.timeout),
-        cfg.timeout.min(SCHEDULER_WRITES),
-    )?;
+    let beat = Heartbeat::start(sched, heartbeat_every(cfg.timeout), writes)?;
     // (A server's beats are answered, from now on: those answers are not the roster.)
     let (m, text) = loop {
         let (h, text) = read(sched)?;

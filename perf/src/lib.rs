@@ -85,6 +85,12 @@ pub fn text_field(line: &str, name: &str) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
+/// The median of `samples` (the upper one of an even count), sorting them.
+pub fn median(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
 /// `4096` → `4K`, `67108864` → `64M`.
 pub fn format_size(n: usize) -> String {
     match n {

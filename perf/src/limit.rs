@@ -138,8 +138,7 @@ fn median_round(
     let mut t = first.ok_or("no round was timed")?;
     // The first round faults the pages in.
     t.remove(0);
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    Ok(crate::median(&mut t))
 }
 
 #[cfg(test)]

@@ -69,8 +69,7 @@ pub fn socket_pingpong_us(size: usize, iters: usize, budget: Duration) -> std::i
     }
     drop(c);
     let _ = echo.join();
-    samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
+    Ok(crate::median(&mut samples))
 }
 
 /// One-way latency (half the median round trip, µs) of `size` bytes passed back and forth
@@ -144,8 +143,7 @@ pub fn shared_pingpong_us(
     drop(guard);
     echo.join()
         .map_err(|_| kvstore_shm::ShmError::Corrupt("the echo thread panicked".into()))??;
-    samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
+    Ok(crate::median(&mut samples))
 }
 
 #[cfg(test)]

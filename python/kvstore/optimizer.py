@@ -59,13 +59,16 @@ _RULE_HOOKS = ("_get_lrs", "_get_lr", "_get_wds", "_get_wd", "_update_count", "_
 _OWN_RULE = ("update_multi_precision", "create_state_multi_precision")
 
 
+_NO_PARAMS = ("multipliers read from a symbol or a parameter dict (sym, sym_info, param_dict) "
+              "are not supported: use set_lr_mult and set_wd_mult")
+
+
 class _NoParams(dict):
     """An optimizer's ``param_dict``: empty, and refusing entries (changed in place as it is
     assigned), since a built-in rule would never read them."""
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise ValueError("multipliers read from a parameter dict (param_dict) are not "
-                         "supported: use set_lr_mult and set_wd_mult")
+        raise ValueError(_NO_PARAMS)
 
     __setitem__ = update = setdefault = __ior__ = _refuse  # type: ignore[assignment]
 
@@ -124,8 +127,7 @@ class Optimizer:
         object.__setattr__(self, "_stores", weakref.WeakSet())
         _check_scheduler(lr_scheduler)
         if sym is not None or param_dict:
-            raise ValueError("multipliers read from a symbol or a parameter dict (sym, "
-                             "param_dict) are not supported: use set_lr_mult and set_wd_mult")
+            raise ValueError(_NO_PARAMS)
         # Any whole number (an int, a numpy integer, 3.0), as MXNet takes it.
         whole = isinstance(begin_num_update, numbers.Integral) or (
             isinstance(begin_num_update, numbers.Real)
@@ -260,8 +262,7 @@ class Optimizer:
             _check_scheduler(value)
         if name in ("param_dict", "sym_info") and value:
             # As the constructor refuses them: a built-in rule would never read them.
-            raise ValueError("multipliers read from a symbol or a parameter dict (sym_info, "
-                             "param_dict) are not supported: use set_lr_mult and set_wd_mult")
+            raise ValueError(_NO_PARAMS)
         if name == "param_dict":
             value = _NoParams()
         if name in _WATCHED:

@@ -103,7 +103,7 @@ fn a_value_an_updater_replaced_and_then_failed_is_lost() {
     );
     assert!(r[3].2.contains("so its value is lost"), "{r:?}");
     // The round is counted as failed, not as applied.
-    assert_eq!((s.metrics().rounds, s.metrics().failed), (0, 1));
+    assert_eq!((s.metrics().rounds, s.metrics().rounds_failed), (0, 1));
 }
 
 /// A server counts the rounds and async pushes whose updater failed apart from those applied.
@@ -134,7 +134,11 @@ fn rounds_whose_updater_failed_are_counted_apart() {
             "sync {sync}"
         );
         let m = s.metrics();
-        assert_eq!((m.rounds, m.failed, m.pushes), (2, 1, 3), "sync {sync}");
+        assert_eq!(
+            (m.rounds, m.rounds_failed, m.pushes),
+            (2, 1, 3),
+            "sync {sync}"
+        );
         assert!(
             m.to_json().contains("\"rounds\":2,\"rounds_failed\":1,"),
             "{}",

@@ -44,10 +44,7 @@ impl ServerState {
                     )
                 });
             self.metrics.pushes += 1;
-            match res {
-                Ok(()) => self.metrics.rounds += 1,
-                Err(_) => self.metrics.failed += 1,
-            }
+            self.metrics.round(res.is_ok());
             self.metrics.bytes_in += m.data_bytes().unwrap_or(0);
             let value = slot.stored.clone();
             return match res {

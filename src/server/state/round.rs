@@ -24,10 +24,7 @@ impl ServerState {
                 .and_then(|()| apply(up, true, key, merge, &mut slot.stored, &mut slot.lost)),
             (_, None) => Ok(()),
         };
-        match res {
-            Ok(()) => self.metrics.rounds += 1,
-            Err(_) => self.metrics.failed += 1,
-        }
+        self.metrics.round(res.is_ok());
         slot.count = 0;
         slot.pushed.iter_mut().for_each(|p| *p = false);
         let held = std::mem::take(&mut slot.held);

@@ -66,8 +66,7 @@ impl RdmaBackend {
     fn abandon(&mut self, p: Peer) {
         self.starting.remove(&p.id);
         self.by_qpn.remove(&p.qp.num);
-        let _ = p.qp.to_error();
-        self.draining.push(super::events::Draining::new(p.qp));
+        self.retire(p.qp);
     }
 
     /// A queue pair and buffers for a new peer (not yet connected).

@@ -481,8 +481,9 @@ impl RdmaBackend {
         let Some(p) = self.peers.remove(&peer.0) else {
             return;
         };
-        let _ = p.qp.to_error();
+        // In error first: no write of the peer's lands after this, nor in what follows.
         self.by_qpn.remove(&p.qp.num);
+        self.retire(p.qp);
         // Buffers it was holding go back to the shared queue.
         for a in &p.held {
             let _ = self.rx.post(a.buf);
@@ -518,7 +519,14 @@ impl RdmaBackend {
             }
         }
         self.lost.push_back((peer, error));
-        self.draining.push(events::Draining::new(p.qp));
+    }
+
+    /// Puts a queue pair in the error state (no write of it can land after this) and keeps
+    /// it until the device took its last receive, or 2 s passed, and the completion queue
+    /// was polled dry (`events`): mlx5 strips a destroyed queue pair's completions.
+    fn retire(&mut self, qp: queues::Qp) {
+        let _ = qp.to_error();
+        self.draining.push(events::Draining::new(qp));
     }
 
     /// Removes grant `id`, freeing its slot with its peer.
