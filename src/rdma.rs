@@ -85,7 +85,12 @@ mod verbs {
             let wanted = forced
                 || (cfg.transport == TransportChoice::Auto
                     && (0..local.len()).any(|i| !local[i] && roster.server_rdma[i].is_some()));
-            Connector(wanted.then(|| open(cfg)))
+            // A server's link reaches nothing of this worker's until it proved the secret.
+            let untrusted = |mut b: RdmaBackend| {
+                b.set_connected_untrusted();
+                b
+            };
+            Connector(wanted.then(|| open(cfg).map(untrusted)))
         }
 
         /// Connects to server `i` over RDMA within `timeout`: `Ok(None)` where RDMA is not
@@ -123,15 +128,19 @@ mod verbs {
     /// Opens the RDMA device and listens on it for workers on other hosts (or for all workers,
     /// when `KVSTORE_TRANSPORT=rdma`); returns the address the workers are told. A host without a
     /// device says so, once, and its workers use TCP; when RDMA is forced that is an error.
+    /// A worker's link may bring `accepted_max` bytes of data in a message, and has no access
+    /// to this process's memory, until it is trusted.
     pub(crate) fn listen_for_workers(
         cfg: &Config,
         net: &mut Net,
         ip: std::net::IpAddr,
+        accepted_max: u64,
     ) -> Result<Option<SocketAddr>> {
         if !matches!(cfg.transport, TransportChoice::Auto | TransportChoice::Rdma) {
             return Ok(None);
         }
         let opened = open(cfg).and_then(|mut b| {
+            b.set_accepted_max_payload(accepted_max);
             let at = listen(&mut b, ip)?;
             Ok((b, at))
         });
@@ -188,6 +197,7 @@ mod without {
         _: &Config,
         _: &mut Net,
         _: std::net::IpAddr,
+        _: u64,
     ) -> Result<Option<SocketAddr>> {
         Ok(None)
     }

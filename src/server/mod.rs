@@ -78,7 +78,9 @@ pub fn run_server(cfg: &Config, sync: bool) -> Result<()> {
             }
         }
     }
-    let rdma = crate::rdma::listen_for_workers(cfg, &mut net, ip)?;
+    // Over RDMA, as over TCP: until its worker proved itself, a link also cannot READ or
+    // WRITE this server's memory.
+    let rdma = crate::rdma::listen_for_workers(cfg, &mut net, ip, MAX_CONTROL as u64)?;
     // The heartbeat lives as long as the server's loop (a server writes nothing else).
     let (roster, _beat) = join(
         cfg,

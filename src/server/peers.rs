@@ -453,9 +453,12 @@ impl Workers {
 
     /// Closes the links that broke the protocol.
     pub(super) fn close_refused(&mut self, state: &mut ServerState, net: &mut Net) {
+        // Lifted before anything is answered to it (its HelloAck, its slot's grant).
         for a in std::mem::take(&mut self.trusted) {
-            if a.medium == Medium::Tcp {
-                net.tcp.set_max_payload(a.peer, u64::MAX);
+            let r = net.backend(a.medium).map(|b| b.trust(a.peer));
+            if let Ok(Err(e)) = r {
+                tracing::warn!("closing a proven link that cannot be trusted: {e}");
+                self.close.push(a);
             }
         }
         // Links without an accepted hello are looked at only while there are any, when the

@@ -557,12 +557,15 @@ impl Links {
             }
             for (s, p) in proofs.iter_mut().enumerate() {
                 if let Some(p) = p.take() {
+                    // The server proved itself: its link may reach what this worker grants it.
+                    let addr = self.servers[s];
+                    self.net.backend(addr.medium)?.trust(addr.peer)?;
                     let mut r = Msg::new(Op::Proof);
                     r.key = crate::protocol::role::WORKER;
                     r.sender = self.rank;
                     let mut body = r.encode().to_vec();
                     body.extend_from_slice(&p);
-                    self.send_control(self.servers[s], &body)?;
+                    self.send_control(addr, &body)?;
                 }
             }
             let now = Instant::now();

@@ -24,8 +24,9 @@ cargo build --release -p kvstore-launcher -p kvstore-perf --features kvstore-per
 cargo test --release -p kvstore-transport --features rdma --lib
 CONF=$(exe kvstore-transport conformance)
 BACK=$(exe kvstore-transport backends)
+TRUST=$(exe kvstore-transport trust)
 DIST=$(exe kvstore rdma)
-for t in "$CONF" "$BACK" "$DIST"; do
+for t in "$CONF" "$BACK" "$TRUST" "$DIST"; do
     [ -x "$t" ] || { echo "rdma-suite: a test executable is missing" >&2; exit 1; }
 done
 
@@ -45,7 +46,7 @@ ran "$DIST" --exact rdma_forced_without_a_device_is_an_error_naming_the_reason
 # the port-down fault last (it takes eth0 down and up again).
 VM_MEM=${VM_MEM:-2048} VM_TIMEOUT=${VM_TIMEOUT:-1200} "$HERE/run-in-vm.sh" -C "$PWD" \
     "set -e; $RAN; modprobe vgem; ran $CONF rdma --test-threads=1; \
-     ran $BACK rdma --test-threads=1; \
+     ran $BACK rdma --test-threads=1; ran $TRUST --test-threads=1; \
      ran $DIST --test-threads=1 --skip rdma_forced_without --skip rdma_the_port_going_down \
        --skip rdma_the_locked_memory_limit; \
      ran $DIST --test-threads=1 rdma_the_port_going_down; \

@@ -453,6 +453,16 @@ pub trait Backend: Send {
     /// peer sends waits in the link, and once the link is full the peer's sends would block.
     /// Backpressure for a receiver that cannot keep up with one peer.
     fn pause(&mut self, peer: PeerId, paused: bool);
+
+    /// `peer` proved itself to the owner (the job's handshake): the limits a backend keeps on a
+    /// peer it accepted, until then, are lifted: the size of the data its messages may bring
+    /// (TCP, RDMA), and any access of its own to this process's memory (RDMA: its queue pair
+    /// takes no READ or WRITE before this, whatever key it names). Nothing for a peer this side
+    /// connected to, or a backend that keeps no such limits. An error: the peer cannot be
+    /// given what it proved it may have; its link should be closed.
+    fn trust(&mut self, _peer: PeerId) -> Result<(), TransportError> {
+        Ok(())
+    }
 }
 
 /// Sleeps until one of `backends` has work or `timeout` passes: arms each, and sleeps only if

@@ -176,6 +176,8 @@ impl RdmaBackend {
         let h = Head::decode(&hb).ok_or(TransportError::Refused("a short header".into()))?;
         p.returned = p.returned.max(h.credits);
         let direct = !p.paused && p.inbox.is_empty();
+        // The data a message may bring: less for an accepted peer not yet trusted.
+        let max_data = p.max_data;
         match h.kind {
             MSG => {
                 let blen = h.word as usize;
@@ -192,6 +194,12 @@ impl RdmaBackend {
                     return Err(TransportError::Refused(format!(
                         "a message of {got} bytes claiming a body of {blen} and {eager} of data"
                     )));
+                }
+                if h.flags & (EAGER | RNDV) != 0 && h.len > max_data {
+                    return Err(TransportError::Oversize {
+                        len: h.len,
+                        max: max_data,
+                    });
                 }
                 if direct && h.flags & RNDV == 0 {
                     // SAFETY: the range was checked inside the received bytes of the buffer,
@@ -238,12 +246,6 @@ impl RdmaBackend {
                     mr: None,
                 });
                 if h.flags & RNDV != 0 {
-                    if h.len > self.cfg.max_message {
-                        return Err(TransportError::Oversize {
-                            len: h.len,
-                            max: self.cfg.max_message,
-                        });
-                    }
                     self.read_data(peer, tag, &h)?;
                 }
             }
@@ -427,16 +429,14 @@ impl RdmaBackend {
         let len = h.len as usize;
         // What a peer's messages wait to have read at once is bounded by one message's
         // largest size, and memory that cannot be had fails that peer, not this process.
-        let waiting: usize = self.peers.get(&peer).map_or(0, |p| {
-            p.inbox
-                .iter()
-                .map(|m| match m {
-                    Inbound::Msg { data: Some(d), .. } => d.len(),
-                    _ => 0,
-                })
-                .sum()
+        let (waiting, max): (usize, u64) = self.peers.get(&peer).map_or((0, 0), |p| {
+            let waiting = p.inbox.iter().map(|m| match m {
+                Inbound::Msg { data: Some(d), .. } => d.len(),
+                _ => 0,
+            });
+            (waiting.sum(), p.max_data)
         });
-        if waiting.saturating_add(len) as u64 > self.cfg.max_message {
+        if waiting.saturating_add(len) as u64 > max {
             return Err(TransportError::Refused(format!(
                 "{len} more bytes to read with {waiting} waiting"
             )));

@@ -31,6 +31,21 @@ impl RdmaBackend {
         Ok(at)
     }
 
+    /// Peers that connect to this backend's listener may send messages of at most `max` bytes
+    /// of data, and their queue pairs take no READ or WRITE (whatever key they name), until
+    /// [`crate::Backend::trust`] (after their hello). Their few messages before it carry the
+    /// credits they give back: with at least 8 receives a peer, none is owed by a WRITE.
+    pub fn set_accepted_max_payload(&mut self, max: u64) {
+        self.accepted_max = Some(max.min(self.cfg.max_message));
+    }
+
+    /// The queue pairs of peers this backend connects to from now on take no READ or WRITE
+    /// until [`crate::Backend::trust`] (after the peer proved itself): what this side grants or
+    /// lends is out of reach of a process that took the peer's address.
+    pub fn set_connected_untrusted(&mut self) {
+        self.connected_untrusted = true;
+    }
+
     /// Connects to a listening backend at `addr`, retrying until `timeout`; the queue pair is
     /// ready to use when this returns.
     pub fn connect(
@@ -44,6 +59,7 @@ impl RdmaBackend {
         // so a host that dies while nothing is in flight is seen.
         crate::tcp::liveness(&s)?;
         let mut peer = self.new_peer()?;
+        peer.remote = !self.connected_untrusted;
         let mut setup = || -> Result<(), TransportError> {
             let ours = self.hello(&mut peer, s.local_addr()?.ip())?;
             let theirs = setup::exchange(&mut s, &ours, timeout)?;
@@ -138,6 +154,8 @@ impl RdmaBackend {
             lent: FxHashMap::default(),
             next_lent: 1,
             max_inline,
+            max_data: self.cfg.max_message,
+            remote: true,
             gid_index: 0,
             slots: FxHashMap::default(),
             free_slots: Vec::new(),
@@ -193,6 +211,7 @@ impl RdmaBackend {
             timeout: self.cfg.timeout,
             retry: self.cfg.retry_count.min(7),
             rnr_retry: self.cfg.rnr_retry.min(6),
+            remote: p.remote,
         })?;
         p.their_receives = theirs.receives;
         p.their_buffer = theirs.buffer as usize;
@@ -307,6 +326,9 @@ impl RdmaBackend {
             let theirs = Hello::decode(h.got[..HELLO_LEN].try_into().unwrap_or(&[0; HELLO_LEN]))?;
             // Our queue pair is ready before our address goes out.
             let mut p = self.new_peer()?;
+            if let Some(max) = self.accepted_max {
+                (p.max_data, p.remote) = (max, false);
+            }
             let mut setup = || -> Result<(), TransportError> {
                 let ours = self.hello(&mut p, h.sock.local_addr()?.ip())?;
                 self.start_peer(&mut p, &ours, &theirs)?;

@@ -22,7 +22,10 @@
 //! - **Grants** register the granted range on its own, with remote write access: nothing else
 //!   is ever remotely writable. A revoke asks the peer, whose answer comes after every write it
 //!   posted before (RC order); a lost peer's queue pair is moved to the error state first. Then
-//!   the registration goes, and only then does the revoke complete.
+//!   the registration goes, and only then does the revoke complete. Where the owner asks it
+//!   (`set_accepted_max_payload`), an accepted peer's queue pair takes no READ or WRITE at all
+//!   until the owner trusts it: every registration shares one protection domain, and a peer
+//!   that has not proved itself must not reach one by a guessed key.
 //! - **Registration** of memory for sends and puts is cached by storage identity (the `Arc`
 //!   the region holds, checked alive through a weak reference), never by address alone.
 //!   Storage that names a dma-buf (device memory) is registered through it where the device
@@ -192,6 +195,10 @@ pub(crate) struct Peer {
     lent: FxHashMap<u64, (Token, Region)>,
     next_lent: u64,
     max_inline: usize,
+    /// The most data a message of its may bring, and whether its queue pair takes READs and
+    /// WRITEs: less, and no, for an accepted peer until [`crate::Backend::trust`].
+    max_data: u64,
+    remote: bool,
     /// The local GID's index, chosen for the address the TCP link uses.
     gid_index: u32,
     /// This side's grants to the peer by their slot (the number a WRITE_WITH_IMM's immediate
@@ -333,6 +340,10 @@ pub struct RdmaBackend {
     /// Peers whose TCP link reached its end: lost once what they sent before it is delivered.
     ended: Vec<u32>,
     accept_retry: crate::backend::AcceptRetry,
+    /// The data limit of accepted peers until trusted (none: they are trusted at once), and
+    /// whether peers connected to are trusted only when told.
+    accepted_max: Option<u64>,
+    connected_untrusted: bool,
 }
 
 fn set_nonblocking(fd: i32) -> Result<(), TransportError> {
@@ -448,6 +459,8 @@ impl RdmaBackend {
             ended: Vec::new(),
             draining: Vec::new(),
             accept_retry: Default::default(),
+            accepted_max: None,
+            connected_untrusted: false,
         };
         b.cq.arm()?;
         Ok(b)

@@ -449,6 +449,16 @@ impl Backend for RdmaBackend {
             p.paused = paused;
         }
     }
+
+    fn trust(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        let p = self.peers.get_mut(&peer.0).ok_or(TransportError::Closed)?;
+        if !p.remote {
+            p.qp.allow_remote()?;
+            p.remote = true;
+        }
+        p.max_data = self.cfg.max_message;
+        Ok(())
+    }
 }
 
 fn ready(i: &Inbound) -> bool {

@@ -94,6 +94,9 @@ pub(crate) struct Path {
     pub(crate) timeout: u8,
     pub(crate) retry: u8,
     pub(crate) rnr_retry: u8,
+    /// Whether the peer may READ and WRITE (the registrations' keys it holds): not before it
+    /// proved itself ([`Qp::allow_remote`]).
+    pub(crate) remote: bool,
 }
 
 impl Qp {
@@ -141,8 +144,10 @@ impl Qp {
         Ok(())
     }
 
-    /// RESET → INIT → RTR → RTS along `p`. Remote access: writes (grants) and reads (data of
-    /// messages sent by reference); which memory is reachable is each MR's own access.
+    /// RESET → INIT → RTR → RTS along `p`. Remote access, where `p.remote`: writes (grants)
+    /// and reads (data of messages sent by reference); which memory is reachable is each MR's
+    /// own access. Without it the peer's SENDs alone are taken: a READ or WRITE it tries, with
+    /// whatever key, is refused by the device and fails its queue pair.
     pub(crate) fn connect(&self, p: &Path) -> Result<(), TransportError> {
         use ffi::ibv_qp_attr_mask as m;
         // SAFETY: a plain C struct, all zeroes valid.
@@ -150,7 +155,11 @@ impl Qp {
         a.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
         a.port_num = p.port;
         a.pkey_index = 0;
-        a.qp_access_flags = REMOTE_WRITE | REMOTE_READ | LOCAL;
+        a.qp_access_flags = if p.remote {
+            REMOTE_WRITE | REMOTE_READ | LOCAL
+        } else {
+            LOCAL
+        };
         let mask = m::IBV_QP_STATE | m::IBV_QP_PKEY_INDEX | m::IBV_QP_PORT | m::IBV_QP_ACCESS_FLAGS;
         self.modify(&mut a, mask.0, "INIT")?;
 
@@ -196,6 +205,17 @@ impl Qp {
             | m::IBV_QP_RNR_RETRY
             | m::IBV_QP_MAX_QP_RD_ATOMIC;
         self.modify(&mut a, mask.0, "RTS")
+    }
+
+    /// Lets the peer READ and WRITE from now on (RTS → RTS, which may change the access).
+    pub(crate) fn allow_remote(&self) -> Result<(), TransportError> {
+        use ffi::ibv_qp_attr_mask as m;
+        // SAFETY: a plain C struct, all zeroes valid.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTS;
+        a.qp_access_flags = REMOTE_WRITE | REMOTE_READ | LOCAL;
+        let mask = m::IBV_QP_STATE | m::IBV_QP_ACCESS_FLAGS;
+        self.modify(&mut a, mask.0, "RTS with remote access")
     }
 
     /// Moves the QP to the error state: nothing more is sent or received on it, and what was

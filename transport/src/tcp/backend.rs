@@ -475,6 +475,11 @@ impl Backend for TcpBackend {
             p.paused = paused;
         }
     }
+
+    fn trust(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        self.set_max_payload(peer, u64::MAX);
+        Ok(())
+    }
 }
 
 impl TcpBackend {

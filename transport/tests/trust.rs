@@ -1,0 +1,202 @@
+//! What a peer that connected to a verbs backend may do before its owner trusts it (after the
+//! job's handshake, `Backend::trust`): its messages bring little data, and its queue pair takes
+//! no WRITE into the backend's memory, whatever key it names; once trusted, both as any peer.
+//! (TCP's limit on strangers: backends.rs.) Runs in the soft-RoCE VM.
+#![cfg(feature = "rdma")]
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvstore_transport::{PeerId, RdmaBackend, Sent, Token};
+
+// Shared with conformance.rs, which uses all of it; this file, a part.
+#[allow(dead_code)]
+#[path = "conformance/harness.rs"]
+mod harness;
+use harness::*;
+
+/// A listening verbs backend whose accepted peers may bring 1,000 bytes until trusted.
+fn guarded() -> (Side, SocketAddr) {
+    let mut b = RdmaBackend::new(small_rdma()).unwrap();
+    b.set_accepted_max_payload(1000);
+    let ip = *b.addresses().first().expect("an RDMA device");
+    let at = b.listen(SocketAddr::new(ip, 0)).unwrap();
+    (
+        Side {
+            b: Box::new(b),
+            log: vec![],
+        },
+        at,
+    )
+}
+
+/// Connects a client to `s`: the client, its name for `s`, and `s`'s name for it.
+fn join(s: &mut Side, at: SocketAddr) -> (Side, PeerId, PeerId) {
+    connect(Kind::Rdma, s, &at.to_string())
+}
+
+/// Pumps both sides for a while (what the device might still deliver).
+fn settle(a: &mut Side, b: &mut Side) {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(300) {
+        a.pump();
+        b.pump();
+    }
+}
+
+/// A put by a peer not yet trusted, into a grant of another peer's (its key and address
+/// guessed): a WRITE_WITH_IMM (it fills the grant) or a WRITE and its notice (it does not, and
+/// is too large to go in a message). The device refuses the WRITE: the memory keeps the
+/// owner's bytes, nothing reaches the owner of the grant, and the stranger's link is lost.
+#[test]
+fn rdma_a_peer_not_yet_trusted_writes_nothing() {
+    for (len, what) in [
+        (64, "a WRITE_WITH_IMM"),
+        (16 << 10, "a WRITE and its notice"),
+    ] {
+        let (mut s, at) = guarded();
+        let (mut owner, owner_to_s, s_to_owner) = join(&mut s, at);
+        s.b.trust(s_to_owner).unwrap();
+        let (mut stranger, stranger_to_s, s_to_stranger) = join(&mut s, at);
+        let dst = heap(&mut s, &vec![0u8; 64 << 10]);
+        let glen = if len == 64 { 64 } else { 64 << 10 };
+        let g = grant_to(&mut s, s_to_owner, &dst, 0..glen);
+        // The owner's put lands: the grant is writable by the peer it was made for.
+        let mine = heap(&mut owner, &vec![5u8; len]);
+        // SAFETY: `mine` is not written until the put completes.
+        let sent = unsafe { owner.b.put(owner_to_s, &mine, 0..len, &g, 0, 1, Token(1)) };
+        assert_eq!(sent.unwrap(), Sent::Posted, "{what}");
+        drive(&mut owner, &mut s, |o, s| {
+            o.log.contains(&Ev::Done(1)) && s.log.iter().any(|e| matches!(e, Ev::Put(..)))
+        });
+        s.take();
+        let theirs = heap(&mut stranger, &vec![9u8; len]);
+        // SAFETY: `theirs` is not written until the put completes or fails.
+        let sent = unsafe {
+            stranger
+                .b
+                .put(stranger_to_s, &theirs, 0..len, &g, 0, 2, Token(2))
+        };
+        assert_eq!(sent.unwrap(), Sent::Posted, "{what}");
+        // The device refuses the WRITE, and the server loses the stranger's link. (What the
+        // stranger's put reports is the device's: on rxe, Linux 6.1, it was reported done.)
+        drive(&mut stranger, &mut s, |_, s| {
+            s.log.contains(&Ev::Lost(s_to_stranger))
+        });
+        settle(&mut stranger, &mut s);
+        let got = read(&dst);
+        assert!(
+            got[..len].iter().all(|&x| x == 5),
+            "{what}: the stranger's bytes landed"
+        );
+        assert!(got[len..].iter().all(|&x| x == 0), "{what}");
+        assert!(
+            !s.log.iter().any(|e| matches!(e, Ev::Put(..))),
+            "{what}: {:?}",
+            s.log
+        );
+        let _ = owner;
+    }
+}
+
+/// A peer not yet trusted that sends a message with more data than it may bring loses its
+/// link; the same message from a trusted peer arrives, and its put lands.
+#[test]
+fn rdma_a_trusted_peer_sends_and_writes_as_any() {
+    let (mut s, at) = guarded();
+    let data = pattern(4000, 1);
+    for trusted in [false, true] {
+        let (mut c, c_to_s, s_to_c) = join(&mut s, at);
+        if trusted {
+            s.b.trust(s_to_c).unwrap();
+        }
+        let src = heap(&mut c, &data);
+        // SAFETY: `src` is not written until the send completes.
+        let sent = unsafe { c.b.send(c_to_s, b"hello", Some((&src, 0..4000, Token(1)))) };
+        assert_eq!(sent.unwrap(), Sent::Posted);
+        if !trusted {
+            drive(&mut c, &mut s, |_, s| s.log.contains(&Ev::Lost(s_to_c)));
+            assert!(
+                !s.log.iter().any(|e| matches!(e, Ev::Recv(..))),
+                "{:?}",
+                s.log
+            );
+            s.take();
+            continue;
+        }
+        drive(&mut c, &mut s, |c, s| {
+            c.log.contains(&Ev::Done(1)) && s.log.iter().any(|e| matches!(e, Ev::Recv(..)))
+        });
+        let got = s.take();
+        assert!(
+            got.contains(&Ev::Recv(s_to_c, b"hello".to_vec(), Some(data.clone()))),
+            "{got:?}"
+        );
+        // Its queue pair now takes WRITEs: a put of 16 KiB into half a grant lands.
+        let dst = heap(&mut s, &vec![0u8; 32 << 10]);
+        let g = grant_to(&mut s, s_to_c, &dst, 0..32 << 10);
+        let big = pattern(16 << 10, 7);
+        let src = heap(&mut c, &big);
+        // SAFETY: as above.
+        let sent = unsafe { c.b.put(c_to_s, &src, 0..16 << 10, &g, 0, 3, Token(2)) };
+        assert_eq!(sent.unwrap(), Sent::Posted);
+        drive(&mut c, &mut s, |c, s| {
+            c.log.contains(&Ev::Done(2)) && s.log.iter().any(|e| matches!(e, Ev::Put(..)))
+        });
+        assert_eq!(read(&dst)[..16 << 10], big[..]);
+    }
+}
+
+/// A backend that connects untrusted (`set_connected_untrusted`: a worker, before the server
+/// proved itself) grants memory to its peer: the peer's put writes nothing until the backend
+/// trusts it, and lands once it does.
+#[test]
+fn rdma_a_peer_connected_to_writes_nothing_until_trusted() {
+    for trusted in [false, true] {
+        let (mut s, at) = server(Kind::Rdma);
+        let at2 = at.clone();
+        let t = std::thread::spawn(move || {
+            let mut b = RdmaBackend::new(small_rdma()).unwrap();
+            b.set_connected_untrusted();
+            let p = b.connect(at2.parse().unwrap(), Duration::from_secs(5));
+            (b, p.unwrap())
+        });
+        let start = Instant::now();
+        let s_to_c = loop {
+            s.pump();
+            if let Some(Ev::Connected(p)) = s.log.pop() {
+                break p;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "no connection");
+        };
+        let (b, c_to_s) = t.join().unwrap();
+        let mut c = Side {
+            b: Box::new(b),
+            log: vec![],
+        };
+        if trusted {
+            c.b.trust(c_to_s).unwrap();
+        }
+        let dst = heap(&mut c, &[0u8; 64]);
+        let g = grant_to(&mut c, c_to_s, &dst, 0..64);
+        let src = heap(&mut s, &[4u8; 64]);
+        // SAFETY: `src` is not written until the put completes or fails.
+        let sent = unsafe { s.b.put(s_to_c, &src, 0..64, &g, 0, 1, Token(1)) };
+        assert_eq!(sent.unwrap(), Sent::Posted);
+        if trusted {
+            drive(&mut s, &mut c, |s, c| {
+                s.log.contains(&Ev::Done(1)) && c.log.iter().any(|e| matches!(e, Ev::Put(..)))
+            });
+            assert_eq!(read(&dst), [4u8; 64]);
+        } else {
+            drive(&mut s, &mut c, |_, c| c.log.contains(&Ev::Lost(c_to_s)));
+            settle(&mut s, &mut c);
+            assert_eq!(read(&dst), [0u8; 64], "the untrusted peer's bytes landed");
+            assert!(
+                !c.log.iter().any(|e| matches!(e, Ev::Put(..))),
+                "{:?}",
+                c.log
+            );
+        }
+    }
+}
