@@ -455,6 +455,10 @@ impl Workers {
     pub(super) fn close_refused(&mut self, state: &mut ServerState, net: &mut Net) {
         // Lifted before anything is answered to it (its HelloAck, its slot's grant).
         for a in std::mem::take(&mut self.trusted) {
+            // (A link lost in the same turn is gone already.)
+            if !self.peers.contains_key(&a) {
+                continue;
+            }
             let r = net.backend(a.medium).map(|b| b.trust(a.peer));
             if let Ok(Err(e)) = r {
                 tracing::warn!("closing a proven link that cannot be trusted: {e}");

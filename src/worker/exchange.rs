@@ -71,9 +71,8 @@ enum SlotPut {
     Whole,
     /// The link is full: try again after progress.
     Full,
-    /// A message follows: with the slot flag (`true`, a pushpull whose data is in the slot), or
-    /// carrying the data itself (`false`: no slot's credit, or the medium sends it by
-    /// reference).
+    /// A message follows: with the slot flag (`true`, a pushpull whose data is in the slot),
+    /// or carrying the data (`false`: no slot's credit, or the medium sends it by reference).
     Message(bool),
 }
 
@@ -557,9 +556,10 @@ impl Links {
             }
             for (s, p) in proofs.iter_mut().enumerate() {
                 if let Some(p) = p.take() {
-                    // The server proved itself: its link may reach what this worker grants it.
-                    let addr = self.servers[s];
-                    self.net.backend(addr.medium)?.trust(addr.peer)?;
+                    let addr = self.servers[s]; // proven: it may reach what this worker grants
+                    let lost = |e| KvError::PeerLost(format!("server {s} refused the hello: {e}"));
+                    let b = self.net.backend(addr.medium)?;
+                    b.trust(addr.peer).map_err(lost)?;
                     let mut r = Msg::new(Op::Proof);
                     r.key = crate::protocol::role::WORKER;
                     r.sender = self.rank;

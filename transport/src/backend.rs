@@ -454,12 +454,15 @@ pub trait Backend: Send {
     /// Backpressure for a receiver that cannot keep up with one peer.
     fn pause(&mut self, peer: PeerId, paused: bool);
 
-    /// `peer` proved itself to the owner (the job's handshake): the limits a backend keeps on a
-    /// peer it accepted, until then, are lifted: the size of the data its messages may bring
-    /// (TCP, RDMA), and any access of its own to this process's memory (RDMA: its queue pair
-    /// takes no READ or WRITE before this, whatever key it names). Nothing for a peer this side
-    /// connected to, or a backend that keeps no such limits. An error: the peer cannot be
-    /// given what it proved it may have; its link should be closed.
+    /// `peer` proved itself to the owner (the job's handshake): the limits a backend was asked
+    /// to keep on it until then are lifted: the size of the data its messages may bring (a
+    /// peer accepted by TCP or RDMA), and any access of its own to this process's memory
+    /// (RDMA, a peer accepted or connected to: its queue pair takes no READ or WRITE before
+    /// this, whatever key it names). Nothing where no limit was asked for. Until this, the
+    /// owner sends such a peer no two messages in a row: the peer's credits then all come back
+    /// in its messages, never by a WRITE that its queue pair would refuse. An error: the peer
+    /// cannot be given what it proved it may have (lost, or the device refused); its link
+    /// should be closed.
     fn trust(&mut self, _peer: PeerId) -> Result<(), TransportError> {
         Ok(())
     }

@@ -104,15 +104,16 @@ fn rdma_a_peer_not_yet_trusted_writes_nothing() {
 #[test]
 fn rdma_a_trusted_peer_sends_and_writes_as_any() {
     let (mut s, at) = guarded();
-    let data = pattern(4000, 1);
-    for trusted in [false, true] {
+    // In the message's buffer, and read from the sender's memory (more than a buffer).
+    for (trusted, len) in [(false, 4000), (false, 128 << 10), (true, 4000)] {
+        let data = pattern(len, 1);
         let (mut c, c_to_s, s_to_c) = join(&mut s, at);
         if trusted {
             s.b.trust(s_to_c).unwrap();
         }
         let src = heap(&mut c, &data);
         // SAFETY: `src` is not written until the send completes.
-        let sent = unsafe { c.b.send(c_to_s, b"hello", Some((&src, 0..4000, Token(1)))) };
+        let sent = unsafe { c.b.send(c_to_s, b"hello", Some((&src, 0..len, Token(1)))) };
         assert_eq!(sent.unwrap(), Sent::Posted);
         if !trusted {
             drive(&mut c, &mut s, |_, s| s.log.contains(&Ev::Lost(s_to_c)));
@@ -147,33 +148,39 @@ fn rdma_a_trusted_peer_sends_and_writes_as_any() {
     }
 }
 
-/// A backend that connects untrusted (`set_connected_untrusted`: a worker, before the server
-/// proved itself) grants memory to its peer: the peer's put writes nothing until the backend
+/// A client that connects untrusted (`set_connected_untrusted`: a worker, before the server
+/// proved itself), and a listening server: the client, its name for the server, the server,
+/// and its name for the client.
+fn untrusted_client() -> (Side, PeerId, Side, PeerId) {
+    let (mut s, at) = server(Kind::Rdma);
+    let t = std::thread::spawn(move || {
+        let mut b = RdmaBackend::new(small_rdma()).unwrap();
+        b.set_connected_untrusted();
+        let p = b.connect(at.parse().unwrap(), Duration::from_secs(5));
+        (b, p.unwrap())
+    });
+    let start = Instant::now();
+    let s_to_c = loop {
+        s.pump();
+        if let Some(Ev::Connected(p)) = s.log.pop() {
+            break p;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no connection");
+    };
+    let (b, c_to_s) = t.join().unwrap();
+    let c = Side {
+        b: Box::new(b),
+        log: vec![],
+    };
+    (c, c_to_s, s, s_to_c)
+}
+
+/// The client grants memory to its peer: the peer's put writes nothing until the client
 /// trusts it, and lands once it does.
 #[test]
 fn rdma_a_peer_connected_to_writes_nothing_until_trusted() {
     for trusted in [false, true] {
-        let (mut s, at) = server(Kind::Rdma);
-        let at2 = at.clone();
-        let t = std::thread::spawn(move || {
-            let mut b = RdmaBackend::new(small_rdma()).unwrap();
-            b.set_connected_untrusted();
-            let p = b.connect(at2.parse().unwrap(), Duration::from_secs(5));
-            (b, p.unwrap())
-        });
-        let start = Instant::now();
-        let s_to_c = loop {
-            s.pump();
-            if let Some(Ev::Connected(p)) = s.log.pop() {
-                break p;
-            }
-            assert!(start.elapsed() < Duration::from_secs(10), "no connection");
-        };
-        let (b, c_to_s) = t.join().unwrap();
-        let mut c = Side {
-            b: Box::new(b),
-            log: vec![],
-        };
+        let (mut c, c_to_s, mut s, s_to_c) = untrusted_client();
         if trusted {
             c.b.trust(c_to_s).unwrap();
         }
@@ -197,6 +204,45 @@ fn rdma_a_peer_connected_to_writes_nothing_until_trusted() {
                 "{:?}",
                 c.log
             );
+        }
+    }
+}
+
+/// The client sends a message whose data its peer must read from the client's memory (more
+/// than a buffer): the peer's READ is refused until the client trusts it, and the message
+/// never arrives; once trusted, it arrives whole.
+#[test]
+fn rdma_a_peer_connected_to_reads_nothing_until_trusted() {
+    let data = pattern(128 << 10, 9);
+    for trusted in [false, true] {
+        let (mut c, c_to_s, mut s, s_to_c) = untrusted_client();
+        if trusted {
+            c.b.trust(c_to_s).unwrap();
+        }
+        let src = heap(&mut c, &data);
+        // SAFETY: `src` is not written until the send completes or fails.
+        let sent = unsafe {
+            c.b.send(c_to_s, b"big", Some((&src, 0..data.len(), Token(1))))
+        };
+        assert_eq!(sent.unwrap(), Sent::Posted);
+        if trusted {
+            drive(&mut c, &mut s, |c, s| {
+                c.log.contains(&Ev::Done(1)) && s.log.iter().any(|e| matches!(e, Ev::Recv(..)))
+            });
+            let got = s.take();
+            assert!(
+                got.contains(&Ev::Recv(s_to_c, b"big".to_vec(), Some(data.clone()))),
+                "the message, whole"
+            );
+        } else {
+            drive(&mut c, &mut s, |_, s| s.log.contains(&Ev::Lost(s_to_c)));
+            settle(&mut c, &mut s);
+            assert!(
+                !s.log.iter().any(|e| matches!(e, Ev::Recv(..))),
+                "{:?}",
+                s.log
+            );
+            assert!(!c.log.contains(&Ev::Done(1)), "{:?}", c.log);
         }
     }
 }

@@ -20,12 +20,12 @@
 //!   SEND naming the grant, offset, length and immediate (RC ordering places the data before
 //!   the notice), or, when small, one SEND carrying the data.
 //! - **Grants** register the granted range on its own, with remote write access: nothing else
-//!   is ever remotely writable. A revoke asks the peer, whose answer comes after every write it
+//!   is ever remotely writable but each peer's credit word. A revoke asks the peer, whose answer comes after every write it
 //!   posted before (RC order); a lost peer's queue pair is moved to the error state first. Then
 //!   the registration goes, and only then does the revoke complete. Where the owner asks it
-//!   (`set_accepted_max_payload`), an accepted peer's queue pair takes no READ or WRITE at all
-//!   until the owner trusts it: every registration shares one protection domain, and a peer
-//!   that has not proved itself must not reach one by a guessed key.
+//!   (`set_accepted_max_payload`, `set_connected_untrusted`), a peer's queue pair takes no
+//!   READ or WRITE at all until the owner trusts it: every registration shares one protection
+//!   domain, and a peer that has not proved itself must not reach one by a guessed key.
 //! - **Registration** of memory for sends and puts is cached by storage identity (the `Arc`
 //!   the region holds, checked alive through a weak reference), never by address alone.
 //!   Storage that names a dma-buf (device memory) is registered through it where the device
@@ -196,7 +196,7 @@ pub(crate) struct Peer {
     next_lent: u64,
     max_inline: usize,
     /// The most data a message of its may bring, and whether its queue pair takes READs and
-    /// WRITEs: less, and no, for an accepted peer until [`crate::Backend::trust`].
+    /// WRITEs: less, and no, for a peer not yet trusted ([`crate::Backend::trust`]).
     max_data: u64,
     remote: bool,
     /// The local GID's index, chosen for the address the TCP link uses.
