@@ -20,9 +20,10 @@
 //!   SEND naming the grant, offset, length and immediate (RC ordering places the data before
 //!   the notice), or, when small, one SEND carrying the data.
 //! - **Grants** register the granted range on its own, with remote write access: nothing else
-//!   is ever remotely writable but each peer's credit word. A revoke asks the peer, whose answer comes after every write it
-//!   posted before (RC order); a lost peer's queue pair is moved to the error state first. Then
-//!   the registration goes, and only then does the revoke complete. Where the owner asks it
+//!   is ever remotely writable but each peer's credit word. A revoke asks the peer, whose
+//!   answer comes after every write it posted before (RC order); a lost peer's queue pair is
+//!   moved to the error state first. Then the registration goes, and only then does the
+//!   revoke complete. Where the owner asks it
 //!   (`set_accepted_max_payload`, `set_connected_untrusted`), a peer's queue pair takes no
 //!   READ or WRITE at all until the owner trusts it: every registration shares one protection
 //!   domain, and a peer that has not proved itself must not reach one by a guessed key.
