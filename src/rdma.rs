@@ -86,11 +86,12 @@ mod verbs {
                 || (cfg.transport == TransportChoice::Auto
                     && (0..local.len()).any(|i| !local[i] && roster.server_rdma[i].is_some()));
             // A server's link reaches nothing of this worker's until it proved the secret.
-            let untrusted = |mut b: RdmaBackend| {
-                b.set_connected_untrusted();
-                b
-            };
-            Connector(wanted.then(|| open(cfg).map(untrusted)))
+            Connector(wanted.then(|| {
+                open(cfg).map(|mut b| {
+                    b.set_connected_untrusted();
+                    b
+                })
+            }))
         }
 
         /// Connects to server `i` over RDMA within `timeout`: `Ok(None)` where RDMA is not

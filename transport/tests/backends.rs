@@ -472,21 +472,16 @@ fn rdma_reads_of_many_large_messages_wait_for_send_queue_room() {
         b: Box::new(srv),
         log: vec![],
     };
-    let t = std::thread::spawn(move || {
+    let (mut c, to_srv, _) = connect_with(&mut s, move || {
         let mut b = RdmaBackend::new(small_rdma()).unwrap();
         let p = b.connect(at, Duration::from_secs(5)).unwrap();
-        (b, p)
+        let c = Side {
+            b: Box::new(b),
+            log: vec![],
+        };
+        (c, p)
     });
     let start = Instant::now();
-    while !s.log.iter().any(|e| matches!(e, Ev::Connected(_))) {
-        s.pump();
-        assert!(start.elapsed() < Duration::from_secs(10), "no connection");
-    }
-    let (cb, to_srv) = t.join().unwrap();
-    let mut c = Side {
-        b: Box::new(cb),
-        log: vec![],
-    };
     let data = pattern(N as usize * LEN, 3);
     let src = heap(&mut c, &data);
     for i in 0..N {

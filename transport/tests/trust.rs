@@ -44,6 +44,16 @@ fn settle(a: &mut Side, b: &mut Side) {
     }
 }
 
+/// `c`'s message (token 1) of `body` and `data` reaches `s` whole, from `from`.
+fn delivered(c: &mut Side, s: &mut Side, from: PeerId, body: &[u8], data: &[u8]) {
+    drive(c, s, |c, s| {
+        c.log.contains(&Ev::Done(1)) && s.log.iter().any(|e| matches!(e, Ev::Recv(..)))
+    });
+    let got = s.take();
+    let whole = Ev::Recv(from, body.to_vec(), Some(data.to_vec()));
+    assert!(got.contains(&whole), "{got:?}");
+}
+
 /// A put by a peer not yet trusted, into a grant of another peer's (its key and address
 /// guessed): a WRITE_WITH_IMM (it fills the grant) or a WRITE and its notice (it does not, and
 /// is too large to go in a message). The device refuses the WRITE: the memory keeps the
@@ -125,14 +135,7 @@ fn rdma_a_trusted_peer_sends_and_writes_as_any() {
             s.take();
             continue;
         }
-        drive(&mut c, &mut s, |c, s| {
-            c.log.contains(&Ev::Done(1)) && s.log.iter().any(|e| matches!(e, Ev::Recv(..)))
-        });
-        let got = s.take();
-        assert!(
-            got.contains(&Ev::Recv(s_to_c, b"hello".to_vec(), Some(data.clone()))),
-            "{got:?}"
-        );
+        delivered(&mut c, &mut s, s_to_c, b"hello", &data);
         // Its queue pair now takes WRITEs: a put of 16 KiB into half a grant lands.
         let dst = heap(&mut s, &vec![0u8; 32 << 10]);
         let g = grant_to(&mut s, s_to_c, &dst, 0..32 << 10);
@@ -153,25 +156,16 @@ fn rdma_a_trusted_peer_sends_and_writes_as_any() {
 /// and its name for the client.
 fn untrusted_client() -> (Side, PeerId, Side, PeerId) {
     let (mut s, at) = server(Kind::Rdma);
-    let t = std::thread::spawn(move || {
+    let (c, c_to_s, s_to_c) = connect_with(&mut s, move || {
         let mut b = RdmaBackend::new(small_rdma()).unwrap();
         b.set_connected_untrusted();
         let p = b.connect(at.parse().unwrap(), Duration::from_secs(5));
-        (b, p.unwrap())
+        let c = Side {
+            b: Box::new(b),
+            log: vec![],
+        };
+        (c, p.unwrap())
     });
-    let start = Instant::now();
-    let s_to_c = loop {
-        s.pump();
-        if let Some(Ev::Connected(p)) = s.log.pop() {
-            break p;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "no connection");
-    };
-    let (b, c_to_s) = t.join().unwrap();
-    let c = Side {
-        b: Box::new(b),
-        log: vec![],
-    };
     (c, c_to_s, s, s_to_c)
 }
 
@@ -226,14 +220,7 @@ fn rdma_a_peer_connected_to_reads_nothing_until_trusted() {
         };
         assert_eq!(sent.unwrap(), Sent::Posted);
         if trusted {
-            drive(&mut c, &mut s, |c, s| {
-                c.log.contains(&Ev::Done(1)) && s.log.iter().any(|e| matches!(e, Ev::Recv(..)))
-            });
-            let got = s.take();
-            assert!(
-                got.contains(&Ev::Recv(s_to_c, b"big".to_vec(), Some(data.clone()))),
-                "the message, whole"
-            );
+            delivered(&mut c, &mut s, s_to_c, b"big", &data);
         } else {
             drive(&mut c, &mut s, |_, s| s.log.contains(&Ev::Lost(s_to_c)));
             settle(&mut c, &mut s);

@@ -58,8 +58,7 @@ impl RdmaBackend {
         // The link's end is the peer's end: the kernel probes it, as a TCP backend's links,
         // so a host that dies while nothing is in flight is seen.
         crate::tcp::liveness(&s)?;
-        let mut peer = self.new_peer()?;
-        peer.remote = !self.connected_untrusted;
+        let mut peer = self.new_peer(false)?;
         let mut setup = || -> Result<(), TransportError> {
             let ours = self.hello(&mut peer, s.local_addr()?.ip())?;
             let theirs = setup::exchange(&mut s, &ours, timeout)?;
@@ -85,8 +84,9 @@ impl RdmaBackend {
         self.retire(p.qp);
     }
 
-    /// A queue pair and buffers for a new peer (not yet connected).
-    fn new_peer(&mut self) -> Result<Peer, TransportError> {
+    /// A queue pair and buffers for a new peer (not yet connected), one this side `accepted`
+    /// or connected to, limited as the owner asked until trusted.
+    fn new_peer(&mut self, accepted: bool) -> Result<Peer, TransportError> {
         if self.peers.len() + self.handshakes.len() >= self.cfg.max_peers {
             return Err(TransportError::Refused(format!(
                 "more than {} RDMA peers (the completion queue is sized for them)",
@@ -120,6 +120,12 @@ impl RdmaBackend {
         let credit_s: Arc<dyn Storage> = credit.clone();
         let credit_mr = Mr::new(&self.pd, &credit_s, 0, 8, LOCAL | REMOTE_WRITE)?;
         let max_inline = (qp.cap.max_inline_data as usize).min(wire::INLINE);
+        // Limited as the owner asked until trusted ([`crate::Backend::trust`]).
+        let (max_data, remote) = match (accepted, self.accepted_max) {
+            (true, Some(max)) => (max, false),
+            (true, None) => (self.cfg.max_message, true),
+            (false, _) => (self.cfg.max_message, !self.connected_untrusted),
+        };
         let id = self.next_peer;
         self.next_peer += 1;
         self.starting.insert(id);
@@ -154,8 +160,8 @@ impl RdmaBackend {
             lent: FxHashMap::default(),
             next_lent: 1,
             max_inline,
-            max_data: self.cfg.max_message,
-            remote: true,
+            max_data,
+            remote,
             gid_index: 0,
             slots: FxHashMap::default(),
             free_slots: Vec::new(),
@@ -325,10 +331,7 @@ impl RdmaBackend {
         if h.made.is_none() && h.got.len() >= HELLO_LEN {
             let theirs = Hello::decode(h.got[..HELLO_LEN].try_into().unwrap_or(&[0; HELLO_LEN]))?;
             // Our queue pair is ready before our address goes out.
-            let mut p = self.new_peer()?;
-            if let Some(max) = self.accepted_max {
-                (p.max_data, p.remote) = (max, false);
-            }
+            let mut p = self.new_peer(true)?;
             let mut setup = || -> Result<(), TransportError> {
                 let ours = self.hello(&mut p, h.sock.local_addr()?.ip())?;
                 self.start_peer(&mut p, &ours, &theirs)?;

@@ -182,7 +182,16 @@ pub(crate) fn client(kind: Kind, at: &str) -> (Side, PeerId) {
 /// the other.
 pub(crate) fn connect(kind: Kind, srv: &mut Side, at: &str) -> (Side, PeerId, PeerId) {
     let at2 = at.to_string();
-    let t = std::thread::spawn(move || client(kind, &at2));
+    connect_with(srv, move || client(kind, &at2))
+}
+
+/// Connects the client `make` makes on a thread of its own while the server progresses;
+/// returns the client, its name for the server, and the server's name for it.
+pub(crate) fn connect_with(
+    srv: &mut Side,
+    make: impl FnOnce() -> (Side, PeerId) + Send + 'static,
+) -> (Side, PeerId, PeerId) {
+    let t = std::thread::spawn(make);
     let start = Instant::now();
     let peer = loop {
         srv.pump();
