@@ -7,8 +7,8 @@
 //! their slice into the stored value (an ASSIGN of the sum), and each worker copies the stored
 //! value out (the pull). No store can do a round faster on the same memory and cores.
 
-use std::sync::{Arc, Barrier, RwLock};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use crate::Paged;
 
@@ -57,28 +57,29 @@ fn median_round(
             .map(|&(lo, hi)| RwLock::new(Paged::new(hi - lo, 0.0)))
             .collect(),
     );
-    let bar = Arc::new(Barrier::new(w + s));
+    let bar = Arc::new(Rendezvous::new(w + s));
     let mut handles = Vec::new();
     for i in 0..w {
         let (private, pool, stored, bar) =
             (private.clone(), pool.clone(), stored.clone(), bar.clone());
         handles.push(std::thread::spawn(move || -> Result<Vec<f64>, String> {
+            let _leave = Leave(&bar);
             let mut out = Paged::new(n, 0.0);
             for _ in 0..rounds {
-                bar.wait();
+                bar.wait()?;
                 if copy_in {
                     let mut p = pool[i].write().map_err(|e| e.to_string())?;
                     p.copy_from_slice(&private[i][..]);
                 }
-                bar.wait();
-                bar.wait();
+                bar.wait()?;
+                bar.wait()?;
                 let mut at = 0;
                 for chunk in stored.iter() {
                     let c = chunk.read().map_err(|e| e.to_string())?;
                     out[at..at + c.len()].copy_from_slice(&c);
                     at += c.len();
                 }
-                bar.wait();
+                bar.wait()?;
             }
             let want = (w * (w + 1) / 2) as f32;
             if out[0] != want || out[n - 1] != want {
@@ -93,11 +94,12 @@ fn median_round(
     for (k, &(lo, hi)) in bounds.iter().enumerate() {
         let (pool, stored, bar) = (pool.clone(), stored.clone(), bar.clone());
         handles.push(std::thread::spawn(move || -> Result<Vec<f64>, String> {
+            let _leave = Leave(&bar);
             let mut times = Vec::with_capacity(rounds);
             for _ in 0..rounds {
-                bar.wait();
+                bar.wait()?;
                 let t0 = Instant::now();
-                bar.wait();
+                bar.wait()?;
                 {
                     // As ps_limit.c: the first two gradients summed in one pass (a copy where
                     // there is one), the others added to it.
@@ -119,8 +121,8 @@ fn median_round(
                         }
                     }
                 }
-                bar.wait();
-                bar.wait();
+                bar.wait()?;
+                bar.wait()?;
                 times.push(t0.elapsed().as_secs_f64());
             }
             Ok(times)
@@ -141,6 +143,81 @@ fn median_round(
     Ok(crate::median(&mut t))
 }
 
+/// How long a thread waits at the barrier for the others before the measurement fails.
+const BARRIER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A barrier for `n` threads that fails rather than waits forever: a wait times out after
+/// [`BARRIER_TIMEOUT`], and a thread that leaves (see [`Leave`]) breaks it for the others, so
+/// a thread that stops early, by an error or a panic, cannot leave the rest waiting.
+struct Rendezvous {
+    n: usize,
+    state: Mutex<Crossing>,
+    turned: Condvar,
+}
+
+#[derive(Default)]
+struct Crossing {
+    arrived: usize,
+    generation: u64,
+    broken: bool,
+}
+
+impl Rendezvous {
+    fn new(n: usize) -> Rendezvous {
+        Rendezvous {
+            n,
+            state: Mutex::new(Crossing::default()),
+            turned: Condvar::new(),
+        }
+    }
+
+    fn wait(&self) -> Result<(), String> {
+        let broken = || "another thread of the ceiling stopped".to_string();
+        let mut c = self.state.lock().map_err(|_| broken())?;
+        if c.broken {
+            return Err(broken());
+        }
+        let generation = c.generation;
+        c.arrived += 1;
+        if c.arrived == self.n {
+            c.arrived = 0;
+            c.generation += 1;
+            self.turned.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now() + BARRIER_TIMEOUT;
+        while c.generation == generation {
+            if c.broken {
+                return Err(broken());
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                c.broken = true;
+                self.turned.notify_all();
+                return Err(format!(
+                    "the ceiling's threads did not meet within {BARRIER_TIMEOUT:?}"
+                ));
+            };
+            c = self.turned.wait_timeout(c, left).map_err(|_| broken())?.0;
+        }
+        Ok(())
+    }
+}
+
+/// Breaks the barrier when its thread ends, however it ends. After a thread's last round
+/// nobody waits at the barrier again, so breaking it then changes nothing.
+struct Leave<'a>(&'a Rendezvous);
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        let mut c = match self.0.state.lock() {
+            Ok(c) => c,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        c.broken = true;
+        self.0.turned.notify_all();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,5 +229,30 @@ mod tests {
         let one = measure(4096, 1, 1, 3).unwrap();
         assert!(one.zero_copy > 0.0);
         assert!(measure(4096, 0, 1, 3).is_err());
+    }
+
+    #[test]
+    fn a_thread_that_stops_early_fails_the_others_instead_of_leaving_them_waiting() {
+        let bar = Arc::new(Rendezvous::new(3));
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let bar = bar.clone();
+                std::thread::spawn(move || {
+                    let _leave = Leave(&bar);
+                    bar.wait()?;
+                    bar.wait()
+                })
+            })
+            .collect();
+        {
+            // The third thread crosses once, then stops before the second crossing.
+            let _leave = Leave(&bar);
+            bar.wait().unwrap();
+        }
+        for h in waiters {
+            let err = h.join().unwrap().unwrap_err();
+            assert!(err.contains("stopped"), "{err}");
+        }
+        assert!(bar.wait().is_err());
     }
 }
