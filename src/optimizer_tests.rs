@@ -209,6 +209,28 @@ fn states_round_trip_and_continue_exactly() {
     assert!(!keep.load_states(&saved).unwrap());
     assert!(!keep.load_states(&with_9).unwrap());
     assert_eq!(keep.state[&Key::Int(9)].t, 2);
+    // A file saved with the optimizer keeps that count, where it has no state to carry it:
+    // loaded, key 9 goes on from 1 (before, from `begin_num_update`, the count lost).
+    let dumped = own.save_states_and_optimizer();
+    let mut elsewhere = OptimizerUpdater::new(Optimizer::adam(0.01));
+    assert!(elsewhere.load_states(&dumped).unwrap());
+    assert_eq!(elsewhere.num_update(), 3);
+    assert!(!elsewhere.state.contains_key(&Key::Int(9)));
+    assert_eq!(elsewhere.save_states(), own.save_states());
+    elsewhere.update(&Key::Int(9), &g, &mut wa.clone()).unwrap();
+    assert_eq!(elsewhere.state[&Key::Int(9)].t, 2);
+    // A file without the optimizer does not bring the saving store's counts.
+    let mut plain = OptimizerUpdater::new(Optimizer::adam(0.01));
+    assert!(!plain.load_states(&own.save_states()).unwrap());
+    plain.update(&Key::Int(9), &g, &mut wa.clone()).unwrap();
+    assert_eq!(plain.state[&Key::Int(9)].t, 1);
+    // A key counted twice, or both counted and with state, is refused.
+    let mut twice = dumped.clone();
+    let n = twice.len();
+    let entry = twice[n - 17..].to_vec();
+    twice[n - 25..n - 17].copy_from_slice(&2u64.to_le_bytes());
+    twice.extend_from_slice(&entry);
+    assert!(elsewhere.load_states(&twice).is_err());
     own.update(&Key::Int(9), &g, &mut wa.clone()).unwrap();
     assert_eq!(own.state[&Key::Int(9)].t, 2);
     // With the optimizer, the counts come too: the state goes on exactly.
@@ -306,21 +328,28 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     let mut kept = OptimizerUpdater::new(Optimizer::adam(0.02));
     assert!(!kept.load_states(&u.save_states()).unwrap());
     assert_eq!(kept.mults, Mults::default());
-    // Files of version 1 (no multipliers) and 2 (no scheduler) load. A version 4 file:
-    // magic, parameters (64), no multipliers (8), no scheduler and count 0 (9), no
-    // multi_precision (1), Nadam's schedule (8), no keys.
-    let v4 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
-    assert_eq!(v4.len(), 8 + 64 + 8 + 9 + 1 + 8 + 8);
+    // Files of version 1 (no multipliers), 2 (no scheduler) and 4 (no counts of keys without
+    // state) load. A version 5 file: magic, parameters (64), no multipliers (8), no scheduler
+    // and count 0 (9), no multi_precision (1), Nadam's schedule (8), no keys (8), no counts (8).
+    let v5 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
+    assert_eq!(v5.len(), 8 + 64 + 8 + 9 + 1 + 8 + 8 + 8);
+    let keys_end = v5.len() - 8;
     let mut v1 = b"KVOPTSD1".to_vec();
-    v1.extend_from_slice(&v4[8..72]);
-    v1.extend_from_slice(&v4[98..]);
+    v1.extend_from_slice(&v5[8..72]);
+    v1.extend_from_slice(&v5[98..keys_end]);
     assert!(kept.load_states(&v1).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
     let mut v2 = b"KVOPTSD2".to_vec();
-    v2.extend_from_slice(&v4[8..80]);
-    v2.extend_from_slice(&v4[98..]);
+    v2.extend_from_slice(&v5[8..80]);
+    v2.extend_from_slice(&v5[98..keys_end]);
     assert!(kept.load_states(&v2).unwrap());
     assert_eq!(kept.opt, Optimizer::adam(0.01));
+    let mut v4 = b"KVOPTSD4".to_vec();
+    v4.extend_from_slice(&v5[8..keys_end]);
+    assert!(kept.load_states(&v4).unwrap());
+    // A version 4 file read as 5 is cut short.
+    v4[..8].copy_from_slice(b"KVOPTSD5");
+    assert!(kept.load_states(&v4).is_err());
     // A version 2 file with a key's state, without the optimizer: the state and its count.
     let mut two = OptimizerUpdater::new(Optimizer::adam(0.01));
     let mut w = NDArray::ones(&[2]);
@@ -328,14 +357,14 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
         two.update(&Key::Int(4), &NDArray::ones(&[2]), &mut w)
             .unwrap();
     }
-    let v4 = two.save_states();
+    let v5 = two.save_states();
     // Version 4 keeps a third array and a master copy per key (Adam's are empty, their
-    // lengths 0 last), and multi_precision and Nadam's schedule before the keys; 2 and 3 do
-    // not.
-    assert_eq!(v4[v4.len() - 16..], [0; 16]);
+    // lengths 0 last, before the 0 counts of version 5), and multi_precision and Nadam's
+    // schedule before the keys; 2 and 3 do not.
+    assert_eq!(v5[v5.len() - 24..], [0; 24]);
     let mut v2 = b"KVOPTST2".to_vec();
-    v2.extend_from_slice(&v4[8..80]);
-    v2.extend_from_slice(&v4[98..v4.len() - 16]);
+    v2.extend_from_slice(&v5[8..80]);
+    v2.extend_from_slice(&v5[98..v5.len() - 24]);
     // Loaded without the optimizer, the states come and the counts stay (0 here): what is
     // saved again differs from the file only in the key's count, 8 bytes after its key.
     let counted = |mut b: Vec<u8>| {
@@ -346,13 +375,13 @@ fn multipliers_travel_by_key_number_and_are_saved_with_a_dumped_optimizer() {
     let mut loaded = OptimizerUpdater::new(Optimizer::adam(0.5));
     assert!(!loaded.load_states(&v2).unwrap());
     assert_eq!(loaded.num_update(), 0);
-    assert_eq!(counted(loaded.save_states())[89..], v4[89..]);
+    assert_eq!(counted(loaded.save_states())[89..], v5[89..]);
     let mut v3 = b"KVOPTST3".to_vec();
-    v3.extend_from_slice(&v4[8..89]);
-    v3.extend_from_slice(&v4[98..v4.len() - 16]);
+    v3.extend_from_slice(&v5[8..89]);
+    v3.extend_from_slice(&v5[98..v5.len() - 24]);
     let mut loaded = OptimizerUpdater::new(Optimizer::adam(0.5));
     assert!(!loaded.load_states(&v3).unwrap());
-    assert_eq!(counted(loaded.save_states())[89..], v4[89..]);
+    assert_eq!(counted(loaded.save_states())[89..], v5[89..]);
     // A version 3 file read as 4 is cut short.
     v3[..8].copy_from_slice(b"KVOPTST4");
     assert!(loaded.load_states(&v3).is_err());

@@ -415,7 +415,7 @@ fn the_fuzzers_seeds_are_a_centered_rmsprop_body_and_ftmls_saved_states() {
             .lr_mult(3, 2.0)
             .multi_precision(true)
     );
-    // tests/fuzz/corpus/protocol/optimizer-states: version 4 with the optimizer (which the
+    // tests/fuzz/corpus/protocol/optimizer-states: version 5 with the optimizer (which the
     // protocol target's Adam then takes), multi_precision, FTML's three arrays and the master
     // copy after one update of key 0, a float16 weight.
     let seed = include_bytes!("../../tests/fuzz/corpus/protocol/optimizer-states");
@@ -426,6 +426,11 @@ fn the_fuzzers_seeds_are_a_centered_rmsprop_body_and_ftmls_saved_states() {
     assert!(u.multi_precision);
     assert_eq!(u.state[&Key::Int(0)].master.size(), 2);
     assert_eq!(u.save_states_and_optimizer(), seed);
+    // The same saved at version 4 (no counts of keys without state) loads the same.
+    let v4 = include_bytes!("../../tests/fuzz/corpus/protocol/optimizer-states-v4");
+    let mut old = OptimizerUpdater::new(Optimizer::adam(0.5));
+    assert!(old.load_states(v4).unwrap());
+    assert_eq!(old.save_states_and_optimizer(), seed);
 }
 
 /// MXNet's Nadam.update restated: `schedule` is the optimizer's `m_schedule`, shared by keys.

@@ -7,20 +7,22 @@ use super::wire::read_words;
 use super::{mults, schedule, write_extras, KeyState, Mults, Optimizer, OptimizerUpdater, Reader};
 use crate::{DType, Key, KvError, NDArray, Result};
 
-/// The first bytes of saved optimizer states (version 4: `multi_precision` and Nadam's
-/// momentum schedule after the scheduler, and three arrays of moments and a master copy per
-/// key, where 3 had two arrays;
+/// The first bytes of saved optimizer states (version 5: the update counts of keys without
+/// state follow the keys' states;
+/// 4: `multi_precision` and Nadam's momentum schedule after the scheduler, and three arrays
+/// of moments and a master copy per key, where 3 had two arrays;
 /// 3: the optimizer's per-key multipliers, then its scheduler and the count
-/// it began from, follow its parameters; files of versions 3, 2, without the scheduler, and
+/// it began from, follow its parameters; files of versions 4, 3, 2, without the scheduler, and
 /// 1, without the multipliers either, still load).
-const STATES_MAGIC: &[u8; 8] = b"KVOPTST4";
+const STATES_MAGIC: &[u8; 8] = b"KVOPTST5";
 /// The first bytes of saved states that carry the optimizer too (MXNet's `dump_optimizer`):
 /// loading them replaces the optimizer, its multipliers and its scheduler with the saved ones.
-const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD4";
+const DUMPED_MAGIC: &[u8; 8] = b"KVOPTSD5";
 /// Earlier versions' magics (states, dumped).
 const MAGICS_1: [&[u8; 8]; 2] = [b"KVOPTST1", b"KVOPTSD1"];
 const MAGICS_2: [&[u8; 8]; 2] = [b"KVOPTST2", b"KVOPTSD2"];
 const MAGICS_3: [&[u8; 8]; 2] = [b"KVOPTST3", b"KVOPTSD3"];
+const MAGICS_4: [&[u8; 8]; 2] = [b"KVOPTST4", b"KVOPTSD4"];
 
 /// Marks saved states (`OptimizerUpdater::save_states`) as carrying their optimizer; `false`
 /// where `bytes` are not such states.
@@ -36,7 +38,7 @@ pub(crate) fn mark_dumped(bytes: &mut [u8]) -> bool {
 
 /// Whether saved states carry their optimizer ([`mark_dumped`]).
 pub(crate) fn is_dumped(bytes: &[u8]) -> bool {
-    [DUMPED_MAGIC, MAGICS_3[1], MAGICS_2[1], MAGICS_1[1]]
+    [DUMPED_MAGIC, MAGICS_4[1], MAGICS_3[1], MAGICS_2[1], MAGICS_1[1]]
         .iter()
         .any(|m| bytes.starts_with(*m))
 }
@@ -74,6 +76,15 @@ impl OptimizerUpdater {
                 out.extend_from_slice(&f64::from(*x).to_le_bytes());
             }
         }
+        // The counts of keys whose state a load without the optimizer took away, so that a
+        // file saved with the optimizer brings them back too.
+        let mut counted: Vec<(&Key, &u64)> = self.counts.iter().collect();
+        counted.sort();
+        out.extend_from_slice(&(counted.len() as u64).to_le_bytes());
+        for (k, t) in counted {
+            mults::write_key(&mut out, k);
+            out.extend_from_slice(&t.to_le_bytes());
+        }
         out
     }
 
@@ -96,8 +107,10 @@ impl OptimizerUpdater {
         let bad = |why: &str| KvError::Config(format!("optimizer states: {why}"));
         let mut r = Reader(bytes);
         let (dumped, version) = match r.take(8).ok_or_else(|| bad("empty"))? {
-            m if m == STATES_MAGIC => (false, 4),
-            m if m == DUMPED_MAGIC => (true, 4),
+            m if m == STATES_MAGIC => (false, 5),
+            m if m == DUMPED_MAGIC => (true, 5),
+            m if m == MAGICS_4[0] => (false, 4),
+            m if m == MAGICS_4[1] => (true, 4),
             m if m == MAGICS_3[0] => (false, 3),
             m if m == MAGICS_3[1] => (true, 3),
             m if m == MAGICS_2[0] => (false, 2),
@@ -179,6 +192,19 @@ impl OptimizerUpdater {
             };
             state.insert(key, KeyState { m, v, d, master, t });
         }
+        // Version 5: the counts of keys without state.
+        let mut counts = FxHashMap::default();
+        if version >= 5 {
+            let n = r.u64().ok_or_else(|| bad("truncated"))?;
+            for _ in 0..n {
+                let key =
+                    mults::read_key(&mut r).ok_or_else(|| bad("a truncated or malformed key"))?;
+                let t = r.u64().ok_or_else(|| bad("truncated"))?;
+                if state.contains_key(&key) || counts.insert(key, t).is_some() {
+                    return Err(bad("a key counted twice"));
+                }
+            }
+        }
         if !r.0.is_empty() {
             return Err(bad("bytes after the last key"));
         }
@@ -194,14 +220,14 @@ impl OptimizerUpdater {
             // Nadam's schedule and the counts go with the optimizer, as in MXNet's pickle of
             // it. The most updates a key has had, as the counts saved say.
             self.m_schedule = saved_schedule_m;
-            self.num_update = state
-                .values()
-                .map(|s| s.t)
-                .fold(self.begin_num_update, u64::max);
-            self.counts.clear();
+            self.num_update = (state.values().map(|s| &s.t))
+                .chain(counts.values())
+                .fold(self.begin_num_update, |a, &t| a.max(t));
+            self.counts = counts;
         } else {
             // A key the file has no state for loses its state, as in MXNet (whose states are
-            // replaced whole), but not its count.
+            // replaced whole), but not its count. The file's counts are the saving store's,
+            // which a load without the optimizer does not take.
             for (k, st) in &self.state {
                 if !state.contains_key(k) {
                     self.counts.insert(k.clone(), st.t);
