@@ -38,9 +38,15 @@ pub(crate) fn mark_dumped(bytes: &mut [u8]) -> bool {
 
 /// Whether saved states carry their optimizer ([`mark_dumped`]).
 pub(crate) fn is_dumped(bytes: &[u8]) -> bool {
-    [DUMPED_MAGIC, MAGICS_4[1], MAGICS_3[1], MAGICS_2[1], MAGICS_1[1]]
-        .iter()
-        .any(|m| bytes.starts_with(*m))
+    [
+        DUMPED_MAGIC,
+        MAGICS_4[1],
+        MAGICS_3[1],
+        MAGICS_2[1],
+        MAGICS_1[1],
+    ]
+    .iter()
+    .any(|m| bytes.starts_with(*m))
 }
 
 impl OptimizerUpdater {
