@@ -325,6 +325,18 @@ fn kvrun_doctor_checks_this_host_and_says_what_would_fail() {
     ] {
         assert!(bad.stdout.contains(want), "{want}\n{}", bad.all());
     }
+    // Its stdout read by nobody (`| head -1`): every host is checked all the same, and the
+    // status says so (before, the first line written after the reader left panicked, 101).
+    let unread = doctor(
+        "(\"$1\" doctor -H localhost,nohost.invalid --ssh 'ssh -o BatchMode=yes \
+         -o ConnectTimeout=2' /no/such/program; echo \"doctor-status=$?\" >&2) | true",
+    );
+    assert!(
+        unread.stderr.contains("doctor-status=1"),
+        "{}",
+        unread.all()
+    );
+    assert!(!unread.stderr.contains("panicked"), "{}", unread.all());
 }
 
 /// A `--stats` file that cannot be written is refused before the job starts (before, the

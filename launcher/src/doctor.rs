@@ -10,6 +10,16 @@ use clap::Parser;
 
 use crate::hosts::{self, Host};
 
+/// A line of the report on stdout. Not `println!`, which panics where stdout is closed
+/// (`kvrun doctor ... | head -1`): the other hosts are checked all the same, and the exit
+/// status still says whether the job would fail.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 /// The command line of `kvrun doctor`.
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -178,10 +188,10 @@ pub fn run(opts: &DoctorOptions) -> i32 {
     let mut facts = Vec::new();
     if opts.port != 0 {
         match std::net::TcpListener::bind(("0.0.0.0", opts.port)) {
-            Ok(_) => println!("ok: the scheduler's port {} is free here", opts.port),
+            Ok(_) => say!("ok: the scheduler's port {} is free here", opts.port),
             Err(e) => {
                 problems += 1;
-                println!(
+                say!(
                     "FAIL: the scheduler's port {} cannot be bound here ({e}); fix: choose \
                      another --port, or 0 for any free one",
                     opts.port
@@ -194,7 +204,7 @@ pub fn run(opts: &DoctorOptions) -> i32 {
         let name = &h.name;
         if let Some(why) = &f.reachable {
             problems += 1;
-            println!(
+            say!(
                 "FAIL {name}: not reachable over ssh: {why}; fix: set up key-based login \
                  (ssh-copy-id {name}) and check `{} {name} true`",
                 opts.ssh
@@ -202,53 +212,53 @@ pub fn run(opts: &DoctorOptions) -> i32 {
             facts.push(f);
             continue;
         }
-        println!("ok {name}: reachable");
+        say!("ok {name}: reachable");
         if f.program {
-            println!("ok {name}: {program} is there and executable");
+            say!("ok {name}: {program} is there and executable");
         } else {
             problems += 1;
-            println!(
+            say!(
                 "FAIL {name}: {program} is missing or not executable there; fix: install it at \
                  the same path on every host (or share the directory)"
             );
         }
         match f.memlock_kib {
-            Some(k) if k >= 64 * 1024 => println!("ok {name}: memlock limit {}", kib(k)),
+            Some(k) if k >= 64 * 1024 => say!("ok {name}: memlock limit {}", kib(k)),
             // Too low for RDMA: a problem only where a pair of hosts would use it (below).
             Some(k) if rdma_built && rdma_active(&f) => low_memlock.push((facts.len(), k)),
-            Some(k) => println!(
+            Some(k) => say!(
                 "note {name}: memlock limit {} (RDMA would need more: `ulimit -l unlimited`)",
                 kib(k)
             ),
-            None => println!("note {name}: memlock limit unknown"),
+            None => say!("note {name}: memlock limit unknown"),
         }
         // Yama: at 1 a process may write only its descendants' memory, and a job's processes
         // are siblings; at 2 only with CAP_SYS_PTRACE (root); at 3 never (until a reboot).
         let root = f.uid == Some(0);
         match f.ptrace_scope {
-            None => println!("ok {name}: cross-memory writes allowed (no Yama)"),
-            Some(0) => println!("ok {name}: cross-memory writes allowed (ptrace_scope 0)"),
+            None => say!("ok {name}: cross-memory writes allowed (no Yama)"),
+            Some(0) => say!("ok {name}: cross-memory writes allowed (ptrace_scope 0)"),
             Some(s @ (1 | 2)) if root => {
-                println!("ok {name}: cross-memory writes allowed to root (ptrace_scope {s})")
+                say!("ok {name}: cross-memory writes allowed to root (ptrace_scope {s})")
             }
-            Some(s @ (1 | 2)) => println!(
+            Some(s @ (1 | 2)) => say!(
                 "note {name}: kernel.yama.ptrace_scope is {s}: cross-memory writes between a \
                  job's processes are refused (they are not each other's descendants), so \
                  shared-memory pulls take one more copy; fix: sysctl kernel.yama.ptrace_scope=0"
             ),
-            Some(s) => println!(
+            Some(s) => say!(
                 "note {name}: kernel.yama.ptrace_scope is {s}: cross-memory writes are refused \
                  to every process until a reboot, so shared-memory pulls take one more copy"
             ),
         }
         if f.rdma.is_empty() {
-            println!("ok {name}: no RDMA device (TCP between hosts)");
+            say!("ok {name}: no RDMA device (TCP between hosts)");
         } else {
             for r in &f.rdma {
-                println!("ok {name}: RDMA {}", describe_rdma(r));
+                say!("ok {name}: RDMA {}", describe_rdma(r));
             }
             if !rdma_built {
-                println!(
+                say!(
                     "note {name}: this kvrun is built without RDMA (cargo build --features \
                      kvstore/rdma): its jobs use TCP between hosts"
                 );
@@ -271,20 +281,20 @@ pub fn run(opts: &DoctorOptions) -> i32 {
     for (i, a) in hosts.iter().enumerate() {
         for (j, b) in hosts.iter().enumerate().skip(i) {
             let (t, why) = pair(i, j);
-            println!("pair {} - {}: {t} ({why})", a.name, b.name);
+            say!("pair {} - {}: {t} ({why})", a.name, b.name);
         }
     }
     for (i, k) in low_memlock {
         let name = &hosts[i].name;
         if (0..hosts.len()).any(|j| pair(i, j).0 == "rdma") {
             problems += 1;
-            println!(
+            say!(
                 "FAIL {name}: memlock limit {} is too low for RDMA, which registers tensor \
                  memory; fix: `ulimit -l unlimited` (or memlock in /etc/security/limits.conf)",
                 kib(k)
             );
         } else {
-            println!(
+            say!(
                 "note {name}: memlock limit {} (too low for RDMA, which no pair of these hosts \
                  uses)",
                 kib(k)
@@ -292,10 +302,10 @@ pub fn run(opts: &DoctorOptions) -> i32 {
         }
     }
     if problems > 0 {
-        println!("kvrun doctor: {problems} problem(s): a job on these hosts would fail");
+        say!("kvrun doctor: {problems} problem(s): a job on these hosts would fail");
         1
     } else {
-        println!("kvrun doctor: no problem found");
+        say!("kvrun doctor: no problem found");
         0
     }
 }
@@ -344,7 +354,10 @@ fn kib(k: u64) -> String {
 }
 
 fn fail(why: &str) -> i32 {
-    eprintln!("kvrun doctor: {why}");
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr().lock(),
+        format!("kvrun doctor: {why}\n").as_bytes(),
+    );
     2
 }
 

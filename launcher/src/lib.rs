@@ -16,7 +16,7 @@ use supervise::{supervise, Ended};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -36,8 +36,9 @@ pub use hosts::{Host, MapBy};
     after_help = "Exit status: 0 when every process ended with 0; when one fails, the first \
                   failure's own status, as mpirun gives it (128 + n for a process killed by \
                   signal n); 1 when kvrun ends the job itself (its timeout, servers that \
-                  outlive the grace period, the scheduler's error); 130 on Ctrl-C; 2 for a \
-                  wrong command line."
+                  outlive the grace period, the scheduler's error); 128 + n when kvrun is \
+                  stopped by signal n (130 on Ctrl-C, 143 on SIGTERM); 2 for a wrong \
+                  command line or a program that cannot be started."
 )]
 pub struct Options {
     /// Number of worker processes.
@@ -251,6 +252,8 @@ fn run_job(opts: &Options) -> Result<i32, String> {
     let log = log_filter();
     kvstore::init_logging(log.as_ref().map(|(_, v)| v.as_str()));
     let stop = Arc::new(AtomicBool::new(false));
+    // Which signal stopped kvrun, for its status (set before `stop`, so it is read after).
+    let stopped_by = Arc::new(AtomicUsize::new(0));
     for sig in [
         signal_hook::consts::SIGINT,
         signal_hook::consts::SIGTERM,
@@ -262,7 +265,8 @@ fn run_job(opts: &Options) -> Result<i32, String> {
         if sig == signal_hook::consts::SIGHUP && ignored_at_start(sig) {
             continue;
         }
-        signal_hook::flag::register(sig, stop.clone())
+        signal_hook::flag::register_usize(sig, stopped_by.clone(), sig as usize)
+            .and_then(|_| signal_hook::flag::register(sig, stop.clone()))
             .map_err(|e| format!("signal handler: {e}"))?;
     }
     let mut forwarded = supervise::Forwarded::register()?;
@@ -388,10 +392,11 @@ fn run_job(opts: &Options) -> Result<i32, String> {
                     child::stop_all(&mut children);
                     child::flush_output(&mut children, Duration::from_secs_f64(job_timeout), &stop);
                     shepherd.done();
-                    return Err(format!(
+                    say(&format!(
                         "{SSH_LOGINS} ssh sessions to {host} were still logging in when the \
                          job's timeout ({job_timeout} s) ended: check ssh to it (kvrun doctor)"
                     ));
+                    return Ok(1);
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
@@ -402,7 +407,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
             child::stop_all(&mut children);
             child::flush_output(&mut children, Duration::from_secs_f64(job_timeout), &stop);
             shepherd.done();
-            return Ok(130);
+            return Ok(supervise::stopped_status(&stopped_by));
         }
         match Child::spawn(role, remote[h], &ssh, opts.program(), opts.args(), &env) {
             Ok(c) => {
@@ -448,7 +453,7 @@ fn run_job(opts: &Options) -> Result<i32, String> {
     let started = Instant::now();
     let ended = supervise(
         &mut children,
-        &stop,
+        (&stop, &stopped_by),
         &mut forwarded,
         &sched_rx,
         opts,

@@ -56,10 +56,19 @@ impl Forwarded {
     }
 }
 
+/// kvrun's status when a signal stopped it: 128 + the signal's number, as a shell gives it
+/// (130 where the signal is not known).
+pub(crate) fn stopped_status(stopped_by: &AtomicUsize) -> i32 {
+    match stopped_by.load(Ordering::Relaxed) {
+        0 => 128 + libc::SIGINT,
+        n => 128 + n as i32,
+    }
+}
+
 /// Watches the processes until the job ends; says how it ended.
 pub(crate) fn supervise(
     children: &mut [Child],
-    stop: &AtomicBool,
+    (stop, stopped_by): (&AtomicBool, &AtomicUsize),
     forwarded: &mut Forwarded,
     sched_rx: &mpsc::Receiver<kvstore::Result<()>>,
     opts: &Options,
@@ -70,7 +79,7 @@ pub(crate) fn supervise(
     loop {
         if stop.load(Ordering::Relaxed) {
             say("interrupted: stopping every process");
-            return Ended::Status(130);
+            return Ended::Status(stopped_status(stopped_by));
         }
         forwarded.deliver(children);
         if sched_result.is_none() {

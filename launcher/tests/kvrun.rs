@@ -427,7 +427,8 @@ fn ssh_logins_that_never_end_are_bounded_by_the_jobs_timeout() {
         .bounded_output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    // The job's timeout ended it: 1, as the help says (before, 2, as for a wrong command line).
+    assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("8 ssh sessions to nohost were still logging in when the job's timeout"),
         "{err}"
