@@ -233,6 +233,9 @@ fn inflight(kv: &mut KVStore) {
         let out = pulled(kv, 11, &shapes[1], DType::F32);
         expect_vals("pull after two pushes", &out, &vec![sum; 1000]);
     }
+    if w > 1.0 {
+        third_push(kv, &shapes[1]);
+    }
     // A dropped call is still carried out; wait_all waits for it.
     let _ = ok("push_async", kv.push_async(10, &NDArray::ones(&shapes[0])));
     ok("wait_all", kv.wait_all());
@@ -241,6 +244,48 @@ fn inflight(kv: &mut KVStore) {
         &pulled(kv, 10, &shapes[0], DType::F32),
         &[w; 3],
     );
+}
+
+/// Worker 0 pushes key 11 three times while the others wait (for a file it makes after, as
+/// they run on this host: a barrier would wait for its pushes in flight): the third is refused
+/// (by the worker where the key is sliced over several servers, by the one server otherwise),
+/// the store goes on, and the two rounds pushed are summed as they should be.
+fn third_push(kv: &mut KVStore, shape: &[usize]) {
+    let w = kv.num_workers() as f64;
+    let r = kv.rank() as f64;
+    let sliced = std::env::var("DMLC_NUM_SERVER").is_ok_and(|s| s != "1");
+    let job = std::env::var("DMLC_PS_ROOT_PORT").unwrap_or_default();
+    let sign = std::env::temp_dir().join(format!("kvstore-third-push-{job}"));
+    let g = |step: f64| NDArray::full(shape, step * (r + 1.0));
+    if r == 0.0 {
+        let first = ok("push_async", kv.push_async(11, &g(9.0)));
+        let second = ok("push_async", kv.push_async(11, &g(10.0)));
+        match (kv.push_async(11, &g(11.0)).and_then(|p| kv.wait(p)), sliced) {
+            (Err(kvstore::KvError::Unsupported(_)), true) => {}
+            (Err(kvstore::KvError::Remote { .. }), false) => {}
+            (other, _) => fail(format!("a third push in flight: {other:?}")),
+        }
+        ok("sign", std::fs::write(&sign, b"").map_err(kvstore::KvError::from));
+        ok("wait first", kv.wait(first));
+        ok("wait second", kv.wait(second));
+    } else {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !sign.exists() {
+            if std::time::Instant::now() > until {
+                fail("worker 0's third push did not end".into());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        ok("push", kv.push(11, &g(9.0)));
+        ok("push", kv.push(11, &g(10.0)));
+    }
+    let sum = 10.0 * w * (w + 1.0) / 2.0;
+    let out = pulled(kv, 11, shape, DType::F32);
+    expect_vals("pull after a refused third push", &out, &vec![sum; shape[0]]);
+    ok("barrier", kv.barrier());
+    if r == 0.0 {
+        let _ = std::fs::remove_file(&sign);
+    }
 }
 
 fn custom(kv: &mut KVStore) {

@@ -100,7 +100,11 @@ impl<G: Clone> Calls<G> {
         }
         if st != status::OK && c.first_err.is_none() {
             let text = String::from_utf8_lossy(text).into_owned();
-            c.first_err = Some(status::to_error(st, c.reqs[i].msg.key, server, text));
+            let e = status::to_error(st, c.reqs[i].msg.key, server, text);
+            if let Some(fatal) = super::rounds::refused_slice(self.sync, &c.reqs, i, server, &e) {
+                return self.fail_all(fatal);
+            }
+            c.first_err = Some(e);
         }
         self.finish_if_complete(id);
     }

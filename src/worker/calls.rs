@@ -130,6 +130,10 @@ pub(crate) struct Calls<G> {
     broken: Option<String>,
     /// Receive slots whose credit this worker holds, by (server, key, slice start).
     slots: FxHashMap<(usize, u64, u64), G>,
+    /// The servers run `dist_sync` rounds ([`rounds`]).
+    sync: bool,
+    /// Pushes of sliced keys in flight, by key ([`rounds`]).
+    sliced_in_flight: FxHashMap<u64, u32>,
 }
 
 impl<G: Clone> Calls<G> {
@@ -148,6 +152,8 @@ impl<G: Clone> Calls<G> {
             actions: VecDeque::new(),
             broken: None,
             slots: FxHashMap::default(),
+            sync: false,
+            sliced_in_flight: FxHashMap::default(),
         }
     }
 
@@ -189,7 +195,7 @@ impl<G: Clone> Calls<G> {
                     MAX_REQ_ID - 2
                 )))
             }
-            Ok(()) => None,
+            Ok(()) => self.third_push(&reqs),
         };
         // (A GPU out of memory for an output of its own refuses the call.)
         let refused = refused.or_else(|| NDArray::prepare_overwrite(&mut outputs).err());
@@ -215,6 +221,7 @@ impl<G: Clone> Calls<G> {
                 token,
             });
         }
+        self.count_sliced(&reqs, true);
         let n = reqs.len();
         let call = Call {
             reqs,
@@ -438,6 +445,7 @@ impl<G: Clone> Calls<G> {
         for r in &c.reqs {
             self.by_req.remove(&r.msg.req_id);
         }
+        self.count_sliced(&c.reqs, false);
         self.done.insert(
             id,
             Finished {
@@ -476,6 +484,8 @@ impl<G: Clone> Calls<G> {
 
 #[path = "answers.rs"]
 mod answers;
+#[path = "rounds.rs"]
+mod rounds;
 
 #[cfg(test)]
 #[path = "calls_tests.rs"]

@@ -208,3 +208,99 @@ fn a_call_refused_for_a_gpu_out_of_memory_leaves_every_output_as_it_was() {
     );
     assert_eq!(f.outputs[0].to_f64_vec(), vec![5.0; 4]);
 }
+
+/// Starts a push of key 5 sliced over servers 0 and 1 (`sliced`) or held by server 0 alone,
+/// each request sent; the call and its request ids.
+fn push_of_5(calls: &mut Calls<u64>, sliced: bool) -> (CallId, Vec<u64>) {
+    let req = |server: usize| {
+        let mut msg = Msg::new(Op::Push);
+        msg.key = 5;
+        msg.start = server as u64 * 4;
+        Request {
+            server,
+            msg,
+            data: None,
+            text: Vec::new(),
+            dest: None,
+        }
+    };
+    let servers: &[usize] = if sliced { &[0, 1] } else { &[0] };
+    let reqs = servers.iter().map(|&s| req(s)).collect();
+    let call = calls.start(Instant::now(), reqs, Outputs::new());
+    let mut ids = Vec::new();
+    while let Some(Action::Send { call: c, req, token }) = calls.poll_action() {
+        calls.on_sent(c, req, None, token);
+        ids.push(calls.request(c, req).expect("the request").0.msg.req_id);
+    }
+    (call, ids)
+}
+
+fn reply(calls: &mut Calls<u64>, server: usize, req_id: u64, st: u16, text: &[u8]) {
+    let mut m = Msg::new(Op::Reply);
+    m.req_id = req_id;
+    m.status = st;
+    calls.on_reply(server, &m, text, None);
+}
+
+#[test]
+fn a_third_push_of_a_sliced_key_in_flight_is_refused_before_it_is_sent_in_dist_sync() {
+    // Each server would decide for its own slice, and one may have completed the round the
+    // other still waits on: refused here, nothing is sent, and the store goes on.
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    calls.set_sync(true);
+    let (first, ids) = push_of_5(&mut calls, true);
+    push_of_5(&mut calls, true);
+    let (third, sent) = push_of_5(&mut calls, true);
+    assert!(sent.is_empty(), "the third push was sent");
+    let err = calls.take(third).expect("refused at once").result.unwrap_err();
+    assert!(
+        matches!(&err, KvError::Unsupported(t) if t.contains("a third push is refused")),
+        "{err}"
+    );
+    assert!(calls.check().is_ok());
+    // Once the first push's round is in (both slices answered), a third may go.
+    for (server, id) in ids.into_iter().enumerate() {
+        reply(&mut calls, server, id, status::OK, b"");
+    }
+    assert!(calls.take(first).expect("answered").result.is_ok());
+    assert_eq!(push_of_5(&mut calls, true).1.len(), 2);
+    // A key on one server, or a store without rounds, is left to the servers.
+    for (sync, sliced) in [(true, false), (false, true)] {
+        let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+        calls.set_sync(sync);
+        for _ in 0..3 {
+            assert!(!push_of_5(&mut calls, sliced).1.is_empty());
+        }
+    }
+}
+
+#[test]
+fn a_slice_of_a_push_refused_by_one_server_makes_a_dist_sync_store_unusable() {
+    // Server 1 refused its slice; server 0 may have taken its own into its round: the key's
+    // slices may be a round apart, and nothing undoes it.
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    calls.set_sync(true);
+    let (call, ids) = push_of_5(&mut calls, true);
+    let (other, _) = push_of_5(&mut calls, true);
+    reply(&mut calls, 1, ids[1], status::FAILED, b"no room");
+    let err = calls.take(call).expect("failed").result.unwrap_err();
+    assert!(
+        matches!(&err, KvError::Aborted(t) if t.contains("a round apart") && t.contains("no room")),
+        "{err}"
+    );
+    assert!(calls.take(other).expect("failed too").result.is_err());
+    assert!(calls.check().is_err());
+    // Refused whole (one server), or without rounds: the call fails and the store goes on.
+    for (sync, sliced) in [(true, false), (false, true)] {
+        let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+        calls.set_sync(sync);
+        let (call, ids) = push_of_5(&mut calls, sliced);
+        reply(&mut calls, 0, ids[0], status::FAILED, b"no room");
+        for (server, id) in ids.into_iter().enumerate().skip(1) {
+            reply(&mut calls, server, id, status::OK, b"");
+        }
+        let err = calls.take(call).expect("failed").result.unwrap_err();
+        assert!(matches!(&err, KvError::Remote { .. }), "{err}");
+        assert!(calls.check().is_ok());
+    }
+}

@@ -217,8 +217,9 @@ fn connect_servers(
 }
 
 impl DistWorker {
-    /// Joins the job described by `cfg` as a worker and connects to every server.
-    pub(crate) fn connect(cfg: Config) -> Result<DistWorker> {
+    /// Joins the job described by `cfg` as a worker and connects to every server, whose
+    /// rounds are `dist_sync`'s where `sync`.
+    pub(crate) fn connect(cfg: Config, sync: bool) -> Result<DistWorker> {
         let mut sched = connect_retry(cfg.root, cfg.timeout)?;
         let (roster, beat) = join(&cfg, &mut sched, role::WORKER, None, None, None)?;
         // Connecting to the servers and the handshakes with them: one timeout for all (a
@@ -226,6 +227,7 @@ impl DistWorker {
         let deadline = Instant::now() + cfg.timeout;
         let (net, servers) = connect_servers(&cfg, roster.rank, &roster, deadline)?;
         let mut links = Links::new(net, servers, roster.rank as u32, cfg.timeout);
+        links.calls.set_sync(sync);
         links.sched = Some(sched.try_clone()?);
         let exit_id = at_exit::keep(sched.try_clone()?, beat.lock());
         let token = roster
