@@ -364,7 +364,7 @@ pub(crate) fn start_worker_or_run_role(sync: bool) -> crate::Result<worker::Dist
     let cfg = Config::from_env()?;
     crate::init_logging(cfg.log.as_deref());
     match cfg.role {
-        Role::Worker => worker::DistWorker::connect(cfg),
+        Role::Worker => worker::DistWorker::connect(cfg, sync),
         role => {
             let name = if role == Role::Server {
                 "server"
