@@ -128,6 +128,23 @@ fn export_with(obj: &Bound<'_, PyAny>, flags: c_int) -> Option<Box<Export>> {
     }
 }
 
+/// The error of a DLPack output that numpy imported read-only: numpy before 2.2.5 imports
+/// every DLPack object so, and later ones those whose producer says it is read-only or
+/// exports the unversioned capsule. Other errors pass as they are.
+#[cold]
+#[inline(never)]
+fn read_only_dlpack(py: Python<'_>, e: PyErr, what: &str) -> PyErr {
+    if !e.is_instance_of::<PyValueError>(py) || !e.to_string().contains("read-only") {
+        return e;
+    }
+    PyValueError::new_err(format!(
+        "{what} is read-only as numpy imports it from DLPack (numpy before 2.2.5 imports every \
+         DLPack object read-only; later ones a producer's read-only or unversioned export): \
+         a pull writes its output in place, so pass an array over the same memory (for a \
+         torch tensor, its .numpy())"
+    ))
+}
+
 /// A C-contiguous export of `obj` with its shape and format (no strides: the exporter
 /// refuses what is not contiguous, and skips computing them), writable if asked.
 fn export(obj: &Bound<'_, PyAny>, writable: bool) -> Option<Box<Export>> {
@@ -207,7 +224,11 @@ pub(crate) fn lend(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResu
                 }
             })?;
             if let Some(c) = converted {
-                return lend(&c, writable, what);
+                let dlpack = obj.hasattr(intern!(py, "__dlpack__"))?;
+                return lend(&c, writable, what).map_err(|e| match dlpack && writable {
+                    true => read_only_dlpack(py, e, what),
+                    false => e,
+                });
             }
         }
     }

@@ -125,7 +125,11 @@ pub(crate) fn save_through(
     }
     let states = updater.call_method1("get_states", (dump,))?;
     let bytes: Vec<u8> = states.extract()?;
-    std::fs::write(path, bytes).map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+    // The file is written without the GIL, as the store's own states are.
+    updater
+        .py()
+        .detach(|| std::fs::write(path, bytes))
+        .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
     Ok(true)
 }
 
@@ -135,8 +139,9 @@ pub(crate) fn load_through(updater: &Bound<'_, PyAny>, path: &std::path::Path) -
     if !updater.hasattr(pyo3::intern!(updater.py(), "set_states"))? {
         return Ok(false);
     }
-    let bytes =
-        std::fs::read(path).map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+    let bytes = (updater.py())
+        .detach(|| std::fs::read(path))
+        .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
     updater.call_method1("set_states", (PyBytes::new(updater.py(), &bytes),))?;
     Ok(true)
 }

@@ -399,7 +399,9 @@ impl KVStore {
                 return Ok(());
             }
         }
-        self.control(py, 0, move |kv| match dump_optimizer {
+        // A file is written, perhaps a large one, perhaps slowly: without the GIL, as any
+        // call that may take long (a size above any threshold says so).
+        self.control(py, usize::MAX, move |kv| match dump_optimizer {
             true => kv.save_optimizer_and_states(&fname),
             false => kv.save_optimizer_states(&fname),
         })
@@ -416,7 +418,7 @@ impl KVStore {
                 return Ok(());
             }
         }
-        if self.control(py, 0, move |kv| kv.load_optimizer_states(&fname))? {
+        if self.control(py, usize::MAX, move |kv| kv.load_optimizer_states(&fname))? {
             drop(self.replace_runs(None, None));
         }
         Ok(())
@@ -537,6 +539,20 @@ impl Drop for KVStore {
             let _holding = calls::Holding::start();
             if let Err(e) = inner.pushes.settle_all(kv) {
                 eprintln!("kvstore: a push that no later call waited for failed: {e}");
+            }
+            // A destructor cannot raise: a signal that interrupted the wait (Ctrl-C) is
+            // delivered again, for the interpreter to raise once the destructor is over, and
+            // is not left for a later call to raise.
+            if let Some(signal) = take_signal() {
+                Python::attach(|py| {
+                    if signal.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) {
+                        // SAFETY: the GIL is held; the call only sets the interpreter's
+                        // pending-SIGINT flag.
+                        unsafe { pyo3::ffi::PyErr_SetInterrupt() };
+                    } else {
+                        signal.write_unraisable(py, None);
+                    }
+                });
             }
         }
     }

@@ -102,6 +102,11 @@ pub(crate) fn apply(
     }
     // SAFETY: as above.
     if unsafe { pyo3::ffi::Py_REFCNT(st_mem.as_ptr()) } > 1 {
+        // The view's memory is held first, so that a copy that fails (out of memory) leaves
+        // the view over memory it keeps, not over the store's, which may be freed later.
+        if let Ok(mut k) = st_mem.get().keep.lock() {
+            *k = Some(stored.clone());
+        }
         let copy = NDArray::from_bytes(&shape, dtype, stored.as_bytes())
             .and_then(|c| c.on(stored.device()))
             .map_err(|e| match e {
@@ -110,10 +115,7 @@ pub(crate) fn apply(
                 }
                 e => pyo3::exceptions::PyValueError::new_err(e.to_string()),
             })?;
-        let old = std::mem::replace(stored, copy);
-        if let Ok(mut k) = st_mem.get().keep.lock() {
-            *k = Some(old);
-        }
+        *stored = copy;
     }
     result
 }

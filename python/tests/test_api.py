@@ -86,6 +86,13 @@ def test_array_interface_and_dlpack_objects(kv):
     # numpy's own from_dlpack sees the same memory.
     assert np.from_dlpack(DLPack(target2)).__array_interface__["data"][0] == \
         target2.__array_interface__["data"][0]
+    # One that numpy imports read-only (here its producer says so; numpy before 2.2.5 imports
+    # every one so) is refused as an output, saying why.
+    frozen = np.zeros(SHAPE, dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="imports it from DLPack"):
+        kv.pull(3, out=DLPack(frozen))
+    assert (frozen == 0).all()
 
 
 def test_pushpull_broadcast_and_priority(kv):

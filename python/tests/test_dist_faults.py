@@ -60,6 +60,35 @@ def test_ctrl_c_interrupts_a_blocking_call_and_fences_the_store(tmp_path, call):
     assert "call returned" not in out, out
 
 
+def test_ctrl_c_interrupts_a_store_that_waits_for_its_pushes_as_it_is_destroyed(tmp_path):
+    # `del kv` waits for the push no call waited for (its round waits on rank 1). Ctrl-C
+    # then raises KeyboardInterrupt once the destructor is over (before, the destructor
+    # printed the push's failure and the script went on as if no signal had come).
+    p = run_job(tmp_path, """
+        kv.init(1, np.zeros(4))
+        if kv.rank == 1:
+            time.sleep(8)            # never pushes: rank 0's round waits
+            sys.exit(0)
+        with open(os.path.join(DIR, "waiting.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            kv.push(1, np.ones(4))
+            os.rename(os.path.join(DIR, "waiting.tmp"), os.path.join(DIR, "waiting"))
+            del kv
+            for _ in range(20):
+                time.sleep(0.05)
+            print("went on", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """, wait=False)
+    wait_for(p, tmp_path / "waiting")
+    time.sleep(0.5)
+    pid = int((tmp_path / "waiting").read_text())
+    os.kill(pid, signal.SIGINT)
+    out, _ = p.communicate(timeout=60)
+    assert "interrupted" in out and "went on" not in out, out
+
+
 def test_a_dead_server_is_peer_lost(tmp_path):
     p = run_job(tmp_path, """
         kv.init(1, np.zeros(4))

@@ -45,6 +45,39 @@ def test_an_input_view_an_updater_keeps_keeps_its_array():
     assert [k[0] for k in kept[1:]] == [-1.0, -2.0, -3.0, -4.0]
 
 
+def test_a_stored_view_an_updater_keeps_keeps_its_memory_when_no_copy_can_be_had():
+    # The store goes on with a copy of a stored value whose view the updater kept; where that
+    # copy cannot be had (out of memory), the view still keeps its memory: written after the
+    # store is gone, it writes its own (before, memory the store had freed: a crash here).
+    import subprocess
+    import textwrap
+    script = textwrap.dedent("""\
+        import numpy as np, resource, kvstore
+        kv = kvstore.create("local")
+        n = 1 << 27
+        kv.init(0, np.zeros(n, np.float32))
+        g = np.ones(n, np.float32)
+        kept = []
+        kv._set_updater(lambda key, input, stored: kept.append(stored))
+        status = [l for l in open("/proc/self/status") if l.startswith("VmSize")]
+        vm = int(status[0].split()[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
+        try:
+            kv.push(0, g)
+            print("no MemoryError")
+        except MemoryError:
+            pass
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+        del kv
+        kept[0][:] = 2
+        print("wrote", float(kept[0][0]) + float(kept[0][-1]))
+        """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "wrote 4.0" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert "no MemoryError" not in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("keys", [[5, 7, 2**40, 6], ["w", "b", "wb", "bw"]])
 def test_keys_dtypes_and_arrays_change_between_calls(keys):
     kv = kvstore.create()
