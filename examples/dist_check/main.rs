@@ -265,7 +265,10 @@ fn third_push(kv: &mut KVStore, shape: &[usize]) {
             (Err(kvstore::KvError::Remote { .. }), false) => {}
             (other, _) => fail(format!("a third push in flight: {other:?}")),
         }
-        ok("sign", std::fs::write(&sign, b"").map_err(kvstore::KvError::from));
+        ok(
+            "sign",
+            std::fs::write(&sign, b"").map_err(kvstore::KvError::from),
+        );
         ok("wait first", kv.wait(first));
         ok("wait second", kv.wait(second));
     } else {
@@ -281,7 +284,11 @@ fn third_push(kv: &mut KVStore, shape: &[usize]) {
     }
     let sum = 10.0 * w * (w + 1.0) / 2.0;
     let out = pulled(kv, 11, shape, DType::F32);
-    expect_vals("pull after a refused third push", &out, &vec![sum; shape[0]]);
+    expect_vals(
+        "pull after a refused third push",
+        &out,
+        &vec![sum; shape[0]],
+    );
     ok("barrier", kv.barrier());
     if r == 0.0 {
         let _ = std::fs::remove_file(&sign);

@@ -228,7 +228,12 @@ fn push_of_5(calls: &mut Calls<u64>, sliced: bool) -> (CallId, Vec<u64>) {
     let reqs = servers.iter().map(|&s| req(s)).collect();
     let call = calls.start(Instant::now(), reqs, Outputs::new());
     let mut ids = Vec::new();
-    while let Some(Action::Send { call: c, req, token }) = calls.poll_action() {
+    while let Some(Action::Send {
+        call: c,
+        req,
+        token,
+    }) = calls.poll_action()
+    {
         calls.on_sent(c, req, None, token);
         ids.push(calls.request(c, req).expect("the request").0.msg.req_id);
     }
@@ -252,7 +257,11 @@ fn a_third_push_of_a_sliced_key_in_flight_is_refused_before_it_is_sent_in_dist_s
     push_of_5(&mut calls, true);
     let (third, sent) = push_of_5(&mut calls, true);
     assert!(sent.is_empty(), "the third push was sent");
-    let err = calls.take(third).expect("refused at once").result.unwrap_err();
+    let err = calls
+        .take(third)
+        .expect("refused at once")
+        .result
+        .unwrap_err();
     assert!(
         matches!(&err, KvError::Unsupported(t) if t.contains("a third push is refused")),
         "{err}"

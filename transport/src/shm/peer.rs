@@ -23,6 +23,20 @@ pub struct PeerProcess {
 /// the liveness check before it).
 const MEM_FILE_UP_TO: usize = 64 * 1024;
 
+/// Whether the other end of `sock` is closed (without waiting).
+fn hung_up(sock: &UnixStream) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(sock, PollFlags::RDHUP)];
+    let zero = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+        && fds[0]
+            .revents()
+            .intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR)
+}
+
 impl PeerProcess {
     /// The process at the other end of `sock`.
     pub fn of(sock: &UnixStream) -> Result<PeerProcess, TransportError> {
@@ -35,6 +49,15 @@ impl PeerProcess {
         }
         let pidfd = rustix::process::pidfd_open(cred.pid, rustix::process::PidfdFlags::empty())
             .map_err(std::io::Error::from)?;
+        // The pid is the one that connected, which may have died since and its pid gone to
+        // another process before the pidfd was opened. Its end of the socket still open after
+        // the pidfd says it had not (a process's pid is not reused while it lives), short of
+        // a child that inherited the socket and outlived it.
+        if hung_up(sock) {
+            return Err(TransportError::PeerLost(
+                "the shared-memory peer closed its socket before it could be identified".into(),
+            ));
+        }
         let pid = cred.pid.as_raw_nonzero().get();
         let mut p = PeerProcess {
             pid,
@@ -148,4 +171,22 @@ unsafe fn write_file(
     // SAFETY: the caller's promise.
     let bytes = unsafe { std::slice::from_raw_parts(src, len) };
     std::os::unix::fs::FileExt::write_all_at(f, bytes, addr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_whose_socket_end_is_closed_is_not_identified_by_its_pid() {
+        let (mine, theirs) = UnixStream::pair().unwrap();
+        let p = PeerProcess::of(&mine).expect("a live peer");
+        assert_eq!(p.pid(), std::process::id() as i32);
+        assert!(!p.exited());
+        drop(theirs);
+        assert!(matches!(
+            PeerProcess::of(&mine),
+            Err(TransportError::PeerLost(_))
+        ));
+    }
 }
