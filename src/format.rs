@@ -202,6 +202,11 @@ fn values<T: Element>(a: &NDArray, idx: &[usize]) -> Vec<f64> {
 
 /// The numpy-style text of an array.
 pub fn format_array(a: &NDArray) -> String {
+    if a.size() == 0 && !a.shape().is_empty() {
+        // As numpy prints one, whatever its shape (a dimension of 2^61 beside a 0 included:
+        // nothing is walked).
+        return "[]".into();
+    }
     let summarise = a.size() > THRESHOLD;
     let mut idx = Vec::new();
     collect(a.shape(), 0, summarise, &mut idx);
@@ -305,6 +310,9 @@ mod tests {
         assert_eq!(a.to_string(), "[[[0 0]]\n\n [[0 0]]]");
         assert_eq!(NDArray::full(&[], 3.0).to_string(), "3.");
         assert_eq!(NDArray::zeros(&[0]).to_string(), "[]");
+        assert_eq!(NDArray::zeros(&[2, 0]).to_string(), "[]");
+        // (Before, the walk made room for each index of the large dimension: a panic.)
+        assert_eq!(NDArray::zeros(&[1 << 61, 0]).to_string(), "[]");
     }
 
     #[test]

@@ -301,7 +301,9 @@ impl NDArray {
         Ok(())
     }
 
-    /// `self += alpha * x`, element-wise, in place (same shape and dtype).
+    /// `self += alpha * x`, element-wise, in place (same shape and dtype): MXNet's
+    /// `self += x * alpha`, the product in the element type as [`NDArray::scale_inplace`]
+    /// computes it (an integer array's exactly and wrapping, uint8's 200 + 100 * 1 is 44).
     pub fn axpy(&mut self, alpha: f64, x: &NDArray) -> Result<()> {
         self.check_same(x)?;
         let dtype = self.dtype;
@@ -316,7 +318,7 @@ impl NDArray {
 
     /// `self *= alpha`, in place. An integer array multiplies in its own type, as MXNet's
     /// scalar ops do: by `alpha` cast to it (toward zero, saturating), wrapping (uint8's
-    /// 200 * 2 is 144).
+    /// 200 * 2 is 144); a float16 or bfloat16 one by `alpha` rounded to its type.
     pub fn scale_inplace(&mut self, alpha: f64) {
         let dtype = self.dtype;
         with_dtype!(dtype, T => {
@@ -468,6 +470,27 @@ mod tests {
         assert_eq!(u.to_vec::<u8>().unwrap(), [144]);
         let i = NDArray::full_dtype(&[1], 7.0, DType::I32) * 1.9;
         assert_eq!(i.to_vec::<i32>().unwrap(), [7]);
+        // axpy (`s += x * a`) by the same rules (before, through f64: an i64 rounded, a
+        // uint8 saturated, 7 + 1.5 * 3 was 11).
+        let mut big = NDArray::from_vec(&[1], vec![9_007_199_254_740_993i64]).unwrap();
+        big.axpy(1.0, &NDArray::from_vec(&[1], vec![0i64]).unwrap())
+            .unwrap();
+        assert_eq!(big.to_vec::<i64>().unwrap(), [9_007_199_254_740_993]);
+        let mut u = NDArray::full_dtype(&[1], 200.0, DType::U8);
+        u.axpy(1.0, &NDArray::full_dtype(&[1], 100.0, DType::U8))
+            .unwrap();
+        assert_eq!(u.to_vec::<u8>().unwrap(), [44]);
+        let mut i = NDArray::full_dtype(&[1], 7.0, DType::I32);
+        i.axpy(1.5, &NDArray::full_dtype(&[1], 3.0, DType::I32))
+            .unwrap();
+        assert_eq!(i.to_vec::<i32>().unwrap(), [10]);
+        // A half array by the scalar rounded to its type: half(1.0004) is 1.
+        let h = NDArray::full_dtype(&[1], 1000.0, DType::F16) * 1.0004;
+        assert_eq!(h.to_f64_vec(), [1000.0]);
+        let mut h = NDArray::full_dtype(&[1], 1000.0, DType::F16);
+        h.axpy(1.0004, &NDArray::full_dtype(&[1], 1.0, DType::F16))
+            .unwrap();
+        assert_eq!(h.to_f64_vec(), [1001.0]);
     }
 
     #[test]

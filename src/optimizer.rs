@@ -272,6 +272,8 @@ impl OptimizerUpdater {
             self.num_update,
             self.m_schedule,
         );
+        // (A count kept for a key without state, which a first update takes.)
+        let kept = self.counts.get(key).copied();
         let done = self.apply(key, grad, weight, copy, signum_state || mom_state);
         if done.is_err() {
             let (t, num_update, m_schedule) = before;
@@ -284,6 +286,9 @@ impl OptimizerUpdater {
                 }
                 None => {
                     self.state.remove(key);
+                    if let Some(c) = kept {
+                        self.counts.insert(key.clone(), c);
+                    }
                 }
             }
         }

@@ -470,3 +470,23 @@ fn float16_weights_without_a_master_copy_are_warned_of_once_as_mxnet_does() {
         assert_eq!(warnings(Optimizer::sgd(0.1).into(), DType::BF16), 0);
     });
 }
+
+#[test]
+fn a_first_update_that_fails_keeps_the_count_a_load_kept() {
+    // Key 9 counted 2, then a load without the optimizer took its state but kept its count.
+    let g = NDArray::from_vec(&[2], vec![1.0f64, -1.0]).unwrap();
+    let mut w = NDArray::from_vec(&[2], vec![1.0f64, 1.0]).unwrap();
+    let mut u = OptimizerUpdater::new(Optimizer::adam(0.01));
+    for _ in 0..2 {
+        u.update(&Key::Int(9), &g, &mut w).unwrap();
+    }
+    let without_9 = OptimizerUpdater::new(Optimizer::adam(0.01)).save_states();
+    assert!(!u.load_states(&without_9).unwrap());
+    // A first update that fails (no bias-corrected rate with beta1 1) is all or nothing:
+    // the kept count stays (before, it was gone, and the next update counted from 1).
+    u.retune(Optimizer::adam(0.01).beta1(1.0)).unwrap();
+    assert!(u.update(&Key::Int(9), &g, &mut w).is_err());
+    u.retune(Optimizer::adam(0.01)).unwrap();
+    u.update(&Key::Int(9), &g, &mut w).unwrap();
+    assert_eq!(u.state[&Key::Int(9)].t, 3);
+}

@@ -8,7 +8,13 @@ use crate::{Key, KvError, NDArray, Result};
 /// The rows of `shape` (along its first dimension) and the elements in each.
 pub(crate) fn row_shape(key: &Key, shape: &[usize]) -> Result<(usize, usize)> {
     match shape.split_first() {
-        Some((&rows, rest)) => Ok((rows, rest.iter().product())),
+        // (A value of no elements may have other dimensions whose product overflows.)
+        Some((&rows, rest)) => Ok((
+            rows,
+            rest.iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .unwrap_or(0),
+        )),
         None => Err(KvError::Incompatible(format!(
             "key {key}: a value of no dimensions has no rows to pull"
         ))),
