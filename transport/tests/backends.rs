@@ -526,3 +526,48 @@ fn rdma_reads_of_many_large_messages_wait_for_send_queue_room() {
         }
     }
 }
+
+/// A put small enough to ride in a message (`eager_put`) goes so only where the message fits
+/// the receiver's buffers, which may be smaller than the sender's: else it is a WRITE and its
+/// notice (before, the sender measured it against its own buffer, and the receiver's queue
+/// pair failed on a message too long for its buffer: the link was lost).
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_a_small_put_fits_the_receivers_buffers_not_the_senders() {
+    use kvstore_transport::{RdmaBackend, RdmaConfig, Sent, Token};
+    let (mut s, at) = server(Kind::Rdma);
+    let (mut c, c_to_s, s_to_c) = connect_with(&mut s, move || {
+        let cfg = RdmaConfig {
+            buffer: 2048,
+            ..small_rdma()
+        };
+        let mut b = RdmaBackend::new(cfg).unwrap();
+        let p = b.connect(at.parse().unwrap(), Duration::from_secs(5));
+        let c = Side {
+            b: Box::new(b),
+            log: vec![],
+        };
+        (c, p.unwrap())
+    });
+    let dst = heap(&mut c, &[0u8; 8000]);
+    let g = grant_to(&mut c, c_to_s, &dst, 0..8000);
+    let data = pattern(4000, 5);
+    let src = heap(&mut s, &data);
+    // SAFETY: `src` is not written until the put completes.
+    let sent = unsafe { s.b.put(s_to_c, &src, 0..4000, &g, 100, 1, Token(1)) };
+    assert_eq!(sent.unwrap(), Sent::Posted);
+    drive(&mut s, &mut c, |s, c| {
+        let put = c.log.iter().any(|e| matches!(e, Ev::Put(..)));
+        let lost = (s.log.iter().chain(&c.log)).any(|e| matches!(e, Ev::Lost(_)));
+        (s.log.contains(&Ev::Done(1)) && put) || lost
+    });
+    assert!(
+        !(s.log.iter().chain(&c.log)).any(|e| matches!(e, Ev::Lost(_))),
+        "{:?} {:?}",
+        s.log,
+        c.log
+    );
+    let got = read(&dst);
+    assert_eq!(got[100..4100], data[..]);
+    assert!(got[..100].iter().chain(&got[4100..]).all(|&x| x == 0));
+}

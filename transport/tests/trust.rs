@@ -233,3 +233,54 @@ fn rdma_a_peer_connected_to_reads_nothing_until_trusted() {
         }
     }
 }
+
+/// A stranger that streams bytes at the listener without end holds nothing up: the backend
+/// reads no more of a connection than a hello and a "ready" (before, it read on, a byte per
+/// call, for as long as bytes came, and nothing else in the process moved), and a real peer
+/// joins and is served meanwhile.
+#[test]
+fn rdma_a_stranger_streaming_at_the_listener_holds_nothing_up() {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let (mut s, at) = guarded();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut t = std::net::TcpStream::connect(at).unwrap();
+            let junk = [7u8; 1 << 16];
+            while !stop.load(Ordering::Relaxed) && t.write_all(&junk).is_ok() {}
+        })
+    };
+    // Held up, the backend would never return to this test: it fails instead.
+    let done = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            while !done.load(Ordering::Relaxed) {
+                if start.elapsed() > Duration::from_secs(60) {
+                    eprintln!("a stranger's stream held the backend up for 60 s");
+                    std::process::exit(1);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let (mut c, c_to_s, s_to_c) = join(&mut s, at);
+    s.b.trust(s_to_c).unwrap();
+    let data = pattern(100, 2);
+    let src = heap(&mut c, &data);
+    // SAFETY: `src` is not written until the send completes.
+    let sent = unsafe { c.b.send(c_to_s, b"hi", Some((&src, 0..100, Token(1)))) };
+    assert_eq!(sent.unwrap(), Sent::Posted);
+    delivered(&mut c, &mut s, s_to_c, b"hi", &data);
+    done.store(true, Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
+    // The stranger's connection was dropped (its hello was junk), so its writes end.
+    s.pump();
+    flood.join().unwrap();
+    watchdog.join().unwrap();
+}

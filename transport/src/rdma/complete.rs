@@ -66,10 +66,18 @@ impl RdmaBackend {
             },
             false => Some((wc.wr_id >> 32) as u32),
         };
-        if !self.starting.is_empty() && peer.is_some_and(|p| self.starting.contains(&p)) {
+        if let Some(p) = peer.filter(|p| !self.starting.is_empty() && self.starting.contains(p)) {
             // A peer whose queue pair is up but whose "ready" is not yet read: kept for it.
             // SAFETY: a plain C struct of numbers (no pointers, no drop): a bitwise copy.
-            self.early.push(OwnedWc(unsafe { std::ptr::read(wc) }));
+            let w = OwnedWc(unsafe { std::ptr::read(wc) });
+            if !recv {
+                self.early.push(w);
+            } else if self.early.park_recv(p, w) > self.cfg.receives {
+                // More messages than the receives it was given, before its handshake ended:
+                // it broke the protocol, and would take other peers' buffers. Its handshake
+                // ends here; what it parked goes back to the shared queue when next looked at.
+                self.drop_handshake_of(p);
+            }
             return;
         }
         let Some(peer) = peer.filter(|p| self.peers.contains_key(p)) else {

@@ -313,14 +313,33 @@ impl RdmaBackend {
         }
     }
 
+    /// Ends the handshake of starting peer `peer` (it broke the protocol), if it has one.
+    pub(super) fn drop_handshake_of(&mut self, peer: u32) {
+        let t = self
+            .handshakes
+            .iter()
+            .find_map(|(t, h)| h.made.as_ref().is_some_and(|p| p.id == peer).then_some(*t));
+        if let Some(mut h) = t.and_then(|t| self.handshakes.remove(&t)) {
+            let _ = self.poll.registry().deregister(&mut h.sock);
+            if let Some(p) = h.made.take() {
+                self.abandon(*p);
+            }
+        }
+    }
+
     fn advance(&mut self, h: &mut Handshake) -> Result<bool, TransportError> {
-        // Our hello, then the peer's one "ready" byte: no more is ever read here.
-        let mut buf = [0u8; HELLO_LEN + 1];
+        // The peer's hello, then (after ours went) its one "ready" byte: no more is ever read
+        // here, however much it sends (the rest is for the deadline to end).
+        let mut buf = [0u8; HELLO_LEN];
         loop {
-            match h
-                .sock
-                .read(&mut buf[..HELLO_LEN + 1 - h.got.len().min(HELLO_LEN)])
-            {
+            let want = match h.made {
+                None => HELLO_LEN.saturating_sub(h.got.len()),
+                Some(_) => 1usize.saturating_sub(h.got.len()),
+            };
+            if want == 0 {
+                break;
+            }
+            match h.sock.read(&mut buf[..want]) {
                 Ok(0) => return Err(TransportError::Closed),
                 Ok(n) => h.got.extend_from_slice(&buf[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,

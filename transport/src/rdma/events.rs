@@ -41,7 +41,7 @@ impl RdmaBackend {
                         on(Completion::Connected { peer });
                         *n += 1;
                         // What it sent while the handshake ended.
-                        for w in std::mem::take(&mut self.early) {
+                        for w in self.early.take() {
                             self.on_wc(&w.0, on, n);
                         }
                     }

@@ -333,7 +333,7 @@ pub struct RdmaBackend {
     calls: u32,
     last_events: std::time::Instant,
     /// Work completions found by the look after arming, or of peers still starting.
-    early: Vec<ops::OwnedWc>,
+    early: ops::Early,
     /// Where a poll of the completion queue puts what it found.
     wcs: Vec<ffi::ibv_wc>,
     /// Peers whose queue pair is up but whose handshake has not ended.
@@ -453,7 +453,7 @@ impl RdmaBackend {
             dmabuf: (0, 0, None),
             calls: 0,
             last_events: std::time::Instant::now(),
-            early: Vec::new(),
+            early: ops::Early::default(),
             // SAFETY: plain C structs, all zeroes valid.
             wcs: (0..32).map(|_| unsafe { std::mem::zeroed() }).collect(),
             starting: FxHashSet::default(),

@@ -290,7 +290,9 @@ impl Backend for RdmaBackend {
                 token,
             );
         }
-        if len <= self.cfg.eager_put && HEAD + len <= self.cfg.buffer {
+        // A notice with its data fits our send buffer and the peer's receive buffer.
+        let fits = (self.peers.get(&peer.0)).map_or(0, |p| p.their_buffer.min(self.cfg.buffer));
+        if len <= self.cfg.eager_put && HEAD + len <= fits {
             // Small: the data rides in the notice and the receiver copies it into the grant,
             // one message where a write and a notice would be two (fewer packets, one post).
             head.flags = EAGER;
@@ -423,7 +425,7 @@ impl Backend for RdmaBackend {
                 self.sweep_registrations();
             }
         }
-        for w in std::mem::take(&mut self.early) {
+        for w in self.early.take() {
             self.on_wc(&w.0, on, &mut n);
         }
         self.poll_cq(on, &mut n)?;
@@ -467,6 +469,36 @@ fn ready(i: &Inbound) -> bool {
 
 /// A work completion kept aside (found by the look after arming).
 pub(super) struct OwnedWc(pub(super) ffi::ibv_wc);
+
+/// Work completions to look at again: found by the look after arming, or of peers whose
+/// handshake has not ended, with how many receives each such peer has parked since they were
+/// last taken.
+#[derive(Default)]
+pub(super) struct Early {
+    wcs: Vec<OwnedWc>,
+    recvs: rustc_hash::FxHashMap<u32, usize>,
+}
+
+impl Early {
+    pub(super) fn push(&mut self, wc: OwnedWc) {
+        self.wcs.push(wc);
+    }
+
+    /// Parks a receive of starting peer `peer`: how many it has parked now.
+    pub(super) fn park_recv(&mut self, peer: u32, wc: OwnedWc) -> usize {
+        self.wcs.push(wc);
+        let n = self.recvs.entry(peer).or_default();
+        *n += 1;
+        *n
+    }
+
+    /// Everything parked, to be looked at again (and parked again where still early: the
+    /// counts start again with them).
+    pub(super) fn take(&mut self) -> Vec<OwnedWc> {
+        self.recvs.clear();
+        std::mem::take(&mut self.wcs)
+    }
+}
 
 /// The work requests a put of `len` bytes takes, in writes of `step` bytes at most: the
 /// writes, the notice, and one to spare. A put that needs more than the send queue holds

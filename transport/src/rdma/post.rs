@@ -185,6 +185,12 @@ impl RdmaBackend {
             return;
         };
         if !p.unsent.is_empty() || !self.room(p, 1, true, true) {
+            if p.unsent.len() >= super::UNSENT_MAX {
+                // It sends and never gives credits for our answers: this process's memory is
+                // not its queue.
+                let e = TransportError::Refused("its answers left unread beyond any use".into());
+                return self.lose(PeerId(peer), e);
+            }
             if let Some(p) = self.peers.get_mut(&peer) {
                 p.unsent.push_back(head.encode());
             }
