@@ -98,13 +98,14 @@ impl<G: Clone> Calls<G> {
         if let (Some(g), Op::Push | Op::PushPull) = (slot, r.op) {
             self.slots.insert((server, r.key, r.start), g);
         }
-        if st != status::OK && c.first_err.is_none() {
+        if st != status::OK {
             let text = String::from_utf8_lossy(text).into_owned();
             let e = status::to_error(st, c.reqs[i].msg.key, server, text);
+            // (Whichever error of the call came first.)
             if let Some(fatal) = super::rounds::refused_slice(self.sync, &c.reqs, i, server, &e) {
                 return self.fail_all(fatal);
             }
-            c.first_err = Some(e);
+            c.first_err.get_or_insert(e);
         }
         self.finish_if_complete(id);
     }

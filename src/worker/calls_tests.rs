@@ -299,6 +299,50 @@ fn a_slice_of_a_push_refused_by_one_server_makes_a_dist_sync_store_unusable() {
     );
     assert!(calls.take(other).expect("failed too").result.is_err());
     assert!(calls.check().is_err());
+    // The same where an earlier error of the call (another key's) came first.
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    calls.set_sync(true);
+    let mut lone = Msg::new(Op::Push);
+    lone.key = 4;
+    let mut reqs: Requests = [Request {
+        server: 0,
+        msg: lone,
+        data: None,
+        text: Vec::new(),
+        dest: None,
+    }]
+    .into();
+    for server in [0, 1] {
+        let mut msg = Msg::new(Op::Push);
+        (msg.key, msg.start) = (5, server as u64 * 4);
+        reqs.push(Request {
+            server,
+            msg,
+            data: None,
+            text: Vec::new(),
+            dest: None,
+        });
+    }
+    let call = calls.start(Instant::now(), reqs, Outputs::new());
+    let mut ids = Vec::new();
+    while let Some(Action::Send {
+        call: c,
+        req,
+        token,
+    }) = calls.poll_action()
+    {
+        calls.on_sent(c, req, None, token);
+        ids.push(calls.request(c, req).expect("the request").0.msg.req_id);
+    }
+    reply(&mut calls, 0, ids[0], status::UNKNOWN_KEY, b"");
+    assert!(calls.check().is_ok());
+    reply(&mut calls, 1, ids[2], status::FAILED, b"no room");
+    assert!(calls.check().is_err());
+    let err = calls.take(call).expect("failed").result.unwrap_err();
+    assert!(
+        matches!(&err, KvError::Aborted(t) if t.contains("a round apart")),
+        "{err}"
+    );
     // Refused whole (one server), or without rounds: the call fails and the store goes on.
     for (sync, sliced) in [(true, false), (false, true)] {
         let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
