@@ -357,6 +357,7 @@ impl LocalStore {
     ) -> Result<()> {
         let stored = self.stored(k)?;
         crate::rows::check_host(k, stored)?;
+        out.check_in_place()?;
         let rb = row * stored.dtype().size();
         let src = stored.as_bytes();
         let dst = out.as_bytes_mut();
@@ -373,6 +374,7 @@ impl LocalStore {
             let stored = self.stored(k)?;
             for o in outs {
                 check_like(k, stored, o)?;
+                o.check_in_place()?;
             }
         }
         for (k, outs) in pairs.iter_mut() {

@@ -191,6 +191,7 @@ impl OptimizerUpdater {
 
     /// Applies one step to `weight` with gradient `grad`, in place.
     pub fn update(&mut self, key: &Key, grad: &NDArray, weight: &mut NDArray) -> Result<()> {
+        weight.check_in_place()?;
         if grad.shape() != weight.shape() || grad.dtype() != weight.dtype() {
             return Err(KvError::ShapeMismatch {
                 key: key.clone(),

@@ -37,7 +37,8 @@ fn misaligned(ptr: *mut u8, dtype: DType) -> KvError {
 
 impl NDArray {
     /// An array over memory its caller owns, with no copy: pushes read it and pulls write it
-    /// in place. `owner` is dropped with the last clone of the array (or of a copy a failed
+    /// in place (a pull into it while a clone of it lives is refused: the clone's storage
+    /// would be copied on write, and the pull would land in the copy). `owner` is dropped with the last clone of the array (or of a copy a failed
     /// call kept); it keeps the memory valid until then. A peer never writes this memory
     /// directly: what a pull brings is copied into it by this process, which stops once a call
     /// has failed, so after any call returns nothing else writes it. (Over RDMA a pull lands
@@ -65,6 +66,20 @@ impl NDArray {
                 _owner: owner,
             })),
         })
+    }
+
+    /// An error where this array is over lent memory that a clone shares: a write in place
+    /// (a pull into it) would go to a copy of its own, as a clone's storage is copied on
+    /// write, and not to the memory lent.
+    pub(crate) fn check_in_place(&self) -> Result<()> {
+        if matches!(*self.buf, Storage::External(_)) && Arc::strong_count(&self.buf) > 1 {
+            return Err(KvError::Unsupported(
+                "an output over lent memory (NDArray::from_raw_parts) that a clone shares: \
+                 a pull would write a copy of its own, not that memory (drop the clone first)"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Points an array over lent memory (one [`NDArray::from_raw_parts`] made) at other
@@ -192,5 +207,40 @@ mod tests {
         let mut own = NDArray::zeros(&[2]);
         // SAFETY: refused before any use.
         assert!(unsafe { own.repoint(a.as_mut_ptr().cast(), &[2], DType::I64) }.is_err());
+    }
+
+    #[test]
+    fn a_pull_into_lent_memory_a_clone_shares_is_refused_not_written_elsewhere() {
+        // (Before, the pull wrote a copy the clone made, and the lent memory kept its bytes
+        // without a word.)
+        let mut kv = crate::create("local").unwrap();
+        kv.init(3, &NDArray::full_dtype(&[2], 5.0, DType::I64))
+            .unwrap();
+        let mut mem = [0u64; 2];
+        let mut v = lent(&mut mem);
+        let kept = v.clone();
+        assert!(matches!(kv.pull(3, &mut v), Err(KvError::Unsupported(_))));
+        drop(kept);
+        kv.pull(3, &mut v).unwrap();
+        drop(v);
+        assert_eq!(mem, [5, 5]);
+        // An optimizer's update of such a weight, the same.
+        let mut w = [1.0f32; 2];
+        // SAFETY: `w` outlives the array.
+        let mut v = unsafe {
+            NDArray::from_raw_parts(w.as_mut_ptr().cast(), &[2], DType::F32, Box::new(()))
+        }
+        .unwrap();
+        let mut u = crate::OptimizerUpdater::new(crate::Optimizer::sgd(0.5));
+        let (k, g) = (crate::Key::Int(0), NDArray::ones(&[2]));
+        let kept = v.clone();
+        assert!(matches!(
+            u.update(&k, &g, &mut v),
+            Err(KvError::Unsupported(_))
+        ));
+        drop(kept);
+        u.update(&k, &g, &mut v).unwrap();
+        drop(v);
+        assert_eq!(w, [0.5; 2]);
     }
 }
