@@ -59,6 +59,15 @@ pub struct KVStore {
     inner: Inner,
 }
 
+/// An error where an output is over lent memory that a clone shares
+/// ([`NDArray::from_raw_parts`]): the pull would land in a copy, not in that memory.
+fn in_place(pairs: &[(Key, crate::args::List<&mut NDArray>)]) -> Result<()> {
+    pairs
+        .iter()
+        .flat_map(|(_, outs)| outs.iter())
+        .try_for_each(|o| o.check_in_place())
+}
+
 /// Creates a store: `"local"`, `"device"`, `"dist_sync"` or `"dist_async"`.
 ///
 /// For the `dist_*` types the process's role comes from its environment (`DMLC_ROLE` and the
@@ -178,6 +187,7 @@ impl KVStore {
             };
             for o in outs {
                 crate::local::check_like(k, vs[0], o)?;
+                o.check_in_place()?;
             }
         }
         let kind = self.check_keys(pairs.iter().map(|(k, _)| k))?;
@@ -401,6 +411,7 @@ impl KVStore {
     pub fn pull<'a>(&mut self, keys: impl Into<Keys>, outs: impl Into<Outputs<'a>>) -> Result<()> {
         let mut pairs = group_outputs(keys.into(), outs.into())?;
         self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        in_place(&pairs)?;
         match &mut self.inner {
             Inner::Local(s) => s.pull(&mut pairs),
             Inner::Dist(d) => d.pull(&mut pairs),
@@ -418,6 +429,7 @@ impl KVStore {
         let pairs = group_values(keys.clone(), values.into())?;
         let mut out_pairs = group_outputs(keys, outs.into())?;
         self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        in_place(&out_pairs)?;
         match &mut self.inner {
             Inner::Local(s) => {
                 // Validate the pull side before pushing, so a refused call changes nothing.

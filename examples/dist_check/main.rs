@@ -253,7 +253,14 @@ fn inflight(kv: &mut KVStore) {
 fn third_push(kv: &mut KVStore, shape: &[usize]) {
     let w = kv.num_workers() as f64;
     let r = kv.rank() as f64;
-    let sliced = std::env::var("DMLC_NUM_SERVER").is_ok_and(|s| s != "1");
+    // Sliced where there are several servers and its size reaches the bound (the store's
+    // default, 10^6, or the job's).
+    let bound = ["KVSTORE_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(1_000_000);
+    let servers = std::env::var("DMLC_NUM_SERVER").map_or(1, |s| s.parse().unwrap_or(1));
+    let sliced = servers > 1 && shape.iter().product::<usize>() >= bound;
     let job = std::env::var("DMLC_PS_ROOT_PORT").unwrap_or_default();
     let sign = std::env::temp_dir().join(format!("kvstore-third-push-{job}"));
     let g = |step: f64| NDArray::full(shape, step * (r + 1.0));

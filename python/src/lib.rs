@@ -56,15 +56,6 @@ pyo3::create_exception!(
 /// A kvstore error as the Python exception it is: KeyError, ValueError, TypeError, or one of
 /// kvstore's own. An exception that a Python updater raised is raised as itself.
 pub(crate) fn to_py(e: KvError) -> PyErr {
-    if let Some(signal) = store::take_signal() {
-        // A signal (Ctrl-C) that interrupted the call is raised as itself, whatever error the
-        // call ended with, which is its cause where it is another (a peer lost meanwhile).
-        if !matches!(e, KvError::Interrupted(_)) {
-            let cause = to_py(e);
-            Python::attach(|py| signal.set_cause(py, Some(cause)));
-        }
-        return signal;
-    }
     if let KvError::Updater { .. } = e {
         if let Some(raised) = updater::take_raised() {
             return raised;
@@ -85,6 +76,10 @@ pub(crate) fn to_py(e: KvError) -> PyErr {
         KvError::MixedKeyTypes(_) | KvError::WrongElementType { .. } => PyTypeError::new_err(text),
         KvError::PeerLost(_) | KvError::Aborted(_) => PeerLost::new_err(text),
         KvError::Timeout { .. } => Timeout::new_err(text),
+        KvError::Interrupted(_) => match store::take_signal() {
+            Some(signal) => signal,
+            None => KVStoreError::new_err(text),
+        },
         KvError::Io(_) => pyo3::exceptions::PyOSError::new_err(text),
         _ => KVStoreError::new_err(text),
     }

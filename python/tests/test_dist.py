@@ -273,6 +273,30 @@ def test_a_failed_push_is_raised_by_the_next_call(tmp_path):
     assert "a push that no later call waited for failed" in out, out
 
 
+def test_an_updater_error_on_a_sliced_key_leaves_the_store_usable(tmp_path):
+    # Each server's slice fails alike, after its round: the rounds stay in step, and the store
+    # goes on (a push that one server refused before its round while another may have taken
+    # its slice makes the store unusable; this is not one).
+    code, out = run_job(tmp_path, """
+        kv.init(5, np.zeros(300))
+
+        def refuse(key, input, stored):
+            raise ValueError(f"no updates for key {key}")
+
+        kv._set_updater(refuse)
+        try:
+            kv.push([5], [np.ones(300)])   # a list waits for the servers
+            print("no error", flush=True)
+        except kvstore.KVStoreError as e:
+            print(f"push raised {type(e).__name__}", flush=True)
+        o = np.full(300, -1.0)
+        kv.pull(5, out=o)
+        print(f"pulled {o[0]} {o[-1]}", flush=True)
+        """, workers=1, servers=2, env={"KVSTORE_BIGARRAY_BOUND": "100"})
+    assert code == 0, out
+    assert "push raised KVStoreError" in out and "pulled 0.0 0.0" in out, out
+
+
 def test_multipliers_reach_the_servers_by_str_key(tmp_path):
     code, out = run_job(tmp_path, """
         o = kvstore.optimizer.SGD(learning_rate=0.1, wd=0.5,

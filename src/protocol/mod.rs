@@ -134,6 +134,10 @@ pub mod status {
     pub const MISMATCH: u16 = 4;
     /// A peer of the server was lost.
     pub const PEER_LOST: u16 = 5;
+    /// A `dist_sync` push refused before it counted in its key's round (a third push of the
+    /// key in flight, or one the server had no room for): nothing of it was taken. Where the
+    /// key is sliced, another server may have taken its slice.
+    pub const NOT_TAKEN: u16 = 6;
 
     /// The error a server's answer with a non-zero status stands for.
     pub(crate) fn to_error(status: u16, key: u64, server: usize, text: String) -> crate::KvError {

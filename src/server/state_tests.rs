@@ -61,7 +61,7 @@ fn a_second_push_in_a_round_waits_for_the_next_and_a_third_is_refused() {
     s.handle(0, 0, &req(Op::Push, 1, 2, 3), &mut data(10.0, 2));
     s.handle(0, 0, &req(Op::Pull, 1, 2, 4), &mut empty());
     s.handle(0, 0, &req(Op::Push, 1, 2, 5), &mut data(100.0, 2));
-    assert_eq!(replies(&mut s)[1..], [(0, 5, status::FAILED, vec![])]);
+    assert_eq!(replies(&mut s)[1..], [(0, 5, status::NOT_TAKEN, vec![])]);
     // Worker 1's first push completes round 1 (1 + 5); the held push starts round 2.
     s.handle(1, 1, &req(Op::Push, 1, 2, 6), &mut data(5.0, 2));
     assert_eq!(s.stored(1).unwrap().to_vec::<f32>().unwrap(), vec![6.0; 2]);

@@ -41,6 +41,7 @@ impl KVStore {
     pub fn pull_async(&mut self, keys: impl Into<Keys>, outs: Vec<NDArray>) -> Result<Pending> {
         let pairs = group_owned(keys.into(), outs)?;
         self.check_keys(pairs.iter().map(|(k, _)| k))?;
+        pairs.iter().try_for_each(|(_, o)| o.check_in_place())?;
         Ok(Pending(match &mut self.inner {
             Inner::Local(s) => {
                 let mut pairs = pairs;
@@ -84,6 +85,7 @@ impl KVStore {
                 "pushpull_async takes each key once (pushpull takes a key twice)".into(),
             ));
         }
+        outs.iter().try_for_each(NDArray::check_in_place)?;
         Ok(Pending(match &mut self.inner {
             Inner::Local(s) => {
                 for ((k, vs), o) in pairs.iter().zip(&outs) {

@@ -30,6 +30,7 @@ impl KVStore {
     ) -> Result<()> {
         let key = key.into();
         self.check_keys(std::iter::once(&key))?;
+        out.check_in_place()?;
         let (row, runs) = self.row_runs(&key, out, row_ids)?;
         match &mut self.inner {
             Inner::Local(s) => s.row_sparse_pull(&key, out, row, &runs),

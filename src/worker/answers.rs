@@ -92,6 +92,10 @@ impl<G: Clone> Calls<G> {
             return;
         }
         c.per[i].answered = true;
+        if std::mem::take(&mut c.per[i].counted) {
+            let m = &c.reqs[i].msg;
+            super::rounds::uncount(&mut self.sliced_in_flight, m.key, m.start);
+        }
         c.remaining -= 1;
         self.by_req.remove(&c.reqs[i].msg.req_id);
         let r = &c.reqs[i].msg;
@@ -102,7 +106,8 @@ impl<G: Clone> Calls<G> {
             let text = String::from_utf8_lossy(text).into_owned();
             let e = status::to_error(st, c.reqs[i].msg.key, server, text);
             // (Whichever error of the call came first.)
-            if let Some(fatal) = super::rounds::refused_slice(self.sync, &c.reqs, i, server, &e) {
+            let at = (server, st);
+            if let Some(fatal) = super::rounds::refused_slice(self.sync, &c.reqs, i, at, &e) {
                 return self.fail_all(fatal);
             }
             c.first_err.get_or_insert(e);

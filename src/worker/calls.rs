@@ -111,6 +111,8 @@ struct PerReq<G> {
     put: bool,
     /// The server's put filled the destination, and its reply follows.
     filled: bool,
+    /// A push of a sliced key's slice, counted in flight until answered ([`rounds`]).
+    counted: bool,
 }
 
 /// The calls of one worker.
@@ -132,8 +134,8 @@ pub(crate) struct Calls<G> {
     slots: FxHashMap<(usize, u64, u64), G>,
     /// The servers run `dist_sync` rounds ([`rounds`]).
     sync: bool,
-    /// Pushes of sliced keys in flight, by key ([`rounds`]).
-    sliced_in_flight: FxHashMap<u64, u32>,
+    /// Pushes of sliced keys in flight, by key and slice start ([`rounds`]).
+    sliced_in_flight: FxHashMap<(u64, u64), u32>,
 }
 
 impl<G: Clone> Calls<G> {
@@ -195,7 +197,7 @@ impl<G: Clone> Calls<G> {
                     MAX_REQ_ID - 2
                 )))
             }
-            Ok(()) => self.third_push(&reqs),
+            Ok(()) => self.third_push_of(&reqs),
         };
         // (A GPU out of memory for an output of its own refuses the call.)
         let refused = refused.or_else(|| NDArray::prepare_overwrite(&mut outputs).err());
@@ -221,19 +223,20 @@ impl<G: Clone> Calls<G> {
                 token,
             });
         }
-        self.count_sliced(&reqs, true);
         let n = reqs.len();
+        let per = (0..n)
+            .map(|i| PerReq {
+                grant: None,
+                answered: false,
+                put: false,
+                filled: false,
+                counted: self.count_slice(&reqs, i),
+            })
+            .collect();
         let call = Call {
             reqs,
             outputs,
-            per: (0..n)
-                .map(|_| PerReq {
-                    grant: None,
-                    answered: false,
-                    put: false,
-                    filled: false,
-                })
-                .collect(),
+            per,
             remaining: n,
             sending: 0,
             deadline: now + self.timeout,
@@ -445,7 +448,11 @@ impl<G: Clone> Calls<G> {
         for r in &c.reqs {
             self.by_req.remove(&r.msg.req_id);
         }
-        self.count_sliced(&c.reqs, false);
+        for (r, p) in c.reqs.iter().zip(&c.per) {
+            if p.counted && !p.answered {
+                rounds::uncount(&mut self.sliced_in_flight, r.msg.key, r.msg.start);
+            }
+        }
         self.done.insert(
             id,
             Finished {

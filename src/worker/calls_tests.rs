@@ -209,13 +209,11 @@ fn a_call_refused_for_a_gpu_out_of_memory_leaves_every_output_as_it_was() {
     assert_eq!(f.outputs[0].to_f64_vec(), vec![5.0; 4]);
 }
 
-/// Starts a push of key 5 sliced over servers 0 and 1 (`sliced`) or held by server 0 alone,
-/// each request sent; the call and its request ids.
-fn push_of_5(calls: &mut Calls<u64>, sliced: bool) -> (CallId, Vec<u64>) {
+/// Pushes of `key` to each of `servers` (its slices where they are several).
+fn pushes(key: u64, servers: &[usize]) -> Requests {
     let req = |server: usize| {
         let mut msg = Msg::new(Op::Push);
-        msg.key = 5;
-        msg.start = server as u64 * 4;
+        (msg.key, msg.start) = (key, server as u64 * 4);
         Request {
             server,
             msg,
@@ -224,8 +222,11 @@ fn push_of_5(calls: &mut Calls<u64>, sliced: bool) -> (CallId, Vec<u64>) {
             dest: None,
         }
     };
-    let servers: &[usize] = if sliced { &[0, 1] } else { &[0] };
-    let reqs = servers.iter().map(|&s| req(s)).collect();
+    servers.iter().map(|&s| req(s)).collect()
+}
+
+/// Starts a call of `reqs`, each request sent; the call and its request ids.
+fn start_sent(calls: &mut Calls<u64>, reqs: Requests) -> (CallId, Vec<u64>) {
     let call = calls.start(Instant::now(), reqs, Outputs::new());
     let mut ids = Vec::new();
     while let Some(Action::Send {
@@ -238,6 +239,12 @@ fn push_of_5(calls: &mut Calls<u64>, sliced: bool) -> (CallId, Vec<u64>) {
         ids.push(calls.request(c, req).expect("the request").0.msg.req_id);
     }
     (call, ids)
+}
+
+/// Starts a push of key 5 sliced over servers 0 and 1 (`sliced`) or held by server 0 alone.
+fn push_of_5(calls: &mut Calls<u64>, sliced: bool) -> (CallId, Vec<u64>) {
+    let servers: &[usize] = if sliced { &[0, 1] } else { &[0] };
+    start_sent(calls, pushes(5, servers))
 }
 
 fn reply(calls: &mut Calls<u64>, server: usize, req_id: u64, st: u16, text: &[u8]) {
@@ -273,6 +280,21 @@ fn a_third_push_of_a_sliced_key_in_flight_is_refused_before_it_is_sent_in_dist_s
     }
     assert!(calls.take(first).expect("answered").result.is_ok());
     assert_eq!(push_of_5(&mut calls, true).1.len(), 2);
+    // Counted by slice and answer, not by call: a call's other key still in flight (key 4,
+    // its round waiting) does not keep key 5's answered slices counted.
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    calls.set_sync(true);
+    let mut answered = Vec::new();
+    for _ in 0..2 {
+        let mut reqs = pushes(5, &[0, 1]);
+        reqs.extend(pushes(4, &[0]));
+        let (_, ids) = start_sent(&mut calls, reqs);
+        answered.extend([(0, ids[0]), (1, ids[1])]);
+    }
+    for (server, id) in answered {
+        reply(&mut calls, server, id, status::OK, b"");
+    }
+    assert_eq!(push_of_5(&mut calls, true).1.len(), 2);
     // A key on one server, or a store without rounds, is left to the servers.
     for (sync, sliced) in [(true, false), (false, true)] {
         let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
@@ -291,7 +313,7 @@ fn a_slice_of_a_push_refused_by_one_server_makes_a_dist_sync_store_unusable() {
     calls.set_sync(true);
     let (call, ids) = push_of_5(&mut calls, true);
     let (other, _) = push_of_5(&mut calls, true);
-    reply(&mut calls, 1, ids[1], status::FAILED, b"no room");
+    reply(&mut calls, 1, ids[1], status::NOT_TAKEN, b"no room");
     let err = calls.take(call).expect("failed").result.unwrap_err();
     assert!(
         matches!(&err, KvError::Aborted(t) if t.contains("a round apart") && t.contains("no room")),
@@ -302,53 +324,29 @@ fn a_slice_of_a_push_refused_by_one_server_makes_a_dist_sync_store_unusable() {
     // The same where an earlier error of the call (another key's) came first.
     let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
     calls.set_sync(true);
-    let mut lone = Msg::new(Op::Push);
-    lone.key = 4;
-    let mut reqs: Requests = [Request {
-        server: 0,
-        msg: lone,
-        data: None,
-        text: Vec::new(),
-        dest: None,
-    }]
-    .into();
-    for server in [0, 1] {
-        let mut msg = Msg::new(Op::Push);
-        (msg.key, msg.start) = (5, server as u64 * 4);
-        reqs.push(Request {
-            server,
-            msg,
-            data: None,
-            text: Vec::new(),
-            dest: None,
-        });
-    }
-    let call = calls.start(Instant::now(), reqs, Outputs::new());
-    let mut ids = Vec::new();
-    while let Some(Action::Send {
-        call: c,
-        req,
-        token,
-    }) = calls.poll_action()
-    {
-        calls.on_sent(c, req, None, token);
-        ids.push(calls.request(c, req).expect("the request").0.msg.req_id);
-    }
+    let mut reqs = pushes(4, &[0]);
+    reqs.extend(pushes(5, &[0, 1]));
+    let (call, ids) = start_sent(&mut calls, reqs);
     reply(&mut calls, 0, ids[0], status::UNKNOWN_KEY, b"");
     assert!(calls.check().is_ok());
-    reply(&mut calls, 1, ids[2], status::FAILED, b"no room");
+    reply(&mut calls, 1, ids[2], status::NOT_TAKEN, b"no room");
     assert!(calls.check().is_err());
     let err = calls.take(call).expect("failed").result.unwrap_err();
     assert!(
         matches!(&err, KvError::Aborted(t) if t.contains("a round apart")),
         "{err}"
     );
-    // Refused whole (one server), or without rounds: the call fails and the store goes on.
-    for (sync, sliced) in [(true, false), (false, true)] {
+    // Refused whole (one server), without rounds, or failed after its round (an updater's
+    // error, every server's alike): the call fails and the store goes on.
+    for (sync, sliced, st) in [
+        (true, false, status::NOT_TAKEN),
+        (false, true, status::NOT_TAKEN),
+        (true, true, status::FAILED),
+    ] {
         let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
         calls.set_sync(sync);
         let (call, ids) = push_of_5(&mut calls, sliced);
-        reply(&mut calls, 0, ids[0], status::FAILED, b"no room");
+        reply(&mut calls, 0, ids[0], st, b"no room");
         for (server, id) in ids.into_iter().enumerate().skip(1) {
             reply(&mut calls, server, id, status::OK, b"");
         }

@@ -254,6 +254,18 @@ impl DistWorker {
             .filter(|_| matches!(op, Op::Push | Op::PushPull))
         {
             let keys: Vec<&Key> = pairs.iter().map(|(k, _)| k).collect();
+            // A push the call machine would refuse is refused before it is packed: packing
+            // moves the key's residual, which a refused push must leave as it was.
+            for k in &keys {
+                let info = &self.keys[*k];
+                let starts = info.parts.iter().map(|p| p.start);
+                if let Some(e) = (info.parts.len() > 1)
+                    .then(|| self.net.calls.third_push(info.id, starts))
+                    .flatten()
+                {
+                    return Err(e);
+                }
+            }
             return self.packed_requests(c, op, &keys, values.into_vec(), dest);
         }
         let items = pairs

@@ -70,10 +70,14 @@ impl KVStore {
             out.ok_or_else(|| PyValueError::new_err("pull needs out= (the arrays to fill)"))?;
         if !is_list(key) && !is_list(out) {
             // The key's push in flight is over once the pull is (the servers answer it first);
-            // where both failed, the push's error comes first (the pull's follows from it).
+            // where both failed, the push's error comes first (the pull's follows from it),
+            // but for an interruption of the pull, which is raised as itself (Ctrl-C).
             let pull = |kv: &mut kvstore::KVStore, p: &mut Pushes, k: &Key, o: &mut NDArray| {
                 let pulled = kv.with_priority(priority).pull(k, o);
-                p.settle(kv, k).and(pulled)
+                match (p.settle(kv, k), pulled) {
+                    (_, Err(e @ kvstore::KvError::Interrupted(_))) => Err(e),
+                    (settled, pulled) => settled.and(pulled),
+                }
             };
             if let Some(r) = self.one_array(py, key, out, true, pull) {
                 return r;

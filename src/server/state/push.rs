@@ -69,7 +69,7 @@ impl ServerState {
                     "worker {worker} pushed key {key} a third time before its round completed: \
                      wait for the first"
                 );
-                return self.err(peer, m, status::FAILED, text);
+                return self.err(peer, m, status::NOT_TAKEN, text);
             }
             return match payload.take(&mut self.alloc) {
                 Ok(value) => slot.next.push(Deferred {
@@ -77,7 +77,7 @@ impl ServerState {
                     held: Held { peer, req: *m },
                     value,
                 }),
-                Err(e) => self.err(peer, m, status::FAILED, e.to_string()),
+                Err(e) => self.err(peer, m, status::NOT_TAKEN, e.to_string()),
             };
         }
         slot.pushed[worker] = true;
@@ -157,7 +157,7 @@ impl ServerState {
         if let Err(e) = res {
             slot.pushed[worker] = false;
             slot.count -= 1;
-            return self.err(peer, m, status::FAILED, e.to_string());
+            return self.err(peer, m, status::NOT_TAKEN, e.to_string());
         }
         slot.held.push(Held { peer, req: *m });
         let complete = slot.count == self.num_workers;
