@@ -246,13 +246,16 @@ def test_row_sparse_pull_moves_the_rows_of_a_value_cut_over_the_servers(tmp_path
     assert "worker 0 rows ok" in out and "worker 1 rows ok" in out, out
 
 
+# An updater that refuses every update.
+REFUSE = """
+def refuse(key, input, stored):
+    raise ValueError(f"no updates for key {key}")
+"""
+
+
 def test_a_failed_push_is_raised_by_the_next_call(tmp_path):
-    code, out = run_job(tmp_path, """
+    code, out = run_job(tmp_path, REFUSE + textwrap.dedent("""
         kv.init(5, np.zeros(4))
-
-        def refuse(key, input, stored):
-            raise ValueError(f"no updates for key {key}")
-
         kv._set_updater(refuse)
         kv.push(5, np.ones(4))        # returns before the server's updater runs
         print("push returned", flush=True)
@@ -263,7 +266,7 @@ def test_a_failed_push_is_raised_by_the_next_call(tmp_path):
         except kvstore.KVStoreError as e:
             print(f"pull raised: {e}", flush=True)
         kv.push(5, np.ones(4))        # not waited for by any call: said when the store goes
-        """, workers=1, servers=1)
+        """), workers=1, servers=1)
     assert "push returned" in out, out
     raised = out.split("pull raised: ")[1] if "pull raised: " in out else ""
     assert "no updates for key 5" in raised, out
@@ -277,12 +280,8 @@ def test_an_updater_error_on_a_sliced_key_leaves_the_store_usable(tmp_path):
     # Each server's slice fails alike, after its round: the rounds stay in step, and the store
     # goes on (a push that one server refused before its round while another may have taken
     # its slice makes the store unusable; this is not one).
-    code, out = run_job(tmp_path, """
+    code, out = run_job(tmp_path, REFUSE + textwrap.dedent("""
         kv.init(5, np.zeros(300))
-
-        def refuse(key, input, stored):
-            raise ValueError(f"no updates for key {key}")
-
         kv._set_updater(refuse)
         try:
             kv.push([5], [np.ones(300)])   # a list waits for the servers
@@ -292,7 +291,7 @@ def test_an_updater_error_on_a_sliced_key_leaves_the_store_usable(tmp_path):
         o = np.full(300, -1.0)
         kv.pull(5, out=o)
         print(f"pulled {o[0]} {o[-1]}", flush=True)
-        """, workers=1, servers=2, env={"KVSTORE_BIGARRAY_BOUND": "100"})
+        """), workers=1, servers=2, env={"KVSTORE_BIGARRAY_BOUND": "100"})
     assert code == 0, out
     assert "push raised KVStoreError" in out and "pulled 0.0 0.0" in out, out
 
