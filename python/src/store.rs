@@ -37,11 +37,18 @@ pub(crate) fn watch_forks() {
     unsafe { libc::pthread_atfork(None, None, Some(forked)) };
 }
 
-/// The signal (KeyboardInterrupt) that interrupted a distributed call, raised by that call.
-static SIGNAL: Mutex<Option<PyErr>> = Mutex::new(None);
+/// The signal (KeyboardInterrupt) that interrupted a distributed call, with the thread whose
+/// wait caught it (the main thread: only it runs signal handlers), raised by that call.
+static SIGNAL: Mutex<Option<(std::thread::ThreadId, PyErr)>> = Mutex::new(None);
 
+/// The signal this thread's wait caught, if any: another thread's call, failed by the same
+/// interruption, does not take it.
 pub(crate) fn take_signal() -> Option<PyErr> {
-    SIGNAL.lock().ok().and_then(|mut s| s.take())
+    let mut s = SIGNAL.lock().ok()?;
+    let mine = s
+        .as_ref()
+        .is_some_and(|(t, _)| *t == std::thread::current().id());
+    mine.then(|| s.take().map(|(_, e)| e)).flatten()
 }
 
 /// The store, and the shells its one-array calls lend numpy arrays through (a value's, an

@@ -136,7 +136,9 @@ pub mod status {
     pub const PEER_LOST: u16 = 5;
     /// A `dist_sync` push refused before it counted in its key's round (a third push of the
     /// key in flight, or one the server had no room for): nothing of it was taken. Where the
-    /// key is sliced, another server may have taken its slice.
+    /// key is sliced, another server may have taken its slice. (Other refusals before a push
+    /// counts keep their codes: a malformed or mismatched request, or a value lost, which
+    /// every server refuses alike or whose pulls fail from then on.)
     pub const NOT_TAKEN: u16 = 6;
 
     /// The error a server's answer with a non-zero status stands for.
@@ -439,7 +441,7 @@ mod tests {
         let mut st = 0x9e37_79b9_7f4a_7c15u64;
         for _ in 0..20_000 {
             let mut m = Msg::new(Op::from_u16((rng(&mut st) % 16 + 1) as u16).unwrap());
-            m.status = (rng(&mut st) % 6) as u16;
+            m.status = (rng(&mut st) % 7) as u16;
             m.dtype = DType::ALL[(rng(&mut st) % 7) as usize];
             m.ndim = (rng(&mut st) % 8) as u8;
             m.flags = (rng(&mut st) % 4) as u16;

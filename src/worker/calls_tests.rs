@@ -321,6 +321,18 @@ fn a_slice_of_a_push_refused_by_one_server_makes_a_dist_sync_store_unusable() {
     );
     assert!(calls.take(other).expect("failed too").result.is_err());
     assert!(calls.check().is_err());
+    // The same where one server failed its slice's round for a worker gone, which another
+    // may complete with that worker's push.
+    let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
+    calls.set_sync(true);
+    let (call, ids) = push_of_5(&mut calls, true);
+    reply(&mut calls, 0, ids[0], status::PEER_LOST, b"worker 1 left");
+    assert!(calls.check().is_err());
+    let err = calls.take(call).expect("failed").result.unwrap_err();
+    assert!(
+        matches!(&err, KvError::Aborted(t) if t.contains("a round apart")),
+        "{err}"
+    );
     // The same where an earlier error of the call (another key's) came first.
     let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
     calls.set_sync(true);

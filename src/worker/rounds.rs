@@ -96,8 +96,10 @@ impl<G> Calls<G> {
 
 /// Request `i` of a call (`reqs`) was answered by `server` with `st` (`why`): the error that
 /// makes the store unusable where a server refused a slice of a sliced push before taking it
-/// into its round ([`status::NOT_TAKEN`], `dist_sync`), since the others may have taken theirs.
-/// Any other error of a slice (an updater's, after the round) leaves the rounds in step.
+/// into its round ([`status::NOT_TAKEN`], `dist_sync`), or failed its round for a worker gone
+/// ([`status::PEER_LOST`]: a round another server may complete with the gone worker's push),
+/// since the others may have taken theirs. Any other error of a slice (an updater's, after
+/// the round) leaves the rounds in step.
 pub(super) fn refused_slice(
     sync: bool,
     reqs: &Requests,
@@ -105,7 +107,8 @@ pub(super) fn refused_slice(
     (server, st): (usize, u16),
     why: &KvError,
 ) -> Option<KvError> {
-    (sync && st == status::NOT_TAKEN && sliced_push(reqs, i)).then(|| {
+    let apart = matches!(st, status::NOT_TAKEN | status::PEER_LOST);
+    (sync && apart && sliced_push(reqs, i)).then(|| {
         KvError::Aborted(format!(
             "server {server} refused its slice of a push of key {} ({why}), which the other \
              servers may have taken into their rounds: the key's slices may be a round apart, \

@@ -97,7 +97,8 @@ impl KVStore {
                     Ok(()) => false,
                     Err(e) => {
                         // What it replaces is let go of after the lock, as in `replace_runs`.
-                        let old = SIGNAL.lock().ok().and_then(|mut s| s.replace(e));
+                        let caught = (std::thread::current().id(), e);
+                        let old = SIGNAL.lock().ok().and_then(|mut s| s.replace(caught));
                         drop(old);
                         true
                     }
