@@ -247,6 +247,16 @@ fn push_of_5(calls: &mut Calls<u64>, sliced: bool) -> (CallId, Vec<u64>) {
     start_sent(calls, pushes(5, servers))
 }
 
+/// `call` failed, and the store with it, for a key whose slices may be a round apart.
+fn assert_apart(calls: &mut Calls<u64>, call: CallId) {
+    assert!(calls.check().is_err());
+    let err = calls.take(call).expect("failed").result.unwrap_err();
+    assert!(
+        matches!(&err, KvError::Aborted(t) if t.contains("a round apart")),
+        "{err}"
+    );
+}
+
 fn reply(calls: &mut Calls<u64>, server: usize, req_id: u64, st: u16, text: &[u8]) {
     let mut m = Msg::new(Op::Reply);
     m.req_id = req_id;
@@ -327,12 +337,7 @@ fn a_slice_of_a_push_refused_by_one_server_makes_a_dist_sync_store_unusable() {
     calls.set_sync(true);
     let (call, ids) = push_of_5(&mut calls, true);
     reply(&mut calls, 0, ids[0], status::PEER_LOST, b"worker 1 left");
-    assert!(calls.check().is_err());
-    let err = calls.take(call).expect("failed").result.unwrap_err();
-    assert!(
-        matches!(&err, KvError::Aborted(t) if t.contains("a round apart")),
-        "{err}"
-    );
+    assert_apart(&mut calls, call);
     // The same where an earlier error of the call (another key's) came first.
     let mut calls = Calls::<u64>::new(0, Duration::from_secs(5));
     calls.set_sync(true);
@@ -342,12 +347,7 @@ fn a_slice_of_a_push_refused_by_one_server_makes_a_dist_sync_store_unusable() {
     reply(&mut calls, 0, ids[0], status::UNKNOWN_KEY, b"");
     assert!(calls.check().is_ok());
     reply(&mut calls, 1, ids[2], status::NOT_TAKEN, b"no room");
-    assert!(calls.check().is_err());
-    let err = calls.take(call).expect("failed").result.unwrap_err();
-    assert!(
-        matches!(&err, KvError::Aborted(t) if t.contains("a round apart")),
-        "{err}"
-    );
+    assert_apart(&mut calls, call);
     // Refused whole (one server), without rounds, or failed after its round (an updater's
     // error, every server's alike): the call fails and the store goes on.
     for (sync, sliced, st) in [
