@@ -70,7 +70,8 @@ impl NDArray {
 
     /// An error where this array is over lent memory that a clone shares: a write in place
     /// (a pull into it) would go to a copy of its own, as a clone's storage is copied on
-    /// write, and not to the memory lent.
+    /// write, and not to the memory lent. Asked once per call, where the store's calls take
+    /// their outputs ([`crate::KVStore`]), and by an optimizer's update.
     pub(crate) fn check_in_place(&self) -> Result<()> {
         if matches!(*self.buf, Storage::External(_)) && Arc::strong_count(&self.buf) > 1 {
             return Err(KvError::Unsupported(
